@@ -1,0 +1,1 @@
+"""Pure domain: models, workflow definitions, transition rules. No I/O, no clock, no SQL."""

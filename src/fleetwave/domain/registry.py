@@ -1,0 +1,80 @@
+"""Where workflows and Python state actions are found by name.
+
+Built-in workflows are always registered. Python workflows register themselves
+with :func:`register_workflow` when their module is imported (modules listed in
+``FLEETWAVE_PLUGINS``, comma separated, are imported by the CLI). YAML workflows
+are stored in the database and added by the store layer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from typing import TypeVar
+
+from fleetwave.domain.builtin import builtin_workflows
+from fleetwave.domain.workflow import StateAction, WorkflowDef, WorkflowError
+
+A = TypeVar("A", bound=type[StateAction])
+
+_workflows: dict[str, WorkflowDef] = {}
+_actions: dict[str, type[StateAction]] = {}
+
+
+def register_workflow(wf: WorkflowDef, *, replace: bool = False) -> WorkflowDef:
+    if wf.name in _workflows and not replace and _workflows[wf.name] is not wf:
+        raise WorkflowError(f"workflow {wf.name}: name: already registered")
+    _workflows[wf.name] = wf
+    return wf
+
+
+def register_action(name: str) -> Callable[[A], A]:
+    """Class decorator: make a :class:`StateAction` usable from YAML as ``action: python:NAME``."""
+
+    def deco(cls: A) -> A:
+        _actions[name] = cls
+        return cls
+
+    return deco
+
+
+def action_class(name: str) -> type[StateAction]:
+    if name in _actions:
+        return _actions[name]
+    if ":" in name:  # module.path:ClassName
+        mod_name, _, cls_name = name.partition(":")
+        try:
+            obj = getattr(importlib.import_module(mod_name), cls_name)
+        except (ImportError, AttributeError) as exc:
+            raise WorkflowError(f"action python:{name}: cannot import it ({exc})") from exc
+        if not (isinstance(obj, type) and issubclass(obj, StateAction)):
+            raise WorkflowError(f"action python:{name}: is not a StateAction subclass")
+        return obj
+    raise WorkflowError(f"action python:{name}: no action registered under that name")
+
+
+def get_workflow(name: str) -> WorkflowDef | None:
+    _ensure_loaded()
+    return _workflows.get(name)
+
+
+def all_workflows() -> list[WorkflowDef]:
+    _ensure_loaded()
+    return sorted(_workflows.values(), key=lambda w: w.name)
+
+
+_loaded = False
+
+
+def _ensure_loaded() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for wf in builtin_workflows():
+        _workflows.setdefault(wf.name, wf)
+    for mod in filter(
+        None, (m.strip() for m in os.environ.get("FLEETWAVE_PLUGINS", "").split(","))
+    ):
+        importlib.import_module(mod)

@@ -1,0 +1,234 @@
+"""Workflow definitions and the vocabulary an action speaks.
+
+A workflow is an ordered list of states. Each state has an action that talks to
+the target through its driver and returns an :class:`Outcome`:
+
+* :class:`Advance` to the next state in order (or to a named later state: a branch),
+* :class:`Skip` to finish the step as complete, with a reason,
+* or raises :class:`StepFailed` (fails the step) or :class:`TransientError`
+  (retried under the state's retry policy, then fails).
+
+Anything else an action raises fails the step with ``"<state>: <message>"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal, Protocol
+
+from fleetwave.domain.models import RESERVED_STATE_NAMES, Target
+
+
+class StepFailed(Exception):
+    """The action failed for good: the step ends ``failed`` with this message."""
+
+
+class TransientError(Exception):
+    """The action failed in a way worth retrying (target busy, connection reset)."""
+
+
+class NoRecoverHook(Exception):
+    """The state has no ``recover`` hook: a step lost mid-state cannot be resumed."""
+
+
+class WorkflowError(ValueError):
+    """A workflow definition is invalid; the message names the state and field."""
+
+
+@dataclass(frozen=True)
+class Advance:
+    """Move on: to ``to`` if given (a later state of the workflow), else the next state."""
+
+    to: str | None = None
+    details: str = ""
+
+
+@dataclass(frozen=True)
+class Skip:
+    """The step is done without the remaining states (for example: already patched)."""
+
+    reason: str
+
+
+Outcome = Advance | Skip
+
+
+class RemoteResult(StrEnum):
+    """What a driver reports about one operation on one target."""
+
+    DONE = "done"
+    ALREADY_DONE = "already-done"
+    IN_PROGRESS = "in-progress"
+    NOT_STARTED = "not-started"
+
+
+class TargetDriver(Protocol):
+    """The seam between actions and the outside world (see ``fleetwave.drivers``)."""
+
+    name: str
+
+    async def perform(self, target: Target, operation: str, ctx: ActionContext) -> RemoteResult:
+        """Run ``operation`` on the target until it finishes; raise on failure."""
+        ...
+
+    async def observe(self, target: Target, operation: str, ctx: ActionContext) -> RemoteResult:
+        """Report how far ``operation`` got on the target, without changing anything."""
+        ...
+
+
+@dataclass
+class ActionContext:
+    """Everything an action may use. Actions never see the store or the dispatcher."""
+
+    target: Target
+    state: str
+    attempt: int
+    strategy_id: int
+    step_id: int
+    driver: TargetDriver
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+class StateAction:
+    """One state's behaviour. Subclass and override :meth:`run` (and :meth:`recover`)."""
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        raise NotImplementedError
+
+    async def recover(self, ctx: ActionContext) -> Outcome:
+        """Called instead of re-entering the state after the conductor that ran it was lost.
+
+        Observe the target and decide: :class:`Advance`, :class:`Skip`, or raise
+        :class:`StepFailed`. The default has no hook: the step fails.
+        """
+        raise NoRecoverHook(ctx.state)
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+class DriverOperation(StateAction):
+    """Run the driver operation named like the state; the built-in workflows use this.
+
+    ``skip_when_done``: a target that reports the operation already done finishes
+    the step with :class:`Skip` (a pre-check on an up-to-date target).
+    """
+
+    def __init__(self, operation: str, *, skip_when_done: bool = False) -> None:
+        self.operation = operation
+        self.skip_when_done = skip_when_done
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        result = await ctx.driver.perform(ctx.target, self.operation, ctx)
+        return self._outcome(result, ctx)
+
+    async def recover(self, ctx: ActionContext) -> Outcome:
+        result = await ctx.driver.observe(ctx.target, self.operation, ctx)
+        if result is RemoteResult.NOT_STARTED:
+            raise StepFailed(f"conductor lost during {ctx.state}: target never started it")
+        if result is RemoteResult.IN_PROGRESS:
+            # The target is still working on it: wait for it to finish, don't start it again.
+            result = await ctx.driver.perform(ctx.target, self.operation, ctx)
+        return self._outcome(result, ctx)
+
+    def _outcome(self, result: RemoteResult, ctx: ActionContext) -> Outcome:
+        if result is RemoteResult.ALREADY_DONE and self.skip_when_done:
+            return Skip(f"{ctx.target.name}: {self.operation} reports already done")
+        if result in (RemoteResult.DONE, RemoteResult.ALREADY_DONE):
+            return Advance()
+        raise StepFailed(f"{self.operation}: target reported {result.value}")
+
+    def describe(self) -> str:
+        suffix = " (skip when done)" if self.skip_when_done else ""
+        return f"driver:{self.operation}{suffix}"
+
+
+WaitMode = Literal["run", "wait-for-callback", "poll"]
+
+
+@dataclass(frozen=True)
+class StateDef:
+    name: str
+    action: StateAction
+    timeout_s: float = 600.0
+    attempts_max: int = 1
+    backoff_s: float = 1.0
+    backoff_max_s: float = 300.0
+    mode: WaitMode = "run"
+
+    def backoff_for(self, failed_attempt: int) -> float:
+        """Delay before the attempt after ``failed_attempt`` (1-based): exponential, capped."""
+        return float(min(self.backoff_max_s, self.backoff_s * (2 ** (failed_attempt - 1))))
+
+
+@dataclass(frozen=True)
+class WorkflowDef:
+    name: str
+    states: tuple[StateDef, ...]
+    version: int = 1
+    description: str = ""
+    source: str = "builtin"
+
+    def __post_init__(self) -> None:
+        validate_workflow(self)
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.states)
+
+    @property
+    def first_state(self) -> str:
+        return self.states[0].name
+
+    def state(self, name: str) -> StateDef:
+        for s in self.states:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def with_timeouts(self, timeouts_s: dict[str, float]) -> WorkflowDef:
+        """A copy with per-state timeouts overridden (strategy options)."""
+        if not timeouts_s:
+            return self
+        unknown = set(timeouts_s) - set(self.state_names)
+        if unknown:
+            raise WorkflowError(
+                f"workflow {self.name}: timeout given for unknown state(s) {sorted(unknown)}"
+            )
+        states = tuple(
+            StateDef(
+                name=s.name,
+                action=s.action,
+                timeout_s=timeouts_s.get(s.name, s.timeout_s),
+                attempts_max=s.attempts_max,
+                backoff_s=s.backoff_s,
+                backoff_max_s=s.backoff_max_s,
+                mode=s.mode,
+            )
+            for s in self.states
+        )
+        return WorkflowDef(self.name, states, self.version, self.description, self.source)
+
+
+def validate_workflow(wf: WorkflowDef) -> None:
+    if not wf.name:
+        raise WorkflowError("workflow: name: must not be empty")
+    if not wf.states:
+        raise WorkflowError(f"workflow {wf.name}: states: at least one state is required")
+    seen: set[str] = set()
+    for i, s in enumerate(wf.states):
+        where = f"workflow {wf.name}: states[{i}] ({s.name or '?'})"
+        if not s.name:
+            raise WorkflowError(f"{where}: name: must not be empty")
+        if s.name in RESERVED_STATE_NAMES:
+            raise WorkflowError(f"{where}: name: '{s.name}' is reserved for the engine")
+        if s.name in seen:
+            raise WorkflowError(f"{where}: name: duplicate state name")
+        seen.add(s.name)
+        if not s.timeout_s > 0:
+            raise WorkflowError(f"{where}: timeout_s: must be a positive number of seconds")
+        if s.attempts_max < 1:
+            raise WorkflowError(f"{where}: attempts: must be at least 1")
+        if s.backoff_s < 0 or s.backoff_max_s < 0:
+            raise WorkflowError(f"{where}: backoff_s: must not be negative")

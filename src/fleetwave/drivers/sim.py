@@ -1,0 +1,176 @@
+"""The simulated fleet: a driver whose targets behave as their settings say.
+
+Deterministic for a given seed: every random draw comes from a generator seeded
+with (seed, target, operation, attempt), so a run replays exactly.
+
+Per-target settings (``fleetwave target add NAME --set key=value``):
+
+===================  =========================================================
+``latency_ms``       time an operation takes (default 0): the mean for lognormal
+``latency``          ``fixed`` (default), ``uniform`` (0 .. 2 x latency_ms) or
+                     ``lognormal`` (median latency_ms, ``latency_sigma`` 0.5)
+``failure_rate``     chance an operation fails for good (0..1)
+``flaky_rate``       chance an operation fails transiently (retried by policy)
+``hang_rate``        chance an operation never returns (exercises timeouts)
+``fail_at``          a state name: the operation of that state always fails
+``already_done``     ``true``: the target reports it is already done (pre-check skips)
+``remote_state``     a state the target reports at ``unexpected_at`` (default: the
+                     first operation) that no workflow knows: a clear failure
+===================  =========================================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from typing import Any
+
+from fleetwave.domain.models import Target
+from fleetwave.domain.workflow import ActionContext, RemoteResult, StepFailed, TransientError
+
+SETTINGS = (
+    "latency_ms",
+    "latency",
+    "latency_sigma",
+    "failure_rate",
+    "flaky_rate",
+    "hang_rate",
+    "fail_at",
+    "already_done",
+    "remote_state",
+    "unexpected_at",
+)
+
+
+class SimSettingError(ValueError):
+    pass
+
+
+def _float(settings: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    raw = settings.get(key, default)
+    try:
+        val = float(raw)
+    except (TypeError, ValueError):
+        raise SimSettingError(f"sim setting {key}: '{raw}' is not a number") from None
+    if not lo <= val <= hi or math.isnan(val):
+        raise SimSettingError(f"sim setting {key}: {val} is outside {lo}..{hi}")
+    return val
+
+
+def _bool(raw: Any) -> bool:
+    return str(raw).strip().lower() in {"1", "true", "yes", "on"}
+
+
+def validate_settings(settings: dict[str, Any]) -> None:
+    unknown = set(settings) - set(SETTINGS)
+    if unknown:
+        raise SimSettingError(
+            f"sim setting {sorted(unknown)[0]}: unknown (known: {', '.join(SETTINGS)})"
+        )
+    _float(settings, "latency_ms", 0, 0, 86_400_000)
+    _float(settings, "latency_sigma", 0.5, 0, 5)
+    for key in ("failure_rate", "flaky_rate", "hang_rate"):
+        _float(settings, key, 0, 0, 1)
+    if str(settings.get("latency", "fixed")) not in {"fixed", "uniform", "lognormal"}:
+        raise SimSettingError(
+            f"sim setting latency: '{settings['latency']}' is not fixed, uniform or lognormal"
+        )
+
+
+class _Profile:
+    """A target's settings, parsed once."""
+
+    __slots__ = (
+        "already_done",
+        "fail_at",
+        "failure",
+        "flaky",
+        "hang",
+        "kind",
+        "latency_s",
+        "plain",
+        "remote_state",
+        "sigma",
+        "unexpected_at",
+    )
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        validate_settings(settings)
+        self.latency_s = _float(settings, "latency_ms", 0, 0, 86_400_000) / 1000.0
+        self.kind = str(settings.get("latency", "fixed"))
+        self.sigma = _float(settings, "latency_sigma", 0.5, 0, 5)
+        self.failure = _float(settings, "failure_rate", 0, 0, 1)
+        self.flaky = _float(settings, "flaky_rate", 0, 0, 1)
+        self.hang = _float(settings, "hang_rate", 0, 0, 1)
+        self.fail_at = settings.get("fail_at")
+        self.already_done = _bool(settings.get("already_done", False))
+        self.remote_state = settings.get("remote_state")
+        self.unexpected_at = settings.get("unexpected_at")
+        self.plain = (
+            self.failure == 0 and self.flaky == 0 and self.hang == 0 and self.kind == "fixed"
+        )
+
+
+class SimDriver:
+    name = "sim"
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._profiles: dict[str, _Profile] = {}
+        #: every operation performed, as (target, operation, attempt): what the "target saw"
+        self.performed: list[tuple[str, str, int]] = []
+        self.record = False
+
+    def _profile(self, target: Target) -> _Profile:
+        prof = self._profiles.get(target.name)
+        if prof is None:
+            prof = self._profiles[target.name] = _Profile(target.settings)
+        return prof
+
+    def forget(self, target_name: str) -> None:
+        self._profiles.pop(target_name, None)
+
+    async def perform(self, target: Target, operation: str, ctx: ActionContext) -> RemoteResult:
+        prof = self._profile(target)
+        if self.record:
+            self.performed.append((target.name, operation, ctx.attempt))
+        if prof.remote_state and (prof.unexpected_at or ctx.state) == ctx.state:
+            raise StepFailed(
+                f"target reports unexpected remote state '{prof.remote_state}' during {operation}"
+            )
+        if prof.plain:
+            if prof.latency_s > 0:
+                await asyncio.sleep(prof.latency_s)
+        else:
+            rng = random.Random(f"{self.seed}:{target.name}:{operation}:{ctx.attempt}")
+            if prof.hang and rng.random() < prof.hang:
+                await asyncio.Event().wait()  # never set: only a timeout ends this
+            delay = self._latency(prof, rng)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if prof.flaky and rng.random() < prof.flaky:
+                raise TransientError(f"{operation}: target busy (simulated)")
+            if prof.failure and rng.random() < prof.failure:
+                raise StepFailed(f"{operation} failed on target (simulated)")
+        if prof.fail_at == ctx.state:
+            raise StepFailed(f"{operation} failed on target (fail_at={prof.fail_at})")
+        if prof.already_done:
+            return RemoteResult.ALREADY_DONE
+        return RemoteResult.DONE
+
+    async def observe(self, target: Target, operation: str, ctx: ActionContext) -> RemoteResult:
+        prof = self._profile(target)
+        if prof.fail_at == ctx.state:
+            raise StepFailed(f"{operation} failed on target (fail_at={prof.fail_at})")
+        return RemoteResult.ALREADY_DONE if prof.already_done else RemoteResult.DONE
+
+    @staticmethod
+    def _latency(prof: _Profile, rng: random.Random) -> float:
+        if prof.latency_s <= 0:
+            return 0.0
+        if prof.kind == "uniform":
+            return rng.uniform(0, 2 * prof.latency_s)
+        if prof.kind == "lognormal":
+            return rng.lognormvariate(math.log(prof.latency_s), prof.sigma)
+        return prof.latency_s

@@ -1,0 +1,618 @@
+"""The conductor: one dispatcher that owns all in-flight bookkeeping, and its workers.
+
+How a step moves (DESIGN.md section 3):
+
+1. The dispatcher admits steps into free slots (sliding window) and commits their
+   entry into the first state (claim: owner, fence, lease) together with any
+   other transitions in the same group commit.
+2. Only after that commit (G4) does it start the state's action as a worker task.
+3. The worker reports the outcome as a message (G2); it never touches the
+   dispatcher's tables.
+4. The dispatcher checks the message against the step's (state, fence); a stale
+   message is recorded and ignored (G3). It decides the next state with the pure
+   rules, commits it with compare-and-set, and dispatches the next action at once.
+
+The periodic pass only renews leases, claims strategies whose owner is gone, and
+notices operator aborts; it never starts an action.
+
+Usage::
+
+    conductor = Conductor(store)
+    await conductor.run(strategy_ids=[sid])        # drive these until terminal
+    await conductor.run(stop=event)                # serve: drive whatever is applying
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, ParamSpec, TypeVar
+
+from fleetwave.catalog import resolve_workflow
+from fleetwave.domain.models import (
+    STEP_ABORTED,
+    STEP_FAILED,
+    STEP_INITIAL,
+    STEP_TERMINAL,
+    StrategyState,
+)
+from fleetwave.domain.rules import Decision, decide, failure
+from fleetwave.domain.workflow import (
+    ActionContext,
+    NoRecoverHook,
+    StepFailed,
+    TargetDriver,
+    TransientError,
+)
+from fleetwave.drivers import make_drivers
+from fleetwave.engine.clock import Clock, WallClock
+from fleetwave.engine.messages import (
+    ActionFinished,
+    LeaseLost,
+    Message,
+    StopRequested,
+    StrategyClaimed,
+)
+from fleetwave.engine.run import InFlight, StrategyRun
+from fleetwave.store import runtime as rt
+from fleetwave.store.admin import options_from_json
+from fleetwave.store.db import Store
+
+log = logging.getLogger("fleetwave.engine")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class SimulatedCrash(BaseException):
+    """Raised by a fault plan to kill the conductor at a chosen point (tests only)."""
+
+
+@dataclass
+class EngineConfig:
+    lease_ttl_s: float = 30.0
+    tick_s: float = 1.0
+    #: commit in a dedicated writer thread (True) or inline on the loop (deterministic runs)
+    threaded_store: bool = False
+    seed: int = 0
+    #: record each dispatch latency (commit done -> action started), seconds
+    measure_latency: bool = False
+    #: most transitions per group commit: bounds how many actions one commit releases
+    #: at once, and so the dispatch latency of the last of them
+    batch_max: int = 128
+
+
+@dataclass
+class EngineStats:
+    transitions: int = 0
+    batches: int = 0
+    rejected: int = 0
+    stale_outcomes: int = 0
+    dispatch_latency_s: list[float] = field(default_factory=list)
+
+
+CrashHook = Callable[[str], None]
+
+
+class Conductor:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        clock: Clock | None = None,
+        config: EngineConfig | None = None,
+        drivers: dict[str, TargetDriver] | None = None,
+        conductor_id: str | None = None,
+        crash_hook: CrashHook | None = None,
+    ) -> None:
+        self.store = store
+        self.clock = clock or WallClock()
+        self.config = config or EngineConfig()
+        self.drivers = drivers if drivers is not None else make_drivers(self.config.seed)
+        self.id = conductor_id or f"c-{uuid.uuid4().hex[:12]}"
+        self.stats = EngineStats()
+        self.runs: dict[int, StrategyRun] = {}
+        self.finished: dict[int, str] = {}
+        self._crash_hook = crash_hook
+        self._inbox: list[Message] = []
+        self._wake: asyncio.Event | None = None
+        self._workers: set[asyncio.Task[None]] = set()
+        self._executor: ThreadPoolExecutor | None = None
+        self._writer = rt.TransitionWriter(store, self.id)
+        self._committed_at = 0.0
+        self._wanted: set[int] | None = None
+
+    # -- plumbing -------------------------------------------------------------------
+
+    async def _io(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run a store call: in the writer thread, or inline for deterministic runs."""
+        if self._executor is None:
+            return fn(*args, **kwargs)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    def post(self, msg: Message) -> None:
+        """Send the dispatcher a message. Never blocks; safe from any task on the loop."""
+        self._inbox.append(msg)
+        if self._wake is not None:
+            self._wake.set()
+
+    def _crash_point(self, point: str) -> None:
+        if self._crash_hook is not None:
+            self._crash_hook(point)
+
+    def _lease_until(self) -> float:
+        return self.clock.now() + self.config.lease_ttl_s
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def run(
+        self,
+        *,
+        strategy_ids: Iterable[int] | None = None,
+        stop: asyncio.Event | None = None,
+    ) -> dict[int, str]:
+        """Drive strategies until those asked for are terminal (or ``stop`` is set).
+
+        With ``strategy_ids`` it returns once each is terminal or owned by another
+        live conductor; without, it serves until ``stop``. Returns final states.
+        """
+        self._wanted = set(strategy_ids) if strategy_ids is not None else None
+        self._wake = asyncio.Event()
+        if self.config.threaded_store:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"fleetwave-{self.id}")
+        clean = False
+        try:
+            await self._io(rt.register_conductor, self.store, self.id, self.clock.now())
+            await self._claim()
+            periodic = asyncio.create_task(self._periodic(), name="fleetwave-periodic")
+            try:
+                await self._dispatch_loop(stop)
+            finally:
+                periodic.cancel()
+                await asyncio.gather(periodic, return_exceptions=True)
+            clean = True
+        finally:
+            await self._stop_workers()
+            if clean:
+                await self._io(rt.release_conductor, self.store, self.id, self.clock.now())
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+        return self.finished
+
+    async def _stop_workers(self) -> None:
+        for task in list(self._workers):
+            task.cancel()
+        if self._workers:
+            await asyncio.gather(*self._workers, return_exceptions=True)
+        self._workers.clear()
+
+    def _should_exit(self, stop: asyncio.Event | None) -> bool:
+        if stop is not None and stop.is_set():
+            return True
+        if self._wanted is None:
+            return False
+        return not self.runs and not self._inbox and self._wanted <= set(self.finished)
+
+    # -- the periodic pass ---------------------------------------------------------------
+
+    async def _periodic(self) -> None:
+        renew_every = self.config.lease_ttl_s / 3
+        last_renew = asyncio.get_running_loop().time()
+        while True:
+            await asyncio.sleep(self.config.tick_s)
+            now_loop = asyncio.get_running_loop().time()
+            if now_loop - last_renew >= renew_every:
+                await self._io(
+                    rt.heartbeat, self.store, self.id, self.clock.now(), self._lease_until()
+                )
+                last_renew = now_loop
+            for sid in list(self.runs):
+                state, owner = await self._io(rt.strategy_state, self.store, sid)
+                if owner != self.id:
+                    self.post(LeaseLost(sid))
+                elif state == StrategyState.ABORT_REQUESTED:
+                    self.post(StopRequested(sid))
+            await self._claim()
+
+    async def _claim(self) -> None:
+        todo: set[int] | None = None
+        if self._wanted is not None:
+            todo = self._wanted - set(self.runs) - set(self.finished)
+            if not todo:
+                return
+        claimed = await self._io(
+            rt.claim_strategies, self.store, self.id, self.clock.now(), self._lease_until(), todo
+        )
+        for rec in claimed:
+            self.post(StrategyClaimed(rec))
+        if todo is None:
+            return
+        for sid in todo - {rec.id for rec in claimed}:
+            # Not claimable: terminal, never applied, or held by another live conductor.
+            state, owner = await self._io(rt.strategy_state, self.store, sid)
+            if state not in rt.DRIVEN_STATES:
+                self.finished[sid] = state
+            elif owner is not None and owner != self.id:
+                self.finished[sid] = "owned"
+                log.info("strategy %s: driven by conductor %s; not taking it over", sid, owner)
+
+    # -- the dispatcher ----------------------------------------------------------------
+
+    async def _dispatch_loop(self, stop: asyncio.Event | None) -> None:
+        assert self._wake is not None
+        stop_task: asyncio.Task[Any] | None = None
+        if stop is not None:
+            stop_task = asyncio.create_task(self._relay_stop(stop))
+        try:
+            while True:
+                if not self._inbox and not self._wake.is_set():
+                    if self._should_exit(stop):
+                        return
+                    await self._wake.wait()
+                if stop is not None and stop.is_set():
+                    return
+                self._wake.clear()
+                cut = self.config.batch_max
+                msgs, self._inbox = self._inbox[:cut], self._inbox[cut:]
+                await self._handle(msgs)
+                if self._executor is None:
+                    await asyncio.sleep(0)  # inline store: let the started actions run
+        finally:
+            if stop_task is not None:
+                stop_task.cancel()
+                await asyncio.gather(stop_task, return_exceptions=True)
+
+    async def _relay_stop(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        assert self._wake is not None
+        self._wake.set()
+
+    async def _handle(self, msgs: list[Message]) -> None:
+        now = self.clock.now()
+        batch: list[rt.Transition] = []
+        events: list[rt.Event] = []
+        recover: list[InFlight] = []
+        for msg in msgs:
+            if isinstance(msg, StrategyClaimed):
+                recover += await self._adopt(msg.record, events)
+            elif isinstance(msg, StopRequested):
+                self._request_stop(msg.strategy_id, events)
+            elif isinstance(msg, LeaseLost):
+                self._drop_run(msg.strategy_id)
+            else:
+                self._on_finished(msg, now, batch, events)
+        for run in list(self.runs.values()):
+            room = self.config.batch_max - len(batch)
+            if room <= 0:
+                if run.take_admissions_possible():
+                    self._wake_soon()
+                continue
+            self._admit(run, now, batch, events, room)
+        if batch or events:
+            self._crash_point("before-commit")
+            rejected = await self._io(self._writer.commit, batch, events, now, self._lease_until())
+            self._committed_at = time.perf_counter()
+            self.stats.batches += 1
+            self.stats.transitions += len(batch) - len(rejected)
+            self._crash_point("after-commit")
+            self._apply(batch, rejected)
+        for fl in recover:
+            self._start(fl, recovering=True)
+        await self._finish_done_runs()
+
+    def _drop_run(self, sid: int) -> None:
+        """Another conductor fenced us off this strategy: stop its workers, forget it."""
+        run = self.runs.pop(sid, None)
+        if run is None:
+            return
+        for fl in run.inflight.values():
+            if fl.task is not None:
+                fl.task.cancel()
+        self.finished[sid] = "lost"
+        log.error("strategy %s: lease lost to another conductor; stopped driving it", sid)
+
+    def _request_stop(self, sid: int, events: list[rt.Event]) -> None:
+        run = self.runs.get(sid)
+        if run is None or run.stopping == "abort":
+            return
+        run.stopping = "abort"
+        run.stop_details = "aborted by operator"
+        events.append(rt.Event("abort-seen", "operator abort requested", sid))
+        log.info("strategy %s: abort requested; in-flight steps finish their current state", sid)
+
+    async def _adopt(self, rec: rt.StrategyRecord, events: list[rt.Event]) -> list[InFlight]:
+        """Take over a claimed strategy from the database alone (G4, recovery)."""
+        wf = resolve_workflow(self.store, rec.workflow)
+        opts = options_from_json(rec.options)
+        run = StrategyRun(rec, wf.with_timeouts(opts.timeouts_s), opts, db_state=rec.state)
+        open_steps, run.failed = await self._io(rt.load_open_steps, self.store, rec.id)
+        lost: list[rt.StepRecord] = []
+        for step in open_steps:
+            if step.state == STEP_INITIAL:
+                run.add_pending(step)
+            else:
+                lost.append(step)
+        if rec.state in (StrategyState.ABORT_REQUESTED, StrategyState.ABORTING):
+            run.stopping = "abort"
+            run.stop_details = "aborted by operator"
+        limit = opts.failure_limit
+        if limit is not None and run.failed > limit:
+            run.stopping = "failure"
+            run.stop_details = self._failure_details(run)
+        taken = await self._io(
+            rt.take_over_steps, self.store, lost, self.id, self.clock.now(), self._lease_until()
+        )
+        if len(taken) != len(lost):
+            events.append(
+                rt.Event("takeover-incomplete", f"{len(lost) - len(taken)} steps moved on", rec.id)
+            )
+        out = []
+        for step in taken:
+            fl = InFlight(step, step.state, step.fence, recovering=True)
+            run.inflight[step.step_id] = fl
+            run.group_load[step.group_id] += 1
+            out.append(fl)
+            log.warning(
+                "step %s (%s): taken over in %s; calling its recover hook",
+                step.step_id,
+                step.target.name,
+                step.state,
+            )
+        self.runs[rec.id] = run
+        if run.stopping is None and rec.state == StrategyState.APPLYING and not lost:
+            log.info("strategy %s: driving %d pending steps", rec.id, run.pending_count())
+        return out
+
+    def _failure_details(self, run: StrategyRun) -> str:
+        limit = run.options.failure_limit
+        if run.options.stop_on_failure:
+            return "stopped after a step failed (stop on failure)"
+        return f"stopped: {run.failed} failed steps exceed the failure threshold of {limit}"
+
+    def _on_finished(
+        self, msg: ActionFinished, now: float, batch: list[rt.Transition], events: list[rt.Event]
+    ) -> None:
+        run = self.runs.get(msg.strategy_id)
+        fl = run.inflight.get(msg.step_id) if run is not None else None
+        if run is None or fl is None or fl.fence != msg.fence or fl.state != msg.state:
+            self.stats.stale_outcomes += 1
+            events.append(
+                rt.Event(
+                    "stale-outcome-ignored",
+                    f"outcome for {msg.state} at fence {msg.fence} ignored: step has moved on",
+                    msg.strategy_id,
+                    msg.step_id,
+                )
+            )
+            log.warning("stale outcome for step %s in %s ignored", msg.step_id, msg.state)
+            return
+        decision = msg.decision
+        if run.stopping is not None and decision.to_state not in STEP_TERMINAL:
+            decision = Decision(STEP_ABORTED, f"stopped after {msg.state}: {run.stop_details}")
+        batch.append(
+            rt.Transition(
+                step_id=msg.step_id,
+                strategy_id=run.id,
+                from_state=fl.state,
+                from_fence=fl.fence,
+                to_state=decision.to_state,
+                fence=fl.fence,
+                details=decision.details,
+                attempt=msg.attempts,
+                at=now,
+            )
+        )
+        # Book the move now, so admissions in this same batch see the freed slot.
+        if decision.to_state in STEP_TERMINAL:
+            del run.inflight[msg.step_id]
+            run.group_load[fl.rec.group_id] -= 1
+            if decision.to_state == STEP_FAILED:
+                self._count_failure(run, now, batch)
+        else:
+            fl.state = decision.to_state
+
+    def _count_failure(self, run: StrategyRun, now: float, batch: list[rt.Transition]) -> None:
+        run.failed += 1
+        limit = run.options.failure_limit
+        if run.stopping is None and limit is not None and run.failed > limit:
+            run.stopping = "failure"
+            run.stop_details = self._failure_details(run)
+            log.warning("strategy %s: %s", run.id, run.stop_details)
+
+    def _wake_soon(self) -> None:
+        assert self._wake is not None
+        self._wake.set()
+
+    def _admit(
+        self,
+        run: StrategyRun,
+        now: float,
+        batch: list[rt.Transition],
+        events: list[rt.Event],
+        room: int,
+    ) -> None:
+        if run.stopping is not None:
+            for rec in run.drain_pending():
+                batch.append(
+                    self._entry(run, rec, STEP_ABORTED, f"not started: {run.stop_details}", now)
+                )
+            return
+        first = run.workflow.first_state
+        while room > 0:
+            admitted = run.take_admissions(room)
+            if not admitted:
+                return
+            room -= len(admitted)
+            for rec in admitted:
+                if not rec.target.managed:
+                    batch.append(
+                        self._entry(
+                            run, rec, STEP_FAILED, f"Target {rec.target.name} is unmanaged.", now
+                        )
+                    )
+                    self._count_failure(run, now, batch)
+                    continue
+                batch.append(self._entry(run, rec, first, "", now, claim=True))
+                run.inflight[rec.step_id] = InFlight(rec, first, rec.fence + 1)
+                run.group_load[rec.group_id] += 1
+            if run.stopping is not None:
+                self._admit(run, now, batch, events, room)
+                return
+        if run.take_admissions_possible():
+            self._wake_soon()
+
+    def _entry(
+        self,
+        run: StrategyRun,
+        rec: rt.StepRecord,
+        to_state: str,
+        details: str,
+        now: float,
+        claim: bool = False,
+    ) -> rt.Transition:
+        """The transition out of ``initial``; a claim bumps the fence (this owner's token)."""
+        return rt.Transition(
+            step_id=rec.step_id,
+            strategy_id=run.id,
+            from_state=STEP_INITIAL,
+            from_fence=rec.fence,
+            to_state=to_state,
+            fence=rec.fence + 1 if claim else rec.fence,
+            details=details,
+            attempt=0,
+            at=now,
+        )
+
+    def _apply(self, batch: list[rt.Transition], rejected: list[rt.Transition]) -> None:
+        """After the commit: start the next actions; drop steps whose CAS was rejected."""
+        bad = {id(t) for t in rejected}
+        for t in rejected:
+            self.stats.rejected += 1
+            run = self.runs.get(t.strategy_id)
+            if run is not None:
+                fl = run.inflight.pop(t.step_id, None)
+                if fl is not None:
+                    run.group_load[fl.rec.group_id] -= 1
+            log.error(
+                "transition %s -> %s of step %s rejected: fenced off or already entered",
+                t.from_state,
+                t.to_state,
+                t.step_id,
+            )
+        for t in batch:
+            if id(t) in bad or t.to_state in STEP_TERMINAL:
+                continue
+            run = self.runs.get(t.strategy_id)
+            fl = run.inflight.get(t.step_id) if run is not None else None
+            if fl is not None and fl.state == t.to_state:
+                self._start(fl, recovering=False)
+
+    def _start(self, fl: InFlight, *, recovering: bool) -> None:
+        run = self.runs[fl.rec.strategy_id]
+        task = asyncio.create_task(self._work(run, fl.rec, fl.state, fl.fence, recovering))
+        fl.task = task
+        self._workers.add(task)
+        task.add_done_callback(self._workers.discard)
+
+    async def _finish_done_runs(self) -> None:
+        for run in list(self.runs.values()):
+            if not run.is_done():
+                continue
+            if run.stopping == "abort":
+                final, details = StrategyState.ABORTED, run.stop_details
+            elif run.failed:
+                final = StrategyState.FAILED
+                details = run.stop_details or f"{run.failed} steps failed"
+            else:
+                final, details = StrategyState.COMPLETE, ""
+            ok = await self._io(
+                rt.set_strategy_state,
+                self.store,
+                run.id,
+                self.id,
+                run.db_state,
+                final.value,
+                details,
+                self.clock.now(),
+            )
+            if not ok:
+                # An abort request raced in; commit the final state over it.
+                for expect in (StrategyState.ABORT_REQUESTED, StrategyState.ABORTING):
+                    ok = await self._io(
+                        rt.set_strategy_state,
+                        self.store,
+                        run.id,
+                        self.id,
+                        expect.value,
+                        final.value,
+                        details,
+                        self.clock.now(),
+                    )
+                    if ok:
+                        break
+            del self.runs[run.id]
+            self.finished[run.id] = final.value if ok else "lost"
+            log.info("strategy %s: %s %s", run.id, final.value, details)
+
+    # -- workers -------------------------------------------------------------------------
+
+    async def _work(
+        self, run: StrategyRun, rec: rt.StepRecord, state: str, fence: int, recovering: bool
+    ) -> None:
+        """Run one state's action (or its recover hook) and report; never raises."""
+        if self.config.measure_latency and not recovering:
+            self.stats.dispatch_latency_s.append(time.perf_counter() - self._committed_at)
+        st = run.workflow.state(state)
+        driver = self.drivers.get(rec.target.driver)
+        attempts = 0
+        decision: Decision
+        while True:
+            attempts += 1
+            try:
+                if driver is None:
+                    raise StepFailed(f"no driver named '{rec.target.driver}' on this conductor")
+                ctx = ActionContext(
+                    target=rec.target,
+                    state=state,
+                    attempt=attempts,
+                    strategy_id=run.id,
+                    step_id=rec.step_id,
+                    driver=driver,
+                )
+                async with asyncio.timeout(st.timeout_s):
+                    if recovering:
+                        outcome = await st.action.recover(ctx)
+                    else:
+                        outcome = await st.action.run(ctx)
+                decision = decide(run.workflow.state_names, state, outcome)
+            except NoRecoverHook:
+                decision = failure(state, f"conductor lost during {state}")
+            except StepFailed as exc:
+                decision = failure(state, str(exc) or "failed")
+            except (TransientError, TimeoutError) as exc:
+                reason = (
+                    f"timed out after {st.timeout_s:g}s"
+                    if isinstance(exc, TimeoutError)
+                    else str(exc) or type(exc).__name__
+                )
+                if attempts < st.attempts_max and not recovering:
+                    await asyncio.sleep(st.backoff_for(attempts))
+                    continue
+                decision = failure(state, f"{reason} (attempt {attempts} of {st.attempts_max})")
+            except Exception as exc:  # an action bug must fail the step, never strand it
+                log.exception("action for %s in %s raised", rec.target.name, state)
+                decision = failure(state, str(exc) or type(exc).__name__)
+            break
+        self.post(ActionFinished(run.id, rec.step_id, state, fence, decision, attempts))
+
+
+async def drive(store: Store, strategy_ids: list[int], **kwargs: Any) -> dict[int, str]:
+    """Drive strategies to the end with a fresh conductor (used by CLI, demo and tests)."""
+    return await Conductor(store, **kwargs).run(strategy_ids=strategy_ids)

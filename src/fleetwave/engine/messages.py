@@ -1,0 +1,42 @@
+"""Messages to the dispatcher. Workers and the periodic pass only ever send these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fleetwave.domain.rules import Decision
+from fleetwave.store.runtime import StrategyRecord
+
+
+@dataclass(slots=True)
+class ActionFinished:
+    """A worker's report: the action for (step, state, fence) ended with this decision."""
+
+    strategy_id: int
+    step_id: int
+    state: str
+    fence: int
+    decision: Decision
+    attempts: int
+
+
+@dataclass(slots=True)
+class StrategyClaimed:
+    record: StrategyRecord
+
+
+@dataclass(slots=True)
+class StopRequested:
+    """The operator asked to abort (seen by the periodic pass)."""
+
+    strategy_id: int
+
+
+@dataclass(slots=True)
+class LeaseLost:
+    """Another conductor now owns the strategy: stop driving it."""
+
+    strategy_id: int
+
+
+Message = ActionFinished | StrategyClaimed | StopRequested | LeaseLost

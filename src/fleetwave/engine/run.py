@@ -1,0 +1,98 @@
+"""In-memory bookkeeping of one strategy being driven: pending queues and in-flight steps.
+
+Owned by the dispatcher alone (G2): workers never see a :class:`StrategyRun`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from fleetwave.domain.models import StrategyOptions
+from fleetwave.domain.workflow import WorkflowDef
+from fleetwave.store.runtime import StepRecord, StrategyRecord
+
+UNCAPPED = 1 << 30
+
+
+@dataclass(slots=True)
+class InFlight:
+    rec: StepRecord
+    state: str
+    fence: int
+    recovering: bool = False
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass
+class StrategyRun:
+    record: StrategyRecord
+    workflow: WorkflowDef
+    options: StrategyOptions
+    #: stage -> group_id -> steps still initial, in admission order
+    pending: dict[int, dict[int | None, deque[StepRecord]]] = field(default_factory=dict)
+    inflight: dict[int, InFlight] = field(default_factory=dict)
+    group_load: Counter[int | None] = field(default_factory=Counter)
+    failed: int = 0
+    #: why nothing new starts: None while running, else "abort" or "failure"
+    stopping: str | None = None
+    stop_details: str = ""
+    db_state: str = "applying"
+    finishing: bool = False
+
+    @property
+    def id(self) -> int:
+        return self.record.id
+
+    @property
+    def cap(self) -> int:
+        return self.options.effective_parallel
+
+    def group_cap(self, group_id: int | None) -> int:
+        if group_id is None:
+            return UNCAPPED
+        return self.record.group_caps.get(group_id, UNCAPPED)
+
+    def add_pending(self, rec: StepRecord) -> None:
+        self.pending.setdefault(rec.stage, {}).setdefault(rec.group_id, deque()).append(rec)
+
+    def pending_count(self) -> int:
+        return sum(len(q) for groups in self.pending.values() for q in groups.values())
+
+    def current_stage(self) -> int | None:
+        """The lowest stage with work left; later stages wait until it is all terminal."""
+        stages = {rec.rec.stage for rec in self.inflight.values()}
+        stages.update(s for s, groups in self.pending.items() if any(groups.values()))
+        return min(stages) if stages else None
+
+    def take_admissions_possible(self) -> bool:
+        return self.stopping is None and len(self.inflight) < self.cap and self.pending_count() > 0
+
+    def take_admissions(self, limit: int) -> list[StepRecord]:
+        """Pop the steps that may start now: sliding window under every cap."""
+        if self.stopping is not None:
+            return []
+        free = min(limit, self.cap - len(self.inflight))
+        if free <= 0:
+            return []
+        stage = self.current_stage()
+        if stage is None or stage not in self.pending:
+            return []
+        out: list[StepRecord] = []
+        for gid, queue in self.pending[stage].items():
+            room = min(free - len(out), self.group_cap(gid) - self.group_load[gid])
+            while room > 0 and queue:
+                out.append(queue.popleft())
+                room -= 1
+            if len(out) >= free:
+                break
+        return out
+
+    def drain_pending(self) -> list[StepRecord]:
+        out = [rec for groups in self.pending.values() for q in groups.values() for rec in q]
+        self.pending.clear()
+        return out
+
+    def is_done(self) -> bool:
+        return not self.inflight and self.pending_count() == 0

@@ -1,0 +1,1 @@
+"""Durable state: schema, migrations, queries. Dialect differences live in ``dialects``."""

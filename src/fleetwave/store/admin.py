@@ -1,0 +1,385 @@
+"""Operator-side writes: groups, targets, stored workflows, strategy creation and control.
+
+Each function is one transaction. Validation happens before anything is written,
+so a rejected request leaves the database exactly as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from sqlalchemy import Connection, delete, func, insert, select, update
+
+from fleetwave.domain.errors import Conflict, InputError, NotFound
+from fleetwave.domain.models import (
+    STEP_INITIAL,
+    STRATEGY_ACTIVE,
+    ApplyType,
+    Group,
+    StrategyOptions,
+    StrategyState,
+    Target,
+)
+from fleetwave.domain.workflow import WorkflowDef
+from fleetwave.store.db import Store
+from fleetwave.store.schema import events, groups, journal, steps, strategies, targets, workflows
+
+_ACTIVE = [s.value for s in STRATEGY_ACTIVE]
+
+
+def _now() -> float:
+    return time.time()
+
+
+# -- groups -----------------------------------------------------------------
+
+
+def add_group(store: Store, group: Group) -> int:
+    if group.max_parallel < 1:
+        raise InputError(f"--max-parallel: must be at least 1, got {group.max_parallel}")
+    with store.write() as conn:
+        if conn.execute(select(groups.c.id).where(groups.c.name == group.name)).first():
+            raise Conflict(f"group '{group.name}' already exists")
+        res = conn.execute(
+            insert(groups).values(
+                name=group.name,
+                max_parallel=group.max_parallel,
+                apply_type=group.apply_type.value,
+            )
+        )
+        return int(res.inserted_primary_key[0])  # type: ignore[index]
+
+
+def _group_ids(conn: Connection) -> dict[str, int]:
+    return {r.name: r.id for r in conn.execute(select(groups.c.id, groups.c.name))}
+
+
+# -- targets ----------------------------------------------------------------
+
+
+def add_targets(store: Store, items: Sequence[Target]) -> int:
+    """Add many targets in one transaction; all or nothing."""
+    if not items:
+        raise InputError("no targets given")
+    seen: set[str] = set()
+    for i, t in enumerate(items):
+        if not t.name or not t.name.strip():
+            raise InputError(f"target #{i + 1}: name: must not be empty")
+        if t.name in seen:
+            raise InputError(f"target {t.name}: name: appears twice in the input")
+        seen.add(t.name)
+        if not t.driver:
+            raise InputError(f"target {t.name}: driver: must not be empty")
+    from fleetwave.drivers import known_drivers
+
+    for t in items:
+        if t.driver not in known_drivers():
+            raise InputError(
+                f"target {t.name}: driver: unknown driver '{t.driver}' "
+                f"(known: {', '.join(sorted(known_drivers()))})"
+            )
+    now = _now()
+    with store.write() as conn:
+        gids = _group_ids(conn)
+        for t in items:
+            if t.group is not None and t.group not in gids:
+                raise NotFound(f"target {t.name}: group: no group named '{t.group}'")
+        names = [t.name for t in items]
+        existing: list[str] = []
+        for chunk_start in range(0, len(names), 500):
+            chunk = names[chunk_start : chunk_start + 500]
+            existing += [
+                r[0] for r in conn.execute(select(targets.c.name).where(targets.c.name.in_(chunk)))
+            ]
+        if existing:
+            more = f" and {len(existing) - 1} more" if len(existing) > 1 else ""
+            raise Conflict(f"target {existing[0]}: already exists{more}")
+        conn.execute(
+            insert(targets),
+            [
+                {
+                    "name": t.name,
+                    "group_id": gids[t.group] if t.group else None,
+                    "driver": t.driver,
+                    "settings": json.dumps(t.settings, sort_keys=True),
+                    "managed": t.managed,
+                    "labels": json.dumps(t.labels, sort_keys=True),
+                    "created_at": now,
+                }
+                for t in items
+            ],
+        )
+    return len(items)
+
+
+def _target_id(conn: Connection, name: str) -> int:
+    row = conn.execute(select(targets.c.id).where(targets.c.name == name)).first()
+    if row is None:
+        raise NotFound(f"target '{name}' not found")
+    return int(row[0])
+
+
+def set_managed(store: Store, name: str, managed: bool) -> None:
+    with store.write() as conn:
+        tid = _target_id(conn, name)
+        conn.execute(update(targets).where(targets.c.id == tid).values(managed=managed))
+
+
+def _active_strategy_of(conn: Connection, target_ids: Sequence[int]) -> tuple[int, int] | None:
+    """(target_id, strategy_id) of the first target already held by an active strategy."""
+    for start in range(0, len(target_ids), 500):
+        chunk = list(target_ids[start : start + 500])
+        row = conn.execute(
+            select(steps.c.target_id, steps.c.strategy_id)
+            .join(strategies, strategies.c.id == steps.c.strategy_id)
+            .where(steps.c.target_id.in_(chunk), strategies.c.state.in_(_ACTIVE))
+            .limit(1)
+        ).first()
+        if row is not None:
+            return int(row[0]), int(row[1])
+    return None
+
+
+def delete_target(store: Store, name: str) -> None:
+    with store.write() as conn:
+        tid = _target_id(conn, name)
+        busy = _active_strategy_of(conn, [tid])
+        if busy:
+            raise Conflict(f"target {name}: is in active strategy {busy[1]}; delete that first")
+        used = conn.execute(select(func.count()).where(steps.c.target_id == tid)).scalar_one()
+        if used:
+            raise Conflict(
+                f"target {name}: has history in {used} strategies; delete those strategies first"
+            )
+        conn.execute(delete(targets).where(targets.c.id == tid))
+
+
+# -- workflows ----------------------------------------------------------------
+
+
+def save_workflow(store: Store, wf: WorkflowDef, source_yaml: str) -> None:
+    with store.write() as conn:
+        conn.execute(delete(workflows).where(workflows.c.name == wf.name))
+        conn.execute(
+            insert(workflows).values(
+                name=wf.name, version=wf.version, source_yaml=source_yaml, created_at=_now()
+            )
+        )
+
+
+def stored_workflows(store: Store) -> list[tuple[str, str]]:
+    with store.read() as conn:
+        return [
+            (r.name, r.source_yaml)
+            for r in conn.execute(select(workflows.c.name, workflows.c.source_yaml))
+        ]
+
+
+# -- strategies ---------------------------------------------------------------
+
+
+def options_to_json(opts: StrategyOptions) -> str:
+    data: dict[str, Any] = asdict(opts)
+    data["apply_type"] = opts.apply_type.value
+    return json.dumps(data, sort_keys=True)
+
+
+def options_from_json(raw: str) -> StrategyOptions:
+    data = json.loads(raw)
+    data["apply_type"] = ApplyType(data["apply_type"])
+    return StrategyOptions(**data)
+
+
+def create_strategy(
+    store: Store,
+    wf: WorkflowDef,
+    opts: StrategyOptions,
+    *,
+    target_names: Iterable[str] | None = None,
+    group: str | None = None,
+    all_targets: bool = False,
+) -> int:
+    if opts.max_parallel < 1:
+        raise InputError(f"--max-parallel: must be at least 1, got {opts.max_parallel}")
+    if opts.max_failures is not None and opts.max_failures < 0:
+        raise InputError(f"--max-failures: must not be negative, got {opts.max_failures}")
+    chosen = sum([target_names is not None, group is not None, all_targets])
+    if chosen != 1:
+        raise InputError("choose the targets with exactly one of --targets, --group or --all")
+    wf.with_timeouts(opts.timeouts_s)  # validates the state names
+    now = _now()
+    with store.write() as conn:
+        q = select(targets.c.id, targets.c.name, targets.c.group_id)
+        if target_names is not None:
+            names = list(dict.fromkeys(n.strip() for n in target_names if n.strip()))
+            if not names:
+                raise InputError("--targets: no target names given")
+            rows = []
+            for start in range(0, len(names), 500):
+                rows += list(conn.execute(q.where(targets.c.name.in_(names[start : start + 500]))))
+            found = {r.name for r in rows}
+            missing = [n for n in names if n not in found]
+            if missing:
+                raise NotFound(f"--targets: no target named '{missing[0]}'")
+        elif group is not None:
+            gid = _group_ids(conn).get(group)
+            if gid is None:
+                raise NotFound(f"--group: no group named '{group}'")
+            rows = list(conn.execute(q.where(targets.c.group_id == gid)))
+            if not rows:
+                raise InputError(f"--group: group '{group}' has no targets")
+        else:
+            rows = list(conn.execute(q))
+            if not rows:
+                raise InputError(
+                    "--all: there are no targets; add some with 'fleetwave target add'"
+                )
+        busy = _active_strategy_of(conn, [r.id for r in rows])
+        if busy:
+            tname = next(r.name for r in rows if r.id == busy[0])
+            raise Conflict(f"target {tname}: already in active strategy {busy[1]}")
+        gcaps: dict[int, int] = {}
+        gnames: dict[int, str] = {}
+        for g in conn.execute(select(groups)):
+            gcaps[g.id] = 1 if g.apply_type == ApplyType.SERIAL.value else int(g.max_parallel)
+            gnames[g.id] = g.name
+        # Order: by group name (ungrouped last), then target name. Stages by group if asked.
+        rows.sort(key=lambda r: (r.group_id is None, gnames.get(r.group_id, ""), r.name))
+        stage_of: dict[int | None, int] = {}
+        if opts.stages_by_group:
+            for r in rows:
+                stage_of.setdefault(r.group_id, len(stage_of) + 1)
+        res = conn.execute(
+            insert(strategies).values(
+                workflow=wf.name,
+                workflow_version=wf.version,
+                states=json.dumps(list(wf.state_names)),
+                state=StrategyState.INITIAL.value,
+                options=options_to_json(opts),
+                group_caps=json.dumps({str(k): v for k, v in gcaps.items()}),
+                step_count=len(rows),
+                details="",
+                created_at=now,
+                updated_at=now,
+                fence=0,
+            )
+        )
+        sid = int(res.inserted_primary_key[0])  # type: ignore[index]
+        conn.execute(
+            insert(steps),
+            [
+                {
+                    "strategy_id": sid,
+                    "target_id": r.id,
+                    "ordinal": i,
+                    "stage": stage_of.get(r.group_id, 1),
+                    "group_id": r.group_id,
+                    "state": STEP_INITIAL,
+                    "details": "",
+                    "attempt": 0,
+                    "fence": 0,
+                }
+                for i, r in enumerate(rows)
+            ],
+        )
+        return sid
+
+
+def _strategy_state(conn: Connection, sid: int) -> str:
+    row = conn.execute(select(strategies.c.state).where(strategies.c.id == sid)).first()
+    if row is None:
+        raise NotFound(f"strategy {sid} not found")
+    return str(row[0])
+
+
+def apply_strategy(store: Store, sid: int) -> str:
+    """Mark the strategy applying; returns the state it was in."""
+    with store.write() as conn:
+        state = _strategy_state(conn, sid)
+        if state in (StrategyState.INITIAL, StrategyState.PAUSED):
+            conn.execute(
+                update(strategies)
+                .where(strategies.c.id == sid, strategies.c.state == state)
+                .values(state=StrategyState.APPLYING.value, updated_at=_now())
+            )
+        elif state not in (
+            StrategyState.APPLYING,
+            StrategyState.ABORT_REQUESTED,
+            StrategyState.ABORTING,
+        ):
+            raise Conflict(f"strategy {sid}: is {state}; only an initial strategy can be applied")
+        return state
+
+
+def request_abort(store: Store, sid: int) -> None:
+    with store.write() as conn:
+        state = _strategy_state(conn, sid)
+        if state == StrategyState.INITIAL:
+            # Nothing ever ran: every step is aborted at once, by this transaction.
+            now = _now()
+            ids = [
+                r[0]
+                for r in conn.execute(
+                    select(steps.c.id).where(steps.c.strategy_id == sid).order_by(steps.c.id)
+                )
+            ]
+            conn.execute(
+                update(steps)
+                .where(steps.c.strategy_id == sid)
+                .values(
+                    state="aborted", details="strategy aborted before it started", finished_at=now
+                )
+            )
+            conn.execute(
+                insert(journal),
+                [
+                    {
+                        "strategy_id": sid,
+                        "step_id": i,
+                        "at": now,
+                        "conductor": "cli",
+                        "from_state": STEP_INITIAL,
+                        "to_state": "aborted",
+                        "fence": 0,
+                        "details": "strategy aborted before it started",
+                    }
+                    for i in ids
+                ],
+            )
+            conn.execute(
+                update(strategies)
+                .where(strategies.c.id == sid)
+                .values(
+                    state=StrategyState.ABORTED.value,
+                    updated_at=now,
+                    details="aborted before it started",
+                )
+            )
+            return
+        if state not in (StrategyState.APPLYING, StrategyState.PAUSED):
+            raise Conflict(f"strategy {sid}: is {state}; only an applying strategy can be aborted")
+        conn.execute(
+            update(strategies)
+            .where(strategies.c.id == sid, strategies.c.state == state)
+            .values(state=StrategyState.ABORT_REQUESTED.value, updated_at=_now())
+        )
+
+
+def delete_strategy(store: Store, sid: int) -> None:
+    with store.write() as conn:
+        state = _strategy_state(conn, sid)
+        if state not in (
+            StrategyState.INITIAL,
+            StrategyState.COMPLETE,
+            StrategyState.FAILED,
+            StrategyState.ABORTED,
+        ):
+            raise Conflict(f"strategy {sid}: is {state}; abort it before deleting")
+        conn.execute(delete(journal).where(journal.c.strategy_id == sid))
+        conn.execute(delete(events).where(events.c.strategy_id == sid))
+        conn.execute(delete(steps).where(steps.c.strategy_id == sid))
+        conn.execute(delete(strategies).where(strategies.c.id == sid))

@@ -1,0 +1,140 @@
+"""Opening a database: URL handling, SQLite pragmas, migrations, dialect hooks.
+
+``open_store("fleetwave.db")`` gives a :class:`Store` on an embedded SQLite file
+in WAL mode with ``synchronous=FULL``: every commit is durable against power loss.
+Dialect-specific SQL lives in :class:`DialectHooks` subclasses, nowhere else.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
+from sqlalchemy.pool import QueuePool
+
+MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+HEAD_REVISION = "0001"
+
+
+class StoreError(Exception):
+    """An operator-facing problem with the database (bad path, newer schema)."""
+
+
+@dataclass(frozen=True)
+class DialectHooks:
+    name: str
+    placeholder: str
+
+    def now_sql(self) -> str | None:
+        """SQL for the database's clock, when leases should use it (PostgreSQL)."""
+        return None
+
+
+SQLITE = DialectHooks(name="sqlite", placeholder="?")
+
+
+class Store:
+    """An engine plus its dialect hooks. Query functions live in sibling modules."""
+
+    def __init__(self, engine: Engine, hooks: DialectHooks, url: str) -> None:
+        self.engine = engine
+        self.hooks = hooks
+        self.url = url
+
+    @contextmanager
+    def write(self) -> Iterator[Connection]:
+        """One write transaction (SQLite: BEGIN IMMEDIATE, so writers queue, never deadlock)."""
+        with self.engine.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def read(self) -> Iterator[Connection]:
+        with self.engine.connect() as conn:
+            yield conn
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+def default_db_path() -> str:
+    return os.environ.get("FLEETWAVE_DB", "fleetwave.db")
+
+
+def _sqlite_engine(path: str, synchronous: str) -> Engine:
+    engine = create_engine(
+        f"sqlite+pysqlite:///{path}",
+        poolclass=QueuePool,
+        pool_size=2,
+        max_overflow=4,
+        connect_args={"check_same_thread": False, "timeout": 30},
+    )
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _rec: Any) -> None:
+        dbapi_conn.isolation_level = None  # we issue BEGIN ourselves (below)
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute(f"PRAGMA synchronous={synchronous}")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute("PRAGMA cache_size=-65536")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def open_store(
+    db: str | None = None, *, synchronous: str = "FULL", migrate_schema: bool = True
+) -> Store:
+    """Open (and create or upgrade) the database at a path or SQLAlchemy URL."""
+    target = db or default_db_path()
+    if synchronous.upper() not in {"FULL", "NORMAL", "OFF", "EXTRA"}:
+        raise StoreError(f"synchronous: unknown SQLite level '{synchronous}'")
+    if "://" in target:
+        raise StoreError(f"--db: '{target}' is a URL; this version supports SQLite file paths only")
+    parent = Path(target).expanduser().resolve().parent
+    if not parent.is_dir():
+        raise StoreError(f"--db: directory {parent} does not exist")
+    engine = _sqlite_engine(str(Path(target).expanduser()), synchronous.upper())
+    store = Store(engine, SQLITE, target)
+    if migrate_schema:
+        migrate(store)
+    return store
+
+
+def current_revision(store: Store) -> str | None:
+    with store.read() as conn:
+        if not inspect(conn).has_table("alembic_version"):
+            return None
+        row = conn.execute(text("SELECT version_num FROM alembic_version")).first()
+        return None if row is None else str(row[0])
+
+
+def migrate(store: Store) -> None:
+    """Bring the schema to head with Alembic (a no-op when it is already there)."""
+    rev = current_revision(store)
+    if rev == HEAD_REVISION:
+        return
+    from alembic import command
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    known = {s.revision for s in ScriptDirectory.from_config(cfg).walk_revisions()}
+    if rev is not None and rev not in known:
+        raise StoreError(
+            f"database schema revision {rev} is newer than this fleetwave; upgrade fleetwave"
+        )
+    with store.engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "head")

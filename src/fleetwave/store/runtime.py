@@ -1,0 +1,447 @@
+"""Engine-side queries: conductors, leases, claims, loading work, and the hot path.
+
+The hot path is :func:`commit_transitions`: many transitions, each a
+compare-and-set on (step, state, fence) plus its journal row, in one transaction
+and one fsync (group commit). A row whose compare-and-set fails, or whose journal
+insert would enter a state twice (G1), is rejected alone; the others still commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection, insert, select, update
+from sqlalchemy.exc import IntegrityError
+
+from fleetwave.domain.models import STEP_INITIAL, STEP_TERMINAL, StrategyState, Target
+from fleetwave.store.db import Store
+from fleetwave.store.schema import conductors, events, groups, steps, strategies, targets
+
+HOSTNAME = socket.gethostname()
+
+#: Strategy states a conductor drives.
+DRIVEN_STATES = (
+    StrategyState.APPLYING.value,
+    StrategyState.ABORT_REQUESTED.value,
+    StrategyState.ABORTING.value,
+)
+
+
+@dataclass(slots=True)
+class Transition:
+    """One compare-and-set state change of one step, with its journal row."""
+
+    step_id: int
+    strategy_id: int
+    from_state: str
+    from_fence: int
+    to_state: str
+    fence: int
+    details: str
+    attempt: int
+    at: float = 0.0
+
+
+@dataclass(slots=True)
+class Event:
+    """A non-transition fact worth keeping: takeover, stale outcome, ignored message."""
+
+    kind: str
+    details: str
+    strategy_id: int | None = None
+    step_id: int | None = None
+
+
+@dataclass(slots=True)
+class StepRecord:
+    step_id: int
+    strategy_id: int
+    stage: int
+    group_id: int | None
+    state: str
+    fence: int
+    attempt: int
+    owner: str | None
+    target: Target
+
+
+@dataclass
+class StrategyRecord:
+    id: int
+    workflow: str
+    state: str
+    options: str
+    group_caps: dict[int, int]
+    owner: str | None
+    fence: int
+    lease_expires_at: float | None
+    details: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# -- conductors and leases ---------------------------------------------------------
+
+
+def register_conductor(store: Store, cid: str, now: float) -> None:
+    with store.write() as conn:
+        conn.execute(
+            insert(conductors).values(
+                id=cid, hostname=HOSTNAME, pid=os.getpid(), started_at=now, heartbeat_at=now
+            )
+        )
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def dead_conductors(conn: Connection, self_id: str) -> set[str]:
+    """Conductors known to be gone: stopped cleanly, or a dead process on this host."""
+    dead: set[str] = set()
+    for r in conn.execute(select(conductors)):
+        if r.id == self_id:
+            continue
+        if r.stopped_at is not None or (r.hostname == HOSTNAME and not _pid_alive(r.pid)):
+            dead.add(r.id)
+    return dead
+
+
+def heartbeat(store: Store, cid: str, now: float, lease_until: float) -> int:
+    """Renew every lease this conductor holds; returns how many strategies it still owns."""
+    with store.write() as conn:
+        conn.execute(update(conductors).where(conductors.c.id == cid).values(heartbeat_at=now))
+        conn.execute(update(steps).where(steps.c.owner == cid).values(lease_expires_at=lease_until))
+        res = conn.execute(
+            update(strategies).where(strategies.c.owner == cid).values(lease_expires_at=lease_until)
+        )
+        return int(res.rowcount)
+
+
+def release_conductor(store: Store, cid: str, now: float) -> None:
+    """Clean shutdown: hand every lease back at once (G5)."""
+    with store.write() as conn:
+        conn.execute(
+            update(steps).where(steps.c.owner == cid).values(owner=None, lease_expires_at=None)
+        )
+        conn.execute(
+            update(strategies)
+            .where(strategies.c.owner == cid)
+            .values(owner=None, lease_expires_at=None)
+        )
+        conn.execute(update(conductors).where(conductors.c.id == cid).values(stopped_at=now))
+
+
+def _strategy_record(r: Any) -> StrategyRecord:
+    return StrategyRecord(
+        id=r.id,
+        workflow=r.workflow,
+        state=r.state,
+        options=r.options,
+        group_caps={int(k): int(v) for k, v in json.loads(r.group_caps).items()},
+        owner=r.owner,
+        fence=r.fence,
+        lease_expires_at=r.lease_expires_at,
+        details=r.details,
+    )
+
+
+def claim_strategies(
+    store: Store, cid: str, now: float, lease_until: float, only: set[int] | None = None
+) -> list[StrategyRecord]:
+    """Claim every driven strategy that is free, expired, or held by a dead conductor."""
+    claimed: list[StrategyRecord] = []
+    with store.write() as conn:
+        dead = dead_conductors(conn, cid)
+        q = select(strategies).where(strategies.c.state.in_(DRIVEN_STATES))
+        if only is not None:
+            q = q.where(strategies.c.id.in_(sorted(only)))
+        for r in conn.execute(q).all():
+            free = (
+                r.owner is None
+                or r.owner in dead
+                or (r.lease_expires_at is not None and r.lease_expires_at < now)
+            )
+            if r.owner == cid or not free:
+                continue
+            res = conn.execute(
+                update(strategies)
+                .where(strategies.c.id == r.id, strategies.c.fence == r.fence)
+                .values(owner=cid, fence=r.fence + 1, lease_expires_at=lease_until)
+            )
+            if res.rowcount == 1:
+                rec = _strategy_record(r)
+                rec.owner, rec.fence = cid, r.fence + 1
+                rec.extra["previous_owner"] = r.owner
+                claimed.append(rec)
+                conn.execute(
+                    insert(events).values(
+                        at=now,
+                        conductor=cid,
+                        strategy_id=r.id,
+                        kind="strategy-claimed",
+                        details=f"from {r.owner or 'nobody'}",
+                    )
+                )
+    return claimed
+
+
+def strategy_state(store: Store, sid: int) -> tuple[str, str | None]:
+    with store.read() as conn:
+        row = conn.execute(
+            select(strategies.c.state, strategies.c.owner).where(strategies.c.id == sid)
+        ).one()
+        return str(row.state), row.owner
+
+
+def set_strategy_state(
+    store: Store, sid: int, cid: str, expect: str, new: str, details: str, now: float
+) -> bool:
+    """Compare-and-set the strategy's state; only its owner may."""
+    with store.write() as conn:
+        res = conn.execute(
+            update(strategies)
+            .where(strategies.c.id == sid, strategies.c.state == expect, strategies.c.owner == cid)
+            .values(state=new, details=details, updated_at=now)
+        )
+        if new in (StrategyState.COMPLETE, StrategyState.FAILED, StrategyState.ABORTED):
+            conn.execute(
+                update(strategies)
+                .where(strategies.c.id == sid, strategies.c.owner == cid)
+                .values(owner=None, lease_expires_at=None)
+            )
+        return bool(res.rowcount == 1)
+
+
+def load_open_steps(store: Store, sid: int) -> tuple[list[StepRecord], int]:
+    """Every non-terminal step of a strategy in admission order, and the failed count."""
+    with store.read() as conn:
+        rows = conn.execute(
+            select(
+                steps.c.id,
+                steps.c.stage,
+                steps.c.group_id,
+                steps.c.state,
+                steps.c.fence,
+                steps.c.attempt,
+                steps.c.owner,
+                targets.c.name,
+                targets.c.driver,
+                targets.c.settings,
+                targets.c.managed,
+                targets.c.labels,
+                groups.c.name.label("group_name"),
+            )
+            .join(targets, targets.c.id == steps.c.target_id)
+            .outerjoin(groups, groups.c.id == steps.c.group_id)
+            .where(steps.c.strategy_id == sid, steps.c.state.not_in(list(STEP_TERMINAL)))
+            .order_by(steps.c.ordinal)
+        ).all()
+        failed = conn.execute(
+            select(steps.c.id).where(steps.c.strategy_id == sid, steps.c.state == "failed")
+        ).all()
+    out = [
+        StepRecord(
+            step_id=r.id,
+            strategy_id=sid,
+            stage=r.stage,
+            group_id=r.group_id,
+            state=r.state,
+            fence=r.fence,
+            attempt=r.attempt,
+            owner=r.owner,
+            target=Target(
+                name=r.name,
+                driver=r.driver,
+                group=r.group_name,
+                settings=json.loads(r.settings),
+                managed=bool(r.managed),
+                labels=json.loads(r.labels),
+            ),
+        )
+        for r in rows
+    ]
+    return out, len(failed)
+
+
+def take_over_steps(
+    store: Store, recs: list[StepRecord], cid: str, now: float, lease_until: float
+) -> list[StepRecord]:
+    """Fence off the previous owner of in-flight steps: fence+1, owner=us (CAS per step)."""
+    taken: list[StepRecord] = []
+    with store.write() as conn:
+        for rec in recs:
+            res = conn.execute(
+                update(steps)
+                .where(
+                    steps.c.id == rec.step_id,
+                    steps.c.fence == rec.fence,
+                    steps.c.state == rec.state,
+                )
+                .values(owner=cid, fence=rec.fence + 1, lease_expires_at=lease_until)
+            )
+            if res.rowcount != 1:
+                continue
+            conn.execute(
+                insert(events).values(
+                    at=now,
+                    conductor=cid,
+                    strategy_id=rec.strategy_id,
+                    step_id=rec.step_id,
+                    kind="step-taken-over",
+                    details=f"in {rec.state} from {rec.owner or 'nobody'} "
+                    f"(fence {rec.fence} -> {rec.fence + 1})",
+                )
+            )
+            rec.fence += 1
+            rec.owner = cid
+            taken.append(rec)
+    return taken
+
+
+# -- the hot path -------------------------------------------------------------------
+
+
+class TransitionWriter:
+    """Group commit of transitions. Not thread-safe: one writer thread owns it."""
+
+    def __init__(self, store: Store, conductor_id: str) -> None:
+        self.store = store
+        self.cid = conductor_id
+        p = store.hooks.placeholder
+        self._update_sql = (
+            f"UPDATE steps SET state={p}, fence={p}, owner={p}, lease_expires_at={p}, "
+            f"details={p}, attempt={p}, started_at=COALESCE(started_at, {p}), finished_at={p} "
+            f"WHERE id={p} AND state={p} AND fence={p}"
+        )
+        self._journal_sql = (
+            "INSERT INTO journal (strategy_id, step_id, at, conductor, from_state, to_state, "
+            f"fence, details) VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p}, {p})"
+        )
+        self._event_sql = (
+            "INSERT INTO events (at, conductor, strategy_id, step_id, kind, details) "
+            f"VALUES ({p}, {p}, {p}, {p}, {p}, {p})"
+        )
+
+    def _params(self, t: Transition, lease_until: float) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        terminal = t.to_state in STEP_TERMINAL
+        upd = (
+            t.to_state,
+            t.fence,
+            None if terminal else self.cid,
+            None if terminal else lease_until,
+            t.details,
+            t.attempt,
+            None if t.from_state == STEP_INITIAL and terminal else t.at,
+            t.at if terminal else None,
+            t.step_id,
+            t.from_state,
+            t.from_fence,
+        )
+        jr = (
+            t.strategy_id,
+            t.step_id,
+            t.at,
+            self.cid,
+            t.from_state,
+            t.to_state,
+            t.fence,
+            t.details,
+        )
+        return upd, jr
+
+    def commit(
+        self, batch: list[Transition], evts: list[Event], now: float, lease_until: float
+    ) -> list[Transition]:
+        """Commit a batch; returns the transitions that were rejected (CAS or G1)."""
+        ups: list[tuple[Any, ...]] = []
+        jrs: list[tuple[Any, ...]] = []
+        for t in batch:
+            u, j = self._params(t, lease_until)
+            ups.append(u)
+            jrs.append(j)
+        ev = [(now, self.cid, e.strategy_id, e.step_id, e.kind, e.details) for e in evts]
+        try:
+            with self.store.write() as conn:
+                res = conn.exec_driver_sql(self._update_sql, ups) if ups else None
+                if res is not None and res.rowcount != len(ups):
+                    raise _Mismatch
+                if jrs:
+                    conn.exec_driver_sql(self._journal_sql, jrs)
+                if ev:
+                    conn.exec_driver_sql(self._event_sql, ev)
+            return []
+        except (_Mismatch, IntegrityError):
+            return self._commit_one_by_one(batch, ups, jrs, ev, now)
+
+    def _commit_one_by_one(
+        self,
+        batch: list[Transition],
+        ups: list[tuple[Any, ...]],
+        jrs: list[tuple[Any, ...]],
+        ev: list[tuple[Any, ...]],
+        now: float,
+    ) -> list[Transition]:
+        rejected: list[Transition] = []
+        with self.store.write() as conn:
+            for t, u, j in zip(batch, ups, jrs, strict=True):
+                sp = conn.begin_nested()
+                try:
+                    res = conn.exec_driver_sql(self._update_sql, u)
+                    if res.rowcount != 1:
+                        sp.rollback()
+                        rejected.append(t)
+                        continue
+                    conn.exec_driver_sql(self._journal_sql, j)
+                    sp.commit()
+                except IntegrityError:
+                    sp.rollback()
+                    rejected.append(t)
+            for t in rejected:
+                ev.append(
+                    (
+                        now,
+                        self.cid,
+                        t.strategy_id,
+                        t.step_id,
+                        "transition-rejected",
+                        f"{t.from_state} -> {t.to_state} at fence {t.from_fence}: "
+                        "step no longer at that state and fence, or state already entered",
+                    )
+                )
+            if ev:
+                conn.exec_driver_sql(self._event_sql, ev)
+        return rejected
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def record_events(store: Store, cid: str, now: float, evts: list[Event]) -> None:
+    if not evts:
+        return
+    with store.write() as conn:
+        conn.execute(
+            insert(events),
+            [
+                {
+                    "at": now,
+                    "conductor": cid,
+                    "strategy_id": e.strategy_id,
+                    "step_id": e.step_id,
+                    "kind": e.kind,
+                    "details": e.details,
+                }
+                for e in evts
+            ],
+        )

@@ -1,0 +1,134 @@
+"""The one schema, shared by SQLite and PostgreSQL (SQLAlchemy 2 Core).
+
+Times are float seconds since the epoch, from the engine's clock. The journal's
+unique key on (step_id, to_state) is guarantee G1 in the database itself.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    Boolean,
+    Column,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
+
+metadata = MetaData()
+
+conductors = Table(
+    "conductors",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("hostname", String(255), nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("started_at", Float, nullable=False),
+    Column("heartbeat_at", Float, nullable=False),
+    Column("stopped_at", Float),
+)
+
+groups = Table(
+    "groups",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("name", String(255), nullable=False, unique=True),
+    Column("max_parallel", Integer, nullable=False),
+    Column("apply_type", String(16), nullable=False),
+)
+
+targets = Table(
+    "targets",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("name", String(255), nullable=False, unique=True),
+    Column("group_id", Integer, ForeignKey("groups.id"), index=True),
+    Column("driver", String(64), nullable=False),
+    Column("settings", Text, nullable=False, default="{}"),
+    Column("managed", Boolean, nullable=False, default=True),
+    Column("labels", Text, nullable=False, default="{}"),
+    Column("created_at", Float, nullable=False),
+)
+
+workflows = Table(
+    "workflows",
+    metadata,
+    Column("name", String(255), primary_key=True),
+    Column("version", Integer, nullable=False),
+    Column("source_yaml", Text, nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
+strategies = Table(
+    "strategies",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("workflow", String(255), nullable=False),
+    Column("workflow_version", Integer, nullable=False),
+    Column("states", Text, nullable=False),  # JSON list: the workflow's states, for check
+    Column("state", String(32), nullable=False),
+    Column("options", Text, nullable=False),  # JSON StrategyOptions
+    Column("group_caps", Text, nullable=False),  # JSON {group_id: cap}
+    Column("step_count", Integer, nullable=False),
+    Column("details", Text, nullable=False, default=""),
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+    Column("owner", String(64)),
+    Column("fence", Integer, nullable=False, default=0),
+    Column("lease_expires_at", Float),
+)
+
+steps = Table(
+    "steps",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("strategy_id", Integer, ForeignKey("strategies.id"), nullable=False),
+    Column("target_id", Integer, ForeignKey("targets.id"), nullable=False),
+    Column("ordinal", Integer, nullable=False),
+    Column("stage", Integer, nullable=False),
+    Column("group_id", Integer),
+    Column("state", String(64), nullable=False),
+    Column("details", Text, nullable=False, default=""),
+    Column("started_at", Float),
+    Column("finished_at", Float),
+    Column("attempt", Integer, nullable=False, default=0),
+    Column("fence", Integer, nullable=False, default=0),
+    Column("owner", String(64)),
+    Column("lease_expires_at", Float),
+    Index("ix_steps_strategy_state", "strategy_id", "state"),
+    Index("ix_steps_target", "target_id"),
+)
+
+journal = Table(
+    "journal",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("strategy_id", Integer, nullable=False),
+    Column("step_id", Integer, nullable=False),
+    Column("at", Float, nullable=False),
+    Column("conductor", String(64), nullable=False),
+    Column("from_state", String(64), nullable=False),
+    Column("to_state", String(64), nullable=False),
+    Column("fence", Integer, nullable=False),
+    Column("details", Text, nullable=False, default=""),
+    UniqueConstraint("step_id", "to_state", name="uq_journal_step_state"),
+    Index("ix_journal_strategy", "strategy_id", "id"),
+)
+
+events = Table(
+    "events",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("at", Float, nullable=False),
+    Column("conductor", String(64)),
+    Column("strategy_id", Integer),
+    Column("step_id", Integer),
+    Column("kind", String(64), nullable=False),
+    Column("details", Text, nullable=False, default=""),
+    Index("ix_events_strategy", "strategy_id", "id"),
+)
