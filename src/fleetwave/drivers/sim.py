@@ -136,9 +136,7 @@ class SimDriver:
         if self.record:
             self.performed.append((target.name, operation, ctx.attempt))
         if prof.remote_state and (prof.unexpected_at or ctx.state) == ctx.state:
-            raise StepFailed(
-                f"target reports unexpected remote state '{prof.remote_state}' during {operation}"
-            )
+            raise StepFailed(f"target reports unexpected remote state '{prof.remote_state}'")
         if prof.plain:
             if prof.latency_s > 0:
                 await asyncio.sleep(prof.latency_s)
@@ -150,11 +148,11 @@ class SimDriver:
             if delay > 0:
                 await asyncio.sleep(delay)
             if prof.flaky and rng.random() < prof.flaky:
-                raise TransientError(f"{operation}: target busy (simulated)")
+                raise TransientError("target busy (simulated)")
             if prof.failure and rng.random() < prof.failure:
-                raise StepFailed(f"{operation} failed on target (simulated)")
+                raise StepFailed("failed on target (simulated)")
         if prof.fail_at == ctx.state:
-            raise StepFailed(f"{operation} failed on target (fail_at={prof.fail_at})")
+            raise StepFailed(f"failed on target (fail_at={prof.fail_at})")
         if prof.already_done:
             return RemoteResult.ALREADY_DONE
         return RemoteResult.DONE
@@ -162,7 +160,7 @@ class SimDriver:
     async def observe(self, target: Target, operation: str, ctx: ActionContext) -> RemoteResult:
         prof = self._profile(target)
         if prof.fail_at == ctx.state:
-            raise StepFailed(f"{operation} failed on target (fail_at={prof.fail_at})")
+            raise StepFailed(f"failed on target (fail_at={prof.fail_at})")
         return RemoteResult.ALREADY_DONE if prof.already_done else RemoteResult.DONE
 
     @staticmethod

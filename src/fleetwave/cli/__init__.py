@@ -1,0 +1,1 @@
+"""The ``fleetwave`` command line (Typer + Rich)."""

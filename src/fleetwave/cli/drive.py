@@ -1,0 +1,87 @@
+"""Driving a strategy in the foreground with a live progress bar.
+
+If another live conductor (``fleetwave serve``) owns the strategy, this only
+watches the database until the strategy ends; it never drives it twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from fleetwave.cli.output import err_console
+from fleetwave.domain.models import STRATEGY_TERMINAL
+from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.store import queries
+from fleetwave.store.db import Store
+from fleetwave.store.runtime import strategy_state
+
+
+@dataclass
+class DriveResult:
+    state: str
+    conductor: Conductor | None
+
+
+async def _watch(
+    store: Store, sid: int, total: int, progress: Progress | None, done: asyncio.Event
+) -> None:
+    task = progress.add_task(f"strategy {sid}", total=total) if progress else None
+    while True:
+        if progress is not None and task is not None:
+            counts = queries.step_counts(store, sid)
+            finished = sum(counts.get(s, 0) for s in ("complete", "failed", "aborted"))
+            failed = counts.get("failed", 0)
+            progress.update(
+                task, completed=finished, description=f"strategy {sid} ({failed} failed)"
+            )
+        if done.is_set():
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), timeout=0.25)
+
+
+async def _drive(store: Store, sid: int, show_progress: bool, config: EngineConfig) -> DriveResult:
+    total = int(queries.get_strategy(store, sid)["steps"])
+    conductor = Conductor(store, config=config)
+    done = asyncio.Event()
+    progress = (
+        Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=err_console,
+            transient=False,
+        )
+        if show_progress
+        else None
+    )
+    if progress is not None:
+        progress.start()
+    watcher = asyncio.create_task(_watch(store, sid, total, progress, done))
+    try:
+        result = await conductor.run(strategy_ids=[sid])
+        state = result.get(sid, "unknown")
+        while state == "owned":  # someone else drives it: wait for the end
+            await asyncio.sleep(0.5)
+            state, _owner = strategy_state(store, sid)
+            if state in STRATEGY_TERMINAL:
+                break
+            state = "owned"
+        done.set()
+        await watcher
+    finally:
+        watcher.cancel()
+        if progress is not None:
+            progress.stop()
+    return DriveResult(state, conductor)
+
+
+def drive_strategy(
+    store: Store, sid: int, *, show_progress: bool, config: EngineConfig | None = None
+) -> DriveResult:
+    return asyncio.run(_drive(store, sid, show_progress, config or EngineConfig()))

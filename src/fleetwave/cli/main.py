@@ -1,0 +1,427 @@
+"""``fleetwave``: targets, groups, workflows, strategies, history, check, serve and demo.
+
+Bad input prints one line naming the problem on stderr and exits 2; nothing is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from fleetwave.catalog import list_workflows, resolve_workflow
+from fleetwave.cli import output
+from fleetwave.cli.common import DbOpt, FormatOpt, store_for
+from fleetwave.cli.demo import demo_command
+from fleetwave.cli.drive import drive_strategy
+from fleetwave.cli.output import Format, console, emit_one, emit_rows, err_console, print_json
+from fleetwave.cli.parsing import check_target, parse_pairs, targets_from_file
+from fleetwave.domain.errors import InputError
+from fleetwave.domain.models import ApplyType, Group, StrategyOptions, Target
+from fleetwave.domain.workflow import WorkflowError
+from fleetwave.domain.yaml_workflow import parse_workflow_yaml
+from fleetwave.engine.conductor import Conductor
+from fleetwave.store import admin, queries
+from fleetwave.store.db import StoreError
+from fleetwave.testing.invariants import check as check_invariants
+
+app = typer.Typer(
+    help="fleetwave: roll one operation across a fleet, exactly once per state.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+target_app = typer.Typer(help="Managed targets (subclouds, hosts, nodes).", no_args_is_help=True)
+group_app = typer.Typer(help="Target groups with their own parallelism.", no_args_is_help=True)
+workflow_app = typer.Typer(help="Workflows: built-in, Python and YAML.", no_args_is_help=True)
+strategy_app = typer.Typer(help="Rollouts of one workflow over targets.", no_args_is_help=True)
+step_app = typer.Typer(help="Steps: one target inside one strategy.", no_args_is_help=True)
+app.add_typer(target_app, name="target")
+app.add_typer(group_app, name="group")
+app.add_typer(workflow_app, name="workflow")
+app.add_typer(strategy_app, name="strategy")
+app.add_typer(step_app, name="step")
+app.command("demo")(demo_command)
+
+
+@app.command()
+def init(db: DbOpt = None) -> None:
+    """Create (or upgrade) the database."""
+    store = store_for(db)
+    console.print(f"database ready: {store.url}")
+
+
+# -- targets ------------------------------------------------------------------------
+
+
+@target_app.command("add")
+def target_add(
+    name: str,
+    group: Annotated[str | None, typer.Option(help="group name")] = None,
+    driver: Annotated[str, typer.Option(help="driver: sim")] = "sim",
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="driver setting key=value (repeatable)")
+    ] = None,
+    label: Annotated[list[str] | None, typer.Option(help="label k=v (repeatable)")] = None,
+    unmanaged: Annotated[bool, typer.Option("--unmanaged", help="add as unmanaged")] = False,
+    db: DbOpt = None,
+) -> None:
+    """Add one target."""
+    t = Target(
+        name=name,
+        group=group,
+        driver=driver,
+        settings=parse_pairs(set_, "--set"),
+        labels={k: str(v) for k, v in parse_pairs(label, "--label").items()},
+        managed=not unmanaged,
+    )
+    check_target(t, f"target {name}")
+    admin.add_targets(store_for(db), [t])
+    console.print(f"target {name} added")
+
+
+@target_app.command("import")
+def target_import(file: Path, db: DbOpt = None) -> None:
+    """Add targets from CSV (name,group,driver,<settings...>) or YAML, in one transaction."""
+    items = targets_from_file(file)
+    n = admin.add_targets(store_for(db), items)
+    console.print(f"{n} targets imported from {file}")
+
+
+@target_app.command("list")
+def target_list(
+    group: Annotated[str | None, typer.Option(help="only this group")] = None,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
+    """List targets."""
+    rows = queries.list_targets(store_for(db), group)
+    emit_rows(rows, ["name", "group", "driver", "managed", "settings", "labels"], fmt)
+
+
+@target_app.command("show")
+def target_show(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
+    """Show one target and the strategies it has been in."""
+    emit_one(queries.get_target(store_for(db), name), fmt)
+
+
+@target_app.command("manage")
+def target_manage(name: str, db: DbOpt = None) -> None:
+    """Mark a target managed: rollouts may touch it."""
+    admin.set_managed(store_for(db), name, True)
+    console.print(f"target {name} is managed")
+
+
+@target_app.command("unmanage")
+def target_unmanage(name: str, db: DbOpt = None) -> None:
+    """Mark a target unmanaged: its step fails when its turn comes, nothing touches it."""
+    admin.set_managed(store_for(db), name, False)
+    console.print(f"target {name} is unmanaged")
+
+
+@target_app.command("delete")
+def target_delete(name: str, db: DbOpt = None) -> None:
+    """Delete a target that is in no strategy."""
+    admin.delete_target(store_for(db), name)
+    console.print(f"target {name} deleted")
+
+
+# -- groups ---------------------------------------------------------------------------
+
+
+@group_app.command("add")
+def group_add(
+    name: str,
+    max_parallel: Annotated[int, typer.Option(help="targets of this group in flight at once")] = 20,
+    apply_type: Annotated[ApplyType, typer.Option(help="parallel or serial")] = ApplyType.PARALLEL,
+    db: DbOpt = None,
+) -> None:
+    """Add a group."""
+    admin.add_group(store_for(db), Group(name, max_parallel, apply_type))
+    console.print(f"group {name} added")
+
+
+@group_app.command("list")
+def group_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
+    """List groups."""
+    emit_rows(
+        queries.list_groups(store_for(db)), ["name", "max_parallel", "apply_type", "targets"], fmt
+    )
+
+
+# -- workflows --------------------------------------------------------------------------
+
+
+def _workflow_dict(name: str, db: str | None) -> dict[str, object]:
+    wf = resolve_workflow(store_for(db), name)
+    return {
+        "name": wf.name,
+        "version": wf.version,
+        "source": wf.source,
+        "description": wf.description,
+        "states": [
+            {
+                "state": s.name,
+                "action": s.action.describe(),
+                "timeout_s": s.timeout_s,
+                "attempts": s.attempts_max,
+                "backoff_s": s.backoff_s,
+                "mode": s.mode,
+            }
+            for s in wf.states
+        ],
+    }
+
+
+@workflow_app.command("list")
+def workflow_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
+    """List workflows."""
+    rows = [
+        {
+            "name": wf.name,
+            "version": wf.version,
+            "source": wf.source,
+            "states": " -> ".join(wf.state_names),
+        }
+        for wf in list_workflows(store_for(db))
+    ]
+    emit_rows(rows, ["name", "version", "source", "states"], fmt)
+
+
+@workflow_app.command("show")
+def workflow_show(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
+    """Show a workflow's states, actions, timeouts and retries."""
+    emit_one(_workflow_dict(name, db), fmt)
+
+
+@workflow_app.command("validate")
+def workflow_validate(file: Path) -> None:
+    """Check a YAML workflow file; errors name the state and field."""
+    if not file.is_file():
+        raise InputError(f"FILE: {file} does not exist")
+    wf = parse_workflow_yaml(file.read_text(encoding="utf-8"), source=str(file))
+    console.print(f"{file}: workflow {wf.name} v{wf.version} is valid ({len(wf.states)} states)")
+
+
+@workflow_app.command("add")
+def workflow_add(file: Path, db: DbOpt = None) -> None:
+    """Validate a YAML workflow and store it, so strategies can use it."""
+    if not file.is_file():
+        raise InputError(f"FILE: {file} does not exist")
+    text = file.read_text(encoding="utf-8")
+    wf = parse_workflow_yaml(text, source=str(file))
+    store = store_for(db)
+    existing = {w.name: w for w in list_workflows(store)}
+    if wf.name in existing and existing[wf.name].source != "yaml":
+        raise InputError(f"{file}: name: '{wf.name}' is a built-in workflow; choose another name")
+    admin.save_workflow(store, wf, text)
+    console.print(f"workflow {wf.name} v{wf.version} stored")
+
+
+# -- strategies ---------------------------------------------------------------------------
+
+
+def _timeouts(items: list[str] | None) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, value in parse_pairs(items, "--timeout").items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise InputError(f"--timeout: {key}: expected a positive number of seconds")
+        out[key] = float(value)
+    return out
+
+
+@strategy_app.command("create")
+def strategy_create(
+    workflow: Annotated[str, typer.Option(help="workflow name")],
+    targets: Annotated[str | None, typer.Option(help="comma-separated target names")] = None,
+    group: Annotated[str | None, typer.Option(help="every target of this group")] = None,
+    all_: Annotated[bool, typer.Option("--all", help="every target")] = False,
+    max_parallel: Annotated[int, typer.Option(help="steps in flight at once")] = 20,
+    apply_type: Annotated[ApplyType, typer.Option(help="parallel or serial")] = ApplyType.PARALLEL,
+    stop_on_failure: Annotated[bool, typer.Option(help="stop at the first failure")] = False,
+    max_failures: Annotated[
+        int | None, typer.Option(help="stop once more than this many steps failed")
+    ] = None,
+    stages_by_group: Annotated[
+        bool, typer.Option(help="one stage per group, run one after another")
+    ] = False,
+    timeout: Annotated[
+        list[str] | None, typer.Option(help="state=seconds timeout override (repeatable)")
+    ] = None,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
+    """Create a strategy (state initial); apply it to start."""
+    store = store_for(db)
+    wf = resolve_workflow(store, workflow)
+    opts = StrategyOptions(
+        max_parallel=max_parallel,
+        apply_type=apply_type,
+        stop_on_failure=stop_on_failure,
+        max_failures=max_failures,
+        stages_by_group=stages_by_group,
+        timeouts_s=_timeouts(timeout),
+    )
+    sid = admin.create_strategy(
+        store,
+        wf,
+        opts,
+        target_names=targets.split(",") if targets is not None else None,
+        group=group,
+        all_targets=all_,
+    )
+    if fmt is Format.json:
+        print_json(queries.get_strategy(store, sid))
+    else:
+        console.print(f"strategy {sid} created ({wf.name})")
+
+
+@strategy_app.command("apply")
+def strategy_apply(
+    strategy_id: int,
+    wait: Annotated[bool, typer.Option(help="drive it here and wait for the end")] = False,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
+    """Start (or resume) a strategy. With --wait, drive it in the foreground."""
+    store = store_for(db)
+    admin.apply_strategy(store, strategy_id)
+    if not wait:
+        console.print(f"strategy {strategy_id} applying; a running 'fleetwave serve' drives it")
+        return
+    result = drive_strategy(store, strategy_id, show_progress=fmt is Format.table)
+    summary = queries.get_strategy(store, strategy_id)
+    if fmt is Format.json:
+        print_json(summary)
+    else:
+        emit_one(summary, fmt)
+    if result.state != "complete":
+        raise typer.Exit(1)
+
+
+@strategy_app.command("abort")
+def strategy_abort(strategy_id: int, db: DbOpt = None) -> None:
+    """Abort: nothing new starts; in-flight steps finish their current state."""
+    admin.request_abort(store_for(db), strategy_id)
+    console.print(f"strategy {strategy_id}: abort requested")
+
+
+@strategy_app.command("show")
+def strategy_show(strategy_id: int, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
+    """Show a strategy with its step counts per state."""
+    emit_one(queries.get_strategy(store_for(db), strategy_id), fmt)
+
+
+@strategy_app.command("list")
+def strategy_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
+    """List strategies."""
+    emit_rows(
+        queries.list_strategies(store_for(db)),
+        ["id", "workflow", "state", "steps", "max_parallel", "stop_on_failure", "details"],
+        fmt,
+    )
+
+
+@strategy_app.command("delete")
+def strategy_delete(strategy_id: int, db: DbOpt = None) -> None:
+    """Delete a strategy that is not running, with its steps and journal."""
+    admin.delete_strategy(store_for(db), strategy_id)
+    console.print(f"strategy {strategy_id} deleted")
+
+
+# -- steps, history, check ---------------------------------------------------------------------
+
+
+@step_app.command("list")
+def step_list(
+    strategy: Annotated[int, typer.Option(help="strategy id")],
+    state: Annotated[str | None, typer.Option(help="only steps in this state")] = None,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
+    """List the steps of a strategy."""
+    rows = queries.list_steps(store_for(db), strategy, state)
+    emit_rows(rows, ["target", "stage", "state", "details", "started_at", "finished_at"], fmt)
+
+
+@step_app.command("show")
+def step_show(step_id: int, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
+    """Show one step with its journal and events."""
+    emit_one(queries.get_step(store_for(db), step_id), fmt)
+
+
+@app.command()
+def history(
+    strategy: Annotated[int, typer.Option(help="strategy id")],
+    target: Annotated[str | None, typer.Option(help="only this target")] = None,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
+    """The journal: every transition with time, conductor, from, to and details."""
+    rows = queries.history(store_for(db), strategy, target)
+    emit_rows(rows, ["at", "conductor", "target", "from", "to", "details"], fmt)
+
+
+@app.command()
+def check(
+    strategy: Annotated[int | None, typer.Option(help="only this strategy")] = None,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
+    """Verify G1, G3, G7 and G8 from the journal; exit 1 listing violations."""
+    store = store_for(db)
+    if strategy is not None:
+        queries.strategy_exists(store, strategy)
+    result = check_invariants(store, strategy)
+    if fmt is Format.json:
+        print_json(result.to_json())
+    else:
+        console.print(
+            f"checked {result.strategies} strategies, {result.steps} steps, "
+            f"{result.transitions} transitions"
+        )
+        for v in result.violations:
+            console.print(f"[red]violation[/red] {v}")
+        if result.truncated:
+            console.print(f"... and {result.truncated} more violations")
+        console.print("[green]ok: G1 G3 G7 G8 hold[/green]" if result.ok else "[red]FAILED[/red]")
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def serve(db: DbOpt = None) -> None:
+    """Run a conductor: drive every applying strategy until interrupted (Ctrl-C)."""
+    store = store_for(db)
+
+    async def _serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        conductor = Conductor(store)
+        err_console.print(f"conductor {conductor.id} serving {store.url}; Ctrl-C to stop")
+        await conductor.run(stop=stop)
+        err_console.print(f"conductor {conductor.id} stopped; leases handed back")
+
+    asyncio.run(_serve())
+
+
+def main() -> None:
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        app()
+    except (InputError, WorkflowError, StoreError) as exc:
+        output.err_console.print(f"error: {exc}", markup=False, highlight=False)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""Read models for the CLI and API: plain dicts, ready to print as a table or JSON."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sqlalchemy import func, select
+
+from fleetwave.domain.errors import NotFound
+from fleetwave.domain.models import STEP_TERMINAL
+from fleetwave.store.db import Store
+from fleetwave.store.schema import events, groups, journal, steps, strategies, targets
+
+
+def list_groups(store: Store) -> list[dict[str, Any]]:
+    with store.read() as conn:
+        counts: dict[int | None, int] = {
+            gid: int(n)
+            for gid, n in conn.execute(
+                select(targets.c.group_id, func.count()).group_by(targets.c.group_id)
+            )
+        }
+        return [
+            {
+                "name": g.name,
+                "max_parallel": g.max_parallel,
+                "apply_type": g.apply_type,
+                "targets": counts.get(g.id, 0),
+            }
+            for g in conn.execute(select(groups).order_by(groups.c.name))
+        ]
+
+
+def _target_dict(r: Any) -> dict[str, Any]:
+    return {
+        "name": r.name,
+        "group": r.group_name,
+        "driver": r.driver,
+        "managed": bool(r.managed),
+        "settings": json.loads(r.settings),
+        "labels": json.loads(r.labels),
+    }
+
+
+def _target_query() -> Any:
+    return select(
+        targets.c.name,
+        targets.c.driver,
+        targets.c.managed,
+        targets.c.settings,
+        targets.c.labels,
+        groups.c.name.label("group_name"),
+    ).outerjoin(groups, groups.c.id == targets.c.group_id)
+
+
+def list_targets(store: Store, group: str | None = None) -> list[dict[str, Any]]:
+    q = _target_query()
+    if group is not None:
+        q = q.where(groups.c.name == group)
+    with store.read() as conn:
+        return [_target_dict(r) for r in conn.execute(q.order_by(targets.c.name))]
+
+
+def get_target(store: Store, name: str) -> dict[str, Any]:
+    with store.read() as conn:
+        r = conn.execute(_target_query().where(targets.c.name == name)).first()
+        if r is None:
+            raise NotFound(f"target '{name}' not found")
+        out = _target_dict(r)
+        out["strategies"] = [
+            {"strategy": s.strategy_id, "state": s.state, "details": s.details}
+            for s in conn.execute(
+                select(steps.c.strategy_id, steps.c.state, steps.c.details)
+                .join(targets, targets.c.id == steps.c.target_id)
+                .where(targets.c.name == name)
+                .order_by(steps.c.strategy_id)
+            )
+        ]
+        return out
+
+
+def step_counts(store: Store, sid: int) -> dict[str, int]:
+    with store.read() as conn:
+        return {
+            str(state): int(n)
+            for state, n in conn.execute(
+                select(steps.c.state, func.count())
+                .where(steps.c.strategy_id == sid)
+                .group_by(steps.c.state)
+            )
+        }
+
+
+def terminal_count(store: Store, sid: int) -> int:
+    with store.read() as conn:
+        return int(
+            conn.execute(
+                select(func.count()).where(
+                    steps.c.strategy_id == sid, steps.c.state.in_(list(STEP_TERMINAL))
+                )
+            ).scalar_one()
+        )
+
+
+def _strategy_dict(r: Any) -> dict[str, Any]:
+    opts = json.loads(r.options)
+    return {
+        "id": r.id,
+        "workflow": r.workflow,
+        "state": r.state,
+        "steps": r.step_count,
+        "max_parallel": opts["max_parallel"],
+        "apply_type": opts["apply_type"],
+        "stop_on_failure": opts["stop_on_failure"],
+        "max_failures": opts["max_failures"],
+        "details": r.details,
+        "created_at": r.created_at,
+        "updated_at": r.updated_at,
+        "owner": r.owner,
+    }
+
+
+def list_strategies(store: Store) -> list[dict[str, Any]]:
+    with store.read() as conn:
+        return [
+            _strategy_dict(r) for r in conn.execute(select(strategies).order_by(strategies.c.id))
+        ]
+
+
+def get_strategy(store: Store, sid: int) -> dict[str, Any]:
+    with store.read() as conn:
+        r = conn.execute(select(strategies).where(strategies.c.id == sid)).first()
+        if r is None:
+            raise NotFound(f"strategy {sid} not found")
+        out = _strategy_dict(r)
+        out["states"] = json.loads(r.states)
+        out["options"] = json.loads(r.options)
+    out["step_states"] = step_counts(store, sid)
+    return out
+
+
+def strategy_exists(store: Store, sid: int) -> None:
+    with store.read() as conn:
+        if conn.execute(select(strategies.c.id).where(strategies.c.id == sid)).first() is None:
+            raise NotFound(f"strategy {sid} not found")
+
+
+def list_steps(
+    store: Store, sid: int, state: str | None = None, limit: int | None = None
+) -> list[dict[str, Any]]:
+    strategy_exists(store, sid)
+    q = (
+        select(
+            steps.c.id,
+            targets.c.name,
+            steps.c.stage,
+            steps.c.state,
+            steps.c.details,
+            steps.c.started_at,
+            steps.c.finished_at,
+            steps.c.attempt,
+            steps.c.owner,
+        )
+        .join(targets, targets.c.id == steps.c.target_id)
+        .where(steps.c.strategy_id == sid)
+        .order_by(steps.c.ordinal)
+    )
+    if state is not None:
+        q = q.where(steps.c.state == state)
+    if limit is not None:
+        q = q.limit(limit)
+    with store.read() as conn:
+        return [
+            {
+                "step": r.id,
+                "target": r.name,
+                "stage": r.stage,
+                "state": r.state,
+                "details": r.details,
+                "started_at": r.started_at,
+                "finished_at": r.finished_at,
+                "attempt": r.attempt,
+                "owner": r.owner,
+            }
+            for r in conn.execute(q)
+        ]
+
+
+def get_step(store: Store, step_id: int) -> dict[str, Any]:
+    with store.read() as conn:
+        r = conn.execute(
+            select(steps, targets.c.name.label("target"))
+            .join(targets, targets.c.id == steps.c.target_id)
+            .where(steps.c.id == step_id)
+        ).first()
+        if r is None:
+            raise NotFound(f"step {step_id} not found")
+        out = {
+            "step": r.id,
+            "strategy": r.strategy_id,
+            "target": r.target,
+            "stage": r.stage,
+            "state": r.state,
+            "details": r.details,
+            "started_at": r.started_at,
+            "finished_at": r.finished_at,
+            "attempt": r.attempt,
+            "fence": r.fence,
+            "owner": r.owner,
+            "lease_expires_at": r.lease_expires_at,
+        }
+    out["history"] = history(store, int(out["strategy"]), step_id=step_id)
+    out["events"] = step_events(store, step_id)
+    return out
+
+
+def history(
+    store: Store, sid: int, target: str | None = None, step_id: int | None = None
+) -> list[dict[str, Any]]:
+    strategy_exists(store, sid)
+    q = (
+        select(journal, targets.c.name.label("target"))
+        .join(steps, steps.c.id == journal.c.step_id)
+        .join(targets, targets.c.id == steps.c.target_id)
+        .where(journal.c.strategy_id == sid)
+        .order_by(journal.c.id)
+    )
+    if target is not None:
+        with store.read() as conn:
+            if conn.execute(select(targets.c.id).where(targets.c.name == target)).first() is None:
+                raise NotFound(f"--target: no target named '{target}'")
+        q = q.where(targets.c.name == target)
+    if step_id is not None:
+        q = q.where(journal.c.step_id == step_id)
+    with store.read() as conn:
+        return [
+            {
+                "at": r.at,
+                "conductor": r.conductor,
+                "target": r.target,
+                "step": r.step_id,
+                "from": r.from_state,
+                "to": r.to_state,
+                "fence": r.fence,
+                "details": r.details,
+            }
+            for r in conn.execute(q)
+        ]
+
+
+def step_events(store: Store, step_id: int) -> list[dict[str, Any]]:
+    with store.read() as conn:
+        return [
+            {"at": r.at, "conductor": r.conductor, "kind": r.kind, "details": r.details}
+            for r in conn.execute(
+                select(events).where(events.c.step_id == step_id).order_by(events.c.id)
+            )
+        ]
+
+
+def strategy_events(store: Store, sid: int, kind: str | None = None) -> list[dict[str, Any]]:
+    q = select(events).where(events.c.strategy_id == sid).order_by(events.c.id)
+    if kind is not None:
+        q = q.where(events.c.kind == kind)
+    with store.read() as conn:
+        return [
+            {
+                "at": r.at,
+                "step": r.step_id,
+                "kind": r.kind,
+                "details": r.details,
+                "conductor": r.conductor,
+            }
+            for r in conn.execute(q)
+        ]

@@ -1,0 +1,1 @@
+"""Test support shipped with fleetwave: invariant checks, virtual time, fault injection."""

@@ -1,0 +1,178 @@
+"""The guarantees, checked from the journal and final rows alone.
+
+Used by ``fleetwave check``, the demo, the simulator and the tests:
+
+* G1 no (step, state) entered twice;
+* G3 every transition starts where the previous one ended, at a fence no lower,
+  and follows the workflow's allowed moves;
+* G7 replaying the journal in commit order, steps in flight never exceed the
+  strategy's max parallel nor a group's cap;
+* G8 nothing leaves a terminal state;
+* and the bookkeeping around them: each step's row agrees with its journal, a
+  terminal strategy has only terminal steps and holds no lease, and the failure
+  threshold stopped admissions exactly when it was exceeded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Row, select
+
+from fleetwave.domain.models import STEP_FAILED, STEP_INITIAL, STEP_TERMINAL, STRATEGY_TERMINAL
+from fleetwave.domain.rules import is_allowed_move
+from fleetwave.store.admin import options_from_json
+from fleetwave.store.db import Store
+from fleetwave.store.schema import journal, steps, strategies, targets
+
+MAX_REPORTED = 200
+
+
+@dataclass
+class CheckResult:
+    strategies: int = 0
+    steps: int = 0
+    transitions: int = 0
+    violations: list[str] = field(default_factory=list)
+    truncated: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def add(self, msg: str) -> None:
+        if len(self.violations) < MAX_REPORTED:
+            self.violations.append(msg)
+        else:
+            self.truncated += 1
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "ok": self.ok,
+            "strategies": self.strategies,
+            "steps": self.steps,
+            "transitions": self.transitions,
+            "violations": self.violations,
+            "violations_not_shown": self.truncated,
+        }
+
+
+def check(store: Store, strategy_id: int | None = None) -> CheckResult:
+    result = CheckResult()
+    with store.read() as conn:
+        q = select(strategies)
+        if strategy_id is not None:
+            q = q.where(strategies.c.id == strategy_id)
+        strats = conn.execute(q.order_by(strategies.c.id)).all()
+        for strat in strats:
+            result.strategies += 1
+            step_rows = conn.execute(
+                select(steps.c.id, steps.c.state, steps.c.group_id, steps.c.owner, targets.c.name)
+                .join(targets, targets.c.id == steps.c.target_id)
+                .where(steps.c.strategy_id == strat.id)
+            ).all()
+            jrows = conn.execute(
+                select(
+                    journal.c.step_id,
+                    journal.c.from_state,
+                    journal.c.to_state,
+                    journal.c.fence,
+                )
+                .where(journal.c.strategy_id == strat.id)
+                .order_by(journal.c.id)
+            ).all()
+            _check_strategy(result, strat, step_rows, jrows)
+    return result
+
+
+def _check_strategy(
+    result: CheckResult, strat: Row[Any], step_rows: Sequence[Row[Any]], jrows: Sequence[Row[Any]]
+) -> None:
+    sid = strat.id
+    states = tuple(json.loads(strat.states))
+    opts = options_from_json(strat.options)
+    group_caps = {int(k): int(v) for k, v in json.loads(strat.group_caps).items()}
+    cap = opts.effective_parallel
+    limit = opts.failure_limit
+    name = {r.id: r.name for r in step_rows}
+    group = {r.id: r.group_id for r in step_rows}
+    result.steps += len(step_rows)
+    result.transitions += len(jrows)
+
+    last: dict[int, str] = {}
+    fence: dict[int, int] = {}
+    entered: Counter[tuple[int, str]] = Counter()
+    inflight: set[int] = set()
+    group_load: Counter[int | None] = Counter()
+    failures = 0
+    stopped_at: int | None = None
+
+    def who(step_id: int) -> str:
+        return f"strategy {sid} step {step_id} ({name.get(step_id, '?')})"
+
+    for i, (step_id, frm, to, fen) in enumerate(jrows):
+        entered[(step_id, to)] += 1
+        if entered[(step_id, to)] == 2:
+            result.add(f"G1: {who(step_id)} entered '{to}' more than once")
+        prev = last.get(step_id, STEP_INITIAL)
+        if prev in STEP_TERMINAL:
+            result.add(f"G8: {who(step_id)} moved {frm} -> {to} after terminal '{prev}'")
+        elif frm != prev:
+            result.add(f"G3: {who(step_id)} moved from '{frm}' but was at '{prev}'")
+        elif not is_allowed_move(states, frm, to):
+            result.add(f"G3: {who(step_id)} made a move the workflow does not allow: {frm} -> {to}")
+        if fen < fence.get(step_id, 0):
+            result.add(f"G3: {who(step_id)} fence went back from {fence[step_id]} to {fen}")
+        fence[step_id] = fen
+        last[step_id] = to
+
+        gid = group.get(step_id)
+        if to in STEP_TERMINAL:
+            if step_id in inflight:
+                inflight.discard(step_id)
+                group_load[gid] -= 1
+            if to == STEP_FAILED:
+                failures += 1
+                if limit is not None and failures > limit and stopped_at is None:
+                    stopped_at = i
+        elif frm == STEP_INITIAL:
+            if stopped_at is not None:
+                result.add(
+                    f"threshold: {who(step_id)} started after the failure threshold "
+                    f"({limit}) was exceeded"
+                )
+            inflight.add(step_id)
+            group_load[gid] += 1
+            if len(inflight) > cap:
+                result.add(f"G7: strategy {sid} had {len(inflight)} steps in flight (max {cap})")
+            gcap = group_caps.get(gid) if gid is not None else None
+            if gcap is not None and group_load[gid] > gcap:
+                result.add(
+                    f"G7: strategy {sid} group {gid} had {group_load[gid]} in flight (cap {gcap})"
+                )
+
+    terminal_strategy = strat.state in STRATEGY_TERMINAL
+    for r in step_rows:
+        journalled = last.get(r.id, STEP_INITIAL)
+        if r.state != journalled:
+            result.add(f"record: {who(r.id)} row says '{r.state}' but journal says '{journalled}'")
+        if terminal_strategy and r.state not in STEP_TERMINAL:
+            result.add(f"terminal: strategy {sid} is {strat.state} but {who(r.id)} is '{r.state}'")
+        if r.state in STEP_TERMINAL and r.owner is not None:
+            result.add(f"lease: {who(r.id)} is terminal but still owned by {r.owner}")
+    if terminal_strategy and strat.owner is not None:
+        result.add(f"lease: strategy {sid} is terminal but still owned by {strat.owner}")
+
+
+def summarize(store: Store, strategy_id: int) -> dict[str, int]:
+    """Steps per state of one strategy."""
+    with store.read() as conn:
+        rows = conn.execute(select(steps.c.state).where(steps.c.strategy_id == strategy_id)).all()
+    counts: dict[str, int] = defaultdict(int)
+    for r in rows:
+        counts[r.state] += 1
+    return dict(counts)
