@@ -13,6 +13,7 @@ Per-target settings (``fleetwave target add NAME --set key=value``):
 ``flaky_rate``       chance an operation fails transiently (retried by policy)
 ``hang_rate``        chance an operation never returns (exercises timeouts)
 ``fail_at``          a state name: the operation of that state always fails
+``hang_at``          a state name: the operation of that state never returns
 ``already_done``     ``true``: the target reports it is already done (pre-check skips)
 ``remote_state``     a state the target reports at ``unexpected_at`` (default: the
                      first operation) that no workflow knows: a clear failure
@@ -37,6 +38,7 @@ SETTINGS = (
     "flaky_rate",
     "hang_rate",
     "fail_at",
+    "hang_at",
     "already_done",
     "remote_state",
     "unexpected_at",
@@ -87,6 +89,7 @@ class _Profile:
         "failure",
         "flaky",
         "hang",
+        "hang_at",
         "kind",
         "latency_s",
         "plain",
@@ -104,11 +107,16 @@ class _Profile:
         self.flaky = _float(settings, "flaky_rate", 0, 0, 1)
         self.hang = _float(settings, "hang_rate", 0, 0, 1)
         self.fail_at = settings.get("fail_at")
+        self.hang_at = settings.get("hang_at")
         self.already_done = _bool(settings.get("already_done", False))
         self.remote_state = settings.get("remote_state")
         self.unexpected_at = settings.get("unexpected_at")
         self.plain = (
-            self.failure == 0 and self.flaky == 0 and self.hang == 0 and self.kind == "fixed"
+            self.failure == 0
+            and self.flaky == 0
+            and self.hang == 0
+            and self.kind == "fixed"
+            and self.hang_at is None
         )
 
 
@@ -142,7 +150,7 @@ class SimDriver:
                 await asyncio.sleep(prof.latency_s)
         else:
             rng = random.Random(f"{self.seed}:{target.name}:{operation}:{ctx.attempt}")
-            if prof.hang and rng.random() < prof.hang:
+            if prof.hang_at == ctx.state or (prof.hang and rng.random() < prof.hang):
                 await asyncio.Event().wait()  # never set: only a timeout ends this
             delay = self._latency(prof, rng)
             if delay > 0:

@@ -305,7 +305,25 @@ class Conductor:
             self._apply(batch, rejected)
         for fl in recover:
             self._start(fl, recovering=True)
+        await self._mark_aborting()
         await self._finish_done_runs()
+
+    async def _mark_aborting(self) -> None:
+        """abort-requested -> aborting, once the dispatcher has stopped admitting."""
+        for run in self.runs.values():
+            if run.stopping == "abort" and run.db_state == StrategyState.ABORT_REQUESTED:
+                ok = await self._io(
+                    rt.set_strategy_state,
+                    self.store,
+                    run.id,
+                    self.id,
+                    StrategyState.ABORT_REQUESTED.value,
+                    StrategyState.ABORTING.value,
+                    "aborting: in-flight steps finish their current state",
+                    self.clock.now(),
+                )
+                if ok:
+                    run.db_state = StrategyState.ABORTING.value
 
     def _drop_run(self, sid: int) -> None:
         """Another conductor fenced us off this strategy: stop its workers, forget it."""
@@ -324,6 +342,7 @@ class Conductor:
             return
         run.stopping = "abort"
         run.stop_details = "aborted by operator"
+        run.db_state = StrategyState.ABORT_REQUESTED.value
         events.append(rt.Event("abort-seen", "operator abort requested", sid))
         log.info("strategy %s: abort requested; in-flight steps finish their current state", sid)
 

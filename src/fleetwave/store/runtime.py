@@ -206,19 +206,16 @@ def strategy_state(store: Store, sid: int) -> tuple[str, str | None]:
 def set_strategy_state(
     store: Store, sid: int, cid: str, expect: str, new: str, details: str, now: float
 ) -> bool:
-    """Compare-and-set the strategy's state; only its owner may."""
+    """Compare-and-set the strategy's state; only its owner may. Terminal drops the lease."""
+    values: dict[str, Any] = {"state": new, "details": details, "updated_at": now}
+    if new in (StrategyState.COMPLETE, StrategyState.FAILED, StrategyState.ABORTED):
+        values.update(owner=None, lease_expires_at=None)
     with store.write() as conn:
         res = conn.execute(
             update(strategies)
             .where(strategies.c.id == sid, strategies.c.state == expect, strategies.c.owner == cid)
-            .values(state=new, details=details, updated_at=now)
+            .values(**values)
         )
-        if new in (StrategyState.COMPLETE, StrategyState.FAILED, StrategyState.ABORTED):
-            conn.execute(
-                update(strategies)
-                .where(strategies.c.id == sid, strategies.c.owner == cid)
-                .values(owner=None, lease_expires_at=None)
-            )
         return bool(res.rowcount == 1)
 
 

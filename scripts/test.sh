@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Install what the tests need (into .venv) and run lint, types and the test suite.
+# Usage: bash scripts/test.sh [extra pytest args]      (CI: .ci/run calls this)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --upgrade pip >/dev/null
+.venv/bin/python -m pip install --quiet -e '.[test]'
+echo "== ruff"
+.venv/bin/ruff check src tests bench
+.venv/bin/ruff format --check src tests bench
+echo "== mypy (strict)"
+.venv/bin/mypy
+echo "== pytest"
+set +e
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "pytest collected no tests"
+  exit 1
+fi
+exit "$rc"

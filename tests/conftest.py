@@ -1,0 +1,50 @@
+"""Shared fixtures: a real SQLite store per test, and a helper to roll a workflow out."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleetwave.domain.models import StrategyOptions, Target
+from fleetwave.domain.registry import get_workflow
+from fleetwave.domain.workflow import WorkflowDef
+from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.store import admin
+from fleetwave.store.db import Store, open_store
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    s = open_store(str(tmp_path / "fleet.db"))
+    yield s
+    s.dispose()
+
+
+def add_sim_targets(
+    store: Store, n: int, settings: dict[str, Any] | None = None, prefix: str = "t", **kw: Any
+) -> list[str]:
+    names = [f"{prefix}{i:05d}" for i in range(n)]
+    admin.add_targets(store, [Target(name=x, settings=dict(settings or {}), **kw) for x in names])
+    return names
+
+
+def rollout(
+    store: Store,
+    workflow: str | WorkflowDef = "patch",
+    *,
+    conductor: Conductor | None = None,
+    config: EngineConfig | None = None,
+    **options: Any,
+) -> tuple[int, str, Conductor]:
+    """Create and apply a strategy over all targets, drive it to the end."""
+    wf = get_workflow(workflow) if isinstance(workflow, str) else workflow
+    assert wf is not None
+    sid = admin.create_strategy(store, wf, StrategyOptions(**options), all_targets=True)
+    admin.apply_strategy(store, sid)
+    c = conductor or Conductor(store, config=config or EngineConfig())
+    result = asyncio.run(c.run(strategy_ids=[sid]))
+    return sid, result[sid], c

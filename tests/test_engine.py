@@ -1,0 +1,406 @@
+"""The engine on a real SQLite file: admission, caps, failures, retries, timeouts, abort."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from typing import Any
+
+from sqlalchemy import select
+
+from conftest import add_sim_targets, rollout
+from fleetwave import ActionContext, Advance, Outcome, StateAction, StepFailed, TransientError
+from fleetwave.domain.models import Group, StrategyOptions
+from fleetwave.domain.registry import get_workflow, register_workflow
+from fleetwave.domain.rules import Decision
+from fleetwave.domain.workflow import StateDef, WorkflowDef
+from fleetwave.drivers.sim import SimDriver
+from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.engine.messages import ActionFinished
+from fleetwave.store import admin, queries
+from fleetwave.store.db import Store
+from fleetwave.store.schema import events, journal, steps
+from fleetwave.testing.invariants import check
+
+
+def _journal(store: Store, sid: int) -> list[Any]:
+    with store.read() as conn:
+        return list(
+            conn.execute(select(journal).where(journal.c.strategy_id == sid).order_by(journal.c.id))
+        )
+
+
+def _states(store: Store, sid: int) -> dict[str, tuple[str, str]]:
+    return {s["target"]: (s["state"], s["details"]) for s in queries.list_steps(store, sid)}
+
+
+def test_rollout_enters_every_state_exactly_once(store: Store) -> None:
+    add_sim_targets(store, 50)
+    sim = SimDriver()
+    sim.record = True
+    c = Conductor(store, drivers={"sim": sim})
+    sid, final, _ = rollout(store, conductor=c, max_parallel=7)
+    assert final == "complete"
+    wf = get_workflow("patch")
+    assert wf is not None
+    rows = _journal(store, sid)
+    per_step: dict[int, list[str]] = {}
+    for r in rows:
+        per_step.setdefault(r.step_id, []).append(r.to_state)
+    assert len(per_step) == 50
+    for seq in per_step.values():
+        assert seq == [*wf.state_names, "complete"]
+    # What the targets saw: each operation once per target.
+    seen = Counter((t, op) for t, op, _ in sim.performed)
+    assert len(seen) == 50 * len(wf.states)
+    assert set(seen.values()) == {1}
+    assert check(store, sid).ok
+
+
+class _Concurrency:
+    def __init__(self) -> None:
+        self.now = 0
+        self.at_start: list[int] = []
+        self.peak_by_group: Counter[str | None] = Counter()
+        self.by_group: Counter[str | None] = Counter()
+
+
+PROBE = _Concurrency()
+
+
+class ProbeWork(StateAction):
+    async def run(self, ctx: ActionContext) -> Outcome:
+        PROBE.now += 1
+        PROBE.by_group[ctx.target.group] += 1
+        PROBE.peak_by_group[ctx.target.group] = max(
+            PROBE.peak_by_group[ctx.target.group], PROBE.by_group[ctx.target.group]
+        )
+        PROBE.at_start.append(PROBE.now)
+        try:
+            await asyncio.sleep(random.Random(ctx.target.name).uniform(0.005, 0.05))
+        finally:
+            PROBE.now -= 1
+            PROBE.by_group[ctx.target.group] -= 1
+        return Advance()
+
+
+def _probe_workflow() -> WorkflowDef:
+    return register_workflow(
+        WorkflowDef("probe-one", (StateDef("work", ProbeWork(), timeout_s=10),)), replace=True
+    )
+
+
+def test_sliding_window_keeps_max_parallel_busy(store: Store) -> None:
+    global PROBE
+    PROBE = _Concurrency()
+    add_sim_targets(store, 80)
+    sid, final, _ = rollout(store, _probe_workflow(), max_parallel=10)
+    assert final == "complete"
+    assert max(PROBE.at_start) == 10
+    # While targets remain, a finished step is replaced at once, while the others still
+    # run: lock-step batches would start each new batch into an empty window (1).
+    steady = PROBE.at_start[10 : 80 - 10]
+    assert min(steady) >= 5
+    assert sum(steady) / len(steady) >= 9
+    assert check(store, sid).ok
+
+
+def test_group_caps_and_serial_groups(store: Store) -> None:
+    global PROBE
+    PROBE = _Concurrency()
+    admin.add_group(store, Group("east", max_parallel=3))
+    from fleetwave.domain.models import ApplyType
+
+    admin.add_group(store, Group("west", max_parallel=50, apply_type=ApplyType.SERIAL))
+    add_sim_targets(store, 20, prefix="e", group="east")
+    add_sim_targets(store, 10, prefix="w", group="west")
+    add_sim_targets(store, 10, prefix="u")
+    sid, final, _ = rollout(store, _probe_workflow(), max_parallel=8)
+    assert final == "complete"
+    assert PROBE.peak_by_group["east"] == 3
+    assert PROBE.peak_by_group["west"] == 1
+    assert max(PROBE.at_start) <= 8
+    assert check(store, sid).ok
+
+
+def test_serial_apply_type_runs_one_at_a_time(store: Store) -> None:
+    global PROBE
+    PROBE = _Concurrency()
+    from fleetwave.domain.models import ApplyType
+
+    add_sim_targets(store, 12)
+    _, final, _ = rollout(store, _probe_workflow(), max_parallel=50, apply_type=ApplyType.SERIAL)
+    assert final == "complete"
+    assert max(PROBE.at_start) == 1
+
+
+def test_stop_on_failure_finishes_current_state_and_starts_nothing(store: Store) -> None:
+    add_sim_targets(store, 1, prefix="a", settings={"fail_at": "pre-check", "latency_ms": 1})
+    add_sim_targets(store, 30, prefix="b", settings={"latency_ms": 5})
+    sid, final, _ = rollout(store, max_parallel=4, stop_on_failure=True)
+    assert final == "failed"
+    st = _states(store, sid)
+    assert st["a00000"][0] == "failed"
+    aborted = [d for s, d in st.values() if s == "aborted"]
+    assert any(d.startswith("stopped after ") for d in aborted)  # in flight: finished its state
+    assert any(d.startswith("not started") for d in aborted)
+    assert all(s in ("complete", "failed", "aborted") for s, _ in st.values())
+    strategy = queries.get_strategy(store, sid)
+    assert "stop on failure" in strategy["details"]
+    assert check(store, sid).ok
+
+
+def test_failure_threshold_stops_exactly_when_exceeded(store: Store) -> None:
+    names = add_sim_targets(store, 12)
+    for n in (names[2], names[5], names[8]):
+        admin.set_managed(store, n, False)
+    sid, final, _ = rollout(store, max_parallel=1, max_failures=1)
+    assert final == "failed"
+    st = _states(store, sid)
+    assert st[names[2]][0] == "failed" and st[names[5]][0] == "failed"
+    assert st[names[5]][1] == f"Target {names[5]} is unmanaged."
+    assert st[names[8]][0] == "aborted"  # never reached: the threshold stopped the rollout
+    assert [st[n][0] for n in names[:5] if n != names[2]] == ["complete"] * 4
+    assert "exceed the failure threshold of 1" in queries.get_strategy(store, sid)["details"]
+    assert check(store, sid).ok
+
+
+class Flaky(StateAction):
+    calls: Counter[str] = Counter()
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        Flaky.calls[ctx.target.name] += 1
+        if ctx.attempt < 3:
+            raise TransientError("busy")
+        return Advance()
+
+
+class Boom(StateAction):
+    async def run(self, ctx: ActionContext) -> Outcome:
+        raise ValueError("boom on purpose")
+
+
+class Hang(StateAction):
+    async def run(self, ctx: ActionContext) -> Outcome:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+class Branch(StateAction):
+    async def run(self, ctx: ActionContext) -> Outcome:
+        return Advance(to="c", details="jumped")
+
+
+class Fails(StateAction):
+    async def run(self, ctx: ActionContext) -> Outcome:
+        raise StepFailed("remote said no")
+
+
+def _wf(name: str, *states: StateDef) -> WorkflowDef:
+    return register_workflow(WorkflowDef(name, states), replace=True)
+
+
+def test_retry_with_backoff_then_success_or_failure(store: Store) -> None:
+    add_sim_targets(store, 3)
+    ok = _wf("retry-ok", StateDef("a", Flaky(), attempts_max=3, backoff_s=0.01))
+    sid, final, _ = rollout(store, ok)
+    assert final == "complete"
+    assert all(Flaky.calls[f"t0000{i}"] == 3 for i in range(3))
+    assert {s["attempt"] for s in queries.list_steps(store, sid)} == {3}
+
+
+def test_retries_exhausted_fail_with_attempt_count(store: Store) -> None:
+    add_sim_targets(store, 2)
+    bad = _wf("retry-bad", StateDef("a", Flaky(), attempts_max=2, backoff_s=0.01))
+    sid, final, _ = rollout(store, bad)
+    assert final == "failed"
+    for state, details in _states(store, sid).values():
+        assert state == "failed"
+        assert details == "a: busy (attempt 2 of 2)"
+
+
+def test_unexpected_exception_fails_step_with_state_and_message(store: Store) -> None:
+    add_sim_targets(store, 3)
+    sid, final, _ = rollout(store, _wf("boom", StateDef("explode", Boom())))
+    assert final == "failed"
+    assert {d for _, d in _states(store, sid).values()} == {"explode: boom on purpose"}
+    assert check(store, sid).ok
+
+
+def test_timeout_fails_the_step_never_strands_it(store: Store) -> None:
+    add_sim_targets(store, 20)
+    wf = _wf("hang", StateDef("wait", Hang(), timeout_s=0.05, attempts_max=2, backoff_s=0.01))
+    sid, final, _ = rollout(store, wf, max_parallel=20)
+    assert final == "failed"
+    assert {d for _, d in _states(store, sid).values()} == {
+        "wait: timed out after 0.05s (attempt 2 of 2)"
+    }
+    with store.read() as conn:
+        owners = conn.execute(select(steps.c.owner).where(steps.c.owner.is_not(None))).all()
+    assert owners == []
+    assert check(store, sid).ok
+
+
+def test_branch_and_typed_failure(store: Store) -> None:
+    add_sim_targets(store, 2)
+    wf = _wf(
+        "branchy",
+        StateDef("a", Branch()),
+        StateDef("b", Fails()),
+        StateDef("c", Fails()),
+    )
+    sid, final, _ = rollout(store, wf)
+    assert final == "failed"
+    seq = [r.to_state for r in _journal(store, sid) if r.step_id == 1]
+    assert seq == ["a", "c", "failed"]  # b never entered
+    assert {d for _, d in _states(store, sid).values()} == {"c: remote said no"}
+    assert check(store, sid).ok
+
+
+def test_already_done_target_skips_with_reason(store: Store) -> None:
+    add_sim_targets(store, 2, settings={"already_done": True})
+    sim = SimDriver()
+    sim.record = True
+    sid, final, _ = rollout(store, conductor=Conductor(store, drivers={"sim": sim}))
+    assert final == "complete"
+    for state, details in _states(store, sid).values():
+        assert state == "complete"
+        assert details.startswith("skipped at pre-check")
+    assert {op for _, op, _ in sim.performed} == {"pre-check"}
+
+
+def test_unexpected_remote_state_is_a_clear_failure(store: Store) -> None:
+    add_sim_targets(store, 1, settings={"remote_state": "ready-to-apply"})
+    sid, final, _ = rollout(store)
+    assert final == "failed"
+    ((_state, details),) = _states(store, sid).values()
+    assert details == "pre-check: target reports unexpected remote state 'ready-to-apply'"
+
+
+def test_operator_abort_mid_run(store: Store) -> None:
+    add_sim_targets(store, 200, settings={"latency_ms": 10})
+    wf = get_workflow("patch")
+    assert wf is not None
+    sid = admin.create_strategy(store, wf, StrategyOptions(max_parallel=10), all_targets=True)
+    admin.apply_strategy(store, sid)
+    c = Conductor(store, config=EngineConfig(tick_s=0.02))
+
+    async def go() -> dict[int, str]:
+        task = asyncio.create_task(c.run(strategy_ids=[sid]))
+        await asyncio.sleep(0.3)
+        admin.request_abort(store, sid)
+        return await task
+
+    assert asyncio.run(go())[sid] == "aborted"
+    counts = queries.step_counts(store, sid)
+    assert set(counts) <= {"complete", "aborted"}
+    assert counts["aborted"] > 100
+    assert check(store, sid).ok
+    kinds = {e["kind"] for e in queries.strategy_events(store, sid)}
+    assert "abort-seen" in kinds
+
+
+def test_stale_outcome_is_recorded_and_ignored(store: Store) -> None:
+    """G3: a report for a (state, fence) the step has left changes nothing."""
+    add_sim_targets(store, 5, settings={"latency_ms": 30})
+    wf = get_workflow("patch")
+    assert wf is not None
+    sid = admin.create_strategy(store, wf, StrategyOptions(max_parallel=5), all_targets=True)
+    admin.apply_strategy(store, sid)
+    c = Conductor(store)
+
+    async def go() -> dict[int, str]:
+        task = asyncio.create_task(c.run(strategy_ids=[sid]))
+        await asyncio.sleep(0.05)
+        # A late duplicate of step 1's first report, at its first fence.
+        c.post(ActionFinished(sid, 1, "pre-check", 1, Decision("failed", "late dup"), 1))
+        return await task
+
+    assert asyncio.run(go())[sid] == "complete"
+    assert c.stats.stale_outcomes == 1
+    assert [e["kind"] for e in queries.step_events(store, 1)] == ["stale-outcome-ignored"]
+    assert check(store, sid).ok
+
+
+def test_clean_shutdown_hands_leases_back_and_next_conductor_resumes(store: Store) -> None:
+    add_sim_targets(store, 40, settings={"latency_ms": 20})
+    wf = get_workflow("patch")
+    assert wf is not None
+    sid = admin.create_strategy(store, wf, StrategyOptions(max_parallel=10), all_targets=True)
+    admin.apply_strategy(store, sid)
+    first = Conductor(store)
+
+    async def stop_soon() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(first.run(stop=stop))
+        await asyncio.sleep(0.15)
+        stop.set()
+        await task
+
+    asyncio.run(stop_soon())
+    with store.read() as conn:
+        held = conn.execute(select(steps.c.id).where(steps.c.owner.is_not(None))).all()
+        mid = conn.execute(
+            select(steps.c.id).where(
+                steps.c.state.not_in(["initial", "complete", "failed", "aborted"])
+            )
+        ).all()
+    assert held == []  # handed back at once
+    assert mid, "the stop should land mid-rollout"
+    second = Conductor(store)
+    result = asyncio.run(second.run(strategy_ids=[sid]))
+    assert result[sid] == "complete"
+    taken = [e for e in queries.strategy_events(store, sid) if e["kind"] == "step-taken-over"]
+    assert len(taken) == len(mid)
+    assert check(store, sid).ok
+
+
+def test_dead_conductor_on_another_host_is_taken_over_after_lease_expiry(store: Store) -> None:
+    from sqlalchemy import insert, update
+
+    from fleetwave.store.schema import conductors, strategies
+
+    add_sim_targets(store, 3)
+    wf = get_workflow("patch")
+    assert wf is not None
+    sid = admin.create_strategy(store, wf, StrategyOptions(max_parallel=3), all_targets=True)
+    admin.apply_strategy(store, sid)
+    with store.write() as conn:
+        conn.execute(
+            insert(conductors).values(
+                id="ghost", hostname="elsewhere", pid=1, started_at=0, heartbeat_at=0
+            )
+        )
+        conn.execute(update(strategies).values(owner="ghost", fence=1, lease_expires_at=10**12))
+        conn.execute(
+            update(steps)
+            .where(steps.c.id == 1)
+            .values(state="updating-patches", owner="ghost", fence=3, lease_expires_at=10**12)
+        )
+    # The lease is live: nobody may take it.
+    assert asyncio.run(Conductor(store).run(strategy_ids=[sid]))[sid] == "owned"
+    with store.write() as conn:
+        conn.execute(update(strategies).values(lease_expires_at=1.0))
+        conn.execute(update(steps).where(steps.c.id == 1).values(lease_expires_at=1.0))
+    assert asyncio.run(Conductor(store).run(strategy_ids=[sid]))[sid] == "complete"
+    with store.read() as conn:
+        evts = conn.execute(select(events.c.kind, events.c.details)).all()
+    assert ("step-taken-over", "in updating-patches from ghost (fence 3 -> 4)") in [
+        (e.kind, e.details) for e in evts
+    ]
+
+
+def test_recover_hook_missing_fails_with_conductor_lost(store: Store) -> None:
+    from sqlalchemy import update
+
+    add_sim_targets(store, 1)
+    wf = _wf("no-recover", StateDef("only", Boom()))
+    sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
+    admin.apply_strategy(store, sid)
+    with store.write() as conn:
+        conn.execute(update(steps).values(state="only", fence=1, owner="gone"))
+    result = asyncio.run(Conductor(store).run(strategy_ids=[sid]))
+    assert result[sid] == "failed"
+    ((_state, details),) = _states(store, sid).values()
+    assert details == "only: conductor lost during only"
