@@ -74,7 +74,9 @@ def test_builtin_workflows_match_design() -> None:
         "applying-remote-patch-strategy",
         "finishing",
     )
-    assert set(wfs) == {"patch", "sw-deploy", "firmware", "kube-upgrade"}
+    assert set(wfs) == {"patch", "sw-deploy", "firmware", "kube-upgrade", "clean"}
+    clean = next(wf for wf in builtin_workflows() if wf.name == "clean")
+    assert clean.state("wait-for-agent").mode == "wait-for-callback"
     assert wfs["kube-upgrade"][0] == "pre-check"
 
 

@@ -7,7 +7,7 @@ already where the rollout would take it.
 
 from __future__ import annotations
 
-from fleetwave.domain.workflow import DriverOperation, StateDef, WorkflowDef
+from fleetwave.domain.workflow import DriverOperation, StateDef, WaitMode, WorkflowDef
 
 MINUTE = 60.0
 HOUR = 3600.0
@@ -20,6 +20,7 @@ def _state(
     attempts_max: int = 1,
     backoff_s: float = 10.0,
     skip_when_done: bool = False,
+    mode: WaitMode = "run",
 ) -> StateDef:
     return StateDef(
         name=name,
@@ -28,6 +29,7 @@ def _state(
         attempts_max=attempts_max,
         backoff_s=backoff_s,
         backoff_max_s=5 * MINUTE,
+        mode=mode,
     )
 
 
@@ -75,5 +77,19 @@ def builtin_workflows() -> list[WorkflowDef]:
                 _state("apply-kube-upgrade-strategy", 4 * HOUR),
             ),
             description="Upgrade kubernetes through a remote kube upgrade strategy.",
+        ),
+        WorkflowDef(
+            "clean",
+            (
+                _state("power-off", 5 * MINUTE, attempts_max=3),
+                _state("set-boot-network", 5 * MINUTE, attempts_max=3),
+                _state("power-on", 5 * MINUTE, attempts_max=3),
+                _state("wait-for-agent", 30 * MINUTE, mode="wait-for-callback"),
+                _state("clean-steps", 2 * HOUR, mode="wait-for-callback"),
+                _state("final-power-off", 5 * MINUTE, attempts_max=3),
+                _state("mark-available", 5 * MINUTE, attempts_max=3),
+            ),
+            description="Clean a bare-metal node: network boot its agent, wait for the "
+            "agent's callback, run the clean steps (the agent reports when done), power off.",
         ),
     ]

@@ -88,6 +88,8 @@ class ActionContext:
     step_id: int
     driver: TargetDriver
     settings: dict[str, Any] = field(default_factory=dict)
+    #: the state waits for the target's callback after this action returns
+    callback_expected: bool = False
 
 
 class StateAction:

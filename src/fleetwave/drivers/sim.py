@@ -17,7 +17,15 @@ Per-target settings (``fleetwave target add NAME --set key=value``):
 ``already_done``     ``true``: the target reports it is already done (pre-check skips)
 ``remote_state``     a state the target reports at ``unexpected_at`` (default: the
                      first operation) that no workflow knows: a clear failure
+``callback_fail_rate``  states that wait for a callback: chance it reports failure
+``callback_lost_rate``  chance the callback never comes (the state times out)
+``callback_dup_rate``   chance the callback is sent twice
+``callback_late_rate``  chance an extra copy comes long after the state was left
 ===================  =========================================================
+
+For states that wait for a callback, the operation returns at once and the
+simulated target calls ``callback_sink(step_id, state, kind, details)`` after the
+latency, as a real agent would call the callback endpoint.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from collections.abc import Callable
 from typing import Any
 
 from fleetwave.domain.models import Target
@@ -42,7 +51,18 @@ SETTINGS = (
     "already_done",
     "remote_state",
     "unexpected_at",
+    "callback_fail_rate",
+    "callback_lost_rate",
+    "callback_dup_rate",
+    "callback_late_rate",
 )
+CALLBACK_RATES = (
+    "callback_fail_rate",
+    "callback_lost_rate",
+    "callback_dup_rate",
+    "callback_late_rate",
+)
+CallbackSink = Callable[[int, str, str, str], object]
 
 
 class SimSettingError(ValueError):
@@ -72,7 +92,7 @@ def validate_settings(settings: dict[str, Any]) -> None:
         )
     _float(settings, "latency_ms", 0, 0, 86_400_000)
     _float(settings, "latency_sigma", 0.5, 0, 5)
-    for key in ("failure_rate", "flaky_rate", "hang_rate"):
+    for key in ("failure_rate", "flaky_rate", "hang_rate", *CALLBACK_RATES):
         _float(settings, key, 0, 0, 1)
     if str(settings.get("latency", "fixed")) not in {"fixed", "uniform", "lognormal"}:
         raise SimSettingError(
@@ -85,6 +105,7 @@ class _Profile:
 
     __slots__ = (
         "already_done",
+        "callback_rates",
         "fail_at",
         "failure",
         "flaky",
@@ -111,6 +132,7 @@ class _Profile:
         self.already_done = _bool(settings.get("already_done", False))
         self.remote_state = settings.get("remote_state")
         self.unexpected_at = settings.get("unexpected_at")
+        self.callback_rates = {k: _float(settings, k, 0, 0, 1) for k in CALLBACK_RATES}
         self.plain = (
             self.failure == 0
             and self.flaky == 0
@@ -129,6 +151,9 @@ class SimDriver:
         #: every operation performed, as (target, operation, attempt): what the "target saw"
         self.performed: list[tuple[str, str, int]] = []
         self.record = False
+        #: where simulated agents send callbacks (set by whoever runs the conductor)
+        self.callback_sink: CallbackSink | None = None
+        self._agents: set[asyncio.Task[None]] = set()
 
     def _profile(self, target: Target) -> _Profile:
         prof = self._profiles.get(target.name)
@@ -161,9 +186,47 @@ class SimDriver:
                 raise StepFailed("failed on target (simulated)")
         if prof.fail_at == ctx.state:
             raise StepFailed(f"failed on target (fail_at={prof.fail_at})")
+        if ctx.callback_expected:
+            self._start_agent(prof, target, operation, ctx)
         if prof.already_done:
             return RemoteResult.ALREADY_DONE
         return RemoteResult.DONE
+
+    def _start_agent(
+        self, prof: _Profile, target: Target, operation: str, ctx: ActionContext
+    ) -> None:
+        """The simulated target works on, then calls back, like a real agent would."""
+        rng = random.Random(f"{self.seed}:{target.name}:{operation}:cb")
+        rates = prof.callback_rates
+        if rates["callback_lost_rate"] and rng.random() < rates["callback_lost_rate"]:
+            return
+        kind = "done"
+        details = f"{operation} finished"
+        if rates["callback_fail_rate"] and rng.random() < rates["callback_fail_rate"]:
+            kind, details = "failed", f"{operation} failed on the agent (simulated)"
+        base = max(prof.latency_s, 0.001)
+        sends = [(rng.uniform(0.5, 1.5) * base, kind, details)]
+        if rates["callback_dup_rate"] and rng.random() < rates["callback_dup_rate"]:
+            sends.append((rng.uniform(0.5, 3.0) * base, kind, details + " (again)"))
+        if rates["callback_late_rate"] and rng.random() < rates["callback_late_rate"]:
+            sends.append((base * 10 + rng.uniform(60, 600), "done", details + " (late)"))
+        for delay, k, d in sends:
+            task = asyncio.create_task(self._call_back(delay, ctx.step_id, ctx.state, k, d))
+            self._agents.add(task)
+            task.add_done_callback(self._agents.discard)
+
+    async def _call_back(
+        self, delay: float, step_id: int, state: str, kind: str, details: str
+    ) -> None:
+        await asyncio.sleep(delay)
+        if self.callback_sink is not None:
+            self.callback_sink(step_id, state, kind, details)
+
+    async def aclose(self) -> None:
+        """Stop every simulated agent (they otherwise outlive conductors, as real ones do)."""
+        for task in list(self._agents):
+            task.cancel()
+        await asyncio.gather(*self._agents, return_exceptions=True)
 
     async def observe(self, target: Target, operation: str, ctx: ActionContext) -> RemoteResult:
         prof = self._profile(target)

@@ -33,6 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
+from sqlalchemy.exc import OperationalError
+
 from fleetwave.catalog import resolve_workflow
 from fleetwave.domain.models import (
     STEP_ABORTED,
@@ -44,7 +46,9 @@ from fleetwave.domain.models import (
 from fleetwave.domain.rules import Decision, decide, failure
 from fleetwave.domain.workflow import (
     ActionContext,
+    Advance,
     NoRecoverHook,
+    Outcome,
     StepFailed,
     TargetDriver,
     TransientError,
@@ -53,12 +57,14 @@ from fleetwave.drivers import make_drivers
 from fleetwave.engine.clock import Clock, WallClock
 from fleetwave.engine.messages import (
     ActionFinished,
+    CallbackArrived,
     LeaseLost,
     Message,
     StopRequested,
     StrategyClaimed,
 )
 from fleetwave.engine.run import InFlight, StrategyRun
+from fleetwave.store import callbacks as cbs
 from fleetwave.store import runtime as rt
 from fleetwave.store.admin import options_from_json
 from fleetwave.store.db import Store
@@ -85,6 +91,8 @@ class EngineConfig:
     #: most transitions per group commit: bounds how many actions one commit releases
     #: at once, and so the dispatch latency of the last of them
     batch_max: int = 128
+    #: a transient database error is retried this many times before the conductor stops
+    store_retries_max: int = 8
 
 
 @dataclass
@@ -93,6 +101,7 @@ class EngineStats:
     batches: int = 0
     rejected: int = 0
     stale_outcomes: int = 0
+    store_retries: int = 0
     dispatch_latency_s: list[float] = field(default_factory=list)
 
 
@@ -126,21 +135,59 @@ class Conductor:
         self._writer = rt.TransitionWriter(store, self.id)
         self._committed_at = 0.0
         self._wanted: set[int] | None = None
+        self._patient = False
+        self._callbacks_seen: set[int] = set()
 
     # -- plumbing -------------------------------------------------------------------
 
     async def _io(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
-        """Run a store call: in the writer thread, or inline for deterministic runs."""
-        if self._executor is None:
-            return fn(*args, **kwargs)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+        """Run a store call (one transaction): in the writer thread, or inline.
+
+        A transient database error rolls the transaction back; the call is retried
+        with backoff, then the error propagates and this conductor stops (its leases
+        expire and another takes over).
+        """
+        failures = 0
+        while True:
+            try:
+                if self._executor is None:
+                    return fn(*args, **kwargs)
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+            except OperationalError as exc:
+                failures += 1
+                if failures > self.config.store_retries_max:
+                    raise
+                self.stats.store_retries += 1
+                log.warning(
+                    "store-retry: %s failed (%s); retry %d of %d",
+                    getattr(fn, "__name__", "store call"),
+                    exc.orig,
+                    failures,
+                    self.config.store_retries_max,
+                )
+                await asyncio.sleep(min(5.0, 0.05 * 2**failures))
 
     def post(self, msg: Message) -> None:
         """Send the dispatcher a message. Never blocks; safe from any task on the loop."""
         self._inbox.append(msg)
         if self._wake is not None:
             self._wake.set()
+
+    def receive_callback(
+        self, step_id: int, state: str, kind: str, details: str = ""
+    ) -> cbs.CallbackRecord:
+        """Store a target's callback and answer at once (G6): one INSERT, no step lock.
+
+        The dispatcher applies it (or records why it was ignored) on its next turn.
+        """
+        record = cbs.accept_callback(self.store, step_id, state, kind, details, self.clock.now())
+        self._callbacks_seen.add(record.id)
+        self.post(CallbackArrived(record))
+        return record
+
+    def _sink(self, step_id: int, state: str, kind: str, details: str) -> None:
+        self.receive_callback(step_id, state, kind, details)
 
     def _crash_point(self, point: str) -> None:
         if self._crash_hook is not None:
@@ -156,17 +203,23 @@ class Conductor:
         *,
         strategy_ids: Iterable[int] | None = None,
         stop: asyncio.Event | None = None,
+        patient: bool = False,
     ) -> dict[int, str]:
         """Drive strategies until those asked for are terminal (or ``stop`` is set).
 
         With ``strategy_ids`` it returns once each is terminal or owned by another
-        live conductor; without, it serves until ``stop``. Returns final states.
+        live conductor (``"owned"``), or, if ``patient``, waits for that owner's lease
+        to expire and takes over. Without, it serves until ``stop``. Returns final states.
         """
         self._wanted = set(strategy_ids) if strategy_ids is not None else None
+        self._patient = patient
         self._wake = asyncio.Event()
         if self.config.threaded_store:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"fleetwave-{self.id}")
         clean = False
+        for driver in self.drivers.values():
+            if hasattr(driver, "callback_sink"):
+                driver.callback_sink = self._sink  # simulated agents call us back here
         try:
             await self._io(rt.register_conductor, self.store, self.id, self.clock.now())
             await self._claim()
@@ -219,7 +272,15 @@ class Conductor:
                     self.post(LeaseLost(sid))
                 elif state == StrategyState.ABORT_REQUESTED:
                     self.post(StopRequested(sid))
+            await self._poll_callbacks(list(self.runs))
             await self._claim()
+
+    async def _poll_callbacks(self, strategy_ids: list[int]) -> None:
+        """Pick up callbacks stored by other processes (an API server, an agent endpoint)."""
+        for record in await self._io(cbs.open_callbacks, self.store, strategy_ids, 0):
+            if record.id not in self._callbacks_seen:
+                self._callbacks_seen.add(record.id)
+                self.post(CallbackArrived(record))
 
     async def _claim(self) -> None:
         todo: set[int] | None = None
@@ -239,7 +300,7 @@ class Conductor:
             state, owner = await self._io(rt.strategy_state, self.store, sid)
             if state not in rt.DRIVEN_STATES:
                 self.finished[sid] = state
-            elif owner is not None and owner != self.id:
+            elif owner is not None and owner != self.id and not self._patient:
                 self.finished[sid] = "owned"
                 log.info("strategy %s: driven by conductor %s; not taking it over", sid, owner)
 
@@ -278,10 +339,18 @@ class Conductor:
         now = self.clock.now()
         batch: list[rt.Transition] = []
         events: list[rt.Event] = []
+        marks: list[rt.CallbackMark] = []
         recover: list[InFlight] = []
+        claimed_callbacks: list[cbs.CallbackRecord] = []
         for msg in msgs:
-            if isinstance(msg, StrategyClaimed):
+            if isinstance(msg, CallbackArrived):
+                self._on_callback(msg.record, marks)
+            elif isinstance(msg, StrategyClaimed):
                 recover += await self._adopt(msg.record, events)
+                for record in await self._io(cbs.open_callbacks, self.store, [msg.record.id], 0):
+                    if record.id not in self._callbacks_seen:
+                        self._callbacks_seen.add(record.id)
+                        claimed_callbacks.append(record)
             elif isinstance(msg, StopRequested):
                 self._request_stop(msg.strategy_id, events)
             elif isinstance(msg, LeaseLost):
@@ -295,9 +364,11 @@ class Conductor:
                     self._wake_soon()
                 continue
             self._admit(run, now, batch, events, room)
-        if batch or events:
+        if batch or events or marks:
             self._crash_point("before-commit")
-            rejected = await self._io(self._writer.commit, batch, events, now, self._lease_until())
+            rejected = await self._io(
+                self._writer.commit, batch, events, now, self._lease_until(), marks
+            )
             self._committed_at = time.perf_counter()
             self.stats.batches += 1
             self.stats.transitions += len(batch) - len(rejected)
@@ -305,6 +376,8 @@ class Conductor:
             self._apply(batch, rejected)
         for fl in recover:
             self._start(fl, recovering=True)
+        for record in claimed_callbacks:
+            self.post(CallbackArrived(record))
         await self._mark_aborting()
         await self._finish_done_runs()
 
@@ -324,6 +397,31 @@ class Conductor:
                 )
                 if ok:
                     run.db_state = StrategyState.ABORTING.value
+
+    def _on_callback(self, cb: cbs.CallbackRecord, marks: list[rt.CallbackMark]) -> None:
+        """Apply a callback to the step waiting for it, or record why it is ignored."""
+        run = self.runs.get(cb.strategy_id)
+        if run is None:
+            return  # not ours (or ended: closed with the strategy); its owner answers it
+        fl = run.inflight.get(cb.step_id)
+
+        def ignore(reason: str) -> None:
+            marks.append(rt.CallbackMark(cb.id, "ignored", reason))
+            log.info("callback %s for step %s ignored: %s", cb.id, cb.step_id, reason)
+
+        if fl is None:
+            ignore("step is not in flight (finished or not started)")
+        elif fl.state != cb.state:
+            ignore(f"late or out of order: step has moved on to {fl.state}")
+        elif cb.kind == "heartbeat":
+            marks.append(rt.CallbackMark(cb.id, "applied", "heartbeat noted"))
+        elif fl.waiter is None:
+            ignore(f"state {fl.state} does not wait for callbacks")
+        elif fl.waiter.done():
+            ignore("duplicate: this state already had its callback")
+        else:
+            fl.waiter.set_result(cb)
+            marks.append(rt.CallbackMark(cb.id, "applied", f"{cb.kind} for {cb.state}"))
 
     def _drop_run(self, sid: int) -> None:
         """Another conductor fenced us off this strategy: stop its workers, forget it."""
@@ -535,7 +633,12 @@ class Conductor:
 
     def _start(self, fl: InFlight, *, recovering: bool) -> None:
         run = self.runs[fl.rec.strategy_id]
-        task = asyncio.create_task(self._work(run, fl.rec, fl.state, fl.fence, recovering))
+        fl.waiter = None
+        if run.workflow.state(fl.state).mode == "wait-for-callback":
+            fl.waiter = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(
+            self._work(run, fl.rec, fl.state, fl.fence, recovering, fl.waiter)
+        )
         fl.task = task
         self._workers.add(task)
         task.add_done_callback(self._workers.discard)
@@ -578,12 +681,20 @@ class Conductor:
                         break
             del self.runs[run.id]
             self.finished[run.id] = final.value if ok else "lost"
+            if ok:
+                await self._io(cbs.close_callbacks, self.store, run.id, self.clock.now())
             log.info("strategy %s: %s %s", run.id, final.value, details)
 
     # -- workers -------------------------------------------------------------------------
 
     async def _work(
-        self, run: StrategyRun, rec: rt.StepRecord, state: str, fence: int, recovering: bool
+        self,
+        run: StrategyRun,
+        rec: rt.StepRecord,
+        state: str,
+        fence: int,
+        recovering: bool,
+        waiter: asyncio.Future[cbs.CallbackRecord] | None,
     ) -> None:
         """Run one state's action (or its recover hook) and report; never raises."""
         if self.config.measure_latency and not recovering:
@@ -604,24 +715,31 @@ class Conductor:
                     strategy_id=run.id,
                     step_id=rec.step_id,
                     driver=driver,
+                    callback_expected=waiter is not None,
                 )
                 async with asyncio.timeout(st.timeout_s):
-                    if recovering:
+                    if recovering and waiter is not None:
+                        # The action ran before the crash; keep waiting for its callback.
+                        outcome: Outcome = Advance()
+                    elif recovering:
                         outcome = await st.action.recover(ctx)
                     else:
                         outcome = await st.action.run(ctx)
+                    if waiter is not None and isinstance(outcome, Advance):
+                        outcome = _callback_outcome(await asyncio.shield(waiter))
                 decision = decide(run.workflow.state_names, state, outcome)
             except NoRecoverHook:
                 decision = failure(state, f"conductor lost during {state}")
             except StepFailed as exc:
                 decision = failure(state, str(exc) or "failed")
             except (TransientError, TimeoutError) as exc:
-                reason = (
-                    f"timed out after {st.timeout_s:g}s"
-                    if isinstance(exc, TimeoutError)
-                    else str(exc) or type(exc).__name__
-                )
-                if attempts < st.attempts_max and not recovering:
+                if isinstance(exc, TimeoutError):
+                    reason = f"timed out after {st.timeout_s:g}s"
+                    if waiter is not None:
+                        reason += " waiting for the target's callback"
+                else:
+                    reason = str(exc) or type(exc).__name__
+                if attempts < st.attempts_max and not recovering and waiter is None:
                     await asyncio.sleep(st.backoff_for(attempts))
                     continue
                 decision = failure(state, f"{reason} (attempt {attempts} of {st.attempts_max})")
@@ -630,6 +748,12 @@ class Conductor:
                 decision = failure(state, str(exc) or type(exc).__name__)
             break
         self.post(ActionFinished(run.id, rec.step_id, state, fence, decision, attempts))
+
+
+def _callback_outcome(cb: cbs.CallbackRecord) -> Outcome:
+    if cb.kind == "failed":
+        raise StepFailed(f"target reported failure: {cb.details or 'no details'}")
+    return Advance(details=cb.details)
 
 
 async def drive(store: Store, strategy_ids: list[int], **kwargs: Any) -> dict[int, str]:

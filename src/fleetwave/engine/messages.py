@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fleetwave.domain.rules import Decision
+from fleetwave.store.callbacks import CallbackRecord
 from fleetwave.store.runtime import StrategyRecord
 
 
@@ -39,4 +40,11 @@ class LeaseLost:
     strategy_id: int
 
 
-Message = ActionFinished | StrategyClaimed | StopRequested | LeaseLost
+@dataclass(slots=True)
+class CallbackArrived:
+    """A stored callback from a target, for the dispatcher to apply or ignore."""
+
+    record: CallbackRecord
+
+
+Message = ActionFinished | StrategyClaimed | StopRequested | LeaseLost | CallbackArrived

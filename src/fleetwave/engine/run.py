@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.workflow import WorkflowDef
+from fleetwave.store.callbacks import CallbackRecord
 from fleetwave.store.runtime import StepRecord, StrategyRecord
 
 UNCAPPED = 1 << 30
@@ -23,6 +24,8 @@ class InFlight:
     fence: int
     recovering: bool = False
     task: asyncio.Task[None] | None = None
+    #: set for wait-for-callback states: resolved by the dispatcher with the first callback
+    waiter: asyncio.Future[CallbackRecord] | None = None
 
 
 @dataclass

@@ -8,7 +8,7 @@ Dialect-specific SQL lives in :class:`DialectHooks` subclasses, nowhere else.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,11 +45,16 @@ class Store:
         self.engine = engine
         self.hooks = hooks
         self.url = url
+        #: fault injection seam: called inside every write transaction, may raise
+        #: ``sqlalchemy.exc.OperationalError`` to simulate a transient database error
+        self.write_fault: Callable[[], None] | None = None
 
     @contextmanager
     def write(self) -> Iterator[Connection]:
         """One write transaction (SQLite: BEGIN IMMEDIATE, so writers queue, never deadlock)."""
         with self.engine.begin() as conn:
+            if self.write_fault is not None:
+                self.write_fault()
             yield conn
 
     @contextmanager

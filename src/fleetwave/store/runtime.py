@@ -19,7 +19,15 @@ from sqlalchemy.exc import IntegrityError
 
 from fleetwave.domain.models import STEP_INITIAL, STEP_TERMINAL, StrategyState, Target
 from fleetwave.store.db import Store
-from fleetwave.store.schema import conductors, events, groups, steps, strategies, targets
+from fleetwave.store.schema import (
+    conductors,
+    events,
+    groups,
+    journal,
+    steps,
+    strategies,
+    targets,
+)
 
 HOSTNAME = socket.gethostname()
 
@@ -54,6 +62,15 @@ class Event:
     details: str
     strategy_id: int | None = None
     step_id: int | None = None
+
+
+@dataclass(slots=True)
+class CallbackMark:
+    """How the dispatcher answered one stored callback."""
+
+    callback_id: int
+    outcome: str  # applied | ignored
+    reason: str
 
 
 @dataclass(slots=True)
@@ -324,6 +341,10 @@ class TransitionWriter:
             "INSERT INTO journal (strategy_id, step_id, at, conductor, from_state, to_state, "
             f"fence, details) VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p}, {p})"
         )
+        self._mark_sql = (
+            f"UPDATE callbacks SET outcome={p}, reason={p}, processed_at={p} "
+            f"WHERE id={p} AND outcome IS NULL"
+        )
         self._event_sql = (
             "INSERT INTO events (at, conductor, strategy_id, step_id, kind, details) "
             f"VALUES ({p}, {p}, {p}, {p}, {p}, {p})"
@@ -357,9 +378,18 @@ class TransitionWriter:
         return upd, jr
 
     def commit(
-        self, batch: list[Transition], evts: list[Event], now: float, lease_until: float
+        self,
+        batch: list[Transition],
+        evts: list[Event],
+        now: float,
+        lease_until: float,
+        marks: list[CallbackMark] | None = None,
     ) -> list[Transition]:
-        """Commit a batch; returns the transitions that were rejected (CAS or G1)."""
+        """Commit a batch; returns the transitions that were rejected (CAS or G1).
+
+        ``marks`` record how callbacks were answered, in the same transaction.
+        """
+        mk = [(m.outcome, m.reason, now, m.callback_id) for m in marks or ()]
         ups: list[tuple[Any, ...]] = []
         jrs: list[tuple[Any, ...]] = []
         for t in batch:
@@ -376,9 +406,11 @@ class TransitionWriter:
                     conn.exec_driver_sql(self._journal_sql, jrs)
                 if ev:
                     conn.exec_driver_sql(self._event_sql, ev)
+                if mk:
+                    conn.exec_driver_sql(self._mark_sql, mk)
             return []
         except (_Mismatch, IntegrityError):
-            return self._commit_one_by_one(batch, ups, jrs, ev, now)
+            return self._commit_one_by_one(batch, ups, jrs, ev, mk, now)
 
     def _commit_one_by_one(
         self,
@@ -386,6 +418,7 @@ class TransitionWriter:
         ups: list[tuple[Any, ...]],
         jrs: list[tuple[Any, ...]],
         ev: list[tuple[Any, ...]],
+        mk: list[tuple[Any, ...]],
         now: float,
     ) -> list[Transition]:
         rejected: list[Transition] = []
@@ -396,7 +429,8 @@ class TransitionWriter:
                     res = conn.exec_driver_sql(self._update_sql, u)
                     if res.rowcount != 1:
                         sp.rollback()
-                        rejected.append(t)
+                        if not self._already_applied(conn, t):
+                            rejected.append(t)
                         continue
                     conn.exec_driver_sql(self._journal_sql, j)
                     sp.commit()
@@ -417,7 +451,23 @@ class TransitionWriter:
                 )
             if ev:
                 conn.exec_driver_sql(self._event_sql, ev)
+            if mk:
+                conn.exec_driver_sql(self._mark_sql, mk)
         return rejected
+
+    def _already_applied(self, conn: Connection, t: Transition) -> bool:
+        """True when this very transition is already committed (a retried, ambiguous commit)."""
+        row = conn.execute(
+            select(journal.c.fence, journal.c.conductor, journal.c.from_state).where(
+                journal.c.step_id == t.step_id, journal.c.to_state == t.to_state
+            )
+        ).first()
+        return (
+            row is not None
+            and row.fence == t.fence
+            and row.conductor == self.cid
+            and row.from_state == t.from_state
+        )
 
 
 class _Mismatch(Exception):

@@ -132,3 +132,19 @@ events = Table(
     Column("details", Text, nullable=False, default=""),
     Index("ix_events_strategy", "strategy_id", "id"),
 )
+
+callbacks = Table(
+    "callbacks",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("strategy_id", Integer, nullable=False),
+    Column("step_id", Integer, nullable=False),
+    Column("state", String(64), nullable=False),
+    Column("kind", String(16), nullable=False),
+    Column("details", Text, nullable=False, default=""),
+    Column("received_at", Float, nullable=False),
+    Column("outcome", String(16)),  # NULL until processed: applied | ignored
+    Column("reason", Text),
+    Column("processed_at", Float),
+    Index("ix_callbacks_open", "strategy_id", "outcome", "id"),
+)

@@ -1,4 +1,5 @@
-"""Initial schema: conductors, groups, targets, workflows, strategies, steps, journal, events.
+"""Initial schema: conductors, groups, targets, workflows, strategies, steps, journal,
+events, callbacks.
 
 Revision ID: 0001
 Revises:
@@ -110,9 +111,32 @@ def upgrade() -> None:
         sa.Column("details", sa.Text, nullable=False),
     )
     op.create_index("ix_events_strategy", "events", ["strategy_id", "id"])
+    op.create_table(
+        "callbacks",
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("strategy_id", sa.Integer, nullable=False),
+        sa.Column("step_id", sa.Integer, nullable=False),
+        sa.Column("state", sa.String(64), nullable=False),
+        sa.Column("kind", sa.String(16), nullable=False),
+        sa.Column("details", sa.Text, nullable=False),
+        sa.Column("received_at", sa.Float, nullable=False),
+        sa.Column("outcome", sa.String(16)),
+        sa.Column("reason", sa.Text),
+        sa.Column("processed_at", sa.Float),
+    )
+    op.create_index("ix_callbacks_open", "callbacks", ["strategy_id", "outcome", "id"])
 
 
 def downgrade() -> None:
-    for name in ("events", "journal", "steps", "strategies", "workflows", "targets", "groups"):
+    for name in (
+        "callbacks",
+        "events",
+        "journal",
+        "steps",
+        "strategies",
+        "workflows",
+        "targets",
+        "groups",
+    ):
         op.drop_table(name)
     op.drop_table("conductors")

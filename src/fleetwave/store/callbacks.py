@@ -1,0 +1,116 @@
+"""Callbacks from targets: stored at once, answered at once, processed by the owner later (G6).
+
+Accepting a callback is one INSERT. It takes no step lock and waits for no
+conductor; the conductor that owns the step picks it up (at once when it runs in
+this process, else on its next periodic pass) and records it ``applied`` or
+``ignored`` with a reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import insert, select, update
+
+from fleetwave.domain.errors import InputError, NotFound
+from fleetwave.domain.models import STEP_TERMINAL
+from fleetwave.store.db import Store
+from fleetwave.store.schema import callbacks, steps
+
+KINDS = ("done", "failed", "heartbeat")
+
+
+@dataclass(frozen=True, slots=True)
+class CallbackRecord:
+    id: int
+    strategy_id: int
+    step_id: int
+    state: str
+    kind: str
+    details: str
+
+
+def accept_callback(
+    store: Store, step_id: int, state: str, kind: str, details: str, now: float
+) -> CallbackRecord:
+    if kind not in KINDS:
+        raise InputError(f"kind: must be one of {', '.join(KINDS)}, got '{kind}'")
+    if not state:
+        raise InputError("state: must name the state the callback reports on")
+    with store.write() as conn:
+        row = conn.execute(
+            select(steps.c.strategy_id, steps.c.state).where(steps.c.id == step_id)
+        ).first()
+        if row is None:
+            raise NotFound(f"step {step_id} not found")
+        final: dict[str, object] = {}
+        if row.state in STEP_TERMINAL:
+            # Nobody will wait for it again: answer it for good right here.
+            final = {
+                "outcome": "ignored",
+                "reason": f"late: step already {row.state}",
+                "processed_at": now,
+            }
+        res = conn.execute(
+            insert(callbacks).values(
+                strategy_id=row.strategy_id,
+                step_id=step_id,
+                state=state,
+                kind=kind,
+                details=details,
+                received_at=now,
+                **final,
+            )
+        )
+        cid = int(res.inserted_primary_key[0])  # type: ignore[index]
+    return CallbackRecord(cid, int(row.strategy_id), step_id, state, kind, details)
+
+
+def close_callbacks(store: Store, strategy_id: int, now: float) -> int:
+    """The strategy ended: callbacks still unprocessed are ignored, with that reason."""
+    with store.write() as conn:
+        res = conn.execute(
+            update(callbacks)
+            .where(callbacks.c.strategy_id == strategy_id, callbacks.c.outcome.is_(None))
+            .values(outcome="ignored", reason="strategy ended first", processed_at=now)
+        )
+        return int(res.rowcount)
+
+
+def open_callbacks(store: Store, strategy_ids: list[int], after_id: int) -> list[CallbackRecord]:
+    """Unprocessed callbacks of these strategies, oldest first."""
+    if not strategy_ids:
+        return []
+    with store.read() as conn:
+        rows = conn.execute(
+            select(callbacks)
+            .where(
+                callbacks.c.strategy_id.in_(strategy_ids),
+                callbacks.c.outcome.is_(None),
+                callbacks.c.id > after_id,
+            )
+            .order_by(callbacks.c.id)
+        ).all()
+    return [
+        CallbackRecord(r.id, r.strategy_id, r.step_id, r.state, r.kind, r.details) for r in rows
+    ]
+
+
+def callback_outcomes(store: Store, strategy_id: int) -> list[dict[str, object]]:
+    with store.read() as conn:
+        return [
+            {
+                "id": r.id,
+                "step": r.step_id,
+                "state": r.state,
+                "kind": r.kind,
+                "outcome": r.outcome,
+                "reason": r.reason,
+                "received_at": r.received_at,
+            }
+            for r in conn.execute(
+                select(callbacks)
+                .where(callbacks.c.strategy_id == strategy_id)
+                .order_by(callbacks.c.id)
+            )
+        ]

@@ -1,0 +1,54 @@
+"""An asyncio event loop on virtual time: hours of fleet time pass in seconds.
+
+The loop's clock only moves when nothing is ready to run: then it jumps straight
+to the next timer. Everything that uses the loop's clock (``asyncio.sleep``,
+``asyncio.timeout``, :class:`fleetwave.engine.clock.LoopClock`) runs on it
+unchanged, so the real engine runs here, deterministically: same inputs, same
+order of events, same journal.
+
+Real file descriptors still work (they are polled without waiting), but nothing
+may wait on a thread: run the engine with ``EngineConfig(threaded_store=False)``.
+
+    loop = VirtualTimeLoop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import selectors
+
+
+class Deadlock(RuntimeError):
+    """Nothing is ready, no timer is set, and the main coroutine has not finished."""
+
+
+class _JumpingSelector(selectors.DefaultSelector):
+    def __init__(self, loop: VirtualTimeLoop) -> None:
+        super().__init__()
+        self._vloop = loop
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        ready = super().select(0)
+        if ready:
+            return ready
+        if timeout is None:
+            raise Deadlock("virtual time loop: nothing to run and no timer set")
+        if timeout > 0:
+            self._vloop.advance(timeout)
+        return []
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    def __init__(self, start: float = 0.0) -> None:
+        self._virtual_now = start
+        super().__init__(selector=_JumpingSelector(self))
+
+    def time(self) -> float:
+        return self._virtual_now
+
+    def advance(self, seconds: float) -> None:
+        self._virtual_now += seconds

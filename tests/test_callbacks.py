@@ -1,0 +1,104 @@
+"""Callbacks (G6): stored and answered at once, applied once, late and duplicate ones ignored."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import pytest
+
+from conftest import add_sim_targets, rollout
+from fleetwave.domain.errors import InputError, NotFound
+from fleetwave.domain.models import StrategyOptions
+from fleetwave.domain.registry import get_workflow
+from fleetwave.engine.conductor import Conductor
+from fleetwave.store import admin, queries
+from fleetwave.store.callbacks import accept_callback, callback_outcomes
+from fleetwave.store.db import Store
+from fleetwave.testing.invariants import check
+
+
+def test_clean_workflow_waits_for_agent_callbacks(store: Store) -> None:
+    add_sim_targets(store, 30, settings={"latency_ms": 5})
+    sid, final, _ = rollout(store, "clean", max_parallel=10)
+    assert final == "complete"
+    outcomes = callback_outcomes(store, sid)
+    # two callback states per node, each answered exactly once
+    assert Counter(o["outcome"] for o in outcomes) == {"applied": 60}
+    assert check(store, sid).ok
+
+
+def test_duplicate_late_and_failed_callbacks(store: Store) -> None:
+    add_sim_targets(
+        store,
+        40,
+        settings={
+            "latency_ms": 5,
+            "callback_dup_rate": 0.5,
+            "callback_fail_rate": 0.1,
+            "callback_late_rate": 0.0,
+        },
+    )
+    sid, final, c = rollout(store, "clean", max_parallel=40)
+    outcomes = callback_outcomes(store, sid)
+    by = Counter(o["outcome"] for o in outcomes)
+    assert by["ignored"] > 0 and by["applied"] > 0
+    assert all(o["outcome"] in ("applied", "ignored") and o["reason"] for o in outcomes)
+    reasons = {o["reason"] for o in outcomes if o["outcome"] == "ignored"}
+    assert reasons <= {
+        "duplicate: this state already had its callback",
+        "step is not in flight (finished or not started)",
+        "late: step already complete",
+        "late: step already failed",
+        "strategy ended first",
+    } | {r for r in reasons if r.startswith("late or out of order")}
+    failed = [s for s in queries.list_steps(store, sid) if s["state"] == "failed"]
+    assert failed and all("target reported failure" in s["details"] for s in failed)
+    assert final == "failed"
+    assert check(store, sid).ok
+
+
+def test_lost_callback_times_out_with_clear_reason(store: Store) -> None:
+    add_sim_targets(store, 5, settings={"latency_ms": 1, "callback_lost_rate": 1.0})
+    sid, final, _ = rollout(store, "clean", timeouts_s={"wait-for-agent": 0.2}, max_parallel=5)
+    assert final == "failed"
+    assert {s["details"] for s in queries.list_steps(store, sid)} == {
+        "wait-for-agent: timed out after 0.2s waiting for the target's callback (attempt 1 of 1)"
+    }
+
+
+def test_callback_is_answered_at_once_even_while_a_step_is_busy(store: Store) -> None:
+    """No lock to wait on: accepting is one insert, whatever the step is doing."""
+    add_sim_targets(store, 1, settings={"latency_ms": 300})
+    wf = get_workflow("patch")
+    assert wf is not None
+    sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
+    admin.apply_strategy(store, sid)
+    c = Conductor(store)
+
+    async def go() -> float:
+        task = asyncio.create_task(c.run(strategy_ids=[sid]))
+        await asyncio.sleep(0.1)  # the step is mid-action
+        t0 = time.perf_counter()
+        c.receive_callback(1, "pre-check", "done", "agent says hi")
+        elapsed = time.perf_counter() - t0
+        await task
+        return elapsed
+
+    elapsed = asyncio.run(go())
+    assert elapsed < 0.25  # answered long before the 300 ms action finished
+    (cb,) = callback_outcomes(store, sid)
+    assert cb["outcome"] == "ignored"
+    assert cb["reason"] == "state pre-check does not wait for callbacks"
+
+
+def test_bad_callbacks_are_refused_with_a_clear_message(store: Store) -> None:
+    add_sim_targets(store, 1)
+    wf = get_workflow("clean")
+    assert wf is not None
+    admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
+    with pytest.raises(InputError, match="kind"):
+        accept_callback(store, 1, "wait-for-agent", "maybe", "", 0.0)
+    with pytest.raises(NotFound, match="step 99"):
+        accept_callback(store, 99, "wait-for-agent", "done", "", 0.0)
