@@ -21,6 +21,7 @@ from fleetwave.cli.demo import demo_command
 from fleetwave.cli.drive import drive_strategy
 from fleetwave.cli.output import Format, console, emit_one, emit_rows, err_console, print_json
 from fleetwave.cli.parsing import check_target, parse_pairs, targets_from_file
+from fleetwave.cli.simcmd import sim_command
 from fleetwave.domain.errors import InputError
 from fleetwave.domain.models import ApplyType, Group, StrategyOptions, Target
 from fleetwave.domain.workflow import WorkflowError
@@ -47,6 +48,7 @@ app.add_typer(workflow_app, name="workflow")
 app.add_typer(strategy_app, name="strategy")
 app.add_typer(step_app, name="step")
 app.command("demo")(demo_command)
+app.command("sim")(sim_command)
 
 
 @app.command()

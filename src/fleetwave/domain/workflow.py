@@ -90,6 +90,8 @@ class ActionContext:
     settings: dict[str, Any] = field(default_factory=dict)
     #: the state waits for the target's callback after this action returns
     callback_expected: bool = False
+    #: called from a recover hook, after the conductor running this state was lost
+    recovering: bool = False
 
 
 class StateAction:
@@ -127,10 +129,9 @@ class DriverOperation(StateAction):
 
     async def recover(self, ctx: ActionContext) -> Outcome:
         result = await ctx.driver.observe(ctx.target, self.operation, ctx)
-        if result is RemoteResult.NOT_STARTED:
-            raise StepFailed(f"conductor lost during {ctx.state}: target never started it")
-        if result is RemoteResult.IN_PROGRESS:
-            # The target is still working on it: wait for it to finish, don't start it again.
+        if result in (RemoteResult.NOT_STARTED, RemoteResult.IN_PROGRESS):
+            # Never reached the target (lost between commit and dispatch), or still running:
+            # the operation is idempotent, so perform it: it starts, or waits for, the one run.
             result = await ctx.driver.perform(ctx.target, self.operation, ctx)
         return self._outcome(result, ctx)
 

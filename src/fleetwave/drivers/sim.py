@@ -12,6 +12,7 @@ Per-target settings (``fleetwave target add NAME --set key=value``):
 ``failure_rate``     chance an operation fails for good (0..1)
 ``flaky_rate``       chance an operation fails transiently (retried by policy)
 ``hang_rate``        chance an operation never returns (exercises timeouts)
+``error_rate``       chance the driver itself raises an unexpected exception (a bug)
 ``fail_at``          a state name: the operation of that state always fails
 ``hang_at``          a state name: the operation of that state never returns
 ``already_done``     ``true``: the target reports it is already done (pre-check skips)
@@ -33,7 +34,9 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fleetwave.domain.models import Target
@@ -46,6 +49,7 @@ SETTINGS = (
     "failure_rate",
     "flaky_rate",
     "hang_rate",
+    "error_rate",
     "fail_at",
     "hang_at",
     "already_done",
@@ -92,7 +96,7 @@ def validate_settings(settings: dict[str, Any]) -> None:
         )
     _float(settings, "latency_ms", 0, 0, 86_400_000)
     _float(settings, "latency_sigma", 0.5, 0, 5)
-    for key in ("failure_rate", "flaky_rate", "hang_rate", *CALLBACK_RATES):
+    for key in ("failure_rate", "flaky_rate", "hang_rate", "error_rate", *CALLBACK_RATES):
         _float(settings, key, 0, 0, 1)
     if str(settings.get("latency", "fixed")) not in {"fixed", "uniform", "lognormal"}:
         raise SimSettingError(
@@ -106,6 +110,7 @@ class _Profile:
     __slots__ = (
         "already_done",
         "callback_rates",
+        "error",
         "fail_at",
         "failure",
         "flaky",
@@ -127,6 +132,7 @@ class _Profile:
         self.failure = _float(settings, "failure_rate", 0, 0, 1)
         self.flaky = _float(settings, "flaky_rate", 0, 0, 1)
         self.hang = _float(settings, "hang_rate", 0, 0, 1)
+        self.error = _float(settings, "error_rate", 0, 0, 1)
         self.fail_at = settings.get("fail_at")
         self.hang_at = settings.get("hang_at")
         self.already_done = _bool(settings.get("already_done", False))
@@ -137,9 +143,17 @@ class _Profile:
             self.failure == 0
             and self.flaky == 0
             and self.hang == 0
+            and self.error == 0
             and self.kind == "fixed"
             and self.hang_at is None
         )
+
+
+@dataclass
+class _Execution:
+    """One run of one operation on one target, as the target sees it."""
+
+    future: asyncio.Future[RemoteResult]
 
 
 class SimDriver:
@@ -148,12 +162,21 @@ class SimDriver:
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
         self._profiles: dict[str, _Profile] = {}
-        #: every operation performed, as (target, operation, attempt): what the "target saw"
+        #: every operation started by an action (not a recover hook), as (target,
+        #: operation, attempt): what the targets saw; kept when ``record`` is set
         self.performed: list[tuple[str, str, int]] = []
         self.record = False
+        #: how many times each (target, operation, attempt) was started by an action: a
+        #: correct engine never starts the same attempt of a state twice
+        self.starts: Counter[tuple[str, str, int]] = Counter()
         #: where simulated agents send callbacks (set by whoever runs the conductor)
         self.callback_sink: CallbackSink | None = None
+        self.callbacks_sent = 0
+        self.callbacks_delivered = 0
         self._agents: set[asyncio.Task[None]] = set()
+        #: the targets' own view of each operation; remote work outlives a lost conductor
+        self._remote: dict[tuple[str, str], _Execution] = {}
+        self._work: set[asyncio.Task[None]] = set()
 
     def _profile(self, target: Target) -> _Profile:
         prof = self._profiles.get(target.name)
@@ -165,32 +188,72 @@ class SimDriver:
         self._profiles.pop(target_name, None)
 
     async def perform(self, target: Target, operation: str, ctx: ActionContext) -> RemoteResult:
+        """Start the operation on the target, or join the run already going; wait for it."""
         prof = self._profile(target)
-        if self.record:
-            self.performed.append((target.name, operation, ctx.attempt))
-        if prof.remote_state and (prof.unexpected_at or ctx.state) == ctx.state:
-            raise StepFailed(f"target reports unexpected remote state '{prof.remote_state}'")
+        if not ctx.recovering:
+            self.starts[(target.name, operation, ctx.attempt)] += 1
+            if self.record:
+                self.performed.append((target.name, operation, ctx.attempt))
+        key = (target.name, operation)
+        running = self._remote.get(key)
+        if running is not None and not running.future.done():
+            return await asyncio.shield(running.future)  # idempotent: join, don't restart
+        if prof.plain and prof.latency_s == 0 and not ctx.callback_expected:
+            return self._finish(prof, ctx)  # instantaneous: nothing to outlive
+        execution = _Execution(asyncio.get_running_loop().create_future())
+        self._remote[key] = execution
+        task = asyncio.create_task(self._execute(prof, target, operation, ctx, execution))
+        self._work.add(task)
+        task.add_done_callback(self._work.discard)
+        return await asyncio.shield(execution.future)
+
+    async def _execute(
+        self,
+        prof: _Profile,
+        target: Target,
+        operation: str,
+        ctx: ActionContext,
+        execution: _Execution,
+    ) -> None:
+        """The remote side's work: runs on even if the conductor that asked is lost."""
+        try:
+            result = await self._remote_work(prof, target, operation, ctx)
+        except Exception as exc:
+            execution.future.set_exception(exc)
+            execution.future.exception()  # retrieved: the step may have stopped waiting
+        else:
+            execution.future.set_result(result)
+
+    async def _remote_work(
+        self, prof: _Profile, target: Target, operation: str, ctx: ActionContext
+    ) -> RemoteResult:
         if prof.plain:
             if prof.latency_s > 0:
                 await asyncio.sleep(prof.latency_s)
         else:
             rng = random.Random(f"{self.seed}:{target.name}:{operation}:{ctx.attempt}")
             if prof.hang_at == ctx.state or (prof.hang and rng.random() < prof.hang):
-                await asyncio.Event().wait()  # never set: only a timeout ends this
+                await asyncio.Event().wait()  # never set: only a timeout ends the wait
             delay = self._latency(prof, rng)
             if delay > 0:
                 await asyncio.sleep(delay)
+            if prof.error and rng.random() < prof.error:
+                raise RuntimeError("simulated driver bug: unexpected None from target API")
             if prof.flaky and rng.random() < prof.flaky:
                 raise TransientError("target busy (simulated)")
             if prof.failure and rng.random() < prof.failure:
                 raise StepFailed("failed on target (simulated)")
-        if prof.fail_at == ctx.state:
-            raise StepFailed(f"failed on target (fail_at={prof.fail_at})")
         if ctx.callback_expected:
             self._start_agent(prof, target, operation, ctx)
-        if prof.already_done:
-            return RemoteResult.ALREADY_DONE
-        return RemoteResult.DONE
+        return self._finish(prof, ctx)
+
+    @staticmethod
+    def _finish(prof: _Profile, ctx: ActionContext) -> RemoteResult:
+        if prof.remote_state and (prof.unexpected_at or ctx.state) == ctx.state:
+            raise StepFailed(f"target reports unexpected remote state '{prof.remote_state}'")
+        if prof.fail_at == ctx.state:
+            raise StepFailed(f"failed on target (fail_at={prof.fail_at})")
+        return RemoteResult.ALREADY_DONE if prof.already_done else RemoteResult.DONE
 
     def _start_agent(
         self, prof: _Profile, target: Target, operation: str, ctx: ActionContext
@@ -219,19 +282,39 @@ class SimDriver:
         self, delay: float, step_id: int, state: str, kind: str, details: str
     ) -> None:
         await asyncio.sleep(delay)
-        if self.callback_sink is not None:
-            self.callback_sink(step_id, state, kind, details)
+        self.callbacks_sent += 1
+        for attempt in range(10):  # a real agent retries while the endpoint is unavailable
+            if self.callback_sink is None:
+                return
+            try:
+                self.callback_sink(step_id, state, kind, details)
+            except Exception:
+                await asyncio.sleep(0.5 * 2**attempt)
+                continue
+            self.callbacks_delivered += 1
+            return
+
+    async def wait_agents(self) -> None:
+        """Wait until every simulated agent has sent what it meant to send."""
+        while self._agents:
+            await asyncio.gather(*list(self._agents), return_exceptions=True)
 
     async def aclose(self) -> None:
-        """Stop every simulated agent (they otherwise outlive conductors, as real ones do)."""
-        for task in list(self._agents):
+        """Stop all remote work and agents (they otherwise outlive conductors, as real ones do)."""
+        tasks = [*self._agents, *self._work]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._agents, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def observe(self, target: Target, operation: str, ctx: ActionContext) -> RemoteResult:
         prof = self._profile(target)
-        if prof.fail_at == ctx.state:
-            raise StepFailed(f"failed on target (fail_at={prof.fail_at})")
+        execution = self._remote.get((target.name, operation))
+        if execution is None:
+            return RemoteResult.NOT_STARTED
+        if not execution.future.done():
+            return RemoteResult.IN_PROGRESS
+        if execution.future.exception() is not None:
+            raise StepFailed(f"{operation} failed on target while its conductor was lost")
         return RemoteResult.ALREADY_DONE if prof.already_done else RemoteResult.DONE
 
     @staticmethod

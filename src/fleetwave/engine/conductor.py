@@ -262,18 +262,27 @@ class Conductor:
             await asyncio.sleep(self.config.tick_s)
             now_loop = asyncio.get_running_loop().time()
             if now_loop - last_renew >= renew_every:
+                in_flight = [i for run in self.runs.values() for i in run.inflight]
                 await self._io(
-                    rt.heartbeat, self.store, self.id, self.clock.now(), self._lease_until()
+                    rt.heartbeat,
+                    self.store,
+                    self.id,
+                    self.clock.now(),
+                    self._lease_until(),
+                    in_flight,
                 )
                 last_renew = now_loop
-            for sid in list(self.runs):
-                state, owner = await self._io(rt.strategy_state, self.store, sid)
+            states = await self._io(rt.strategy_states, self.store, list(self.runs))
+            for sid, (state, owner) in states.items():
                 if owner != self.id:
                     self.post(LeaseLost(sid))
                 elif state == StrategyState.ABORT_REQUESTED:
                     self.post(StopRequested(sid))
-            await self._poll_callbacks(list(self.runs))
-            await self._claim()
+            waiting = [sid for sid, run in self.runs.items() if run.waits_for_callbacks]
+            if waiting:
+                await self._poll_callbacks(waiting)
+            if self._wanted is None or self._wanted - set(self.runs) - set(self.finished):
+                await self._claim()
 
     async def _poll_callbacks(self, strategy_ids: list[int]) -> None:
         """Pick up callbacks stored by other processes (an API server, an agent endpoint)."""
@@ -402,7 +411,9 @@ class Conductor:
         """Apply a callback to the step waiting for it, or record why it is ignored."""
         run = self.runs.get(cb.strategy_id)
         if run is None:
-            return  # not ours (or ended: closed with the strategy); its owner answers it
+            # Not ours (yet): its owner answers it, perhaps us once we claim the strategy.
+            self._callbacks_seen.discard(cb.id)
+            return
         fl = run.inflight.get(cb.step_id)
 
         def ignore(reason: str) -> None:
@@ -716,12 +727,11 @@ class Conductor:
                     step_id=rec.step_id,
                     driver=driver,
                     callback_expected=waiter is not None,
+                    recovering=recovering,
                 )
                 async with asyncio.timeout(st.timeout_s):
-                    if recovering and waiter is not None:
-                        # The action ran before the crash; keep waiting for its callback.
-                        outcome: Outcome = Advance()
-                    elif recovering:
+                    outcome: Outcome
+                    if recovering:
                         outcome = await st.action.recover(ctx)
                     else:
                         outcome = await st.action.run(ctx)

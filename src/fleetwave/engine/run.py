@@ -49,6 +49,10 @@ class StrategyRun:
         return self.record.id
 
     @property
+    def waits_for_callbacks(self) -> bool:
+        return any(st.mode == "wait-for-callback" for st in self.workflow.states)
+
+    @property
     def cap(self) -> int:
         return self.options.effective_parallel
 

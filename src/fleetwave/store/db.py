@@ -52,10 +52,15 @@ class Store:
     @contextmanager
     def write(self) -> Iterator[Connection]:
         """One write transaction (SQLite: BEGIN IMMEDIATE, so writers queue, never deadlock)."""
-        with self.engine.begin() as conn:
-            if self.write_fault is not None:
-                self.write_fault()
-            yield conn
+        with self.engine.connect() as conn:
+            conn.info["immediate"] = True
+            try:
+                with conn.begin():
+                    if self.write_fault is not None:
+                        self.write_fault()
+                    yield conn
+            finally:
+                conn.info.pop("immediate", None)
 
     @contextmanager
     def read(self) -> Iterator[Connection]:
@@ -92,7 +97,9 @@ def _sqlite_engine(path: str, synchronous: str) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        # Writers take the write lock up front (no lock upgrade, so no deadlock between
+        # processes); readers take a snapshot and never block the writer (WAL).
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.info.get("immediate") else "BEGIN")
 
     return engine
 

@@ -133,11 +133,22 @@ def dead_conductors(conn: Connection, self_id: str) -> set[str]:
     return dead
 
 
-def heartbeat(store: Store, cid: str, now: float, lease_until: float) -> int:
-    """Renew every lease this conductor holds; returns how many strategies it still owns."""
+def heartbeat(store: Store, cid: str, now: float, lease_until: float, step_ids: list[int]) -> int:
+    """Renew every lease this conductor holds; returns how many strategies it still owns.
+
+    ``step_ids`` are the steps it has in flight (the dispatcher knows them): renewing
+    by id keeps this cheap however large the strategy.
+    """
+    p = store.hooks.placeholder
     with store.write() as conn:
         conn.execute(update(conductors).where(conductors.c.id == cid).values(heartbeat_at=now))
-        conn.execute(update(steps).where(steps.c.owner == cid).values(lease_expires_at=lease_until))
+        for start in range(0, len(step_ids), 500):
+            chunk = step_ids[start : start + 500]
+            conn.exec_driver_sql(
+                f"UPDATE steps SET lease_expires_at={p} WHERE owner={p} AND id IN "
+                f"({', '.join(p for _ in chunk)})",
+                (lease_until, cid, *chunk),
+            )
         res = conn.execute(
             update(strategies).where(strategies.c.owner == cid).values(lease_expires_at=lease_until)
         )
@@ -218,6 +229,21 @@ def strategy_state(store: Store, sid: int) -> tuple[str, str | None]:
             select(strategies.c.state, strategies.c.owner).where(strategies.c.id == sid)
         ).one()
         return str(row.state), row.owner
+
+
+def strategy_states(store: Store, sids: list[int]) -> dict[int, tuple[str, str | None]]:
+    """(state, owner) of several strategies in one query."""
+    if not sids:
+        return {}
+    with store.read() as conn:
+        return {
+            int(r.id): (str(r.state), r.owner)
+            for r in conn.execute(
+                select(strategies.c.id, strategies.c.state, strategies.c.owner).where(
+                    strategies.c.id.in_(sids)
+                )
+            )
+        }
 
 
 def set_strategy_state(

@@ -1,0 +1,630 @@
+"""Benchmark of the fleetwave engine: durable transition throughput, I/O overlap, scale.
+
+What it measures (each scenario in a fresh SQLite database in a temporary directory,
+``synchronous=FULL`` as :func:`fleetwave.store.db.open_store` sets by default):
+
+``throughput``
+    10,000 zero-latency sim targets (settings ``{}``), ``patch`` workflow, max parallel
+    1,000. Durable transitions per second = committed transitions / wall time of
+    ``Conductor.run`` (the count from ``conductor.stats.transitions``, cross-checked
+    against the journal's row count), dispatch latency p50/p99 (commit done -> action
+    started, ``EngineConfig(measure_latency=True)``) and peak RSS.
+    Targets: >= 10,000 transitions/s and p99 < 10 ms.
+``io_bound``
+    1,000 sim targets with a fixed 20 ms latency per operation (``{"latency_ms": 20}``),
+    ``patch`` (5 states), max parallel 200. Wall time against the ideal
+    targets * states * 0.020 s / max parallel = 0.5 s. Target: ratio <= 1.15.
+``scale``
+    100,000 zero-latency targets, ``patch``, max parallel 1,000. Peak RSS (target
+    < 1.5 GB) and time per transition, compared with the 10,000-target run of
+    ``throughput`` (target: ratio <= 1.3). When ``throughput`` is not part of the same
+    invocation, the 10,000-target baseline is run first.
+
+After each run the invariants (:func:`fleetwave.testing.invariants.check`) are checked
+and reported; their time is not part of any measured figure.
+
+Each scenario runs in its own processes: one that creates the database (targets,
+strategy, apply; never measured) and one that only drives the strategy, so the
+reported peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss``) is that of the engine run
+alone (imports and opening the store included).
+
+Run it from the repository root::
+
+    .venv/bin/python bench/bench.py                      # all scenarios, full sizes
+    .venv/bin/python bench/bench.py --scenario throughput
+    .venv/bin/python bench/bench.py --quick              # smaller sizes, a sanity run
+
+``--quick`` runs ``throughput`` with 2,000 targets and ``scale`` with 20,000 (against
+2,000); ``io_bound`` is short already and keeps its size.
+
+The figures are only as quiet as the machine: each run records the load average and
+how often its process was preempted, and a digest of ``src/`` before and after.
+
+It prints the figures and a PASS/FAIL per target, and writes them to
+``bench/RESULTS.md`` (``--results`` to write elsewhere): one section per scenario and
+size, replaced when that scenario is run again, with the command, date and machine
+that produced it. A missed target is reported, never an error: the exit status is 0
+unless a scenario could not be measured at all (its process failed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import math
+import os
+import platform
+import re
+import resource
+import shlex
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy
+from sqlalchemy import func, select
+
+from fleetwave.domain.models import StrategyOptions, Target
+from fleetwave.domain.registry import get_workflow
+from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.store import admin
+from fleetwave.store.db import open_store
+from fleetwave.store.schema import journal
+from fleetwave.testing.invariants import check
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_DIR = BENCH_DIR.parent
+DEFAULT_RESULTS = BENCH_DIR / "RESULTS.md"
+SCENARIOS = ("throughput", "io_bound", "scale")
+WORKFLOW = "patch"
+
+# Targets of the brief.
+MIN_TRANSITIONS_PER_S = 10_000.0
+MAX_P99_LATENCY_S = 0.010
+MAX_IO_RATIO = 1.15
+MAX_SCALE_RSS_BYTES = 1.5e9
+MAX_SCALE_TIME_RATIO = 1.3
+
+
+# -- what a run is, and what it measured ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One strategy run: how many targets, how wide, how slow each operation is."""
+
+    targets: int
+    max_parallel: int
+    #: fixed sim latency per operation; 0 means zero-latency targets (settings {})
+    latency_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What the run process measured (all times in seconds, sizes in bytes)."""
+
+    spec: RunSpec
+    states: int
+    final_state: str
+    wall_s: float
+    cpu_s: float
+    transitions: int
+    journal_rows: int
+    expected_transitions: int
+    batches: int
+    rejected: int
+    stale_outcomes: int
+    latency_count: int
+    latency_p50_s: float
+    latency_p99_s: float
+    latency_max_s: float
+    #: dispatches slower than the p99 goal (10 ms)
+    latency_over_goal: int
+    rss_before_run: int
+    peak_rss_run: int
+    peak_rss_with_check: int
+    check_ok: bool
+    check_violations: list[str]
+    check_s: float
+    setup_s: float
+    #: times the run process was preempted (other load on the machine)
+    involuntary_switches: int
+    #: 1-minute load average just before and just after the run
+    load_before: float
+    load_after: float
+
+    @property
+    def transitions_per_s(self) -> float:
+        return self.transitions / self.wall_s
+
+    @property
+    def time_per_transition_s(self) -> float:
+        return self.wall_s / self.transitions
+
+    @property
+    def counts_agree(self) -> bool:
+        return self.transitions == self.journal_rows == self.expected_transitions
+
+
+@dataclass(frozen=True)
+class Check:
+    """One target of the brief: what it asks, what was measured, met or not."""
+
+    name: str
+    goal: str
+    measured: str
+    passed: bool
+
+
+@dataclass
+class ScenarioReport:
+    scenario: str
+    quick: bool
+    runs: list[tuple[str, RunResult]]
+    figures: list[tuple[str, str]]
+    checks: list[Check]
+
+
+# -- child processes ----------------------------------------------------------------
+
+
+def _peak_rss_bytes() -> int:
+    # Linux reports ru_maxrss in KiB.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _cpu_s_and_preemptions() -> tuple[float, int]:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime, ru.ru_nivcsw
+
+
+def _percentile(sorted_values: list[float], pct: float) -> float:
+    """Nearest-rank percentile of an already sorted list (nan when empty)."""
+    if not sorted_values:
+        return math.nan
+    rank = max(1, math.ceil(pct / 100.0 * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+def child_setup(db: str, spec: RunSpec) -> dict[str, Any]:
+    """Create the targets and the strategy, and apply it. Not measured."""
+    t0 = time.perf_counter()
+    wf = get_workflow(WORKFLOW)
+    assert wf is not None, f"workflow {WORKFLOW} is not registered"
+    store = open_store(db)
+    settings: dict[str, Any] = {"latency_ms": spec.latency_ms} if spec.latency_ms else {}
+    admin.add_targets(
+        store, [Target(name=f"t{i:06d}", settings=dict(settings)) for i in range(spec.targets)]
+    )
+    sid = admin.create_strategy(
+        store, wf, StrategyOptions(max_parallel=spec.max_parallel), all_targets=True
+    )
+    admin.apply_strategy(store, sid)
+    store.dispose()
+    return {"sid": sid, "states": len(wf.state_names), "setup_s": time.perf_counter() - t0}
+
+
+def child_run(db: str, sid: int, spec: RunSpec, states: int, setup_s: float) -> dict[str, Any]:
+    """Drive the strategy with a fresh conductor and measure it; then check invariants."""
+    store = open_store(db)
+    conductor = Conductor(store, config=EngineConfig(measure_latency=True))
+    rss_before = _peak_rss_bytes()
+
+    async def timed_run() -> tuple[dict[int, str], float]:
+        t0 = time.perf_counter()
+        final = await conductor.run(strategy_ids=[sid])
+        return final, time.perf_counter() - t0
+
+    load_before = os.getloadavg()[0]
+    cpu0, nivcsw0 = _cpu_s_and_preemptions()
+    final, wall_s = asyncio.run(timed_run())
+    cpu1, nivcsw1 = _cpu_s_and_preemptions()
+    load_after = os.getloadavg()[0]
+    peak_run = _peak_rss_bytes()
+
+    with store.read() as conn:
+        journal_rows = conn.execute(
+            select(func.count()).select_from(journal).where(journal.c.strategy_id == sid)
+        ).scalar_one()
+    t0 = time.perf_counter()
+    verdict = check(store, sid)
+    check_s = time.perf_counter() - t0
+    store.dispose()
+
+    stats = conductor.stats
+    lat = sorted(stats.dispatch_latency_s)
+    result = RunResult(
+        spec=spec,
+        states=states,
+        final_state=final.get(sid, "?"),
+        wall_s=wall_s,
+        cpu_s=cpu1 - cpu0,
+        transitions=stats.transitions,
+        journal_rows=int(journal_rows),
+        # initial -> first state, one move per state, last state -> complete
+        expected_transitions=spec.targets * (states + 1),
+        batches=stats.batches,
+        rejected=stats.rejected,
+        stale_outcomes=stats.stale_outcomes,
+        latency_count=len(lat),
+        latency_p50_s=_percentile(lat, 50),
+        latency_p99_s=_percentile(lat, 99),
+        latency_max_s=lat[-1] if lat else math.nan,
+        latency_over_goal=sum(1 for x in lat if x >= MAX_P99_LATENCY_S),
+        rss_before_run=rss_before,
+        peak_rss_run=peak_run,
+        peak_rss_with_check=_peak_rss_bytes(),
+        check_ok=verdict.ok,
+        check_violations=verdict.violations[:10],
+        check_s=check_s,
+        setup_s=setup_s,
+        involuntary_switches=nivcsw1 - nivcsw0,
+        load_before=load_before,
+        load_after=load_after,
+    )
+    return asdict(result)
+
+
+def _spawn(role: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """Run this script as a child process in ``role``; returns the JSON it wrote."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
+        out = Path(fh.name)
+    try:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", role]
+        cmd += ["--payload", json.dumps(payload), "--out", str(out)]
+        proc = subprocess.run(cmd, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{role} process exited with status {proc.returncode}")
+        data: dict[str, Any] = json.loads(out.read_text())
+        return data
+    finally:
+        out.unlink(missing_ok=True)
+
+
+def _child_main(role: str, payload: dict[str, Any], out: Path) -> None:
+    spec = RunSpec(**payload["spec"])
+    if role == "setup":
+        data = child_setup(payload["db"], spec)
+    elif role == "run":
+        data = child_run(payload["db"], payload["sid"], spec, payload["states"], payload["setup_s"])
+    else:
+        raise SystemExit(f"unknown child role {role!r}")
+    out.write_text(json.dumps(data))
+
+
+def measure(spec: RunSpec) -> RunResult:
+    """One run in a fresh database: set up in one process, drive in another."""
+    with tempfile.TemporaryDirectory(prefix="fleetwave-bench-") as tmp:
+        db = str(Path(tmp) / "bench.db")
+        setup = _spawn("setup", {"db": db, "spec": asdict(spec)})
+        data = _spawn(
+            "run",
+            {
+                "db": db,
+                "sid": setup["sid"],
+                "states": setup["states"],
+                "setup_s": setup["setup_s"],
+                "spec": asdict(spec),
+            },
+        )
+    data["spec"] = RunSpec(**data["spec"])
+    return RunResult(**data)
+
+
+# -- scenarios ---------------------------------------------------------------------
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.2f} ms"
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:,.0f} MB"
+
+
+def _run_figures(label: str, r: RunResult) -> list[tuple[str, str]]:
+    p = f"{label}: " if label else ""
+    s = r.spec
+    shape = f"{s.targets:,} targets x {r.states} states, max parallel {s.max_parallel:,}"
+    shape += f", latency {s.latency_ms:g} ms" if s.latency_ms else ", zero latency"
+    agree = "agree" if r.counts_agree else "DISAGREE"
+    return [
+        (f"{p}run", shape),
+        (f"{p}final strategy state", r.final_state),
+        (f"{p}wall time of Conductor.run", f"{r.wall_s:.3f} s"),
+        (f"{p}CPU time during the run", f"{r.cpu_s:.3f} s"),
+        (
+            f"{p}transitions (stats / journal / expected)",
+            f"{r.transitions:,} / {r.journal_rows:,} / {r.expected_transitions:,} ({agree})",
+        ),
+        (f"{p}durable transitions per second", f"{r.transitions_per_s:,.0f}"),
+        (f"{p}time per transition", f"{r.time_per_transition_s * 1e6:.1f} us"),
+        (
+            f"{p}group commits (batches), mean size",
+            f"{r.batches:,}, {r.transitions / max(r.batches, 1):.1f}",
+        ),
+        (
+            f"{p}dispatch latency p50 / p99 / max ({r.latency_count:,} samples)",
+            f"{_ms(r.latency_p50_s)} / {_ms(r.latency_p99_s)} / {_ms(r.latency_max_s)}",
+        ),
+        (
+            f"{p}dispatches >= {_ms(MAX_P99_LATENCY_S)}",
+            f"{r.latency_over_goal:,} ({r.latency_over_goal / max(r.latency_count, 1):.2%})",
+        ),
+        (f"{p}rejected transitions, stale outcomes", f"{r.rejected}, {r.stale_outcomes}"),
+        (
+            f"{p}RSS before the run / peak RSS of the run / peak incl. check",
+            f"{_mb(r.rss_before_run)} / {_mb(r.peak_rss_run)} / {_mb(r.peak_rss_with_check)}",
+        ),
+        (
+            f"{p}invariants check",
+            ("ok" if r.check_ok else f"FAILED: {r.check_violations}") + f" ({r.check_s:.2f} s)",
+        ),
+        (
+            f"{p}other load: 1-min load average before / after, preemptions",
+            f"{r.load_before:.2f} / {r.load_after:.2f}, {r.involuntary_switches:,}",
+        ),
+        (f"{p}setup (not measured)", f"{r.setup_s:.1f} s"),
+    ]
+
+
+def _invariant_check(label: str, r: RunResult) -> Check:
+    return Check(
+        f"invariants ({label})" if label else "invariants",
+        "check() ok, counts agree, complete",
+        f"ok={r.check_ok}, counts agree={r.counts_agree}, state={r.final_state}",
+        r.check_ok and r.counts_agree and r.final_state == "complete",
+    )
+
+
+def scenario_throughput(quick: bool) -> ScenarioReport:
+    r = measure(RunSpec(targets=2_000 if quick else 10_000, max_parallel=1_000))
+    checks = [
+        Check(
+            "throughput",
+            f">= {MIN_TRANSITIONS_PER_S:,.0f} transitions/s",
+            f"{r.transitions_per_s:,.0f} transitions/s",
+            r.transitions_per_s >= MIN_TRANSITIONS_PER_S,
+        ),
+        Check(
+            "dispatch latency p99",
+            f"< {_ms(MAX_P99_LATENCY_S)}",
+            _ms(r.latency_p99_s),
+            r.latency_p99_s < MAX_P99_LATENCY_S,
+        ),
+        _invariant_check("", r),
+    ]
+    return ScenarioReport("throughput", quick, [("", r)], _run_figures("", r), checks)
+
+
+def scenario_io_bound(quick: bool) -> ScenarioReport:
+    spec = RunSpec(targets=1_000, max_parallel=200, latency_ms=20.0)
+    r = measure(spec)
+    ideal = spec.targets * r.states * (spec.latency_ms / 1000.0) / spec.max_parallel
+    ratio = r.wall_s / ideal
+    figures = _run_figures("", r)
+    figures.insert(3, ("ideal wall time (targets x states x latency / parallel)", f"{ideal:.3f} s"))
+    figures.insert(4, ("ratio wall / ideal", f"{ratio:.3f}"))
+    checks = [
+        Check("wall / ideal", f"<= {MAX_IO_RATIO}", f"{ratio:.3f}", ratio <= MAX_IO_RATIO),
+        _invariant_check("", r),
+    ]
+    return ScenarioReport("io_bound", quick, [("", r)], figures, checks)
+
+
+def scenario_scale(quick: bool, baseline: RunResult | None) -> ScenarioReport:
+    base_spec = RunSpec(targets=2_000 if quick else 10_000, max_parallel=1_000)
+    big = measure(RunSpec(targets=20_000 if quick else 100_000, max_parallel=1_000))
+    reused = baseline is not None and baseline.spec == base_spec
+    if baseline is None or not reused:
+        baseline = measure(base_spec)
+    ratio = big.time_per_transition_s / baseline.time_per_transition_s
+    big_label = f"{big.spec.targets:,}"
+    base_label = f"{baseline.spec.targets:,}"
+    figures = _run_figures(big_label, big) + _run_figures(base_label, baseline)
+    figures.append(
+        (
+            f"baseline ({base_label} targets)",
+            "the throughput run of this invocation" if reused else "a separate run",
+        )
+    )
+    figures.append(
+        (
+            f"time per transition {big_label} / {base_label}",
+            f"{big.time_per_transition_s * 1e6:.1f} us / "
+            f"{baseline.time_per_transition_s * 1e6:.1f} us = {ratio:.3f}",
+        )
+    )
+    checks = [
+        Check(
+            f"peak RSS ({big_label} targets)",
+            f"< {_mb(MAX_SCALE_RSS_BYTES)}",
+            _mb(big.peak_rss_run),
+            big.peak_rss_run < MAX_SCALE_RSS_BYTES,
+        ),
+        Check(
+            "time per transition ratio",
+            f"<= {MAX_SCALE_TIME_RATIO}",
+            f"{ratio:.3f}",
+            ratio <= MAX_SCALE_TIME_RATIO,
+        ),
+        _invariant_check(big_label, big),
+        _invariant_check(base_label, baseline),
+    ]
+    return ScenarioReport(
+        "scale", quick, [(big_label, big), (base_label, baseline)], figures, checks
+    )
+
+
+# -- the environment and RESULTS.md --------------------------------------------------
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def _cmd(args: list[str]) -> str:
+    try:
+        return subprocess.run(args, capture_output=True, text=True, check=False).stdout.strip()
+    except OSError:
+        return ""
+
+
+def src_digest() -> str:
+    """A digest of the code under test (every file under src/), to notice edits mid-run."""
+    h = hashlib.sha256()
+    for path in sorted((REPO_DIR / "src").rglob("*.py")):
+        h.update(str(path.relative_to(REPO_DIR)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def environment() -> list[tuple[str, str]]:
+    cpu = re.search(r"^model name\s*:\s*(.+)$", _read("/proc/cpuinfo"), re.M)
+    mem = re.search(r"^MemTotal:\s*(\d+) kB", _read("/proc/meminfo"), re.M)
+    commit = _cmd(["git", "-C", str(REPO_DIR), "rev-parse", "--short", "HEAD"]) or "unknown"
+    dirty = _cmd(["git", "-C", str(REPO_DIR), "status", "--porcelain", "--", "src"]).splitlines()
+    if dirty:
+        commit += f" + uncommitted changes to {len(dirty)} paths under src/"
+    return [
+        ("command", shlex.join(sys.orig_argv)),
+        ("working directory", os.getcwd()),
+        ("date", datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")),
+        ("uname -a", _cmd(["uname", "-a"]) or platform.platform()),
+        ("CPU", cpu.group(1).strip() if cpu else platform.processor() or "unknown"),
+        ("nproc", str(os.cpu_count())),
+        ("memory", f"{int(mem.group(1)) / 1024 / 1024:.1f} GiB" if mem else "unknown"),
+        ("Python", sys.version.replace("\n", " ")),
+        ("SQLite", sqlite3.sqlite_version),
+        ("SQLAlchemy", sqlalchemy.__version__),
+        ("fleetwave commit", commit),
+        ("src/ digest at start", src_digest()),
+    ]
+
+
+HEADER = """# fleetwave benchmark results
+
+Written by `bench/bench.py` (see its docstring for what each scenario measures).
+Each section below is replaced when its scenario is run again and records the
+command, date and machine that produced it. Every figure is from a single run in a
+fresh SQLite database (WAL, `synchronous=FULL`), the engine run in its own process.
+"""
+
+_SECTION_RE = re.compile(
+    r"<!-- section: (?P<key>[^>]+?) -->\n(?P<body>.*?)<!-- /section -->\n", re.S
+)
+
+
+def _section_key(report: ScenarioReport) -> str:
+    return f"{report.scenario} {'quick' if report.quick else 'full'}"
+
+
+def _render_section(report: ScenarioReport, env: list[tuple[str, str]]) -> str:
+    size = "quick sizes (--quick)" if report.quick else "full sizes"
+    lines = [f"## {report.scenario}: {size}", ""]
+    lines += ["| Target | Goal | Measured | Result |", "|---|---|---|---|"]
+    lines += [
+        f"| {c.name} | {c.goal} | {c.measured} | {'PASS' if c.passed else 'FAIL'} |"
+        for c in report.checks
+    ]
+    lines += ["", "| Figure | Value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in report.figures]
+    lines += ["", "| Environment | |", "|---|---|"]
+    lines += [f"| {k} | `{v}` |" for k, v in env]
+    return "\n".join(lines) + "\n\n"
+
+
+def write_results(path: Path, reports: list[ScenarioReport], env: list[tuple[str, str]]) -> None:
+    sections = {m["key"]: m["body"] for m in _SECTION_RE.finditer(_read(str(path)))}
+    for report in reports:
+        sections[_section_key(report)] = _render_section(report, env)
+    order = [f"{s} {mode}" for mode in ("full", "quick") for s in SCENARIOS]
+    keys = [k for k in order if k in sections] + [k for k in sections if k not in order]
+    parts = [HEADER, ""]
+    parts += [f"<!-- section: {k} -->\n{sections[k]}<!-- /section -->\n" for k in keys]
+    path.write_text("\n".join(parts))
+
+
+# -- main --------------------------------------------------------------------------
+
+
+def print_report(report: ScenarioReport) -> None:
+    size = "quick" if report.quick else "full"
+    print(f"\n== {report.scenario} ({size}) ==")
+    width = max(len(k) for k, _ in report.figures)
+    for k, v in report.figures:
+        print(f"  {k:<{width}}  {v}")
+    for c in report.checks:
+        verdict = "PASS" if c.passed else "FAIL"
+        print(f"  [{verdict}] {c.name}: {c.measured} (goal {c.goal})")
+    sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="all")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes: a sanity run")
+    parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="markdown to update")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--payload", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.child:
+        _child_main(args.child, json.loads(args.payload), args.out)
+        return 0
+
+    wanted = SCENARIOS if args.scenario == "all" else (args.scenario,)
+    env = environment()
+    print(f"fleetwave benchmark: {', '.join(wanted)} ({'quick' if args.quick else 'full'} sizes)")
+    for k, v in env:
+        print(f"  {k}: {v}")
+    reports: list[ScenarioReport] = []
+    errors: list[str] = []
+    baseline: RunResult | None = None
+    for name in wanted:
+        try:
+            if name == "throughput":
+                report = scenario_throughput(args.quick)
+                baseline = report.runs[0][1]
+            elif name == "io_bound":
+                report = scenario_io_bound(args.quick)
+            else:
+                report = scenario_scale(args.quick, baseline)
+        except RuntimeError as exc:
+            errors.append(f"{name}: {exc}")
+            print(f"\n== {name} ==\n  ERROR: not measured: {exc}", file=sys.stderr)
+            continue
+        reports.append(report)
+        print_report(report)
+
+    digest = src_digest()
+    if digest != dict(env)["src/ digest at start"]:
+        env.append(
+            ("src/ digest at end", f"{digest}: CHANGED during the run, figures may mix code")
+        )
+        print(f"\nWARNING: files under src/ changed during the run (digest now {digest})")
+    if reports:
+        write_results(args.results, reports, env)
+        print(f"\nwrote {args.results}")
+    print("\nsummary:")
+    for report in reports:
+        for c in report.checks:
+            print(f"  {'PASS' if c.passed else 'FAIL'}  {report.scenario}: {c.name}")
+    for err in errors:
+        print(f"  ERROR {err}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

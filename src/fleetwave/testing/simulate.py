@@ -1,0 +1,360 @@
+"""Deterministic simulation: the real engine, store and sim driver on virtual time, under faults.
+
+One run, for one seed:
+
+1. a fresh SQLite file, N simulated targets whose settings (failure, flakiness, hangs,
+   heavy-tailed latency, misbehaving callbacks) are drawn from the seed;
+2. one strategy with options drawn from the seed (max parallel, groups and their caps,
+   stop on failure, failure threshold);
+3. conductors that crash (killed at a random virtual time, or at a chosen commit,
+   before or after it) and restart with a new identity, taking over by lease expiry;
+   transient database errors inside write transactions;
+4. then every guarantee is checked from the journal and final rows, and the journal's
+   digest is printed: the same seed gives the same journal, byte for byte.
+
+``fleetwave sim --seed S`` runs this; the test suite sweeps seeds; a failing seed
+replays exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
+
+from fleetwave.domain.models import STRATEGY_TERMINAL, ApplyType, Group, StrategyOptions, Target
+from fleetwave.domain.registry import get_workflow
+from fleetwave.drivers.sim import SimDriver
+from fleetwave.engine.clock import LoopClock
+from fleetwave.engine.conductor import Conductor, EngineConfig, SimulatedCrash
+from fleetwave.store import admin
+from fleetwave.store import runtime as rt
+from fleetwave.store.db import Store, open_store
+from fleetwave.store.schema import callbacks, journal, steps
+from fleetwave.testing.invariants import check
+from fleetwave.testing.vloop import VirtualTimeLoop
+
+FAULTS = ("errors", "hangs", "slow", "callbacks", "db", "crash")
+
+#: virtual time after which a strategy that has not ended is a liveness violation
+VIRTUAL_LIMIT_S = 30 * 24 * 3600.0
+
+
+def parse_faults(text: str) -> frozenset[str]:
+    if text in ("all", ""):
+        return frozenset(FAULTS)
+    if text == "none":
+        return frozenset()
+    chosen = frozenset(x.strip() for x in text.split(",") if x.strip())
+    unknown = chosen - set(FAULTS)
+    if unknown:
+        raise ValueError(
+            f"--faults: unknown fault '{sorted(unknown)[0]}' "
+            f"(known: all, none, {', '.join(FAULTS)})"
+        )
+    return chosen
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    seed: int
+    targets: int = 200
+    workflow: str = "patch"
+    faults: frozenset[str] = frozenset(FAULTS)
+    keep_db: Path | None = None
+    #: the conductor class under test (tests pass deliberately broken ones)
+    conductor_cls: type[Conductor] = Conductor
+
+
+@dataclass
+class SimResult:
+    seed: int
+    workflow: str
+    targets: int
+    ok: bool
+    violations: list[str]
+    digest: str
+    strategy_state: str
+    transitions: int
+    crashes: int
+    store_retries: int
+    callbacks: int
+    virtual_s: float
+    wall_s: float
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def line(self) -> str:
+        verdict = "ok" if self.ok else "FAILED"
+        return (
+            f"seed {self.seed}: {verdict} {self.workflow} x{self.targets} "
+            f"-> {self.strategy_state}, "
+            f"{self.transitions} transitions, {self.crashes} crashes, {self.store_retries} db "
+            f"retries, {self.callbacks} callbacks, {self.virtual_s / 3600:.1f} h virtual in "
+            f"{self.wall_s:.2f} s, journal {self.digest[:16]}"
+        )
+
+
+def _target_settings(rng: random.Random, faults: frozenset[str], calm: bool) -> dict[str, Any]:
+    """Per-target behaviour; a calm fleet has only recoverable faults, so it can complete."""
+    s: dict[str, Any] = {"latency_ms": rng.choice([200, 1000, 5000])}
+    if "slow" in faults:
+        # heavy tails: completions arrive out of order, some take many minutes
+        s.update(latency="lognormal", latency_sigma=rng.choice([0.5, 1.0, 1.8]))
+    if "errors" in faults:
+        s["flaky_rate"] = rng.choice([0, 0.02, 0.1])
+        if not calm:
+            s.update(
+                failure_rate=rng.choice([0, 0, 0, 0.002, 0.01]),
+                error_rate=rng.choice([0, 0, 0, 0.001]),
+            )
+            if rng.random() < 0.003:
+                s["remote_state"] = "ready-to-apply"
+    if "hangs" in faults and not calm:
+        s["hang_rate"] = rng.choice([0, 0, 0, 0.002, 0.01])
+    if "callbacks" in faults:
+        s.update(
+            callback_dup_rate=rng.choice([0, 0.1, 0.3]),
+            callback_late_rate=rng.choice([0, 0.05, 0.2]),
+        )
+        if not calm:
+            s.update(
+                callback_fail_rate=rng.choice([0, 0.01]),
+                callback_lost_rate=rng.choice([0, 0, 0.01]),
+            )
+    if rng.random() < 0.03:
+        s["already_done"] = True
+    return s
+
+
+def _journal_digest(store: Store, sid: int) -> str:
+    h = hashlib.sha256()
+    with store.read() as conn:
+        for row in conn.execute(
+            select(
+                journal.c.id,
+                journal.c.step_id,
+                journal.c.at,
+                journal.c.conductor,
+                journal.c.from_state,
+                journal.c.to_state,
+                journal.c.fence,
+                journal.c.details,
+            )
+            .where(journal.c.strategy_id == sid)
+            .order_by(journal.c.id)
+        ):
+            h.update(repr(tuple(row)).encode())
+    return h.hexdigest()
+
+
+def _extra_checks(store: Store, sid: int, state: str) -> list[str]:
+    out: list[str] = []
+    if state not in STRATEGY_TERMINAL:
+        out.append(f"liveness: strategy {sid} is still {state} after the virtual time limit")
+    with store.read() as conn:
+        unanswered = conn.execute(
+            select(callbacks.c.id, callbacks.c.step_id, callbacks.c.state).where(
+                callbacks.c.strategy_id == sid,
+                (callbacks.c.outcome.is_(None)) | (callbacks.c.reason.is_(None)),
+            )
+        ).all()
+        held = conn.execute(
+            select(steps.c.id, steps.c.owner).where(
+                steps.c.strategy_id == sid, steps.c.owner.is_not(None)
+            )
+        ).all()
+    for cb in unanswered:
+        out.append(f"callbacks: callback {cb.id} for step {cb.step_id} ({cb.state}) never answered")
+    if state in STRATEGY_TERMINAL:
+        for st in held:
+            out.append(f"lease: step {st.id} still held by {st.owner} after the strategy ended")
+    return out
+
+
+def _target_checks(sim: SimDriver) -> list[str]:
+    """What the targets saw: no attempt of a state started twice, every callback stored."""
+    out = [
+        f"G1 at the target: {t} saw {op} attempt {attempt} started {n} times"
+        for (t, op, attempt), n in sorted(sim.starts.items())
+        if n > 1
+    ]
+    lost = sim.callbacks_sent - sim.callbacks_delivered
+    if lost:
+        out.append(f"G6: {lost} callbacks sent by targets were never accepted")
+    return out
+
+
+class _Faults:
+    """The run's fault schedule, drawn from its own generator so it replays exactly."""
+
+    def __init__(self, rng: random.Random, faults: frozenset[str]) -> None:
+        self.rng = rng
+        self.faults = faults
+        self.db_error_rate = rng.choice([0.005, 0.02, 0.05]) if "db" in faults else 0.0
+        self.crashes_left = rng.randint(1, 3) if "crash" in faults else 0
+
+    def write_fault(self) -> None:
+        if self.db_error_rate and self.rng.random() < self.db_error_rate:
+            raise OperationalError("BEGIN", None, Exception("database is locked (injected)"))
+
+    def crash_plan(self) -> tuple[str, float | int] | None:
+        """How the next conductor dies: ("time", virtual seconds) or (point, commit count)."""
+        if self.crashes_left <= 0:
+            return None
+        self.crashes_left -= 1
+        kind = self.rng.choice(["time", "before-commit", "after-commit"])
+        if kind == "time":
+            return ("time", self.rng.uniform(1, 3600))
+        return (kind, self.rng.randint(1, 400))
+
+
+def _crash_hook(point: str, at_count: int) -> Callable[[str], None]:
+    seen = {"n": 0}
+
+    def hook(p: str) -> None:
+        if p == point:
+            seen["n"] += 1
+            if seen["n"] == at_count:
+                raise SimulatedCrash(f"{point} #{at_count}")
+
+    return hook
+
+
+async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
+    wall0 = time.perf_counter()
+    loop = asyncio.get_running_loop()
+    rng = random.Random(cfg.seed)
+    store = open_store(str(db_path), synchronous="OFF")
+    wf = get_workflow(cfg.workflow)
+    if wf is None:
+        raise ValueError(f"--workflow: unknown workflow '{cfg.workflow}'")
+
+    # the fleet
+    n_groups = rng.choice([0, 0, 1, 3])
+    groups = [f"g{i}" for i in range(n_groups)]
+    for g in groups:
+        admin.add_group(
+            store,
+            Group(
+                g,
+                max_parallel=rng.choice([1, 2, 5, 20]),
+                apply_type=ApplyType.SERIAL if rng.random() < 0.1 else ApplyType.PARALLEL,
+            ),
+        )
+    calm = rng.random() < 0.4
+    targets = [
+        Target(
+            name=f"sc{i:05d}",
+            group=rng.choice([*groups, None]) if groups else None,
+            settings=_target_settings(rng, cfg.faults, calm),
+            managed=calm or "errors" not in cfg.faults or rng.random() > 0.002,
+        )
+        for i in range(cfg.targets)
+    ]
+    admin.add_targets(store, targets)
+    opts = StrategyOptions(
+        max_parallel=rng.choice([1, 3, 10, 50, max(1, cfg.targets)]),
+        stop_on_failure=rng.random() < 0.1,
+        max_failures=rng.choice([None, None, None, 0, 2, 10]),
+        stages_by_group=bool(groups) and rng.random() < 0.3,
+    )
+    sid = admin.create_strategy(store, wf, opts, all_targets=True)
+    admin.apply_strategy(store, sid)
+
+    faults = _Faults(random.Random(cfg.seed * 7919 + 1), cfg.faults)
+    store.write_fault = faults.write_fault
+    sim = SimDriver(seed=cfg.seed)
+    config = EngineConfig(lease_ttl_s=60.0, tick_s=5.0, threaded_store=False, seed=cfg.seed)
+    clock = LoopClock()
+    crashes = 0
+    retries = 0
+    transitions = 0
+    generation = 0
+    state = "applying"
+    while loop.time() < VIRTUAL_LIMIT_S:
+        plan = faults.crash_plan()
+        hook = _crash_hook(str(plan[0]), int(plan[1])) if plan and plan[0] != "time" else None
+        conductor = cfg.conductor_cls(
+            store,
+            clock=clock,
+            config=config,
+            drivers={"sim": sim},
+            conductor_id=f"sim{cfg.seed}-c{generation}",
+            crash_hook=hook,
+        )
+        generation += 1
+        task = asyncio.ensure_future(conductor.run(strategy_ids=[sid], patient=True))
+        killer: asyncio.TimerHandle | None = None
+        if plan and plan[0] == "time":
+            killer = loop.call_later(float(plan[1]), task.cancel)
+        try:
+            result = await task
+            state = result.get(sid, "unknown")
+        except (SimulatedCrash, asyncio.CancelledError):
+            crashes += 1
+        finally:
+            if killer is not None:
+                killer.cancel()
+            transitions += conductor.stats.transitions
+            retries += conductor.stats.store_retries
+        if task.cancelled() or task.exception() is not None:
+            await asyncio.sleep(rng.uniform(0, 120))  # the process is down for a while
+            continue
+        if state in STRATEGY_TERMINAL:
+            break
+    store.write_fault = None
+    await sim.wait_agents()  # late callbacks still arrive after the end
+    await sim.aclose()
+
+    final_state, _owner = rt.strategy_state(store, sid)
+    verdict = check(store, sid)
+    violations = list(verdict.violations) + _extra_checks(store, sid, final_state)
+    violations += _target_checks(sim)
+    with store.read() as conn:
+        n_callbacks = len(conn.execute(select(callbacks.c.id)).all())
+    digest = _journal_digest(store, sid)
+    store.dispose()
+    return SimResult(
+        seed=cfg.seed,
+        workflow=cfg.workflow,
+        targets=cfg.targets,
+        ok=not violations,
+        violations=violations,
+        digest=digest,
+        strategy_state=final_state,
+        transitions=verdict.transitions,
+        crashes=crashes,
+        store_retries=retries,
+        callbacks=n_callbacks,
+        virtual_s=loop.time(),
+        wall_s=time.perf_counter() - wall0,
+        options={
+            "max_parallel": opts.max_parallel,
+            "stop_on_failure": opts.stop_on_failure,
+            "max_failures": opts.max_failures,
+            "groups": len(groups),
+        },
+    )
+
+
+def run_simulation(cfg: SimConfig) -> SimResult:
+    """Run one seed on a fresh virtual-time loop and database."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"fleetwave-sim-{cfg.seed}-"))
+    db_path = cfg.keep_db or tmp / "sim.db"
+    loop = VirtualTimeLoop()
+    try:
+        return loop.run_until_complete(_simulate(cfg, db_path))
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+        shutil.rmtree(tmp, ignore_errors=True)

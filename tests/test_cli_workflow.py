@@ -1,0 +1,468 @@
+"""The command line for workflows: list, show, validate and add (YAML).
+
+Every test runs ``fleetwave.cli.main.main`` (the console script's entry point, which turns
+bad input into ``error: ...`` and exit code 2) against a real SQLite file in ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleetwave import ActionContext, Outcome, Skip, StateAction
+from fleetwave.cli.main import main
+from fleetwave.store.db import open_store
+
+PATCH_STATES = [
+    "pre-check",
+    "updating-patches",
+    "creating-remote-patch-strategy",
+    "applying-remote-patch-strategy",
+    "finishing",
+]
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+    @property
+    def text(self) -> str:
+        """stdout and stderr with whitespace runs folded (Rich wraps long lines)."""
+        return " ".join((self.out + "\n" + self.err).split())
+
+
+Cli = Callable[..., Result]
+
+
+@pytest.fixture(scope="module")
+def migrated_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A freshly created (migrated) database, made once and copied for each test."""
+    path = tmp_path_factory.mktemp("template") / "fleet.db"
+    open_store(str(path)).dispose()
+    return path
+
+
+@pytest.fixture
+def db_path(tmp_path: Path, migrated_db: Path) -> Path:
+    path = tmp_path / "fleet.db"
+    shutil.copyfile(migrated_db, path)
+    return path
+
+
+@pytest.fixture
+def cli(db_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Cli:
+    """Run ``fleetwave ARGS --db <tmp file>`` in process; return exit code and output."""
+    monkeypatch.setattr("logging.basicConfig", lambda **_: None)
+    monkeypatch.setenv("COLUMNS", "250")  # Rich reads it on every print: no wrapped tables
+
+    def run(*args: str, db: Path | None = db_path) -> Result:
+        argv = ["fleetwave", *args]
+        if db is not None:
+            argv += ["--db", str(db)]
+        capsys.readouterr()
+        monkeypatch.setattr(sys, "argv", argv)
+        try:
+            main()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        else:
+            code = 0
+        out, err = capsys.readouterr()
+        return Result(code, out, err)
+
+    return run
+
+
+def assert_rejected(res: Result, *words: str) -> None:
+    """Exit code 2 and one 'error: ...' line on stderr naming every word."""
+    assert res.code == 2, res.text
+    assert res.err.startswith("error: "), res.err
+    for word in words:
+        assert word in res.text, (word, res.text)
+
+
+def workflows(cli: Cli) -> dict[str, dict[str, Any]]:
+    res = cli("workflow", "list", "--format", "json")
+    assert res.code == 0, res.text
+    return {w["name"]: w for w in res.json()}
+
+
+def write(tmp_path: Path, text: str, name: str = "wf.yaml") -> Path:
+    f = tmp_path / name
+    f.write_text(text, encoding="utf-8")
+    return f
+
+
+class AlwaysDone(StateAction):
+    """A Python action for ``action: python:test_cli_workflow:AlwaysDone``."""
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        return Skip(f"{ctx.target.name}: custom action says nothing to do")
+
+
+GOOD = """\
+name: site-patch
+version: 3
+description: patch with a short check
+states:
+  - name: check
+    action: pre-check
+    timeout_s: 30
+    skip_when_done: true
+    retry: {attempts: 2, backoff_s: 0.01, backoff_max_s: 0.02}
+  - name: apply
+    timeout_s: 7200
+    recover: none
+  - name: verify
+    mode: poll
+"""
+
+
+# -- list / show ---------------------------------------------------------------------------
+
+
+def test_workflow_list_has_the_builtins(cli: Cli) -> None:
+    got = workflows(cli)
+    for name in ("patch", "sw-deploy", "firmware", "kube-upgrade"):
+        assert name in got
+        assert got[name]["source"] == "builtin"
+    assert got["patch"]["states"] == " -> ".join(PATCH_STATES)
+    assert got["kube-upgrade"]["states"].startswith("pre-check -> ")
+
+
+def test_workflow_list_table_names_them(cli: Cli) -> None:
+    res = cli("workflow", "list")
+    assert res.code == 0
+    for name in ("patch", "sw-deploy", "firmware", "kube-upgrade"):
+        assert name in res.out
+
+
+def test_workflow_show_patch_lists_its_states_in_order(cli: Cli) -> None:
+    res = cli("workflow", "show", "patch", "--format", "json")
+    assert res.code == 0, res.text
+    wf = res.json()
+    assert wf["name"] == "patch"
+    assert wf["source"] == "builtin"
+    assert wf["version"] == 1
+    assert [s["state"] for s in wf["states"]] == PATCH_STATES
+    first = wf["states"][0]
+    assert first["action"] == "driver:pre-check (skip when done)"
+    assert first["timeout_s"] == 600.0
+    assert first["attempts"] == 3
+    assert all(s["timeout_s"] > 0 for s in wf["states"])
+    assert all(s["mode"] == "run" for s in wf["states"])
+
+
+def test_workflow_show_table(cli: Cli) -> None:
+    res = cli("workflow", "show", "sw-deploy")
+    assert res.code == 0
+    for state in ("pre-check", "install-license", "apply-remote-strategy", "finish"):
+        assert state in res.out
+
+
+def test_workflow_show_unknown_is_rejected(cli: Cli) -> None:
+    assert_rejected(cli("workflow", "show", "nosuch"), "nosuch", "patch")
+
+
+# -- validate ------------------------------------------------------------------------------
+
+
+def test_validate_good_file(cli: Cli, tmp_path: Path) -> None:
+    f = write(tmp_path, GOOD)
+    res = cli("workflow", "validate", str(f), db=None)
+    assert res.code == 0, res.text
+    assert "workflow site-patch v3 is valid (3 states)" in res.text
+
+
+def test_validate_minimal_file(cli: Cli, tmp_path: Path) -> None:
+    f = write(tmp_path, "name: tiny\nstates:\n  - name: only\n")
+    res = cli("workflow", "validate", str(f), db=None)
+    assert res.code == 0, res.text
+    assert "tiny v1 is valid (1 states)" in res.text
+
+
+BAD = {
+    "negative timeout": (
+        "name: w\nstates:\n  - name: a\n  - name: b\n    timeout_s: -5\n",
+        ["states[1]", "(b)", "timeout_s"],
+    ),
+    "zero timeout": (
+        "name: w\nstates:\n  - name: a\n    timeout_s: 0\n",
+        ["states[0]", "timeout_s"],
+    ),
+    "text timeout": (
+        "name: w\nstates:\n  - name: a\n  - name: b\n  - name: c\n    timeout_s: soon\n",
+        ["states[2]", "(c)", "timeout_s"],
+    ),
+    "unknown state field": (
+        "name: w\nstates:\n  - name: a\n    colour: red\n",
+        ["states[0]", "(a)", "colour"],
+    ),
+    "unknown top-level field": (
+        "name: w\nowner: me\nstates:\n  - name: a\n",
+        ["owner"],
+    ),
+    "duplicate state": (
+        "name: w\nstates:\n  - name: a\n  - name: b\n  - name: a\n",
+        ["states[2]", "(a)", "duplicate"],
+    ),
+    "reserved complete": (
+        "name: w\nstates:\n  - name: a\n  - name: complete\n",
+        ["states[1]", "complete", "reserved"],
+    ),
+    "reserved initial": (
+        "name: w\nstates:\n  - name: initial\n",
+        ["states[0]", "initial", "reserved"],
+    ),
+    "reserved failed": (
+        "name: w\nstates:\n  - name: a\n  - name: failed\n",
+        ["states[1]", "failed", "reserved"],
+    ),
+    "retry attempts 0": (
+        "name: w\nstates:\n  - name: a\n    retry: {attempts: 0}\n",
+        ["states[0]", "retry", "attempts"],
+    ),
+    "negative backoff": (
+        "name: w\nstates:\n  - name: a\n  - name: b\n    retry: {backoff_s: -1}\n",
+        ["states[1]", "retry", "backoff_s"],
+    ),
+    "unknown retry field": (
+        "name: w\nstates:\n  - name: a\n    retry: {tries: 3}\n",
+        ["states[0]", "retry", "tries"],
+    ),
+    "bad mode": (
+        "name: w\nstates:\n  - name: a\n    mode: sometimes\n",
+        ["states[0]", "mode"],
+    ),
+    "bad recover": (
+        "name: w\nstates:\n  - name: a\n    recover: maybe\n",
+        ["states[0]", "recover"],
+    ),
+    "unregistered python action": (
+        "name: w\nstates:\n  - name: a\n  - name: b\n    action: python:nosuch\n",
+        ["states[1]", "(b)", "action", "nosuch"],
+    ),
+    "empty state name": (
+        "name: w\nstates:\n  - name: ''\n",
+        ["states[0]", "name"],
+    ),
+    "state not a mapping": (
+        "name: w\nstates:\n  - just-a-name\n",
+        ["states[0]"],
+    ),
+    "no states": ("name: w\nstates: []\n", ["states"]),
+    "missing states": ("name: w\n", ["states"]),
+    "bad workflow name": ("name: 'has space'\nstates:\n  - name: a\n", ["name"]),
+    "version 0": ("name: w\nversion: 0\nstates:\n  - name: a\n", ["version"]),
+    "not a mapping": ("- name: a\n", ["expected a mapping"]),
+    "not yaml": ("name: [w\n", ["not valid YAML"]),
+}
+
+
+@pytest.mark.parametrize(("text", "words"), list(BAD.values()), ids=list(BAD))
+def test_validate_bad_file_names_the_state_and_field(
+    cli: Cli, tmp_path: Path, text: str, words: list[str]
+) -> None:
+    f = write(tmp_path, text)
+    res = cli("workflow", "validate", str(f), db=None)
+    assert_rejected(res, str(f), *words)
+    assert "is valid" not in res.text
+
+
+def test_validate_missing_file(cli: Cli, tmp_path: Path) -> None:
+    assert_rejected(
+        cli("workflow", "validate", str(tmp_path / "nope.yaml"), db=None), "does not exist"
+    )
+
+
+# -- add -----------------------------------------------------------------------------------
+
+
+def test_workflow_add_stores_it_for_list_and_show(cli: Cli, tmp_path: Path) -> None:
+    f = write(tmp_path, GOOD)
+    res = cli("workflow", "add", str(f))
+    assert res.code == 0, res.text
+    assert "workflow site-patch v3 stored" in res.text
+
+    listed = workflows(cli)
+    assert listed["site-patch"]["source"] == "yaml"
+    assert listed["site-patch"]["version"] == 3
+    assert listed["site-patch"]["states"] == "check -> apply -> verify"
+    assert "patch" in listed  # built-ins are still there
+
+    shown = cli("workflow", "show", "site-patch", "--format", "json")
+    assert shown.code == 0, shown.text
+    wf = shown.json()
+    assert wf["description"] == "patch with a short check"
+    assert wf["states"] == [
+        {
+            "state": "check",
+            "action": "driver:pre-check (skip when done)",
+            "timeout_s": 30.0,
+            "attempts": 2,
+            "backoff_s": 0.01,
+            "mode": "run",
+        },
+        {
+            "state": "apply",
+            "action": "driver:apply (no recover)",
+            "timeout_s": 7200.0,
+            "attempts": 1,
+            "backoff_s": 1.0,
+            "mode": "run",
+        },
+        {
+            "state": "verify",
+            "action": "driver:verify",
+            "timeout_s": 600.0,
+            "attempts": 1,
+            "backoff_s": 1.0,
+            "mode": "poll",
+        },
+    ]
+
+
+def test_workflow_add_is_per_database(cli: Cli, tmp_path: Path) -> None:
+    f = write(tmp_path, GOOD)
+    assert cli("workflow", "add", str(f)).code == 0
+    other = tmp_path / "other.db"
+    res = cli("workflow", "list", "--format", "json", db=other)
+    assert res.code == 0
+    assert "site-patch" not in {w["name"] for w in res.json()}
+
+
+def test_workflow_add_again_replaces_the_stored_version(cli: Cli, tmp_path: Path) -> None:
+    assert cli("workflow", "add", str(write(tmp_path, GOOD))).code == 0
+    v4 = GOOD.replace("version: 3", "version: 4").replace("  - name: verify\n    mode: poll\n", "")
+    res = cli("workflow", "add", str(write(tmp_path, v4, "v4.yaml")))
+    assert res.code == 0, res.text
+    listed = workflows(cli)
+    assert listed["site-patch"]["version"] == 4
+    assert listed["site-patch"]["states"] == "check -> apply"
+    assert sum(1 for name in listed if name == "site-patch") == 1
+
+
+def test_workflow_add_with_a_builtin_name_is_rejected(cli: Cli, tmp_path: Path) -> None:
+    before = workflows(cli)
+    f = write(tmp_path, "name: patch\nstates:\n  - name: a\n")
+    assert_rejected(cli("workflow", "add", str(f)), "patch", "built-in")
+    assert workflows(cli) == before
+    shown = cli("workflow", "show", "patch", "--format", "json").json()
+    assert [s["state"] for s in shown["states"]] == PATCH_STATES
+
+
+@pytest.mark.parametrize(("text", "words"), [BAD["negative timeout"], BAD["duplicate state"]])
+def test_workflow_add_of_a_bad_file_stores_nothing(
+    cli: Cli, tmp_path: Path, text: str, words: list[str]
+) -> None:
+    before = workflows(cli)
+    assert_rejected(cli("workflow", "add", str(write(tmp_path, text))), *words)
+    assert workflows(cli) == before
+    assert_rejected(cli("workflow", "show", "w"), "unknown workflow 'w'")
+
+
+def test_workflow_add_missing_file(cli: Cli, tmp_path: Path) -> None:
+    assert_rejected(cli("workflow", "add", str(tmp_path / "nope.yaml")), "does not exist")
+
+
+def _run_with(cli: Cli, workflow: str, *target_names: str) -> tuple[int, int]:
+    """Create a strategy of ``workflow`` over targets and apply --wait; (id, exit code)."""
+    res = cli(
+        "strategy",
+        "create",
+        "--workflow",
+        workflow,
+        "--targets",
+        ",".join(target_names),
+        "--format",
+        "json",
+    )
+    assert res.code == 0, res.text
+    sid = res.json()["id"]
+    applied = cli("strategy", "apply", str(sid), "--wait", "--format", "json")
+    return sid, applied.code
+
+
+def test_stored_workflow_runs_in_a_strategy(cli: Cli, tmp_path: Path) -> None:
+    assert cli("workflow", "add", str(write(tmp_path, GOOD))).code == 0
+    assert cli("target", "add", "ok").code == 0
+    assert cli("target", "add", "done", "--set", "already_done=true").code == 0
+    assert cli("target", "add", "bad", "--set", "fail_at=apply").code == 0
+
+    res = cli("strategy", "create", "--workflow", "site-patch", "--all", "--format", "json")
+    assert res.code == 0, res.text
+    created = res.json()
+    assert created["workflow"] == "site-patch"
+    assert created["states"] == ["check", "apply", "verify"]
+    sid = created["id"]
+
+    applied = cli("strategy", "apply", str(sid), "--wait", "--format", "json")
+    assert applied.code == 1  # one step failed
+    assert applied.json()["state"] == "failed"
+
+    steps = {
+        s["target"]: s
+        for s in cli("step", "list", "--strategy", str(sid), "--format", "json").json()
+    }
+    assert steps["ok"]["state"] == "complete"
+    assert steps["done"]["state"] == "complete"
+    assert "skipped at check" in steps["done"]["details"]
+    assert steps["bad"]["state"] == "failed"
+    assert steps["bad"]["details"].startswith("apply: ")
+    assert "fail_at=apply" in steps["bad"]["details"]
+
+    hist = cli("history", "--strategy", str(sid), "--target", "ok", "--format", "json").json()
+    assert [(h["from"], h["to"]) for h in hist] == [
+        ("initial", "check"),
+        ("check", "apply"),
+        ("apply", "verify"),
+        ("verify", "complete"),
+    ]
+    check = cli("check", "--strategy", str(sid), "--format", "json")
+    assert check.code == 0
+    assert check.json()["ok"] is True
+
+
+def test_stored_workflow_run_completes_with_exit_0(cli: Cli, tmp_path: Path) -> None:
+    assert cli("workflow", "add", str(write(tmp_path, GOOD))).code == 0
+    for name in ("a", "b", "c"):
+        assert cli("target", "add", name).code == 0
+    sid, code = _run_with(cli, "site-patch", "a", "b", "c")
+    assert code == 0
+    shown = cli("strategy", "show", str(sid), "--format", "json").json()
+    assert shown["state"] == "complete"
+    assert shown["step_states"] == {"complete": 3}
+
+
+def test_stored_workflow_with_a_python_action(cli: Cli, tmp_path: Path) -> None:
+    f = write(
+        tmp_path,
+        "name: custom\nstates:\n"
+        "  - name: ask\n    action: python:test_cli_workflow:AlwaysDone\n"
+        "  - name: never\n",
+    )
+    assert cli("workflow", "validate", str(f), db=None).code == 0
+    assert cli("workflow", "add", str(f)).code == 0
+    shown = cli("workflow", "show", "custom", "--format", "json").json()
+    assert shown["states"][0]["action"] == "AlwaysDone"
+    assert cli("target", "add", "t1").code == 0
+    sid, code = _run_with(cli, "custom", "t1")
+    assert code == 0
+    [step] = cli("step", "list", "--strategy", str(sid), "--format", "json").json()
+    assert step["state"] == "complete"
+    assert "t1: custom action says nothing to do" in step["details"]
+    hist = cli("history", "--strategy", str(sid), "--format", "json").json()
+    assert [h["to"] for h in hist] == ["ask", "complete"]  # 'never' was never entered

@@ -1,0 +1,111 @@
+"""The deterministic simulator: replays exactly, sweeps seeds, and catches the seed bugs."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from broken_engines import (
+    LockingCallbackConductor,
+    SelfRemovingWorkerConductor,
+    StaleSnapshotConductor,
+)
+from fleetwave.engine.conductor import Conductor
+from fleetwave.testing.simulate import FAULTS, SimConfig, SimResult, run_simulation
+
+#: every seed that ever failed, with what it found; each must stay green
+PINNED: list[tuple[int, str, int]] = []
+
+CI_SEEDS = int(os.environ.get("FLEETWAVE_SIM_SEEDS", "200"))
+
+
+def _run(args: tuple[int, str, int]) -> SimResult:
+    seed, workflow, targets = args
+    return run_simulation(SimConfig(seed=seed, targets=targets, workflow=workflow))
+
+
+def _sweep(cases: list[tuple[int, str, int]]) -> list[SimResult]:
+    with ProcessPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(_run, cases, chunksize=4))
+
+
+def test_same_seed_same_journal_byte_for_byte() -> None:
+    a = run_simulation(SimConfig(seed=11, targets=60, workflow="clean"))
+    b = run_simulation(SimConfig(seed=11, targets=60, workflow="clean"))
+    assert a.ok, a.violations
+    assert a.digest == b.digest
+    assert (a.transitions, a.crashes, a.callbacks, a.virtual_s) == (
+        b.transitions,
+        b.crashes,
+        b.callbacks,
+        b.virtual_s,
+    )
+    c = run_simulation(SimConfig(seed=12, targets=60, workflow="clean"))
+    assert c.digest != a.digest
+
+
+def test_faults_are_really_injected() -> None:
+    results = _sweep([(s, "clean", 40) for s in range(1, 9)])
+    assert sum(r.crashes for r in results) > 0
+    assert sum(r.store_retries for r in results) > 0
+    assert sum(r.callbacks for r in results) > 0
+    quiet = run_simulation(SimConfig(seed=1, targets=40, workflow="clean", faults=frozenset()))
+    assert quiet.ok and quiet.crashes == 0 and quiet.store_retries == 0
+    assert quiet.strategy_state == "complete"
+    assert set(FAULTS) == {"errors", "hangs", "slow", "callbacks", "db", "crash"}
+
+
+def test_ci_sweep_all_faults() -> None:
+    """CI_SEEDS seeds (200 by default), all faults, alternating workflows."""
+    workflows = ["patch", "clean", "sw-deploy", "firmware", "kube-upgrade"]
+    cases = [(s, workflows[s % len(workflows)], 30) for s in range(1, CI_SEEDS + 1)]
+    failed = [r for r in _sweep(cases) if not r.ok]
+    for r in failed:
+        print(r.line(), r.violations[:5])
+    assert not failed, f"failing seeds: {[(r.seed, r.workflow) for r in failed]}"
+
+
+@pytest.mark.parametrize(
+    ("seed", "workflow", "targets"),
+    PINNED or [pytest.param(0, "", 0, marks=pytest.mark.skip(reason="no seed has failed yet"))],
+)
+def test_pinned_regression_seeds(seed: int, workflow: str, targets: int) -> None:
+    res = run_simulation(SimConfig(seed=seed, targets=targets, workflow=workflow))
+    assert res.ok, res.violations
+
+
+@pytest.mark.slow
+def test_nightly_sweep() -> None:
+    workflows = ["patch", "clean"]
+    cases = [(s, workflows[s % 2], 200) for s in range(10_000, 12_000)]
+    failed = [r for r in _sweep(cases) if not r.ok]
+    assert not failed, [(r.seed, r.workflow, r.violations[:3]) for r in failed]
+
+
+def _first_caught(
+    cls: type[Conductor], workflow: str, needle: str, seeds: range
+) -> tuple[int, list[str]]:
+    for seed in seeds:
+        res = run_simulation(SimConfig(seed=seed, targets=30, workflow=workflow, conductor_cls=cls))
+        hits = [v for v in res.violations if needle in v]
+        if hits:
+            print(f"{cls.__name__} caught by seed {seed}: {hits[0]}")
+            return seed, hits
+    raise AssertionError(f"{cls.__name__} not caught in seeds {seeds}")
+
+
+def test_guard_catches_stale_snapshot_dispatcher() -> None:
+    seed, hits = _first_caught(StaleSnapshotConductor, "patch", "G1 at the target", range(1, 11))
+    assert "started 2 times" in hits[0]
+
+
+def test_guard_catches_worker_that_removes_itself() -> None:
+    seed, hits = _first_caught(SelfRemovingWorkerConductor, "patch", "", range(1, 11))
+    assert any(h.startswith(("terminal:", "G7:", "liveness:", "lease:")) for h in hits)
+
+
+def test_guard_catches_callback_handler_waiting_on_the_lock() -> None:
+    seed, hits = _first_caught(LockingCallbackConductor, "clean", "G6", range(1, 11))
+    assert "never accepted" in hits[0]
