@@ -40,7 +40,7 @@ def test_duplicate_late_and_failed_callbacks(store: Store) -> None:
             "callback_late_rate": 0.0,
         },
     )
-    sid, final, c = rollout(store, "clean", max_parallel=40)
+    sid, final, _c = rollout(store, "clean", max_parallel=40)
     outcomes = callback_outcomes(store, sid)
     by = Counter(o["outcome"] for o in outcomes)
     assert by["ignored"] > 0 and by["applied"] > 0

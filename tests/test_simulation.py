@@ -97,15 +97,15 @@ def _first_caught(
 
 
 def test_guard_catches_stale_snapshot_dispatcher() -> None:
-    seed, hits = _first_caught(StaleSnapshotConductor, "patch", "G1 at the target", range(1, 11))
+    _seed, hits = _first_caught(StaleSnapshotConductor, "patch", "G1 at the target", range(1, 11))
     assert "started 2 times" in hits[0]
 
 
 def test_guard_catches_worker_that_removes_itself() -> None:
-    seed, hits = _first_caught(SelfRemovingWorkerConductor, "patch", "", range(1, 11))
+    _seed, hits = _first_caught(SelfRemovingWorkerConductor, "patch", "", range(1, 11))
     assert any(h.startswith(("terminal:", "G7:", "liveness:", "lease:")) for h in hits)
 
 
 def test_guard_catches_callback_handler_waiting_on_the_lock() -> None:
-    seed, hits = _first_caught(LockingCallbackConductor, "clean", "G6", range(1, 11))
+    _seed, hits = _first_caught(LockingCallbackConductor, "clean", "G6", range(1, 11))
     assert "never accepted" in hits[0]
