@@ -158,11 +158,6 @@ def test_target_add_defaults_to_managed_sim_without_settings(cli: Cli) -> None:
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: --label values go through parsing.scalar() (YAML 1.1) and are then str()-ed, "
-    "so label text is rewritten: 12:30 -> '750', 1.10 -> '1.1', 007 -> '7', true -> 'True'",
-)
 def test_target_add_keeps_label_values_verbatim(cli: Cli) -> None:
     res = cli(
         "target",
@@ -464,11 +459,6 @@ def test_import_csv_bad_managed_value_names_the_line(cli: Cli, tmp_path: Path) -
     assert targets(cli) == {}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: targets_from_csv numbers lines with enumerate(reader, start=2), which counts "
-    "records, not file lines: blank lines (skipped by DictReader) shift every later line number",
-)
 def test_import_csv_error_line_number_counts_blank_lines(cli: Cli, tmp_path: Path) -> None:
     f = tmp_path / "fleet.csv"
     f.write_text("name,failure_rate\na,0.1\n\nb,5\n", encoding="utf-8")  # b is on line 4

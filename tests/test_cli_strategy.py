@@ -805,12 +805,6 @@ def test_demo_refuses_an_existing_database(cli: Cli, db_path: Path) -> None:
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: demo opens (creates and migrates) the --db file before resolving --workflow, "
-    "so an unknown workflow exits 2 but leaves a new database behind, and re-running the "
-    "corrected command then fails with '--db ... already exists'",
-)
 def test_demo_unknown_workflow_creates_no_database(cli: Cli, tmp_path: Path) -> None:
     demo_db = tmp_path / "demo.db"
     res = cli("demo", "--workflow", "nosuch", "--targets", "5", "--db", str(demo_db), db=None)

@@ -69,12 +69,12 @@ def demo_command(
         raise InputError(f"--failure-rate: must be between 0 and 1, got {failure_rate}")
     if latency_ms < 0:
         raise InputError(f"--latency-ms: must not be negative, got {latency_ms}")
+    wf = resolve_workflow(None, workflow)  # built-ins and plug-ins: checked before any write
     if db is None:
         db = str(Path(tempfile.mkdtemp(prefix="fleetwave-demo-")) / "demo.db")
     elif Path(db).exists():
         raise InputError(f"--db: {db} already exists; the demo needs a new database file")
     store = open_store(db)
-    wf = resolve_workflow(store, workflow)
     admin.add_targets(store, demo_targets(targets, seed, latency_ms, failure_rate))
     sid = admin.create_strategy(
         store, wf, StrategyOptions(max_parallel=max_parallel), all_targets=True

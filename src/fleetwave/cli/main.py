@@ -79,7 +79,7 @@ def target_add(
         group=group,
         driver=driver,
         settings=parse_pairs(set_, "--set"),
-        labels={k: str(v) for k, v in parse_pairs(label, "--label").items()},
+        labels=parse_pairs(label, "--label", typed=False),
         managed=not unmanaged,
     )
     check_target(t, f"target {name}")
@@ -231,7 +231,11 @@ def workflow_add(file: Path, db: DbOpt = None) -> None:
 def _timeouts(items: list[str] | None) -> dict[str, float]:
     out: dict[str, float] = {}
     for key, value in parse_pairs(items, "--timeout").items():
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not 0 < value < float("inf")
+        ):
             raise InputError(f"--timeout: {key}: expected a positive number of seconds")
         out[key] = float(value)
     return out

@@ -25,13 +25,14 @@ def scalar(text: str) -> Any:
     return value if isinstance(value, int | float | bool | str) else text
 
 
-def parse_pairs(items: list[str] | None, option: str) -> dict[str, Any]:
+def parse_pairs(items: list[str] | None, option: str, *, typed: bool = True) -> dict[str, Any]:
+    """key=value pairs; ``typed`` turns numbers and booleans into values (labels stay text)."""
     out: dict[str, Any] = {}
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise InputError(f"{option}: expected key=value, got '{item}'")
-        out[key.strip()] = scalar(value.strip())
+        out[key.strip()] = scalar(value.strip()) if typed else value.strip()
     return out
 
 
@@ -57,8 +58,8 @@ def targets_from_csv(text: str, source: str) -> list[Target]:
     if reader.fieldnames is None or "name" not in reader.fieldnames:
         raise InputError(f"{source}: the first line must name the columns, including 'name'")
     out: list[Target] = []
-    for line, row in enumerate(reader, start=2):
-        where = f"{source} line {line}"
+    for row in reader:
+        where = f"{source} line {reader.line_num}"
         name = (row.get("name") or "").strip()
         if not name:
             raise InputError(f"{where}: name: must not be empty")

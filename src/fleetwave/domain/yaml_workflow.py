@@ -40,19 +40,19 @@ from fleetwave.domain.workflow import (
 class _Retry(BaseModel):
     model_config = ConfigDict(extra="forbid")
     attempts: int = Field(default=1, ge=1, le=100)
-    backoff_s: float = Field(default=1.0, ge=0)
-    backoff_max_s: float = Field(default=300.0, ge=0)
+    backoff_s: float = Field(default=1.0, ge=0, allow_inf_nan=False)
+    backoff_max_s: float = Field(default=300.0, ge=0, allow_inf_nan=False)
 
 
 class _State(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1)
     action: str | None = None
-    timeout_s: float = Field(default=600.0, gt=0)
+    timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
     retry: _Retry = Field(default_factory=_Retry)
     skip_when_done: bool = False
     recover: Literal["observe", "none"] = "observe"
-    mode: Literal["run", "poll"] = "run"
+    mode: Literal["run", "wait-for-callback", "poll"] = "run"
 
 
 class _Workflow(BaseModel):

@@ -378,7 +378,9 @@ def delete_strategy(store: Store, sid: int) -> None:
             StrategyState.FAILED,
             StrategyState.ABORTED,
         ):
-            raise Conflict(f"strategy {sid}: is {state}; abort it before deleting")
+            raise Conflict(
+                f"strategy {sid}: is {state}; it can be deleted once it has ended (abort it first)"
+            )
         conn.execute(delete(journal).where(journal.c.strategy_id == sid))
         conn.execute(delete(events).where(events.c.strategy_id == sid))
         conn.execute(delete(steps).where(steps.c.strategy_id == sid))
