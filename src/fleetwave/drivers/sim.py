@@ -270,7 +270,9 @@ class SimDriver:
         base = max(prof.latency_s, 0.001)
         sends = [(rng.uniform(0.5, 1.5) * base, kind, details)]
         if rates["callback_dup_rate"] and rng.random() < rates["callback_dup_rate"]:
-            sends.append((rng.uniform(0.5, 3.0) * base, kind, details + " (again)"))
+            # a second report, perhaps contradicting the first, perhaps arriving before it
+            again = rng.choice([kind, "failed" if kind == "done" else "done", "heartbeat"])
+            sends.append((rng.uniform(0.2, 3.0) * base, again, details + " (again)"))
         if rates["callback_late_rate"] and rng.random() < rates["callback_late_rate"]:
             sends.append((base * 10 + rng.uniform(60, 600), "done", details + " (late)"))
         for delay, k, d in sends:

@@ -232,18 +232,13 @@ def strategy_state(store: Store, sid: int) -> tuple[str, str | None]:
 
 
 def strategy_states(store: Store, sids: list[int]) -> dict[int, tuple[str, str | None]]:
-    """(state, owner) of several strategies in one query."""
+    """(state, owner) of several strategies in one query (the periodic pass's only read)."""
     if not sids:
         return {}
+    p = store.hooks.placeholder
+    sql = f"SELECT id, state, owner FROM strategies WHERE id IN ({', '.join(p for _ in sids)})"
     with store.read() as conn:
-        return {
-            int(r.id): (str(r.state), r.owner)
-            for r in conn.execute(
-                select(strategies.c.id, strategies.c.state, strategies.c.owner).where(
-                    strategies.c.id.in_(sids)
-                )
-            )
-        }
+        return {int(r[0]): (str(r[1]), r[2]) for r in conn.exec_driver_sql(sql, tuple(sids))}
 
 
 def set_strategy_state(

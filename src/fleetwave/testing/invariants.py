@@ -155,6 +155,16 @@ def _check_strategy(
                     f"G7: strategy {sid} group {gid} had {group_load[gid]} in flight (cap {gcap})"
                 )
 
+    if limit is not None and stopped_at is None and strat.state != "aborted":
+        # The threshold was never exceeded, so nothing may have been stopped for it.
+        for step_id, _frm, to, _fen in jrows:
+            if to == "aborted":
+                result.add(
+                    f"threshold: {who(step_id)} was stopped although only {failures} steps "
+                    f"failed (threshold {limit})"
+                )
+                break
+
     terminal_strategy = strat.state in STRATEGY_TERMINAL
     for r in step_rows:
         journalled = last.get(r.id, STEP_INITIAL)
