@@ -29,7 +29,7 @@ def test_serve_drives_apply_and_a_second_process_only_watches(tmp_path: Path) ->
     assert _cli(db, "init").returncode == 0
     csv = tmp_path / "fleet.csv"
     csv.write_text(
-        "name,latency_ms\n" + "".join(f"s{i:03d},30\n" for i in range(60)), encoding="utf-8"
+        "name,latency_ms\n" + "".join(f"s{i:03d},100\n" for i in range(60)), encoding="utf-8"
     )
     assert _cli(db, "target", "import", str(csv)).returncode == 0
     created = _cli(
