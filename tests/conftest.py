@@ -16,6 +16,9 @@ from fleetwave.engine.conductor import Conductor, EngineConfig
 from fleetwave.store import admin
 from fleetwave.store.db import Store, open_store
 
+#: the CLI tests' fixtures (cli, db_path, migrated_db)
+pytest_plugins = ["cli_harness"]
+
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[Store]:

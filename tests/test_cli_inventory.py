@@ -7,79 +7,17 @@ and checks the database through the CLI's own ``--format json`` output.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from fleetwave.cli.main import main
-from fleetwave.store.db import open_store
+from cli_harness import Cli, assert_rejected
 
 FLEETWAVE = Path(sys.executable).with_name("fleetwave")
-
-
-@dataclass
-class Result:
-    code: int
-    out: str
-    err: str
-
-    def json(self) -> Any:
-        return json.loads(self.out)
-
-    @property
-    def text(self) -> str:
-        """stdout and stderr with whitespace runs folded (Rich wraps long lines)."""
-        return " ".join((self.out + "\n" + self.err).split())
-
-
-Cli = Callable[..., Result]
-
-
-@pytest.fixture(scope="module")
-def migrated_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A freshly created (migrated) database, made once and copied for each test."""
-    path = tmp_path_factory.mktemp("template") / "fleet.db"
-    open_store(str(path)).dispose()
-    return path
-
-
-@pytest.fixture
-def db_path(tmp_path: Path, migrated_db: Path) -> Path:
-    path = tmp_path / "fleet.db"
-    shutil.copyfile(migrated_db, path)
-    return path
-
-
-@pytest.fixture
-def cli(db_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Cli:
-    """Run ``fleetwave ARGS --db <tmp file>`` in process; return exit code and output."""
-    monkeypatch.setattr("logging.basicConfig", lambda **_: None)
-    monkeypatch.setenv("COLUMNS", "250")  # Rich reads it on every print: no wrapped tables
-
-    def run(*args: str, db: Path | None = db_path) -> Result:
-        argv = ["fleetwave", *args]
-        if db is not None:
-            argv += ["--db", str(db)]
-        capsys.readouterr()
-        monkeypatch.setattr(sys, "argv", argv)
-        try:
-            main()
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        else:
-            code = 0
-        out, err = capsys.readouterr()
-        return Result(code, out, err)
-
-    return run
 
 
 def targets(cli: Cli, *extra: str) -> dict[str, dict[str, Any]]:
@@ -92,14 +30,6 @@ def groups(cli: Cli) -> dict[str, dict[str, Any]]:
     res = cli("group", "list", "--format", "json")
     assert res.code == 0, res.text
     return {g["name"]: g for g in res.json()}
-
-
-def assert_rejected(res: Result, *words: str) -> None:
-    """Exit code 2 and one 'error: ...' line on stderr naming every word."""
-    assert res.code == 2, res.text
-    assert res.err.startswith("error: "), res.err
-    for word in words:
-        assert word in res.text, (word, res.text)
 
 
 # -- target add ----------------------------------------------------------------------------

@@ -6,92 +6,13 @@ bad input into ``error: ...`` and exit code 2) against a real SQLite file in ``t
 
 from __future__ import annotations
 
-import json
-import shutil
-import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from cli_harness import PATCH_STATES, Cli, assert_rejected
 from fleetwave import ActionContext, Outcome, Skip, StateAction
-from fleetwave.cli.main import main
-from fleetwave.store.db import open_store
-
-PATCH_STATES = [
-    "pre-check",
-    "updating-patches",
-    "creating-remote-patch-strategy",
-    "applying-remote-patch-strategy",
-    "finishing",
-]
-
-
-@dataclass
-class Result:
-    code: int
-    out: str
-    err: str
-
-    def json(self) -> Any:
-        return json.loads(self.out)
-
-    @property
-    def text(self) -> str:
-        """stdout and stderr with whitespace runs folded (Rich wraps long lines)."""
-        return " ".join((self.out + "\n" + self.err).split())
-
-
-Cli = Callable[..., Result]
-
-
-@pytest.fixture(scope="module")
-def migrated_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A freshly created (migrated) database, made once and copied for each test."""
-    path = tmp_path_factory.mktemp("template") / "fleet.db"
-    open_store(str(path)).dispose()
-    return path
-
-
-@pytest.fixture
-def db_path(tmp_path: Path, migrated_db: Path) -> Path:
-    path = tmp_path / "fleet.db"
-    shutil.copyfile(migrated_db, path)
-    return path
-
-
-@pytest.fixture
-def cli(db_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Cli:
-    """Run ``fleetwave ARGS --db <tmp file>`` in process; return exit code and output."""
-    monkeypatch.setattr("logging.basicConfig", lambda **_: None)
-    monkeypatch.setenv("COLUMNS", "250")  # Rich reads it on every print: no wrapped tables
-
-    def run(*args: str, db: Path | None = db_path) -> Result:
-        argv = ["fleetwave", *args]
-        if db is not None:
-            argv += ["--db", str(db)]
-        capsys.readouterr()
-        monkeypatch.setattr(sys, "argv", argv)
-        try:
-            main()
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        else:
-            code = 0
-        out, err = capsys.readouterr()
-        return Result(code, out, err)
-
-    return run
-
-
-def assert_rejected(res: Result, *words: str) -> None:
-    """Exit code 2 and one 'error: ...' line on stderr naming every word."""
-    assert res.code == 2, res.text
-    assert res.err.startswith("error: "), res.err
-    for word in words:
-        assert word in res.text, (word, res.text)
 
 
 def workflows(cli: Cli) -> dict[str, dict[str, Any]]:
