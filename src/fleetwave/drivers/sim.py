@@ -198,8 +198,12 @@ class SimDriver:
         running = self._remote.get(key)
         if running is not None and not running.future.done():
             return await asyncio.shield(running.future)  # idempotent: join, don't restart
-        if prof.plain and prof.latency_s == 0 and not ctx.callback_expected:
-            return self._finish(prof, ctx)  # instantaneous: nothing to outlive
+        if prof.plain and not ctx.callback_expected:
+            # A plain operation (fixed latency, no faults) runs in the caller's task: cheap,
+            # and if the caller is lost mid-way the target reports it never finished.
+            if prof.latency_s > 0:
+                await asyncio.sleep(prof.latency_s)
+            return self._finish(prof, ctx)
         execution = _Execution(asyncio.get_running_loop().create_future())
         self._remote[key] = execution
         task = asyncio.create_task(self._execute(prof, target, operation, ctx, execution))

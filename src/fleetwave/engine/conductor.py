@@ -237,6 +237,7 @@ class Conductor:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            self._writer.close()
         return self.finished
 
     async def _stop_workers(self) -> None:

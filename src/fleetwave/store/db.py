@@ -29,13 +29,15 @@ class StoreError(Exception):
 class DialectHooks:
     name: str
     placeholder: str
+    #: how the hot path opens a write transaction on a raw DBAPI connection
+    begin_write_sql: str
 
     def now_sql(self) -> str | None:
         """SQL for the database's clock, when leases should use it (PostgreSQL)."""
         return None
 
 
-SQLITE = DialectHooks(name="sqlite", placeholder="?")
+SQLITE = DialectHooks(name="sqlite", placeholder="?", begin_write_sql="BEGIN IMMEDIATE")
 
 
 class Store:

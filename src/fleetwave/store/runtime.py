@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Connection, insert, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.pool import PoolProxiedConnection
 
 from fleetwave.domain.models import STEP_INITIAL, STEP_TERMINAL, StrategyState, Target
 from fleetwave.store.db import Store
@@ -352,6 +353,7 @@ class TransitionWriter:
     def __init__(self, store: Store, conductor_id: str) -> None:
         self.store = store
         self.cid = conductor_id
+        self._raw: PoolProxiedConnection | None = None
         p = store.hooks.placeholder
         self._update_sql = (
             f"UPDATE steps SET state={p}, fence={p}, owner={p}, lease_expires_at={p}, "
@@ -418,20 +420,62 @@ class TransitionWriter:
             ups.append(u)
             jrs.append(j)
         ev = [(now, self.cid, e.strategy_id, e.step_id, e.kind, e.details) for e in evts]
-        try:
-            with self.store.write() as conn:
-                res = conn.exec_driver_sql(self._update_sql, ups) if ups else None
-                if res is not None and res.rowcount != len(ups):
-                    raise _Mismatch
-                if jrs:
-                    conn.exec_driver_sql(self._journal_sql, jrs)
-                if ev:
-                    conn.exec_driver_sql(self._event_sql, ev)
-                if mk:
-                    conn.exec_driver_sql(self._mark_sql, mk)
+        if self._commit_fast(ups, jrs, ev, mk):
             return []
-        except (_Mismatch, IntegrityError):
-            return self._commit_one_by_one(batch, ups, jrs, ev, mk, now)
+        return self._commit_one_by_one(batch, ups, jrs, ev, mk, now)
+
+    def _commit_fast(
+        self,
+        ups: list[tuple[Any, ...]],
+        jrs: list[tuple[Any, ...]],
+        ev: list[tuple[Any, ...]],
+        mk: list[tuple[Any, ...]],
+    ) -> bool:
+        """The hot path: one transaction on a dedicated DBAPI connection, four executemany.
+
+        False (rolled back) when a compare-and-set or a unique key refused a row: the
+        caller then sorts the batch out row by row.
+        """
+        if self._raw is None:
+            self._raw = self.store.engine.raw_connection()
+        dbapi = self.store.engine.dialect.dbapi
+        assert dbapi is not None
+        raw: Any = self._raw.driver_connection
+        assert raw is not None
+        cur = raw.cursor()
+        try:
+            cur.execute(self.store.hooks.begin_write_sql)
+            if self.store.write_fault is not None:
+                self.store.write_fault()
+            if ups:
+                cur.executemany(self._update_sql, ups)
+                if cur.rowcount != len(ups):
+                    raw.rollback()
+                    return False
+            if jrs:
+                cur.executemany(self._journal_sql, jrs)
+            if ev:
+                cur.executemany(self._event_sql, ev)
+            if mk:
+                cur.executemany(self._mark_sql, mk)
+            raw.commit()
+            return True
+        except dbapi.IntegrityError:
+            raw.rollback()
+            return False
+        except dbapi.OperationalError as exc:
+            raw.rollback()
+            raise OperationalError("commit", None, exc) from exc
+        except BaseException:
+            raw.rollback()
+            raise
+        finally:
+            cur.close()
+
+    def close(self) -> None:
+        if self._raw is not None:
+            self._raw.close()
+            self._raw = None
 
     def _commit_one_by_one(
         self,
@@ -489,10 +533,6 @@ class TransitionWriter:
             and row.conductor == self.cid
             and row.from_state == t.from_state
         )
-
-
-class _Mismatch(Exception):
-    pass
 
 
 def record_events(store: Store, cid: str, now: float, evts: list[Event]) -> None:
