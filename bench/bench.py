@@ -37,14 +37,14 @@ Run it from the repository root::
 ``--quick`` runs ``throughput`` with 2,000 targets and ``scale`` with 20,000 (against
 2,000); ``io_bound`` is short already and keeps its size.
 
-The figures are only as quiet as the machine: each run records the load average and
-how often its process was preempted, and a digest of ``src/`` before and after.
-
 It prints the figures and a PASS/FAIL per target, and writes them to
 ``bench/RESULTS.md`` (``--results`` to write elsewhere): one section per scenario and
 size, replaced when that scenario is run again, with the command, date and machine
 that produced it. A missed target is reported, never an error: the exit status is 0
 unless a scenario could not be measured at all (its process failed).
+
+The figures are only as quiet as the machine: each run records the load average and
+how often its process was preempted, and a digest of ``src/`` before and after.
 """
 
 from __future__ import annotations
@@ -550,7 +550,7 @@ def write_results(path: Path, reports: list[ScenarioReport], env: list[tuple[str
         sections[_section_key(report)] = _render_section(report, env)
     order = [f"{s} {mode}" for mode in ("full", "quick") for s in SCENARIOS]
     keys = [k for k in order if k in sections] + [k for k in sections if k not in order]
-    parts = [HEADER, ""]
+    parts = [HEADER]
     parts += [f"<!-- section: {k} -->\n{sections[k]}<!-- /section -->\n" for k in keys]
     path.write_text("\n".join(parts))
 
