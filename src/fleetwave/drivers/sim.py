@@ -89,19 +89,8 @@ def _bool(raw: Any) -> bool:
 
 
 def validate_settings(settings: dict[str, Any]) -> None:
-    unknown = set(settings) - set(SETTINGS)
-    if unknown:
-        raise SimSettingError(
-            f"sim setting {sorted(unknown)[0]}: unknown (known: {', '.join(SETTINGS)})"
-        )
-    _float(settings, "latency_ms", 0, 0, 86_400_000)
-    _float(settings, "latency_sigma", 0.5, 0, 5)
-    for key in ("failure_rate", "flaky_rate", "hang_rate", "error_rate", *CALLBACK_RATES):
-        _float(settings, key, 0, 0, 1)
-    if str(settings.get("latency", "fixed")) not in {"fixed", "uniform", "lognormal"}:
-        raise SimSettingError(
-            f"sim setting latency: '{settings['latency']}' is not fixed, uniform or lognormal"
-        )
+    """Raise :class:`SimSettingError` naming the first bad setting."""
+    _Profile(settings)
 
 
 class _Profile:
@@ -125,7 +114,15 @@ class _Profile:
     )
 
     def __init__(self, settings: dict[str, Any]) -> None:
-        validate_settings(settings)
+        unknown = set(settings) - set(SETTINGS)
+        if unknown:
+            raise SimSettingError(
+                f"sim setting {sorted(unknown)[0]}: unknown (known: {', '.join(SETTINGS)})"
+            )
+        if str(settings.get("latency", "fixed")) not in {"fixed", "uniform", "lognormal"}:
+            raise SimSettingError(
+                f"sim setting latency: '{settings['latency']}' is not fixed, uniform or lognormal"
+            )
         self.latency_s = _float(settings, "latency_ms", 0, 0, 86_400_000) / 1000.0
         self.kind = str(settings.get("latency", "fixed"))
         self.sigma = _float(settings, "latency_sigma", 0.5, 0, 5)
@@ -162,6 +159,7 @@ class SimDriver:
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
         self._profiles: dict[str, _Profile] = {}
+        self._by_settings: dict[str, _Profile] = {}
         #: every operation started by an action (not a recover hook), as (target,
         #: operation, attempt): what the targets saw; kept when ``record`` is set
         self.performed: list[tuple[str, str, int]] = []
@@ -181,7 +179,12 @@ class SimDriver:
     def _profile(self, target: Target) -> _Profile:
         prof = self._profiles.get(target.name)
         if prof is None:
-            prof = self._profiles[target.name] = _Profile(target.settings)
+            # Fleets share a handful of setting combinations: parse each combination once.
+            key = repr(sorted(target.settings.items()))
+            prof = self._by_settings.get(key)
+            if prof is None:
+                prof = self._by_settings[key] = _Profile(target.settings)
+            self._profiles[target.name] = prof
         return prof
 
     def forget(self, target_name: str) -> None:

@@ -285,6 +285,14 @@ def load_open_steps(store: Store, sid: int) -> tuple[list[StepRecord], int]:
         failed = conn.execute(
             select(steps.c.id).where(steps.c.strategy_id == sid, steps.c.state == "failed")
         ).all()
+    parsed: dict[str, dict[str, Any]] = {}  # many targets share settings: parse each once
+
+    def settings_of(raw: str) -> dict[str, Any]:
+        got = parsed.get(raw)
+        if got is None:
+            got = parsed[raw] = json.loads(raw)
+        return got
+
     out = [
         StepRecord(
             step_id=r.id,
@@ -299,7 +307,7 @@ def load_open_steps(store: Store, sid: int) -> tuple[list[StepRecord], int]:
                 name=r.name,
                 driver=r.driver,
                 group=r.group_name,
-                settings=json.loads(r.settings),
+                settings=settings_of(r.settings),
                 managed=bool(r.managed),
                 labels=json.loads(r.labels),
             ),
