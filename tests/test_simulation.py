@@ -54,7 +54,7 @@ def test_faults_are_really_injected() -> None:
     quiet = run_simulation(SimConfig(seed=1, targets=40, workflow="clean", faults=frozenset()))
     assert quiet.ok and quiet.crashes == 0 and quiet.store_retries == 0
     assert quiet.strategy_state == "complete"
-    assert set(FAULTS) == {"errors", "hangs", "slow", "callbacks", "db", "crash"}
+    assert set(FAULTS) == {"errors", "hangs", "slow", "callbacks", "db", "crash", "stall"}
 
 
 def test_ci_sweep_all_faults() -> None:

@@ -20,7 +20,7 @@ def sim_command(
     workflow: Annotated[str, typer.Option(help="workflow to roll out")] = "patch",
     faults: Annotated[
         str,
-        typer.Option(help="all, none, or a list of: errors,hangs,slow,callbacks,db,crash"),
+        typer.Option(help="all, none, or a list of: errors,hangs,slow,callbacks,db,crash,stall"),
     ] = "all",
     runs: Annotated[int, typer.Option(help="seeds to try in a row, from --seed")] = 1,
     keep_db: Annotated[

@@ -98,6 +98,9 @@ class EngineConfig:
     #: (gc.freeze): full collections otherwise rescan every loaded step, pausing
     #: dispatch for 50-200 ms at a time, while they find almost nothing to free
     gc_freeze: bool = True
+    #: False makes a stalled conductor (a long GC pause, SIGSTOP, a partition from the
+    #: database): it keeps running but stops renewing its leases. For fault injection.
+    renew_leases: bool = True
 
 
 @dataclass
@@ -267,7 +270,7 @@ class Conductor:
         while True:
             await asyncio.sleep(self.config.tick_s)
             now_loop = asyncio.get_running_loop().time()
-            if now_loop - last_renew >= renew_every:
+            if self.config.renew_leases and now_loop - last_renew >= renew_every:
                 in_flight = [i for run in self.runs.values() for i in run.inflight]
                 await self._io(
                     rt.heartbeat,
@@ -381,14 +384,17 @@ class Conductor:
             self._admit(run, now, batch, events, room)
         if batch or events or marks:
             self._crash_point("before-commit")
-            rejected = await self._io(
-                self._writer.commit, batch, events, now, self._lease_until(), marks
+            fences = {t.strategy_id: self.runs[t.strategy_id].record.fence for t in batch}
+            result = await self._io(
+                self._writer.commit, batch, events, now, self._lease_until(), marks, fences
             )
             self._committed_at = time.perf_counter()
             self.stats.batches += 1
-            self.stats.transitions += len(batch) - len(rejected)
+            self.stats.transitions += len(batch) - len(result.rejected)
             self._crash_point("after-commit")
-            self._apply(batch, rejected)
+            self._apply(batch, result.rejected)
+            for sid in result.lost:
+                self._drop_run(sid)
         for fl in recover:
             self._start(fl, recovering=True)
         for record in claimed_callbacks:
@@ -423,7 +429,7 @@ class Conductor:
         fl = run.inflight.get(cb.step_id)
 
         def ignore(reason: str) -> None:
-            marks.append(rt.CallbackMark(cb.id, "ignored", reason))
+            marks.append(rt.CallbackMark(cb.id, "ignored", reason, cb.strategy_id))
             log.info("callback %s for step %s ignored: %s", cb.id, cb.step_id, reason)
 
         if fl is None:
@@ -431,14 +437,16 @@ class Conductor:
         elif fl.state != cb.state:
             ignore(f"late or out of order: step has moved on to {fl.state}")
         elif cb.kind == "heartbeat":
-            marks.append(rt.CallbackMark(cb.id, "applied", "heartbeat noted"))
+            marks.append(rt.CallbackMark(cb.id, "applied", "heartbeat noted", cb.strategy_id))
         elif fl.waiter is None:
             ignore(f"state {fl.state} does not wait for callbacks")
         elif fl.waiter.done():
             ignore("duplicate: this state already had its callback")
         else:
             fl.waiter.set_result(cb)
-            marks.append(rt.CallbackMark(cb.id, "applied", f"{cb.kind} for {cb.state}"))
+            marks.append(
+                rt.CallbackMark(cb.id, "applied", f"{cb.kind} for {cb.state}", cb.strategy_id)
+            )
 
     def _drop_run(self, sid: int) -> None:
         """Another conductor fenced us off this strategy: stop its workers, forget it."""

@@ -66,12 +66,21 @@ class Event:
 
 
 @dataclass(slots=True)
+class CommitResult:
+    #: transitions not written: refused by compare-and-set or a unique key, or fenced off
+    rejected: list[Transition]
+    #: strategies another conductor has claimed since this one did
+    lost: set[int]
+
+
+@dataclass(slots=True)
 class CallbackMark:
     """How the dispatcher answered one stored callback."""
 
     callback_id: int
     outcome: str  # applied | ignored
     reason: str
+    strategy_id: int = 0
 
 
 @dataclass(slots=True)
@@ -415,9 +424,13 @@ class TransitionWriter:
         now: float,
         lease_until: float,
         marks: list[CallbackMark] | None = None,
-    ) -> list[Transition]:
-        """Commit a batch; returns the transitions that were rejected (CAS or G1).
+        fences: dict[int, int] | None = None,
+    ) -> CommitResult:
+        """Commit a batch in one transaction (group commit).
 
+        ``fences`` maps each strategy the batch touches to the fence this conductor
+        claimed it with: if another conductor has claimed it since (this one was
+        presumed dead), nothing of that strategy is written and it is reported lost.
         ``marks`` record how callbacks were answered, in the same transaction.
         """
         mk = [(m.outcome, m.reason, now, m.callback_id) for m in marks or ()]
@@ -428,9 +441,23 @@ class TransitionWriter:
             ups.append(u)
             jrs.append(j)
         ev = [(now, self.cid, e.strategy_id, e.step_id, e.kind, e.details) for e in evts]
-        if self._commit_fast(ups, jrs, ev, mk):
-            return []
-        return self._commit_one_by_one(batch, ups, jrs, ev, mk, now)
+        fences = fences or {}
+        if self._commit_fast(ups, jrs, ev, mk, fences):
+            return CommitResult([], set())
+        return self._commit_one_by_one(batch, ups, jrs, ev, marks or [], now, fences)
+
+    def _lost(self, cur: Any, fences: dict[int, int]) -> set[int]:
+        """Strategies no longer held by this conductor at the fence it claimed them with."""
+        if not fences:
+            return set()
+        p = self.store.hooks.placeholder
+        ids = sorted(fences)
+        cur.execute(
+            f"SELECT id, owner, fence FROM strategies WHERE id IN ({', '.join(p for _ in ids)})",
+            ids,
+        )
+        held = {int(r[0]) for r in cur.fetchall() if r[1] == self.cid and r[2] == fences[r[0]]}
+        return set(ids) - held
 
     def _commit_fast(
         self,
@@ -438,11 +465,12 @@ class TransitionWriter:
         jrs: list[tuple[Any, ...]],
         ev: list[tuple[Any, ...]],
         mk: list[tuple[Any, ...]],
+        fences: dict[int, int],
     ) -> bool:
         """The hot path: one transaction on a dedicated DBAPI connection, four executemany.
 
-        False (rolled back) when a compare-and-set or a unique key refused a row: the
-        caller then sorts the batch out row by row.
+        False (rolled back) when a strategy was lost, or a compare-and-set or a unique
+        key refused a row: the caller then sorts the batch out row by row.
         """
         if self._raw is None:
             self._raw = self.store.engine.raw_connection()
@@ -455,6 +483,9 @@ class TransitionWriter:
             cur.execute(self.store.hooks.begin_write_sql)
             if self.store.write_fault is not None:
                 self.store.write_fault()
+            if self._lost(cur, fences):
+                raw.rollback()
+                return False
             if ups:
                 cur.executemany(self._update_sql, ups)
                 if cur.rowcount != len(ups):
@@ -480,23 +511,24 @@ class TransitionWriter:
         finally:
             cur.close()
 
-    def close(self) -> None:
-        if self._raw is not None:
-            self._raw.close()
-            self._raw = None
-
     def _commit_one_by_one(
         self,
         batch: list[Transition],
         ups: list[tuple[Any, ...]],
         jrs: list[tuple[Any, ...]],
         ev: list[tuple[Any, ...]],
-        mk: list[tuple[Any, ...]],
+        marks: list[CallbackMark],
         now: float,
-    ) -> list[Transition]:
+        fences: dict[int, int],
+    ) -> CommitResult:
         rejected: list[Transition] = []
         with self.store.write() as conn:
+            raw: Any = conn.connection.driver_connection
+            lost = self._lost(raw.cursor(), fences)
             for t, u, j in zip(batch, ups, jrs, strict=True):
+                if t.strategy_id in lost:
+                    rejected.append(t)
+                    continue
                 sp = conn.begin_nested()
                 try:
                     res = conn.exec_driver_sql(self._update_sql, u)
@@ -511,6 +543,11 @@ class TransitionWriter:
                     sp.rollback()
                     rejected.append(t)
             for t in rejected:
+                why = (
+                    "strategy claimed by another conductor (fenced off)"
+                    if t.strategy_id in lost
+                    else "step no longer at that state and fence, or state already entered"
+                )
                 ev.append(
                     (
                         now,
@@ -518,15 +555,25 @@ class TransitionWriter:
                         t.strategy_id,
                         t.step_id,
                         "transition-rejected",
-                        f"{t.from_state} -> {t.to_state} at fence {t.from_fence}: "
-                        "step no longer at that state and fence, or state already entered",
+                        f"{t.from_state} -> {t.to_state} at fence {t.from_fence}: {why}",
                     )
                 )
             if ev:
                 conn.exec_driver_sql(self._event_sql, ev)
+            # callbacks of a lost strategy stay open: its new owner answers them
+            mk = [
+                (m.outcome, m.reason, now, m.callback_id)
+                for m in marks
+                if m.strategy_id not in lost
+            ]
             if mk:
                 conn.exec_driver_sql(self._mark_sql, mk)
-        return rejected
+        return CommitResult(rejected, lost)
+
+    def close(self) -> None:
+        if self._raw is not None:
+            self._raw.close()
+            self._raw = None
 
     def _already_applied(self, conn: Connection, t: Transition) -> bool:
         """True when this very transition is already committed (a retried, ambiguous commit)."""

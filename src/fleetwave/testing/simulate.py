@@ -8,7 +8,8 @@ One run, for one seed:
    stop on failure, failure threshold);
 3. conductors that crash (killed at a random virtual time, or at a chosen commit,
    before or after it) and restart with a new identity, taking over by lease expiry;
-   transient database errors inside write transactions;
+   conductors that stall (run on without renewing their leases) while a rival takes
+   over, and must be fenced off; transient database errors inside write transactions;
 4. then every guarantee is checked from the journal and final rows, and the journal's
    digest is printed: the same seed gives the same journal, byte for byte.
 
@@ -25,7 +26,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ from fleetwave.store.schema import callbacks, journal, steps
 from fleetwave.testing.invariants import check
 from fleetwave.testing.vloop import VirtualTimeLoop
 
-FAULTS = ("errors", "hangs", "slow", "callbacks", "db", "crash")
+FAULTS = ("errors", "hangs", "slow", "callbacks", "db", "crash", "stall")
 
 #: virtual time after which a strategy that has not ended is a liveness violation
 VIRTUAL_LIMIT_S = 30 * 24 * 3600.0
@@ -202,6 +203,15 @@ class _Faults:
         self.faults = faults
         self.db_error_rate = rng.choice([0.005, 0.02, 0.05]) if "db" in faults else 0.0
         self.crashes_left = rng.randint(1, 3) if "crash" in faults else 0
+        #: generations that stall (stop renewing leases while running on)
+        self.stalls_left = rng.randint(1, 2) if "stall" in faults else 0
+
+    def stall_plan(self) -> float | None:
+        """Seconds after which a rival conductor starts, while this one stalls."""
+        if self.stalls_left <= 0 or self.rng.random() < 0.5:
+            return None
+        self.stalls_left -= 1
+        return self.rng.uniform(0, 300)
 
     def write_fault(self) -> None:
         if self.db_error_rate and self.rng.random() < self.db_error_rate:
@@ -214,8 +224,8 @@ class _Faults:
         self.crashes_left -= 1
         kind = self.rng.choice(["time", "before-commit", "after-commit"])
         if kind == "time":
-            return ("time", self.rng.uniform(1, 3600))
-        return (kind, self.rng.randint(1, 400))
+            return ("time", self.rng.uniform(1, 900))
+        return (kind, self.rng.randint(1, 60))
 
 
 def _crash_hook(point: str, at_count: int) -> Callable[[str], None]:
@@ -281,7 +291,24 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
     transitions = 0
     generation = 0
     state = "applying"
+    stalled: list[tuple[Conductor, asyncio.Future[dict[int, str]]]] = []
     while loop.time() < VIRTUAL_LIMIT_S:
+        stall_after = faults.stall_plan()
+        if stall_after is not None:
+            # This generation stalls: it runs on without renewing its leases, and a rival
+            # starts later and takes over once they expire. The staller must be fenced off.
+            zombie = cfg.conductor_cls(
+                store,
+                clock=clock,
+                config=replace(config, renew_leases=False),
+                drivers={"sim": sim},
+                conductor_id=f"sim{cfg.seed}-c{generation}-stalled",
+            )
+            generation += 1
+            stalled.append(
+                (zombie, asyncio.ensure_future(zombie.run(strategy_ids=[sid], patient=True)))
+            )
+            await asyncio.sleep(stall_after)
         plan = faults.crash_plan()
         hook = _crash_hook(str(plan[0]), int(plan[1])) if plan and plan[0] != "time" else None
         conductor = cfg.conductor_cls(
@@ -312,6 +339,11 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
             continue
         if state in STRATEGY_TERMINAL:
             break
+    for zombie, ztask in stalled:
+        if not ztask.done():
+            ztask.cancel()
+        await asyncio.gather(ztask, return_exceptions=True)
+        transitions += zombie.stats.transitions
     store.write_fault = None
     await sim.wait_agents()  # late callbacks still arrive after the end
     await sim.aclose()
