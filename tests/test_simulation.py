@@ -15,8 +15,10 @@ from broken_engines import (
 from fleetwave.engine.conductor import Conductor
 from fleetwave.testing.simulate import FAULTS, SimConfig, SimResult, run_simulation
 
-#: every seed that ever failed, with what it found; each must stay green
-PINNED: list[tuple[int, str, int]] = []
+#: every seed that ever failed (seed, workflow, targets); each must stay green.
+#: 114 and 327: an unmanaged target crossed the failure threshold mid-admission and the
+#: rest of that admission round still started (found in review, 2026-11-30).
+PINNED: list[tuple[int, str, int]] = [(114, "clean", 200), (327, "clean", 150)]
 
 CI_SEEDS = int(os.environ.get("FLEETWAVE_SIM_SEEDS", "200"))
 

@@ -173,7 +173,7 @@ class SimDriver:
         self.callbacks_delivered = 0
         self._agents: set[asyncio.Task[None]] = set()
         #: the targets' own view of each operation; remote work outlives a lost conductor
-        self._remote: dict[tuple[str, str], _Execution] = {}
+        self._remote: dict[tuple[int, str, str], _Execution] = {}
         self._work: set[asyncio.Task[None]] = set()
 
     def _profile(self, target: Target) -> _Profile:
@@ -197,7 +197,7 @@ class SimDriver:
             self.starts[(target.name, operation, ctx.attempt)] += 1
             if self.record:
                 self.performed.append((target.name, operation, ctx.attempt))
-        key = (target.name, operation)
+        key = (ctx.strategy_id, target.name, operation)
         running = self._remote.get(key)
         if running is not None and not running.future.done():
             return await asyncio.shield(running.future)  # idempotent: join, don't restart
@@ -317,7 +317,7 @@ class SimDriver:
 
     async def observe(self, target: Target, operation: str, ctx: ActionContext) -> RemoteResult:
         prof = self._profile(target)
-        execution = self._remote.get((target.name, operation))
+        execution = self._remote.get((ctx.strategy_id, target.name, operation))
         if execution is None:
             return RemoteResult.NOT_STARTED
         if not execution.future.done():

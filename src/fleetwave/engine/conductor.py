@@ -145,6 +145,7 @@ class Conductor:
         self._wanted: set[int] | None = None
         self._patient = False
         self._callbacks_seen: set[int] = set()
+        self._fatal: BaseException | None = None
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -232,6 +233,7 @@ class Conductor:
             await self._io(rt.register_conductor, self.store, self.id, self.clock.now())
             await self._claim()
             periodic = asyncio.create_task(self._periodic(), name="fleetwave-periodic")
+            periodic.add_done_callback(self._periodic_ended)
             try:
                 await self._dispatch_loop(stop)
             finally:
@@ -247,6 +249,16 @@ class Conductor:
                 self._executor = None
             self._writer.close()
         return self.finished
+
+    def _periodic_ended(self, task: asyncio.Task[None]) -> None:
+        """The periodic pass must live as long as the dispatcher: its death is fatal."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        self._fatal = exc or RuntimeError("periodic pass ended")
+        log.critical("periodic pass died (%r): stopping this conductor", self._fatal)
+        if self._wake is not None:
+            self._wake.set()
 
     async def _stop_workers(self) -> None:
         for task in list(self._workers):
@@ -272,6 +284,7 @@ class Conductor:
             now_loop = asyncio.get_running_loop().time()
             if self.config.renew_leases and now_loop - last_renew >= renew_every:
                 in_flight = [i for run in self.runs.values() for i in run.inflight]
+                renewed_at = now_loop
                 await self._io(
                     rt.heartbeat,
                     self.store,
@@ -280,7 +293,17 @@ class Conductor:
                     self._lease_until(),
                     in_flight,
                 )
-                last_renew = now_loop
+                last_renew = renewed_at
+            if (
+                self.config.renew_leases
+                and self.runs
+                and asyncio.get_running_loop().time() - last_renew > self.config.lease_ttl_s * 0.8
+            ):
+                # Renewal has been failing for most of a lease: assume another conductor is
+                # about to take over, and stop acting before it does (self-fencing).
+                log.error("lease-lapsing: renewal overdue; stopping all actions of %s", self.id)
+                for sid in list(self.runs):
+                    self.post(LeaseLost(sid))
             states = await self._io(rt.strategy_states, self.store, list(self.runs))
             for sid, (state, owner) in states.items():
                 if owner != self.id:
@@ -335,6 +358,8 @@ class Conductor:
                     if self._should_exit(stop):
                         return
                     await self._wake.wait()
+                if self._fatal is not None:
+                    raise self._fatal
                 if stop is not None and stop.is_set():
                     return
                 self._wake.clear()
@@ -374,17 +399,13 @@ class Conductor:
             elif isinstance(msg, LeaseLost):
                 self._drop_run(msg.strategy_id)
             else:
-                self._on_finished(msg, now, batch, events)
+                self._on_finished(msg, now, batch, events, marks)
         for run in list(self.runs.values()):
-            room = self.config.batch_max - len(batch)
-            if room <= 0:
-                if run.take_admissions_possible():
-                    self._wake_soon()
-                continue
-            self._admit(run, now, batch, events, room)
+            self._admit(run, now, batch, events, self.config.batch_max - len(batch))
         if batch or events or marks:
             self._crash_point("before-commit")
-            fences = {t.strategy_id: self.runs[t.strategy_id].record.fence for t in batch}
+            touched = {t.strategy_id for t in batch} | {m.strategy_id for m in marks}
+            fences = {sid: self.runs[sid].record.fence for sid in touched if sid in self.runs}
             result = await self._io(
                 self._writer.commit, batch, events, now, self._lease_until(), marks, fences
             )
@@ -420,7 +441,12 @@ class Conductor:
                     run.db_state = StrategyState.ABORTING.value
 
     def _on_callback(self, cb: cbs.CallbackRecord, marks: list[rt.CallbackMark]) -> None:
-        """Apply a callback to the step waiting for it, or record why it is ignored."""
+        """Hand a callback to the step waiting for it, keep it for later, or ignore it.
+
+        A callback that resolves a wait is marked ``applied`` only together with the
+        transition it causes (see :meth:`_on_finished`): if this conductor dies in
+        between, the callback is still open and the next owner applies it.
+        """
         run = self.runs.get(cb.strategy_id)
         if run is None:
             # Not ours (yet): its owner answers it, perhaps us once we claim the strategy.
@@ -432,9 +458,20 @@ class Conductor:
             marks.append(rt.CallbackMark(cb.id, "ignored", reason, cb.strategy_id))
             log.info("callback %s for step %s ignored: %s", cb.id, cb.step_id, reason)
 
+        states = run.workflow.state_names
         if fl is None:
             ignore("step is not in flight (finished or not started)")
-        elif fl.state != cb.state:
+        elif cb.state not in states:
+            ignore(f"unknown state {cb.state} for workflow {run.workflow.name}")
+        elif states.index(cb.state) > states.index(fl.state) or (
+            cb.state == fl.state
+            and fl.waiter is None
+            and cb.kind != "heartbeat"
+            and run.workflow.state(fl.state).mode == "wait-for-callback"
+        ):
+            # Early: the target answered before the step started waiting. Keep it.
+            run.early_callbacks.setdefault(cb.step_id, []).append(cb)
+        elif cb.state != fl.state:
             ignore(f"late or out of order: step has moved on to {fl.state}")
         elif cb.kind == "heartbeat":
             marks.append(rt.CallbackMark(cb.id, "applied", "heartbeat noted", cb.strategy_id))
@@ -444,9 +481,6 @@ class Conductor:
             ignore("duplicate: this state already had its callback")
         else:
             fl.waiter.set_result(cb)
-            marks.append(
-                rt.CallbackMark(cb.id, "applied", f"{cb.kind} for {cb.state}", cb.strategy_id)
-            )
 
     def _drop_run(self, sid: int) -> None:
         """Another conductor fenced us off this strategy: stop its workers, forget it."""
@@ -471,9 +505,14 @@ class Conductor:
 
     async def _adopt(self, rec: rt.StrategyRecord, events: list[rt.Event]) -> list[InFlight]:
         """Take over a claimed strategy from the database alone (G4, recovery)."""
-        wf = resolve_workflow(self.store, rec.workflow)
-        opts = options_from_json(rec.options)
-        run = StrategyRun(rec, wf.with_timeouts(opts.timeouts_s), opts, db_state=rec.state)
+        try:
+            wf = resolve_workflow(self.store, rec.workflow)
+            opts = options_from_json(rec.options)
+            wf = wf.with_timeouts(opts.timeouts_s)
+        except Exception as exc:  # one broken strategy must not take the conductor down
+            await self._fail_undrivable(rec, f"cannot drive it: {exc}")
+            return []
+        run = StrategyRun(rec, wf, opts, db_state=rec.state)
         open_steps, run.failed = await self._io(rt.load_open_steps, self.store, rec.id)
         lost: list[rt.StepRecord] = []
         for step in open_steps:
@@ -514,6 +553,43 @@ class Conductor:
             log.info("strategy %s: driving %d pending steps", rec.id, run.pending_count())
         return out
 
+    async def _fail_undrivable(self, rec: rt.StrategyRecord, reason: str) -> None:
+        """End a strategy this conductor cannot drive (its workflow is gone or invalid)."""
+        log.error("strategy %s: %s", rec.id, reason)
+        open_steps, _ = await self._io(rt.load_open_steps, self.store, rec.id)
+        now = self.clock.now()
+        batch = [
+            rt.Transition(
+                step_id=st.step_id,
+                strategy_id=rec.id,
+                from_state=st.state,
+                from_fence=st.fence,
+                to_state=STEP_ABORTED if st.state == STEP_INITIAL else STEP_FAILED,
+                fence=st.fence,
+                details=f"not started: {reason}"
+                if st.state == STEP_INITIAL
+                else f"{st.state}: {reason}",
+                attempt=st.attempt,
+                at=now,
+            )
+            for st in open_steps
+        ]
+        events = [rt.Event("strategy-undrivable", reason, rec.id)]
+        await self._io(
+            self._writer.commit, batch, events, now, self._lease_until(), [], {rec.id: rec.fence}
+        )
+        await self._io(
+            rt.set_strategy_state,
+            self.store,
+            rec.id,
+            self.id,
+            rec.state,
+            StrategyState.FAILED.value,
+            reason,
+            now,
+        )
+        self.finished[rec.id] = StrategyState.FAILED.value
+
     def _failure_details(self, run: StrategyRun) -> str:
         limit = run.options.failure_limit
         if run.options.stop_on_failure:
@@ -521,10 +597,21 @@ class Conductor:
         return f"stopped: {run.failed} failed steps exceed the failure threshold of {limit}"
 
     def _on_finished(
-        self, msg: ActionFinished, now: float, batch: list[rt.Transition], events: list[rt.Event]
+        self,
+        msg: ActionFinished,
+        now: float,
+        batch: list[rt.Transition],
+        events: list[rt.Event],
+        marks: list[rt.CallbackMark],
     ) -> None:
         run = self.runs.get(msg.strategy_id)
         fl = run.inflight.get(msg.step_id) if run is not None else None
+        if msg.callback_id is not None:
+            # The callback counts as applied exactly when its transition commits.
+            outcome, why = ("applied", f"moved the step on from {msg.state}")
+            if run is None or fl is None or fl.fence != msg.fence or fl.state != msg.state:
+                outcome, why = ("ignored", "its step had moved on")
+            marks.append(rt.CallbackMark(msg.callback_id, outcome, why, msg.strategy_id))
         if run is None or fl is None or fl.fence != msg.fence or fl.state != msg.state:
             self.stats.stale_outcomes += 1
             events.append(
@@ -561,6 +648,7 @@ class Conductor:
                 self._count_failure(run, now, batch)
         else:
             fl.state = decision.to_state
+            fl.waiter = None  # the next state's waiter is made when its action starts
 
     def _count_failure(self, run: StrategyRun, now: float, batch: list[rt.Transition]) -> None:
         run.failed += 1
@@ -582,35 +670,35 @@ class Conductor:
         events: list[rt.Event],
         room: int,
     ) -> None:
-        if run.stopping is not None:
-            for rec in run.drain_pending():
-                batch.append(
-                    self._entry(run, rec, STEP_ABORTED, f"not started: {run.stop_details}", now)
-                )
-            return
+        """Fill free slots (sliding window); once stopping, end every waiting step instead."""
         first = run.workflow.first_state
-        while room > 0:
+        while room > 0 and run.stopping is None:
             admitted = run.take_admissions(room)
             if not admitted:
-                return
+                break
             room -= len(admitted)
-            for rec in admitted:
+            for i, rec in enumerate(admitted):
+                if run.stopping is not None:
+                    # The threshold was crossed by this very admission round: the rest
+                    # of it never starts (they are ended below, with every waiting step).
+                    run.requeue_front(admitted[i:])
+                    break
                 if not rec.target.managed:
-                    batch.append(
-                        self._entry(
-                            run, rec, STEP_FAILED, f"Target {rec.target.name} is unmanaged.", now
-                        )
-                    )
+                    reason = f"Target {rec.target.name} is unmanaged."
+                    batch.append(self._entry(run, rec, STEP_FAILED, reason, now))
                     self._count_failure(run, now, batch)
                     continue
                 batch.append(self._entry(run, rec, first, "", now, claim=True))
                 run.inflight[rec.step_id] = InFlight(rec, first, rec.fence + 1)
                 run.group_load[rec.group_id] += 1
-            if run.stopping is not None:
-                self._admit(run, now, batch, events, room)
-                return
-        if run.take_admissions_possible():
-            self._wake_soon()
+        if run.stopping is not None:
+            # Ending waiting steps needs no slot, and must not wait for room in a batch.
+            for rec in run.drain_pending():
+                batch.append(
+                    self._entry(run, rec, STEP_ABORTED, f"not started: {run.stop_details}", now)
+                )
+        elif room <= 0 and run.take_admissions_possible():
+            self._wake_soon()  # the batch was full, not the window: come back at once
 
     def _entry(
         self,
@@ -663,6 +751,13 @@ class Conductor:
         fl.waiter = None
         if run.workflow.state(fl.state).mode == "wait-for-callback":
             fl.waiter = asyncio.get_running_loop().create_future()
+            early = run.early_callbacks.get(fl.rec.step_id)
+            if early:
+                # Callbacks that came before the wait began: offer them again, in order.
+                run.early_callbacks[fl.rec.step_id] = [cb for cb in early if cb.state != fl.state]
+                for cb in early:
+                    if cb.state == fl.state:
+                        self.post(CallbackArrived(cb))
         task = asyncio.create_task(
             self._work(run, fl.rec, fl.state, fl.fence, recovering, fl.waiter)
         )
@@ -729,6 +824,7 @@ class Conductor:
         st = run.workflow.state(state)
         driver = self.drivers.get(rec.target.driver)
         attempts = 0
+        callback_id: int | None = None
         decision: Decision
         while True:
             attempts += 1
@@ -752,7 +848,9 @@ class Conductor:
                     else:
                         outcome = await st.action.run(ctx)
                     if waiter is not None and isinstance(outcome, Advance):
-                        outcome = _callback_outcome(await asyncio.shield(waiter))
+                        answered = await asyncio.shield(waiter)
+                        callback_id = answered.id
+                        outcome = _callback_outcome(answered)
                 decision = decide(run.workflow.state_names, state, outcome)
             except NoRecoverHook:
                 decision = failure(state, f"conductor lost during {state}")
@@ -773,7 +871,9 @@ class Conductor:
                 log.exception("action for %s in %s raised", rec.target.name, state)
                 decision = failure(state, str(exc) or type(exc).__name__)
             break
-        self.post(ActionFinished(run.id, rec.step_id, state, fence, decision, attempts))
+        self.post(
+            ActionFinished(run.id, rec.step_id, state, fence, decision, attempts, callback_id)
+        )
 
 
 def _callback_outcome(cb: cbs.CallbackRecord) -> Outcome:

@@ -19,6 +19,8 @@ class ActionFinished:
     fence: int
     decision: Decision
     attempts: int
+    #: the stored callback whose report decided it (wait-for-callback states)
+    callback_id: int | None = None
 
 
 @dataclass(slots=True)

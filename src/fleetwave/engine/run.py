@@ -42,6 +42,8 @@ class StrategyRun:
     stopping: str | None = None
     stop_details: str = ""
     db_state: str = "applying"
+    #: callbacks that arrived before their step began waiting, by step
+    early_callbacks: dict[int, list[CallbackRecord]] = field(default_factory=dict)
     finishing: bool = False
 
     @property
@@ -95,6 +97,11 @@ class StrategyRun:
             if len(out) >= free:
                 break
         return out
+
+    def requeue_front(self, recs: list[StepRecord]) -> None:
+        """Put steps taken by :meth:`take_admissions` back, in their order."""
+        for rec in reversed(recs):
+            self.pending.setdefault(rec.stage, {}).setdefault(rec.group_id, deque()).appendleft(rec)
 
     def drain_pending(self) -> list[StepRecord]:
         out = [rec for groups in self.pending.values() for q in groups.values() for rec in q]

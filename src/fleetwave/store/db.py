@@ -83,7 +83,7 @@ def _sqlite_engine(path: str, synchronous: str) -> Engine:
         poolclass=QueuePool,
         pool_size=2,
         max_overflow=4,
-        connect_args={"check_same_thread": False, "timeout": 30},
+        connect_args={"check_same_thread": False, "timeout": 5},
     )
 
     @event.listens_for(engine, "connect")
@@ -93,7 +93,7 @@ def _sqlite_engine(path: str, synchronous: str) -> Engine:
         cur.execute("PRAGMA journal_mode=WAL")
         cur.execute(f"PRAGMA synchronous={synchronous}")
         cur.execute("PRAGMA foreign_keys=ON")
-        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute("PRAGMA busy_timeout=5000")  # well below the lease TTL
         cur.execute("PRAGMA cache_size=-65536")
         cur.close()
 

@@ -30,7 +30,17 @@ from fleetwave.store.schema import (
     targets,
 )
 
-HOSTNAME = socket.gethostname()
+
+def _host_identity() -> str:
+    """This host and PID namespace: a PID is only comparable inside the same namespace."""
+    try:
+        ns = f":pidns{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        ns = ""
+    return socket.gethostname() + ns
+
+
+HOSTNAME = _host_identity()
 
 #: Strategy states a conductor drives.
 DRIVEN_STATES = (

@@ -81,6 +81,7 @@ def check(store: Store, strategy_id: int | None = None) -> CheckResult:
                     journal.c.from_state,
                     journal.c.to_state,
                     journal.c.fence,
+                    journal.c.details,
                 )
                 .where(journal.c.strategy_id == strat.id)
                 .order_by(journal.c.id)
@@ -114,7 +115,7 @@ def _check_strategy(
     def who(step_id: int) -> str:
         return f"strategy {sid} step {step_id} ({name.get(step_id, '?')})"
 
-    for i, (step_id, frm, to, fen) in enumerate(jrows):
+    for i, (step_id, frm, to, fen, _details) in enumerate(jrows):
         entered[(step_id, to)] += 1
         if entered[(step_id, to)] == 2:
             result.add(f"G1: {who(step_id)} entered '{to}' more than once")
@@ -157,8 +158,8 @@ def _check_strategy(
 
     if limit is not None and stopped_at is None and strat.state != "aborted":
         # The threshold was never exceeded, so nothing may have been stopped for it.
-        for step_id, _frm, to, _fen in jrows:
-            if to == "aborted":
+        for step_id, _frm, to, _fen, details in jrows:
+            if to == "aborted" and details.startswith(("not started:", "stopped after ")):
                 result.add(
                     f"threshold: {who(step_id)} was stopped although only {failures} steps "
                     f"failed (threshold {limit})"

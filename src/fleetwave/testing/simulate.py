@@ -43,7 +43,7 @@ from fleetwave.store import runtime as rt
 from fleetwave.store.db import Store, open_store
 from fleetwave.store.schema import callbacks, journal, steps
 from fleetwave.testing.invariants import check
-from fleetwave.testing.vloop import VirtualTimeLoop
+from fleetwave.testing.vloop import Deadlock, Livelock, VirtualTimeLoop
 
 FAULTS = ("errors", "hangs", "slow", "callbacks", "db", "crash", "stall")
 
@@ -386,6 +386,22 @@ def run_simulation(cfg: SimConfig) -> SimResult:
     loop = VirtualTimeLoop()
     try:
         return loop.run_until_complete(_simulate(cfg, db_path))
+    except (Livelock, Deadlock) as exc:
+        return SimResult(
+            seed=cfg.seed,
+            workflow=cfg.workflow,
+            targets=cfg.targets,
+            ok=False,
+            violations=[f"liveness: {exc}"],
+            digest="",
+            strategy_state="unknown",
+            transitions=0,
+            crashes=0,
+            store_retries=0,
+            callbacks=0,
+            virtual_s=loop.time(),
+            wall_s=0.0,
+        )
     finally:
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()

@@ -26,10 +26,19 @@ class Deadlock(RuntimeError):
     """Nothing is ready, no timer is set, and the main coroutine has not finished."""
 
 
+class Livelock(RuntimeError):
+    """The loop keeps itself busy without ever letting virtual time move on."""
+
+
+#: loop iterations in a row without time moving on before it counts as a livelock
+SPIN_LIMIT = 500_000
+
+
 class _JumpingSelector(selectors.DefaultSelector):
     def __init__(self, loop: VirtualTimeLoop) -> None:
         super().__init__()
         self._vloop = loop
+        self._spins = 0
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         ready = super().select(0)
@@ -39,6 +48,14 @@ class _JumpingSelector(selectors.DefaultSelector):
             raise Deadlock("virtual time loop: nothing to run and no timer set")
         if timeout > 0:
             self._vloop.advance(timeout)
+            self._spins = 0
+        else:
+            self._spins += 1
+            if self._spins > SPIN_LIMIT:
+                raise Livelock(
+                    f"virtual time loop: {SPIN_LIMIT} iterations at t={self._vloop.time():.3f}s "
+                    "without time moving on (something wakes itself forever)"
+                )
         return []
 
 
