@@ -1,0 +1,117 @@
+"""Edge cases found in review: each was a way to strand a strategy or lose a callback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from sqlalchemy import delete
+from sqlalchemy.exc import OperationalError
+
+from conftest import add_sim_targets, rollout
+from fleetwave.domain.models import StrategyOptions
+from fleetwave.domain.registry import get_workflow
+from fleetwave.domain.yaml_workflow import parse_workflow_yaml
+from fleetwave.engine.clock import LoopClock
+from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.store import admin, queries
+from fleetwave.store.callbacks import callback_outcomes
+from fleetwave.store.db import Store
+from fleetwave.store.schema import workflows
+from fleetwave.testing.invariants import check
+from fleetwave.testing.vloop import VirtualTimeLoop
+
+
+def test_threshold_crossed_while_the_batch_is_full_still_ends_every_step(store: Store) -> None:
+    """130 targets at max parallel 128 (the batch size): a failure must still stop it all."""
+    add_sim_targets(store, 1, prefix="a", settings={"fail_at": "finishing"})
+    add_sim_targets(store, 129, prefix="b")
+    sid, final, _ = rollout(store, max_parallel=128, stop_on_failure=True)
+    assert final == "failed"
+    counts = queries.step_counts(store, sid)
+    assert "initial" not in counts
+    assert counts["failed"] == 1
+    assert check(store, sid).ok
+
+
+def test_unmanaged_target_crossing_the_threshold_starts_nothing_more(store: Store) -> None:
+    names = add_sim_targets(store, 10)
+    admin.set_managed(store, names[0], False)
+    sid, final, _ = rollout(store, max_parallel=10, stop_on_failure=True)
+    assert final == "failed"
+    steps = {s["target"]: (s["state"], s["details"]) for s in queries.list_steps(store, sid)}
+    assert steps[names[0]][0] == "failed"
+    # Admitted in the same round, after the unmanaged one: none of them may start.
+    assert all(state == "aborted" for n, (state, _) in steps.items() if n != names[0])
+    assert check(store, sid).ok
+
+
+def test_callbacks_that_arrive_before_the_wait_are_kept(store: Store) -> None:
+    add_sim_targets(store, 1, settings={"latency_ms": 50, "callback_lost_rate": 1.0})
+    wf = get_workflow("clean")
+    assert wf is not None
+    sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
+    admin.apply_strategy(store, sid)
+    c = Conductor(store)
+
+    async def go() -> dict[int, str]:
+        task = asyncio.create_task(c.run(strategy_ids=[sid]))
+        await asyncio.sleep(0.02)  # still powering off: the agent reports early
+        c.receive_callback(1, "wait-for-agent", "done", "agent up")
+        c.receive_callback(1, "clean-steps", "done", "disks wiped")
+        return await task
+
+    assert asyncio.run(go())[sid] == "complete"
+    outcomes = {o["state"]: o["outcome"] for o in callback_outcomes(store, sid)}
+    assert outcomes == {"wait-for-agent": "applied", "clean-steps": "applied"}
+    assert check(store, sid).ok
+
+
+def test_a_strategy_whose_workflow_is_gone_fails_alone(store: Store) -> None:
+    text = "name: gone-soon\nstates:\n  - name: only\n    timeout_s: 60\n"
+    admin.save_workflow(store, parse_workflow_yaml(text), text)
+    add_sim_targets(store, 3, prefix="x")
+    add_sim_targets(store, 3, prefix="y")
+    doomed = admin.create_strategy(
+        store, parse_workflow_yaml(text), StrategyOptions(), target_names=["x00000", "x00001"]
+    )
+    wf = get_workflow("patch")
+    assert wf is not None
+    healthy = admin.create_strategy(store, wf, StrategyOptions(), target_names=["y00000"])
+    with store.write() as conn:
+        conn.execute(delete(workflows).where(workflows.c.name == "gone-soon"))
+    admin.apply_strategy(store, doomed)
+    admin.apply_strategy(store, healthy)
+    result = asyncio.run(Conductor(store).run(strategy_ids=[doomed, healthy]))
+    assert result == {doomed: "failed", healthy: "complete"}
+    assert "unknown workflow 'gone-soon'" in queries.get_strategy(store, doomed)["details"]
+    assert check(store).ok
+
+
+def test_a_conductor_whose_store_keeps_failing_stops_instead_of_running_blind(
+    store: Store,
+) -> None:
+    add_sim_targets(store, 5, settings={"latency_ms": 60_000})
+    wf = get_workflow("patch")
+    assert wf is not None
+    sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
+    admin.apply_strategy(store, sid)
+    conductor = Conductor(store, clock=LoopClock(), config=EngineConfig(lease_ttl_s=30, tick_s=1))
+
+    async def go() -> None:
+        task = asyncio.create_task(conductor.run(strategy_ids=[sid]))
+        await asyncio.sleep(5)
+
+        def broken() -> None:
+            raise OperationalError("BEGIN", None, Exception("disk I/O error (injected)"))
+
+        store.write_fault = broken
+        await task
+
+    loop = VirtualTimeLoop()
+    try:
+        with pytest.raises(OperationalError):
+            loop.run_until_complete(go())
+    finally:
+        store.write_fault = None
+        loop.close()
