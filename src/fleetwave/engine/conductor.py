@@ -344,6 +344,8 @@ class Conductor:
             elif owner is not None and owner != self.id and not self._patient:
                 self.finished[sid] = "owned"
                 log.info("strategy %s: driven by conductor %s; not taking it over", sid, owner)
+        if self._wake is not None:
+            self._wake.set()  # the dispatcher decides whether anything is left to wait for
 
     # -- the dispatcher ----------------------------------------------------------------
 

@@ -20,6 +20,7 @@ replays exactly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import random
 import shutil
@@ -48,7 +49,7 @@ from fleetwave.testing.vloop import Deadlock, Livelock, VirtualTimeLoop
 FAULTS = ("errors", "hangs", "slow", "callbacks", "db", "crash", "stall")
 
 #: virtual time after which a strategy that has not ended is a liveness violation
-VIRTUAL_LIMIT_S = 30 * 24 * 3600.0
+VIRTUAL_LIMIT_S = 7 * 24 * 3600.0
 
 
 def parse_faults(text: str) -> frozenset[str]:
@@ -292,6 +293,7 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
     generation = 0
     state = "applying"
     stalled: list[tuple[Conductor, asyncio.Future[dict[int, str]]]] = []
+    stuck: list[str] = []
     while loop.time() < VIRTUAL_LIMIT_S:
         stall_after = faults.stall_plan()
         if stall_after is not None:
@@ -324,6 +326,14 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
         killer: asyncio.TimerHandle | None = None
         if plan and plan[0] == "time":
             killer = loop.call_later(float(plan[1]), task.cancel)
+        else:
+            # Liveness: a conductor still running at the limit never stops by itself.
+            def at_limit(t: asyncio.Future[dict[int, str]] = task) -> None:
+                days = VIRTUAL_LIMIT_S / 86400
+                stuck.append(f"liveness: a conductor was still running after {days:.0f} days")
+                t.cancel()
+
+            killer = loop.call_at(VIRTUAL_LIMIT_S, at_limit)
         try:
             result = await task
             state = result.get(sid, "unknown")
@@ -351,7 +361,7 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
     final_state, _owner = rt.strategy_state(store, sid)
     verdict = check(store, sid)
     violations = list(verdict.violations) + _extra_checks(store, sid, final_state)
-    violations += _target_checks(sim)
+    violations += _target_checks(sim) + stuck
     with store.read() as conn:
         n_callbacks = len(conn.execute(select(callbacks.c.id)).all())
     digest = _journal_digest(store, sid)
@@ -403,6 +413,7 @@ def run_simulation(cfg: SimConfig) -> SimResult:
             wall_s=0.0,
         )
     finally:
-        loop.run_until_complete(loop.shutdown_asyncgens())
+        with contextlib.suppress(Livelock, Deadlock):
+            loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
         shutil.rmtree(tmp, ignore_errors=True)

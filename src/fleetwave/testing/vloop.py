@@ -63,6 +63,10 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def __init__(self, start: float = 0.0) -> None:
         self._virtual_now = start
         super().__init__(selector=_JumpingSelector(self))
+        # A timer is due when its time is within the clock's resolution of now. The real
+        # clock's (1 ns) vanishes in float rounding once months of virtual time pass, and
+        # a due timer would then never fire; 1 us keeps it meaningful for years.
+        self._clock_resolution = 1e-6
 
     def time(self) -> float:
         return self._virtual_now
