@@ -35,6 +35,15 @@ def add_sim_targets(
     return names
 
 
+def applied(store: Store, workflow: str = "patch", **options: Any) -> int:
+    """Create a strategy of ``workflow`` over all targets and mark it applying."""
+    wf = get_workflow(workflow)
+    assert wf is not None
+    sid = admin.create_strategy(store, wf, StrategyOptions(**options), all_targets=True)
+    admin.apply_strategy(store, sid)
+    return sid
+
+
 def rollout(
     store: Store,
     workflow: str | WorkflowDef = "patch",

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import add_sim_targets, rollout
+from conftest import add_sim_targets, applied, rollout
 from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.registry import get_workflow
@@ -71,10 +71,7 @@ def test_lost_callback_times_out_with_clear_reason(store: Store) -> None:
 def test_callback_is_answered_at_once_even_while_a_step_is_busy(store: Store) -> None:
     """No lock to wait on: accepting is one insert, whatever the step is doing."""
     add_sim_targets(store, 1, settings={"latency_ms": 300})
-    wf = get_workflow("patch")
-    assert wf is not None
-    sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
-    admin.apply_strategy(store, sid)
+    sid = applied(store, "patch")
     c = Conductor(store)
 
     async def go() -> float:

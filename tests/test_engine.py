@@ -9,7 +9,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from conftest import add_sim_targets, rollout
+from conftest import add_sim_targets, applied, rollout
 from fleetwave import ActionContext, Advance, Outcome, StateAction, StepFailed, TransientError
 from fleetwave.domain.models import Group, StrategyOptions
 from fleetwave.domain.registry import get_workflow, register_workflow
@@ -280,10 +280,7 @@ def test_unexpected_remote_state_is_a_clear_failure(store: Store) -> None:
 
 def test_operator_abort_mid_run(store: Store) -> None:
     add_sim_targets(store, 200, settings={"latency_ms": 10})
-    wf = get_workflow("patch")
-    assert wf is not None
-    sid = admin.create_strategy(store, wf, StrategyOptions(max_parallel=10), all_targets=True)
-    admin.apply_strategy(store, sid)
+    sid = applied(store, "patch", max_parallel=10)
     c = Conductor(store, config=EngineConfig(tick_s=0.02))
 
     async def go() -> dict[int, str]:
@@ -304,10 +301,7 @@ def test_operator_abort_mid_run(store: Store) -> None:
 def test_stale_outcome_is_recorded_and_ignored(store: Store) -> None:
     """G3: a report for a (state, fence) the step has left changes nothing."""
     add_sim_targets(store, 5, settings={"latency_ms": 30})
-    wf = get_workflow("patch")
-    assert wf is not None
-    sid = admin.create_strategy(store, wf, StrategyOptions(max_parallel=5), all_targets=True)
-    admin.apply_strategy(store, sid)
+    sid = applied(store, "patch", max_parallel=5)
     c = Conductor(store)
 
     async def go() -> dict[int, str]:
@@ -325,10 +319,7 @@ def test_stale_outcome_is_recorded_and_ignored(store: Store) -> None:
 
 def test_clean_shutdown_hands_leases_back_and_next_conductor_resumes(store: Store) -> None:
     add_sim_targets(store, 40, settings={"latency_ms": 20})
-    wf = get_workflow("patch")
-    assert wf is not None
-    sid = admin.create_strategy(store, wf, StrategyOptions(max_parallel=10), all_targets=True)
-    admin.apply_strategy(store, sid)
+    sid = applied(store, "patch", max_parallel=10)
     first = Conductor(store)
 
     async def stop_soon() -> None:
@@ -362,10 +353,7 @@ def test_dead_conductor_on_another_host_is_taken_over_after_lease_expiry(store: 
     from fleetwave.store.schema import conductors, strategies
 
     add_sim_targets(store, 3)
-    wf = get_workflow("patch")
-    assert wf is not None
-    sid = admin.create_strategy(store, wf, StrategyOptions(max_parallel=3), all_targets=True)
-    admin.apply_strategy(store, sid)
+    sid = applied(store, "patch", max_parallel=3)
     with store.write() as conn:
         conn.execute(
             insert(conductors).values(

@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import delete
 from sqlalchemy.exc import OperationalError
 
-from conftest import add_sim_targets, rollout
+from conftest import add_sim_targets, applied, rollout
 from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.registry import get_workflow
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
@@ -48,10 +48,7 @@ def test_unmanaged_target_crossing_the_threshold_starts_nothing_more(store: Stor
 
 def test_callbacks_that_arrive_before_the_wait_are_kept(store: Store) -> None:
     add_sim_targets(store, 1, settings={"latency_ms": 50, "callback_lost_rate": 1.0})
-    wf = get_workflow("clean")
-    assert wf is not None
-    sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
-    admin.apply_strategy(store, sid)
+    sid = applied(store, "clean")
     c = Conductor(store)
 
     async def go() -> dict[int, str]:
@@ -92,10 +89,7 @@ def test_a_conductor_whose_store_keeps_failing_stops_instead_of_running_blind(
     store: Store,
 ) -> None:
     add_sim_targets(store, 5, settings={"latency_ms": 60_000})
-    wf = get_workflow("patch")
-    assert wf is not None
-    sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
-    admin.apply_strategy(store, sid)
+    sid = applied(store, "patch")
     conductor = Conductor(store, clock=LoopClock(), config=EngineConfig(lease_ttl_s=30, tick_s=1))
 
     async def go() -> None:

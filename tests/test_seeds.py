@@ -11,14 +11,14 @@ from collections import Counter
 
 from sqlalchemy import func, select
 
-from conftest import add_sim_targets, rollout
-from fleetwave.domain.models import STEP_TERMINAL, StrategyOptions
+from conftest import add_sim_targets, applied, rollout
+from fleetwave.domain.models import STEP_TERMINAL
 from fleetwave.domain.registry import get_workflow
 from fleetwave.domain.rules import decide
 from fleetwave.domain.workflow import Advance
 from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.conductor import Conductor
-from fleetwave.store import admin, queries
+from fleetwave.store import queries
 from fleetwave.store import runtime as rt
 from fleetwave.store.db import Store
 from fleetwave.store.schema import conductors, journal, steps, strategies
@@ -60,10 +60,7 @@ def test_seed_000_stale_snapshot_never_reenters_a_finished_state(store: Store) -
     snapshot the way the buggy scanner did. Every such move is fenced off.
     """
     add_sim_targets(store, 2000, settings={"latency_ms": 3})
-    wf = get_workflow("patch")
-    assert wf is not None
-    sid = admin.create_strategy(store, wf, StrategyOptions(max_parallel=500), all_targets=True)
-    admin.apply_strategy(store, sid)
+    sid = applied(store, "patch", max_parallel=500)
     first = Conductor(store)
     snapshot: list[rt.StepRecord] = []
 
@@ -85,13 +82,15 @@ def test_seed_000_stale_snapshot_never_reenters_a_finished_state(store: Store) -
     # The stale scanner: take over and re-dispatch every step it saw in flight.
     assert rt.take_over_steps(store, snapshot, "stale-scanner", 0.0, 1.0) == []
     writer = rt.TransitionWriter(store, "stale-scanner")
+    patch = get_workflow("patch")
+    assert patch is not None
     stale = [
         rt.Transition(
             step_id=r.step_id,
             strategy_id=sid,
             from_state=r.state,
             from_fence=r.fence,
-            to_state=decide(wf.state_names, r.state, Advance()).to_state,
+            to_state=decide(patch.state_names, r.state, Advance()).to_state,
             fence=r.fence,
             details="stale re-dispatch",
             attempt=1,
