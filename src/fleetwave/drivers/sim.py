@@ -187,9 +187,6 @@ class SimDriver:
             self._profiles[target.name] = prof
         return prof
 
-    def forget(self, target_name: str) -> None:
-        self._profiles.pop(target_name, None)
-
     async def perform(self, target: Target, operation: str, ctx: ActionContext) -> RemoteResult:
         """Start the operation on the target, or join the run already going; wait for it."""
         prof = self._profile(target)

@@ -882,8 +882,3 @@ def _callback_outcome(cb: cbs.CallbackRecord) -> Outcome:
     if cb.kind == "failed":
         raise StepFailed(f"target reported failure: {cb.details or 'no details'}")
     return Advance(details=cb.details)
-
-
-async def drive(store: Store, strategy_ids: list[int], **kwargs: Any) -> dict[int, str]:
-    """Drive strategies to the end with a fresh conductor (used by CLI, demo and tests)."""
-    return await Conductor(store, **kwargs).run(strategy_ids=strategy_ids)

@@ -44,7 +44,6 @@ class StrategyRun:
     db_state: str = "applying"
     #: callbacks that arrived before their step began waiting, by step
     early_callbacks: dict[int, list[CallbackRecord]] = field(default_factory=dict)
-    finishing: bool = False
 
     @property
     def id(self) -> int:

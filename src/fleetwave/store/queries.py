@@ -8,7 +8,6 @@ from typing import Any
 from sqlalchemy import func, select
 
 from fleetwave.domain.errors import NotFound
-from fleetwave.domain.models import STEP_TERMINAL
 from fleetwave.store.db import Store
 from fleetwave.store.schema import events, groups, journal, steps, strategies, targets
 
@@ -90,17 +89,6 @@ def step_counts(store: Store, sid: int) -> dict[str, int]:
                 .group_by(steps.c.state)
             )
         }
-
-
-def terminal_count(store: Store, sid: int) -> int:
-    with store.read() as conn:
-        return int(
-            conn.execute(
-                select(func.count()).where(
-                    steps.c.strategy_id == sid, steps.c.state.in_(list(STEP_TERMINAL))
-                )
-            ).scalar_one()
-        )
 
 
 def _strategy_dict(r: Any) -> dict[str, Any]:
@@ -250,19 +238,18 @@ def history(
 
 
 def step_events(store: Store, step_id: int) -> list[dict[str, Any]]:
-    with store.read() as conn:
-        return [
-            {"at": r.at, "conductor": r.conductor, "kind": r.kind, "details": r.details}
-            for r in conn.execute(
-                select(events).where(events.c.step_id == step_id).order_by(events.c.id)
-            )
-        ]
+    return _events(store, select(events).where(events.c.step_id == step_id))
 
 
 def strategy_events(store: Store, sid: int, kind: str | None = None) -> list[dict[str, Any]]:
-    q = select(events).where(events.c.strategy_id == sid).order_by(events.c.id)
+    q = select(events).where(events.c.strategy_id == sid)
     if kind is not None:
         q = q.where(events.c.kind == kind)
+    return _events(store, q)
+
+
+def _events(store: Store, q: Any) -> list[dict[str, Any]]:
+    """Events (non-transition facts: takeovers, rejections, ignored outcomes), oldest first."""
     with store.read() as conn:
         return [
             {
@@ -272,5 +259,5 @@ def strategy_events(store: Store, sid: int, kind: str | None = None) -> list[dic
                 "details": r.details,
                 "conductor": r.conductor,
             }
-            for r in conn.execute(q)
+            for r in conn.execute(q.order_by(events.c.id))
         ]

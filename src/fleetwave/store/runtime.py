@@ -598,23 +598,3 @@ class TransitionWriter:
             and row.conductor == self.cid
             and row.from_state == t.from_state
         )
-
-
-def record_events(store: Store, cid: str, now: float, evts: list[Event]) -> None:
-    if not evts:
-        return
-    with store.write() as conn:
-        conn.execute(
-            insert(events),
-            [
-                {
-                    "at": now,
-                    "conductor": cid,
-                    "strategy_id": e.strategy_id,
-                    "step_id": e.step_id,
-                    "kind": e.kind,
-                    "details": e.details,
-                }
-                for e in evts
-            ],
-        )

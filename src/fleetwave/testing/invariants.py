@@ -16,7 +16,7 @@ Used by ``fleetwave check``, the demo, the simulator and the tests:
 from __future__ import annotations
 
 import json
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -177,13 +177,3 @@ def _check_strategy(
             result.add(f"lease: {who(r.id)} is terminal but still owned by {r.owner}")
     if terminal_strategy and strat.owner is not None:
         result.add(f"lease: strategy {sid} is terminal but still owned by {strat.owner}")
-
-
-def summarize(store: Store, strategy_id: int) -> dict[str, int]:
-    """Steps per state of one strategy."""
-    with store.read() as conn:
-        rows = conn.execute(select(steps.c.state).where(steps.c.strategy_id == strategy_id)).all()
-    counts: dict[str, int] = defaultdict(int)
-    for r in rows:
-        counts[r.state] += 1
-    return dict(counts)
