@@ -392,3 +392,26 @@ def test_recover_hook_missing_fails_with_conductor_lost(store: Store) -> None:
     assert result[sid] == "failed"
     ((_state, details),) = _states(store, sid).values()
     assert details == "only: conductor lost during only"
+
+
+def test_clean_stop_lets_running_actions_finish_and_records_them(store: Store) -> None:
+    """A clean stop starts nothing new but does not throw away work already under way."""
+    add_sim_targets(store, 10, settings={"latency_ms": 300})
+    sid = applied(store, "patch", max_parallel=10)
+    sim = SimDriver()
+    sim.record = True
+    first = Conductor(store, drivers={"sim": sim}, config=EngineConfig(shutdown_grace_s=5))
+
+    async def stop_mid_action() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(first.run(stop=stop))
+        await asyncio.sleep(0.1)  # every step is 100 ms into its 300 ms pre-check
+        stop.set()
+        await task
+
+    asyncio.run(stop_mid_action())
+    # Each pre-check ran to its end and was committed: the steps moved on.
+    assert queries.step_counts(store, sid) == {"updating-patches": 10}
+    assert {op for _, op, _ in sim.performed} == {"pre-check"}
+    assert asyncio.run(Conductor(store).run(strategy_ids=[sid]))[sid] == "complete"
+    assert check(store, sid).ok

@@ -25,6 +25,7 @@ Usage::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import time
@@ -92,6 +93,8 @@ class EngineConfig:
     #: most transitions per group commit: bounds how many actions one commit releases
     #: at once, and so the dispatch latency of the last of them
     batch_max: int = 128
+    #: on a clean stop, how long running actions may take to finish and commit
+    shutdown_grace_s: float = 10.0
     #: a transient database error is retried this many times before the conductor stops
     store_retries_max: int = 8
     #: after loading a strategy, move what is loaded out of the collector's sight
@@ -146,6 +149,7 @@ class Conductor:
         self._patient = False
         self._callbacks_seen: set[int] = set()
         self._fatal: BaseException | None = None
+        self._draining = False
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -354,16 +358,32 @@ class Conductor:
         stop_task: asyncio.Task[Any] | None = None
         if stop is not None:
             stop_task = asyncio.create_task(self._relay_stop(stop))
+        drain_until: float | None = None
+        loop = asyncio.get_running_loop()
         try:
             while True:
+                if stop is not None and stop.is_set() and drain_until is None:
+                    # Clean stop: start nothing new, let running actions finish and
+                    # commit their outcomes for a grace period, then hand leases back.
+                    drain_until = loop.time() + self.config.shutdown_grace_s
+                    self._draining = True
+                    log.info("stopping: draining %d running actions", len(self._workers))
+                if drain_until is not None and (
+                    (not self._workers and not self._inbox) or loop.time() >= drain_until
+                ):
+                    return
                 if not self._inbox and not self._wake.is_set():
-                    if self._should_exit(stop):
+                    if drain_until is None and self._should_exit(stop):
                         return
-                    await self._wake.wait()
+                    if drain_until is None:
+                        await self._wake.wait()
+                    else:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(
+                                self._wake.wait(), max(0.0, drain_until - loop.time())
+                            )
                 if self._fatal is not None:
                     raise self._fatal
-                if stop is not None and stop.is_set():
-                    return
                 self._wake.clear()
                 cut = self.config.batch_max
                 msgs, self._inbox = self._inbox[:cut], self._inbox[cut:]
@@ -419,7 +439,8 @@ class Conductor:
             for sid in result.lost:
                 self._drop_run(sid)
         for fl in recover:
-            self._start(fl, recovering=True)
+            if not self._draining:
+                self._start(fl, recovering=True)
         for record in claimed_callbacks:
             self.post(CallbackArrived(record))
         await self._mark_aborting()
@@ -673,6 +694,8 @@ class Conductor:
         room: int,
     ) -> None:
         """Fill free slots (sliding window); once stopping, end every waiting step instead."""
+        if self._draining and run.stopping is None:
+            return
         first = run.workflow.first_state
         while room > 0 and run.stopping is None:
             admitted = run.take_admissions(room)
@@ -741,8 +764,8 @@ class Conductor:
                 t.step_id,
             )
         for t in batch:
-            if id(t) in bad or t.to_state in STEP_TERMINAL:
-                continue
+            if id(t) in bad or t.to_state in STEP_TERMINAL or self._draining:
+                continue  # draining: the next owner's recover hook starts the next state
             run = self.runs.get(t.strategy_id)
             fl = run.inflight.get(t.step_id) if run is not None else None
             if fl is not None and fl.state == t.to_state:
