@@ -31,7 +31,6 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
@@ -85,8 +84,6 @@ class SimulatedCrash(BaseException):
 class EngineConfig:
     lease_ttl_s: float = 30.0
     tick_s: float = 1.0
-    #: commit in a dedicated writer thread (True) or inline on the loop (deterministic runs)
-    threaded_store: bool = False
     seed: int = 0
     #: record each dispatch latency (commit done -> action started), seconds
     measure_latency: bool = False
@@ -142,7 +139,6 @@ class Conductor:
         self._inbox: list[Message] = []
         self._wake: asyncio.Event | None = None
         self._workers: set[asyncio.Task[None]] = set()
-        self._executor: ThreadPoolExecutor | None = None
         self._writer = rt.TransitionWriter(store, self.id)
         self._committed_at = 0.0
         self._wanted: set[int] | None = None
@@ -154,7 +150,7 @@ class Conductor:
     # -- plumbing -------------------------------------------------------------------
 
     async def _io(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
-        """Run a store call (one transaction): in the writer thread, or inline.
+        """Run a store call (one transaction) on the loop.
 
         A transient database error rolls the transaction back; the call is retried
         with backoff, then the error propagates and this conductor stops (its leases
@@ -163,10 +159,7 @@ class Conductor:
         failures = 0
         while True:
             try:
-                if self._executor is None:
-                    return fn(*args, **kwargs)
-                loop = asyncio.get_running_loop()
-                return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+                return fn(*args, **kwargs)
             except OperationalError as exc:
                 failures += 1
                 if failures > self.config.store_retries_max:
@@ -227,8 +220,6 @@ class Conductor:
         self._wanted = set(strategy_ids) if strategy_ids is not None else None
         self._patient = patient
         self._wake = asyncio.Event()
-        if self.config.threaded_store:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"fleetwave-{self.id}")
         clean = False
         for driver in self.drivers.values():
             if hasattr(driver, "callback_sink"):
@@ -248,9 +239,6 @@ class Conductor:
             await self._stop_workers()
             if clean:
                 await self._io(rt.release_conductor, self.store, self.id, self.clock.now())
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
             self._writer.close()
         return self.finished
 
@@ -388,8 +376,7 @@ class Conductor:
                 cut = self.config.batch_max
                 msgs, self._inbox = self._inbox[:cut], self._inbox[cut:]
                 await self._handle(msgs)
-                if self._executor is None:
-                    await asyncio.sleep(0)  # inline store: let the started actions run
+                await asyncio.sleep(0)  # the store runs inline: let the started actions run
         finally:
             if stop_task is not None:
                 stop_task.cancel()
@@ -423,7 +410,7 @@ class Conductor:
             else:
                 self._on_finished(msg, now, batch, events, marks)
         for run in list(self.runs.values()):
-            self._admit(run, now, batch, events, self.config.batch_max - len(batch))
+            self._admit(run, now, batch, self.config.batch_max - len(batch))
         if batch or events or marks:
             self._crash_point("before-commit")
             touched = {t.strategy_id for t in batch} | {m.strategy_id for m in marks}
@@ -668,12 +655,12 @@ class Conductor:
             del run.inflight[msg.step_id]
             run.group_load[fl.rec.group_id] -= 1
             if decision.to_state == STEP_FAILED:
-                self._count_failure(run, now, batch)
+                self._count_failure(run)
         else:
             fl.state = decision.to_state
             fl.waiter = None  # the next state's waiter is made when its action starts
 
-    def _count_failure(self, run: StrategyRun, now: float, batch: list[rt.Transition]) -> None:
+    def _count_failure(self, run: StrategyRun) -> None:
         run.failed += 1
         limit = run.options.failure_limit
         if run.stopping is None and limit is not None and run.failed > limit:
@@ -690,7 +677,6 @@ class Conductor:
         run: StrategyRun,
         now: float,
         batch: list[rt.Transition],
-        events: list[rt.Event],
         room: int,
     ) -> None:
         """Fill free slots (sliding window); once stopping, end every waiting step instead."""
@@ -711,7 +697,7 @@ class Conductor:
                 if not rec.target.managed:
                     reason = f"Target {rec.target.name} is unmanaged."
                     batch.append(self._entry(run, rec, STEP_FAILED, reason, now))
-                    self._count_failure(run, now, batch)
+                    self._count_failure(run)
                     continue
                 batch.append(self._entry(run, rec, first, "", now, claim=True))
                 run.inflight[rec.step_id] = InFlight(rec, first, rec.fence + 1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Connection, insert, select, update
@@ -117,7 +117,6 @@ class StrategyRecord:
     fence: int
     lease_expires_at: float | None
     details: str
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 # -- conductors and leases ---------------------------------------------------------
@@ -229,7 +228,6 @@ def claim_strategies(
             if res.rowcount == 1:
                 rec = _strategy_record(r)
                 rec.owner, rec.fence = cid, r.fence + 1
-                rec.extra["previous_owner"] = r.owner
                 claimed.append(rec)
                 conn.execute(
                     insert(events).values(
@@ -375,7 +373,7 @@ def take_over_steps(
 
 
 class TransitionWriter:
-    """Group commit of transitions. Not thread-safe: one writer thread owns it."""
+    """Group commit of transitions. Not thread-safe: one conductor owns it."""
 
     def __init__(self, store: Store, conductor_id: str) -> None:
         self.store = store

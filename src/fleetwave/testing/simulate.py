@@ -285,7 +285,7 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
     faults = _Faults(random.Random(cfg.seed * 7919 + 1), cfg.faults)
     store.write_fault = faults.write_fault
     sim = SimDriver(seed=cfg.seed)
-    config = EngineConfig(lease_ttl_s=60.0, tick_s=10.0, threaded_store=False, seed=cfg.seed)
+    config = EngineConfig(lease_ttl_s=60.0, tick_s=10.0, seed=cfg.seed)
     clock = LoopClock()
     crashes = 0
     retries = 0

@@ -7,7 +7,7 @@ unchanged, so the real engine runs here, deterministically: same inputs, same
 order of events, same journal.
 
 Real file descriptors still work (they are polled without waiting), but nothing
-may wait on a thread: run the engine with ``EngineConfig(threaded_store=False)``.
+may wait on a thread: the engine runs its store calls inline on the loop.
 
     loop = VirtualTimeLoop()
     try:
