@@ -54,8 +54,8 @@ how often its process was preempted, and a digest of ``src/`` before and after.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
@@ -78,6 +78,7 @@ from sqlalchemy import func, select
 
 from fleetwave.domain.models import StrategyOptions, Target
 from fleetwave.domain.registry import get_workflow
+from fleetwave.engine import loop as event_loop
 from fleetwave.engine.conductor import Conductor, EngineConfig
 from fleetwave.store import admin
 from fleetwave.store.db import open_store
@@ -231,7 +232,7 @@ def child_run(db: str, sid: int, spec: RunSpec, states: int, setup_s: float) -> 
 
     load_before = os.getloadavg()[0]
     cpu0, nivcsw0 = _cpu_s_and_preemptions()
-    final, wall_s = asyncio.run(timed_run())
+    final, wall_s = event_loop.run(timed_run())
     cpu1, nivcsw1 = _cpu_s_and_preemptions()
     load_after = os.getloadavg()[0]
     peak_run = _peak_rss_bytes()
@@ -572,9 +573,17 @@ def environment() -> list[tuple[str, str]]:
         ("Python", sys.version.replace("\n", " ")),
         ("SQLite", sqlite3.sqlite_version),
         ("SQLAlchemy", sqlalchemy.__version__),
+        ("event loop", _loop_description()),
         ("fleetwave commit", commit),
         ("src/ digest at start", src_digest()),
     ]
+
+
+def _loop_description() -> str:
+    kind = event_loop.loop_kind()
+    if kind == "uvloop":
+        return f"uvloop {importlib.metadata.version('uvloop')} (set FLEETWAVE_LOOP=asyncio for the standard loop)"
+    return "asyncio (standard library)"
 
 
 HEADER = """# fleetwave benchmark results

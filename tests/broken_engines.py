@@ -10,7 +10,8 @@ import asyncio
 from typing import Any
 
 from fleetwave.engine.conductor import Conductor
-from fleetwave.engine.run import StrategyRun
+from fleetwave.engine.messages import ActionFinished
+from fleetwave.engine.run import InFlight, StrategyRun
 from fleetwave.store import runtime as rt
 from fleetwave.store.callbacks import CallbackRecord
 
@@ -28,12 +29,15 @@ class StaleSnapshotConductor(Conductor):
         super().__init__(*args, **kwargs)
         self.busy: set[int] = set()
 
-    async def _work(self, run: StrategyRun, rec: rt.StepRecord, *args: Any) -> None:
-        self.busy.add(rec.step_id)
+    async def _run_state(self, run: StrategyRun, fl: InFlight, recovering: bool) -> ActionFinished:
+        self.busy.add(fl.rec.step_id)
         try:
-            await super()._work(run, rec, *args)
+            return await super()._run_state(run, fl, recovering)
         finally:
-            self.busy.discard(rec.step_id)
+            self.busy.discard(fl.rec.step_id)
+
+    async def _rogue_worker(self, run: StrategyRun, rec: rt.StepRecord) -> None:
+        self.post(await self._run_state(run, InFlight(rec, rec.state, rec.fence), False))
 
     async def _periodic(self) -> None:
         scanner = asyncio.create_task(self._scan())
@@ -52,19 +56,18 @@ class StaleSnapshotConductor(Conductor):
                 for rec in snapshot:
                     if rec.state == "initial" or rec.step_id in self.busy:
                         continue
-                    task = asyncio.create_task(
-                        self._work(run, rec, rec.state, rec.fence, False, None)
-                    )
+                    task = asyncio.create_task(self._rogue_worker(run, rec))
                     self._workers.add(task)
 
 
 class SelfRemovingWorkerConductor(Conductor):
     """Seed 001: a worker removes itself from the dispatcher's table when it is done."""
 
-    async def _work(self, run: StrategyRun, rec: rt.StepRecord, *args: Any) -> None:
-        await super()._work(run, rec, *args)
-        if run.inflight.pop(rec.step_id, None) is not None:
-            run.group_load[rec.group_id] -= 1
+    async def _run_state(self, run: StrategyRun, fl: InFlight, recovering: bool) -> ActionFinished:
+        msg = await super()._run_state(run, fl, recovering)
+        if run.inflight.pop(fl.rec.step_id, None) is not None:
+            run.group_load[fl.rec.group_id] -= 1
+        return msg
 
 
 class NodeLocked(Exception):
@@ -82,10 +85,10 @@ class LockingCallbackConductor(Conductor):
         super().__init__(*args, **kwargs)
         self.locks: dict[int, asyncio.Lock] = {}
 
-    async def _work(self, run: StrategyRun, rec: rt.StepRecord, *args: Any) -> None:
-        lock = self.locks.setdefault(rec.step_id, asyncio.Lock())
+    async def _run_state(self, run: StrategyRun, fl: InFlight, recovering: bool) -> ActionFinished:
+        lock = self.locks.setdefault(fl.rec.step_id, asyncio.Lock())
         async with lock:
-            await super()._work(run, rec, *args)
+            return await super()._run_state(run, fl, recovering)
 
     def receive_callback(
         self, step_id: int, state: str, kind: str, details: str = ""

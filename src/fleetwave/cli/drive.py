@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from fleetwave.cli.output import err_console
 from fleetwave.domain.models import STRATEGY_TERMINAL
+from fleetwave.engine import loop as event_loop
 from fleetwave.engine.conductor import Conductor, EngineConfig
 from fleetwave.store import queries
 from fleetwave.store.db import Store
@@ -84,4 +85,4 @@ async def _drive(store: Store, sid: int, show_progress: bool, config: EngineConf
 def drive_strategy(
     store: Store, sid: int, *, show_progress: bool, config: EngineConfig | None = None
 ) -> DriveResult:
-    return asyncio.run(_drive(store, sid, show_progress, config or EngineConfig()))
+    return event_loop.run(_drive(store, sid, show_progress, config or EngineConfig()))

@@ -26,6 +26,7 @@ from fleetwave.domain.errors import InputError
 from fleetwave.domain.models import ApplyType, Group, StrategyOptions, Target
 from fleetwave.domain.workflow import WorkflowError
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
+from fleetwave.engine import loop as event_loop
 from fleetwave.engine.conductor import Conductor
 from fleetwave.store import admin, queries
 from fleetwave.store.db import StoreError
@@ -415,7 +416,7 @@ def serve(db: DbOpt = None) -> None:
         await conductor.run(stop=stop)
         err_console.print(f"conductor {conductor.id} stopped; leases handed back")
 
-    asyncio.run(_serve())
+    event_loop.run(_serve())
 
 
 def main() -> None:
@@ -424,7 +425,7 @@ def main() -> None:
     )
     try:
         app()
-    except (InputError, WorkflowError, StoreError) as exc:
+    except (InputError, WorkflowError, StoreError, event_loop.LoopChoiceError) as exc:
         output.err_console.print(f"error: {exc}", markup=False, highlight=False)
         sys.exit(2)
 

@@ -175,20 +175,22 @@ class WorkflowDef:
 
     def __post_init__(self) -> None:
         validate_workflow(self)
+        # asked for on every action: computed once (the dataclass is frozen)
+        object.__setattr__(self, "_names", tuple(s.name for s in self.states))
+        object.__setattr__(self, "_by_name", {s.name: s for s in self.states})
 
     @property
     def state_names(self) -> tuple[str, ...]:
-        return tuple(s.name for s in self.states)
+        names: tuple[str, ...] = self.__dict__["_names"]
+        return names
 
     @property
     def first_state(self) -> str:
         return self.states[0].name
 
     def state(self, name: str) -> StateDef:
-        for s in self.states:
-            if s.name == name:
-                return s
-        raise KeyError(name)
+        by_name: dict[str, StateDef] = self.__dict__["_by_name"]
+        return by_name[name]
 
     def with_timeouts(self, timeouts_s: dict[str, float]) -> WorkflowDef:
         """A copy with per-state timeouts overridden (strategy options)."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import heapq
 import logging
 import time
 import uuid
@@ -146,6 +147,14 @@ class Conductor:
         self._callbacks_seen: set[int] = set()
         self._fatal: BaseException | None = None
         self._draining = False
+        # Action deadlines: one heap and one loop timer for all of them (a timer per action
+        # costs more than the action's own bookkeeping). Entries: (when, attempt, flight);
+        # an entry whose attempt has ended is dropped when it comes up, or by compaction.
+        self._deadlines: list[tuple[float, int, InFlight]] = []
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        self._deadline_at = 0.0
+        self._deadlines_compact_at = 1024
+        self._attempts = 0
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -253,6 +262,10 @@ class Conductor:
             self._wake.set()
 
     async def _stop_workers(self) -> None:
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
+        self._deadlines.clear()
         for task in list(self._workers):
             task.cancel()
         if self._workers:
@@ -427,7 +440,7 @@ class Conductor:
                 self._drop_run(sid)
         for fl in recover:
             if not self._draining:
-                self._start(fl, recovering=True)
+                self._release(fl)
         for record in claimed_callbacks:
             self.post(CallbackArrived(record))
         await self._mark_aborting()
@@ -654,6 +667,7 @@ class Conductor:
         if decision.to_state in STEP_TERMINAL:
             del run.inflight[msg.step_id]
             run.group_load[fl.rec.group_id] -= 1
+            _resolve(fl.go, False)  # nothing more for its worker to do
             if decision.to_state == STEP_FAILED:
                 self._count_failure(run)
         else:
@@ -743,6 +757,7 @@ class Conductor:
                 fl = run.inflight.pop(t.step_id, None)
                 if fl is not None:
                     run.group_load[fl.rec.group_id] -= 1
+                    _resolve(fl.go, False)
             log.error(
                 "transition %s -> %s of step %s rejected: fenced off or already entered",
                 t.from_state,
@@ -750,14 +765,20 @@ class Conductor:
                 t.step_id,
             )
         for t in batch:
-            if id(t) in bad or t.to_state in STEP_TERMINAL or self._draining:
-                continue  # draining: the next owner's recover hook starts the next state
+            if id(t) in bad or t.to_state in STEP_TERMINAL:
+                continue
             run = self.runs.get(t.strategy_id)
             fl = run.inflight.get(t.step_id) if run is not None else None
-            if fl is not None and fl.state == t.to_state:
-                self._start(fl, recovering=False)
+            if fl is None or fl.state != t.to_state:
+                continue
+            if self._draining:
+                # The next owner's recover hook starts this state; the worker ends here.
+                _resolve(fl.go, False)
+            else:
+                self._release(fl)
 
-    def _start(self, fl: InFlight, *, recovering: bool) -> None:
+    def _release(self, fl: InFlight) -> None:
+        """Let the step's worker run the action of the state just committed (G4)."""
         run = self.runs[fl.rec.strategy_id]
         fl.waiter = None
         if run.workflow.state(fl.state).mode == "wait-for-callback":
@@ -769,12 +790,43 @@ class Conductor:
                 for cb in early:
                     if cb.state == fl.state:
                         self.post(CallbackArrived(cb))
-        task = asyncio.create_task(
-            self._work(run, fl.rec, fl.state, fl.fence, recovering, fl.waiter)
-        )
-        fl.task = task
-        self._workers.add(task)
-        task.add_done_callback(self._workers.discard)
+        if fl.task is None:
+            task = asyncio.create_task(self._step_worker(run, fl))
+            fl.task = task
+            self._workers.add(task)
+            task.add_done_callback(self._workers.discard)
+        else:
+            _resolve(fl.go, True)
+
+    # -- action deadlines ------------------------------------------------------------------
+
+    def _arm_deadline(self, when: float, attempt: int, fl: InFlight) -> None:
+        heap = self._deadlines
+        heapq.heappush(heap, (when, attempt, fl))
+        if self._deadline_timer is None or when < self._deadline_at:
+            if self._deadline_timer is not None:
+                self._deadline_timer.cancel()
+            self._deadline_at = when
+            self._deadline_timer = asyncio.get_running_loop().call_at(when, self._expire)
+        elif len(heap) > self._deadlines_compact_at:
+            # Most entries are of attempts that ended long before their deadline.
+            live = [e for e in heap if e[2].running == e[1]]
+            heapq.heapify(live)
+            self._deadlines = live
+            self._deadlines_compact_at = max(1024, 2 * len(live))
+
+    def _expire(self) -> None:
+        """The earliest deadline is due: cancel every attempt still running past its own."""
+        due, heap = self._deadline_at, self._deadlines
+        self._deadline_timer = None
+        while heap and heap[0][0] <= due:
+            _, attempt, fl = heapq.heappop(heap)
+            if fl.running == attempt and fl.task is not None and not fl.task.done():
+                fl.timed_out = attempt
+                fl.task.cancel()
+        if heap:
+            self._deadline_at = heap[0][0]
+            self._deadline_timer = asyncio.get_running_loop().call_at(heap[0][0], self._expire)
 
     async def _finish_done_runs(self) -> None:
         for run in list(self.runs.values()):
@@ -820,20 +872,30 @@ class Conductor:
 
     # -- workers -------------------------------------------------------------------------
 
-    async def _work(
-        self,
-        run: StrategyRun,
-        rec: rt.StepRecord,
-        state: str,
-        fence: int,
-        recovering: bool,
-        waiter: asyncio.Future[cbs.CallbackRecord] | None,
-    ) -> None:
-        """Run one state's action (or its recover hook) and report; never raises."""
-        if self.config.measure_latency and not recovering:
-            self.stats.dispatch_latency_s.append(time.perf_counter() - self._committed_at)
+    async def _step_worker(self, run: StrategyRun, fl: InFlight) -> None:
+        """The step's one worker: run a state's action, report, wait for the commit, repeat.
+
+        It only reads its :class:`InFlight` after the dispatcher resolved ``go``, and
+        reports by message (G2); it ends when told to (terminal, fenced off, draining).
+        """
+        recovering = fl.recovering
+        loop = asyncio.get_running_loop()
+        while True:
+            if self.config.measure_latency and not recovering:
+                self.stats.dispatch_latency_s.append(time.perf_counter() - self._committed_at)
+            msg = await self._run_state(run, fl, recovering)
+            recovering = False
+            go = fl.go = loop.create_future()
+            self.post(msg)
+            if not await go:
+                return
+
+    async def _run_state(self, run: StrategyRun, fl: InFlight, recovering: bool) -> ActionFinished:
+        """Run one state's action (or its recover hook), with retries; never raises."""
+        rec, state, fence, waiter = fl.rec, fl.state, fl.fence, fl.waiter
         st = run.workflow.state(state)
         driver = self.drivers.get(rec.target.driver)
+        loop = asyncio.get_running_loop()
         attempts = 0
         callback_id: int | None = None
         decision: Decision
@@ -852,7 +914,10 @@ class Conductor:
                     callback_expected=waiter is not None,
                     recovering=recovering,
                 )
-                async with asyncio.timeout(st.timeout_s):
+                self._attempts += 1
+                attempt = fl.running = self._attempts
+                self._arm_deadline(loop.time() + st.timeout_s, attempt, fl)
+                try:
                     outcome: Outcome
                     if recovering:
                         outcome = await st.action.recover(ctx)
@@ -862,6 +927,15 @@ class Conductor:
                         answered = await asyncio.shield(waiter)
                         callback_id = answered.id
                         outcome = _callback_outcome(answered)
+                except asyncio.CancelledError:
+                    if fl.timed_out != attempt:
+                        raise  # stopped by the dispatcher, not by the deadline
+                    task = asyncio.current_task()
+                    if task is not None:
+                        task.uncancel()
+                    raise TimeoutError from None
+                finally:
+                    fl.running = 0
                 decision = decide(run.workflow.state_names, state, outcome)
             except NoRecoverHook:
                 decision = failure(state, f"conductor lost during {state}")
@@ -882,9 +956,12 @@ class Conductor:
                 log.exception("action for %s in %s raised", rec.target.name, state)
                 decision = failure(state, str(exc) or type(exc).__name__)
             break
-        self.post(
-            ActionFinished(run.id, rec.step_id, state, fence, decision, attempts, callback_id)
-        )
+        return ActionFinished(run.id, rec.step_id, state, fence, decision, attempts, callback_id)
+
+
+def _resolve(fut: asyncio.Future[bool] | None, value: bool) -> None:
+    if fut is not None and not fut.done():
+        fut.set_result(value)
 
 
 def _callback_outcome(cb: cbs.CallbackRecord) -> Outcome:

@@ -19,13 +19,22 @@ UNCAPPED = 1 << 30
 
 @dataclass(slots=True)
 class InFlight:
+    """A step holding a slot, and its worker: one task for the step's whole time in flight."""
+
     rec: StepRecord
     state: str
     fence: int
     recovering: bool = False
+    #: the step's worker, made once the step's first state (or takeover) is committed
     task: asyncio.Task[None] | None = None
     #: set for wait-for-callback states: resolved by the dispatcher with the first callback
     waiter: asyncio.Future[CallbackRecord] | None = None
+    #: made by the worker when it reports; the dispatcher resolves it after the commit:
+    #: True to run the action of :attr:`state`, False when the worker should end
+    go: asyncio.Future[bool] | None = None
+    #: the attempt now running its action (0: none), and the last one that ran out of time
+    running: int = 0
+    timed_out: int = 0
 
 
 @dataclass

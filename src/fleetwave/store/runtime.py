@@ -23,11 +23,9 @@ from fleetwave.store.db import Store
 from fleetwave.store.schema import (
     conductors,
     events,
-    groups,
     journal,
     steps,
     strategies,
-    targets,
 )
 
 
@@ -276,35 +274,27 @@ def set_strategy_state(
 
 
 def load_open_steps(store: Store, sid: int) -> tuple[list[StepRecord], int]:
-    """Every non-terminal step of a strategy in admission order, and the failed count."""
-    with store.read() as conn:
-        rows = conn.execute(
-            select(
-                steps.c.id,
-                steps.c.stage,
-                steps.c.group_id,
-                steps.c.state,
-                steps.c.fence,
-                steps.c.attempt,
-                steps.c.owner,
-                targets.c.name,
-                targets.c.driver,
-                targets.c.settings,
-                targets.c.managed,
-                targets.c.labels,
-                groups.c.name.label("group_name"),
-            )
-            .join(targets, targets.c.id == steps.c.target_id)
-            .outerjoin(groups, groups.c.id == steps.c.group_id)
-            .where(steps.c.strategy_id == sid, steps.c.state.not_in(list(STEP_TERMINAL)))
-            .order_by(steps.c.ordinal)
-        ).all()
-        failed = conn.execute(
-            select(steps.c.id).where(steps.c.strategy_id == sid, steps.c.state == "failed")
-        ).all()
-    parsed: dict[str, dict[str, Any]] = {}  # many targets share settings: parse each once
+    """Every non-terminal step of a strategy in admission order, and the failed count.
 
-    def settings_of(raw: str) -> dict[str, Any]:
+    Plain SQL and shared parses: this runs before the first action starts, for every
+    step of the strategy (100,000 of them in a large rollout).
+    """
+    p = store.hooks.placeholder
+    done = ", ".join(f"'{s}'" for s in sorted(STEP_TERMINAL))
+    sql = (
+        "SELECT s.id, s.stage, s.group_id, s.state, s.fence, s.attempt, s.owner, "
+        "t.name, t.driver, t.settings, t.managed, t.labels, g.name "
+        "FROM steps s JOIN targets t ON t.id = s.target_id "
+        "LEFT JOIN groups g ON g.id = s.group_id "
+        f"WHERE s.strategy_id = {p} AND s.state NOT IN ({done}) ORDER BY s.ordinal"
+    )
+    failed_sql = f"SELECT count(*) FROM steps WHERE strategy_id = {p} AND state = 'failed'"
+    with store.read() as conn:
+        rows = conn.exec_driver_sql(sql, (sid,)).all()
+        failed = int(conn.exec_driver_sql(failed_sql, (sid,)).scalar_one())
+    parsed: dict[str, Any] = {}  # many targets share settings and labels: parse each once
+
+    def parse(raw: str) -> Any:
         got = parsed.get(raw)
         if got is None:
             got = parsed[raw] = json.loads(raw)
@@ -312,26 +302,26 @@ def load_open_steps(store: Store, sid: int) -> tuple[list[StepRecord], int]:
 
     out = [
         StepRecord(
-            step_id=r.id,
+            step_id=r[0],
             strategy_id=sid,
-            stage=r.stage,
-            group_id=r.group_id,
-            state=r.state,
-            fence=r.fence,
-            attempt=r.attempt,
-            owner=r.owner,
+            stage=r[1],
+            group_id=r[2],
+            state=r[3],
+            fence=r[4],
+            attempt=r[5],
+            owner=r[6],
             target=Target(
-                name=r.name,
-                driver=r.driver,
-                group=r.group_name,
-                settings=settings_of(r.settings),
-                managed=bool(r.managed),
-                labels=json.loads(r.labels),
+                name=r[7],
+                driver=r[8],
+                group=r[12],
+                settings=parse(r[9]),
+                managed=bool(r[10]),
+                labels=parse(r[11]),
             ),
         )
         for r in rows
     ]
-    return out, len(failed)
+    return out, failed
 
 
 def take_over_steps(
