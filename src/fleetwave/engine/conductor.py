@@ -601,17 +601,10 @@ class Conductor:
         await self._io(
             self._writer.commit, batch, events, now, self._lease_until(), [], {rec.id: rec.fence}
         )
-        await self._io(
-            rt.set_strategy_state,
-            self.store,
-            rec.id,
-            self.id,
-            rec.state,
-            StrategyState.FAILED.value,
-            reason,
-            now,
+        ok = await self._io(
+            rt.end_strategy, self.store, rec.id, self.id, StrategyState.FAILED.value, reason, now
         )
-        self.finished[rec.id] = StrategyState.FAILED.value
+        self.finished[rec.id] = StrategyState.FAILED.value if ok else "lost"
 
     def _failure_details(self, run: StrategyRun) -> str:
         limit = run.options.failure_limit
@@ -840,35 +833,11 @@ class Conductor:
             else:
                 final, details = StrategyState.COMPLETE, ""
             ok = await self._io(
-                rt.set_strategy_state,
-                self.store,
-                run.id,
-                self.id,
-                run.db_state,
-                final.value,
-                details,
-                self.clock.now(),
+                rt.end_strategy, self.store, run.id, self.id, final.value, details, self.clock.now()
             )
-            if not ok:
-                # An abort request raced in; commit the final state over it.
-                for expect in (StrategyState.ABORT_REQUESTED, StrategyState.ABORTING):
-                    ok = await self._io(
-                        rt.set_strategy_state,
-                        self.store,
-                        run.id,
-                        self.id,
-                        expect.value,
-                        final.value,
-                        details,
-                        self.clock.now(),
-                    )
-                    if ok:
-                        break
             del self.runs[run.id]
             self.finished[run.id] = final.value if ok else "lost"
-            if ok:
-                await self._io(cbs.close_callbacks, self.store, run.id, self.clock.now())
-            log.info("strategy %s: %s %s", run.id, final.value, details)
+            log.info("strategy %s: %s %s", run.id, final.value if ok else "lost", details)
 
     # -- workers -------------------------------------------------------------------------
 

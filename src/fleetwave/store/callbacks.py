@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import insert, select
 
 from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.models import STEP_TERMINAL
@@ -66,34 +66,19 @@ def accept_callback(
     return CallbackRecord(cid, int(row.strategy_id), step_id, state, kind, details)
 
 
-def close_callbacks(store: Store, strategy_id: int, now: float) -> int:
-    """The strategy ended: callbacks still unprocessed are ignored, with that reason."""
-    with store.write() as conn:
-        res = conn.execute(
-            update(callbacks)
-            .where(callbacks.c.strategy_id == strategy_id, callbacks.c.outcome.is_(None))
-            .values(outcome="ignored", reason="strategy ended first", processed_at=now)
-        )
-        return int(res.rowcount)
-
-
 def open_callbacks(store: Store, strategy_ids: list[int], after_id: int) -> list[CallbackRecord]:
     """Unprocessed callbacks of these strategies, oldest first."""
     if not strategy_ids:
         return []
+    p = store.hooks.placeholder
+    sql = (
+        "SELECT id, strategy_id, step_id, state, kind, details FROM callbacks "
+        f"WHERE strategy_id IN ({', '.join(p for _ in strategy_ids)}) AND outcome IS NULL "
+        f"AND id > {p} ORDER BY id"
+    )
     with store.read() as conn:
-        rows = conn.execute(
-            select(callbacks)
-            .where(
-                callbacks.c.strategy_id.in_(strategy_ids),
-                callbacks.c.outcome.is_(None),
-                callbacks.c.id > after_id,
-            )
-            .order_by(callbacks.c.id)
-        ).all()
-    return [
-        CallbackRecord(r.id, r.strategy_id, r.step_id, r.state, r.kind, r.details) for r in rows
-    ]
+        rows = conn.exec_driver_sql(sql, (*strategy_ids, after_id)).all()
+    return [CallbackRecord(*r) for r in rows]
 
 
 def callback_outcomes(store: Store, strategy_id: int) -> list[dict[str, object]]:

@@ -120,12 +120,18 @@ class StrategyRecord:
 # -- conductors and leases ---------------------------------------------------------
 
 
+# The conductor's own statements are plain SQL with the dialect's placeholder: they run
+# on its event loop, where SQLAlchemy's statement building and first-use compiling cost
+# more than the statement itself (about a millisecond each at startup).
+
+
 def register_conductor(store: Store, cid: str, now: float) -> None:
+    p = store.hooks.placeholder
     with store.write() as conn:
-        conn.execute(
-            insert(conductors).values(
-                id=cid, hostname=HOSTNAME, pid=os.getpid(), started_at=now, heartbeat_at=now
-            )
+        conn.exec_driver_sql(
+            "INSERT INTO conductors (id, hostname, pid, started_at, heartbeat_at) "
+            f"VALUES ({p}, {p}, {p}, {p}, {p})",
+            (cid, HOSTNAME, os.getpid(), now, now),
         )
 
 
@@ -142,7 +148,8 @@ def _pid_alive(pid: int) -> bool:
 def dead_conductors(conn: Connection, self_id: str) -> set[str]:
     """Conductors known to be gone: stopped cleanly, or a dead process on this host."""
     dead: set[str] = set()
-    for r in conn.execute(select(conductors)):
+    rows = conn.exec_driver_sql("SELECT id, hostname, pid, stopped_at FROM conductors")
+    for r in rows:
         if r.id == self_id:
             continue
         if r.stopped_at is not None or (r.hostname == HOSTNAME and not _pid_alive(r.pid)):
@@ -174,16 +181,14 @@ def heartbeat(store: Store, cid: str, now: float, lease_until: float, step_ids: 
 
 def release_conductor(store: Store, cid: str, now: float) -> None:
     """Clean shutdown: hand every lease back at once (G5)."""
+    p = store.hooks.placeholder
     with store.write() as conn:
-        conn.execute(
-            update(steps).where(steps.c.owner == cid).values(owner=None, lease_expires_at=None)
-        )
-        conn.execute(
-            update(strategies)
-            .where(strategies.c.owner == cid)
-            .values(owner=None, lease_expires_at=None)
-        )
-        conn.execute(update(conductors).where(conductors.c.id == cid).values(stopped_at=now))
+        for table in ("steps", "strategies"):
+            conn.exec_driver_sql(
+                f"UPDATE {table} SET owner = NULL, lease_expires_at = NULL WHERE owner = {p}",
+                (cid,),
+            )
+        conn.exec_driver_sql(f"UPDATE conductors SET stopped_at = {p} WHERE id = {p}", (now, cid))
 
 
 def _strategy_record(r: Any) -> StrategyRecord:
@@ -204,13 +209,19 @@ def claim_strategies(
     store: Store, cid: str, now: float, lease_until: float, only: set[int] | None = None
 ) -> list[StrategyRecord]:
     """Claim every driven strategy that is free, expired, or held by a dead conductor."""
+    p = store.hooks.placeholder
     claimed: list[StrategyRecord] = []
+    sql = (
+        "SELECT id, workflow, state, options, group_caps, owner, fence, lease_expires_at, "
+        f"details FROM strategies WHERE state IN ({', '.join(p for _ in DRIVEN_STATES)})"
+    )
+    params: list[Any] = list(DRIVEN_STATES)
+    if only is not None:
+        sql += f" AND id IN ({', '.join(p for _ in only)})"
+        params += sorted(only)
     with store.write() as conn:
         dead = dead_conductors(conn, cid)
-        q = select(strategies).where(strategies.c.state.in_(DRIVEN_STATES))
-        if only is not None:
-            q = q.where(strategies.c.id.in_(sorted(only)))
-        for r in conn.execute(q).all():
+        for r in conn.exec_driver_sql(sql + " ORDER BY id", tuple(params)).all():
             free = (
                 r.owner is None
                 or r.owner in dead
@@ -218,23 +229,19 @@ def claim_strategies(
             )
             if r.owner == cid or not free:
                 continue
-            res = conn.execute(
-                update(strategies)
-                .where(strategies.c.id == r.id, strategies.c.fence == r.fence)
-                .values(owner=cid, fence=r.fence + 1, lease_expires_at=lease_until)
+            res = conn.exec_driver_sql(
+                f"UPDATE strategies SET owner = {p}, fence = {p}, lease_expires_at = {p} "
+                f"WHERE id = {p} AND fence = {p}",
+                (cid, r.fence + 1, lease_until, r.id, r.fence),
             )
             if res.rowcount == 1:
                 rec = _strategy_record(r)
                 rec.owner, rec.fence = cid, r.fence + 1
                 claimed.append(rec)
-                conn.execute(
-                    insert(events).values(
-                        at=now,
-                        conductor=cid,
-                        strategy_id=r.id,
-                        kind="strategy-claimed",
-                        details=f"from {r.owner or 'nobody'}",
-                    )
+                conn.exec_driver_sql(
+                    "INSERT INTO events (at, conductor, strategy_id, kind, details) "
+                    f"VALUES ({p}, {p}, {p}, 'strategy-claimed', {p})",
+                    (now, cid, r.id, f"from {r.owner or 'nobody'}"),
                 )
     return claimed
 
@@ -261,16 +268,40 @@ def set_strategy_state(
     store: Store, sid: int, cid: str, expect: str, new: str, details: str, now: float
 ) -> bool:
     """Compare-and-set the strategy's state; only its owner may. Terminal drops the lease."""
-    values: dict[str, Any] = {"state": new, "details": details, "updated_at": now}
-    if new in (StrategyState.COMPLETE, StrategyState.FAILED, StrategyState.ABORTED):
-        values.update(owner=None, lease_expires_at=None)
+    p = store.hooks.placeholder
     with store.write() as conn:
-        res = conn.execute(
-            update(strategies)
-            .where(strategies.c.id == sid, strategies.c.state == expect, strategies.c.owner == cid)
-            .values(**values)
+        res = conn.exec_driver_sql(
+            f"UPDATE strategies SET state = {p}, details = {p}, updated_at = {p} "
+            f"WHERE id = {p} AND state = {p} AND owner = {p}",
+            (new, details, now, sid, expect, cid),
         )
         return bool(res.rowcount == 1)
+
+
+def end_strategy(store: Store, sid: int, cid: str, final: str, details: str, now: float) -> bool:
+    """Commit a driven strategy's final state, drop its lease, and answer its open callbacks.
+
+    One transaction: a callback is either answered by the owner that processed it or
+    ignored because the strategy ended, never left open by a strategy that is over.
+    An operator abort that raced in (abort-requested) is overwritten: the steps are
+    all terminal already. False when this conductor no longer owns the strategy.
+    """
+    p = store.hooks.placeholder
+    with store.write() as conn:
+        res = conn.exec_driver_sql(
+            f"UPDATE strategies SET state = {p}, details = {p}, updated_at = {p}, "
+            "owner = NULL, lease_expires_at = NULL "
+            f"WHERE id = {p} AND owner = {p} AND state IN ({', '.join(p for _ in DRIVEN_STATES)})",
+            (final, details, now, sid, cid, *DRIVEN_STATES),
+        )
+        if res.rowcount != 1:
+            return False
+        conn.exec_driver_sql(
+            "UPDATE callbacks SET outcome = 'ignored', reason = 'strategy ended first', "
+            f"processed_at = {p} WHERE strategy_id = {p} AND outcome IS NULL",
+            (now, sid),
+        )
+        return True
 
 
 def load_open_steps(store: Store, sid: int) -> tuple[list[StepRecord], int]:
