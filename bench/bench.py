@@ -582,7 +582,8 @@ def environment() -> list[tuple[str, str]]:
 def _loop_description() -> str:
     kind = event_loop.loop_kind()
     if kind == "uvloop":
-        return f"uvloop {importlib.metadata.version('uvloop')} (set FLEETWAVE_LOOP=asyncio for the standard loop)"
+        version = importlib.metadata.version("uvloop")
+        return f"uvloop {version} (FLEETWAVE_LOOP=asyncio for the standard loop)"
     return "asyncio (standard library)"
 
 

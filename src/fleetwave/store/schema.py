@@ -100,7 +100,7 @@ steps = Table(
     Column("fence", Integer, nullable=False, default=0),
     Column("owner", String(64)),
     Column("lease_expires_at", Float),
-    Index("ix_steps_strategy_state", "strategy_id", "state"),
+    Index("ix_steps_strategy_ordinal", "strategy_id", "ordinal"),
     Index("ix_steps_target", "target_id"),
 )
 

@@ -1,0 +1,55 @@
+"""The schema: migrations build exactly what the code declares, and upgrade old databases."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.config import Config
+from alembic.migration import MigrationContext
+
+from fleetwave.domain.models import StrategyOptions, Target
+from fleetwave.domain.registry import get_workflow
+from fleetwave.store import admin
+from fleetwave.store.db import HEAD_REVISION, MIGRATIONS_DIR, current_revision, open_store
+from fleetwave.store.schema import metadata
+
+
+def _indexes(engine: sa.Engine, table: str) -> set[str]:
+    return {ix["name"] for ix in sa.inspect(engine).get_indexes(table) if ix["name"]}
+
+
+def test_migrated_schema_matches_the_declared_one(tmp_path: Path) -> None:
+    store = open_store(str(tmp_path / "f.db"))
+    with store.engine.connect() as conn:
+        diffs = compare_metadata(MigrationContext.configure(conn), metadata)
+    assert diffs == []
+    assert current_revision(store) == HEAD_REVISION
+
+
+def test_upgrade_from_the_first_revision_keeps_the_data(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    engine = sa.create_engine(f"sqlite:///{path}")
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0001")
+    assert "ix_steps_strategy_state" in _indexes(engine, "steps")
+    engine.dispose()
+
+    store = open_store(str(path), migrate_schema=False)
+    admin.add_targets(store, [Target(name=f"t{i}") for i in range(3)])
+    sid = admin.create_strategy(store, get_workflow("patch"), StrategyOptions(), all_targets=True)
+    store.dispose()
+
+    upgraded = open_store(str(path))  # migrates to head
+    assert current_revision(upgraded) == HEAD_REVISION
+    names = _indexes(upgraded.engine, "steps")
+    assert "ix_steps_strategy_ordinal" in names
+    assert "ix_steps_strategy_state" not in names
+    with upgraded.read() as conn:
+        count = conn.exec_driver_sql("SELECT count(*) FROM steps WHERE strategy_id = ?", (sid,))
+        assert count.scalar_one() == 3
