@@ -42,7 +42,9 @@ def test_upgrade_from_the_first_revision_keeps_the_data(tmp_path: Path) -> None:
 
     store = open_store(str(path), migrate_schema=False)
     admin.add_targets(store, [Target(name=f"t{i}") for i in range(3)])
-    sid = admin.create_strategy(store, get_workflow("patch"), StrategyOptions(), all_targets=True)
+    wf = get_workflow("patch")
+    assert wf is not None
+    sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
     store.dispose()
 
     upgraded = open_store(str(path))  # migrates to head

@@ -297,6 +297,8 @@ def strategy_apply(
 ) -> None:
     """Start (or resume) a strategy. With --wait, drive it in the foreground."""
     store = store_for(db)
+    if wait:
+        event_loop.loop_kind()  # a bad FLEETWAVE_LOOP is refused before anything changes
     admin.apply_strategy(store, strategy_id)
     if not wait:
         console.print(f"strategy {strategy_id} applying; a running 'fleetwave serve' drives it")
@@ -405,6 +407,7 @@ def check(
 def serve(db: DbOpt = None) -> None:
     """Run a conductor: drive every applying strategy until interrupted (Ctrl-C)."""
     store = store_for(db)
+    event_loop.loop_kind()  # refuse a bad FLEETWAVE_LOOP before announcing anything
 
     async def _serve() -> None:
         stop = asyncio.Event()

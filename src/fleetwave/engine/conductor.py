@@ -793,6 +793,10 @@ class Conductor:
 
     # -- action deadlines ------------------------------------------------------------------
 
+    def pending_deadlines(self) -> int:
+        """Deadline entries held (live or not yet dropped): bounded by compaction."""
+        return len(self._deadlines)
+
     def _arm_deadline(self, when: float, attempt: int, fl: InFlight) -> None:
         heap = self._deadlines
         heapq.heappush(heap, (when, attempt, fl))
@@ -897,12 +901,16 @@ class Conductor:
                         callback_id = answered.id
                         outcome = _callback_outcome(answered)
                 except asyncio.CancelledError:
-                    if fl.timed_out != attempt:
-                        raise  # stopped by the dispatcher, not by the deadline
                     task = asyncio.current_task()
-                    if task is not None:
+                    assert task is not None
+                    if fl.timed_out == attempt:
                         task.uncancel()
-                    raise TimeoutError from None
+                        raise TimeoutError from None
+                    if task.cancelling() == 0:
+                        # Nobody cancelled this worker: the action let a CancelledError
+                        # escape (a library's inner task). Failing the step beats losing it.
+                        raise StepFailed("action raised CancelledError") from None
+                    raise  # the conductor is stopping this worker
                 finally:
                     fl.running = 0
                 decision = decide(run.workflow.state_names, state, outcome)

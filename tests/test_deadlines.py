@@ -1,0 +1,89 @@
+"""Action deadlines: one heap and one timer for every running action (see Conductor)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from conftest import add_sim_targets, applied
+from fleetwave import ActionContext, Advance, Outcome, StateAction
+from fleetwave.domain.registry import register_workflow
+from fleetwave.domain.workflow import StateDef, WorkflowDef
+from fleetwave.engine.conductor import Conductor
+from fleetwave.store import queries
+from fleetwave.store.db import Store
+from fleetwave.testing.invariants import check
+
+
+class Sleeps(StateAction):
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        await asyncio.sleep(self.seconds)
+        return Advance()
+
+
+def test_an_earlier_states_deadline_never_cuts_the_next_state_short(store: Store) -> None:
+    """State a ends long before its 0.1 s deadline; b runs past that moment, within its own."""
+    add_sim_targets(store, 5)
+    wf = register_workflow(
+        WorkflowDef(
+            "short-then-long",
+            (
+                StateDef("a", Sleeps(0.001), timeout_s=0.1),
+                StateDef("b", Sleeps(0.3), timeout_s=5),
+                StateDef("c", Sleeps(0.5), timeout_s=0.05),
+            ),
+        ),
+        replace=True,
+    )
+    sid = applied(store, wf.name, max_parallel=5)
+    # Bounded: a deadline that cancels the wrong attempt strands its step (a hang).
+    result = asyncio.run(asyncio.wait_for(Conductor(store).run(strategy_ids=[sid]), 20))
+    assert result[sid] == "failed"
+    steps = queries.list_steps(store, sid)
+    assert {s["details"] for s in steps} == {"c: timed out after 0.05s (attempt 1 of 1)"}
+    # b ran its whole 0.3 s although a's deadline (0.1 s after a started) passed meanwhile
+    assert check(store, sid).ok
+
+
+def test_deadlines_of_finished_actions_do_not_pile_up(store: Store) -> None:
+    """3,000 actions finish in milliseconds under 10-minute timeouts: the heap stays small."""
+    add_sim_targets(store, 600)
+    sid = applied(store, "patch", max_parallel=50)
+    conductor = Conductor(store)
+    peak = 0
+
+    async def go() -> dict[int, str]:
+        nonlocal peak
+        run = asyncio.create_task(conductor.run(strategy_ids=[sid]))
+        while not run.done():
+            peak = max(peak, conductor.pending_deadlines())
+            await asyncio.sleep(0)
+        return await run
+
+    assert asyncio.run(go())[sid] == "complete"
+    assert queries.step_counts(store, sid) == {"complete": 600}
+    # Without compaction every one of the 3,000 entries would wait out its 10 minutes.
+    assert 50 <= peak <= 1100
+
+
+class LeaksCancellation(StateAction):
+    async def run(self, ctx: ActionContext) -> Outcome:
+        inner = asyncio.get_running_loop().create_future()
+        inner.cancel()
+        await inner  # a library's cancelled inner future: CancelledError escapes the action
+        return Advance()
+
+
+def test_a_cancelled_error_escaping_an_action_fails_the_step(store: Store) -> None:
+    add_sim_targets(store, 3)
+    wf = register_workflow(
+        WorkflowDef("leaky", (StateDef("a", LeaksCancellation(), timeout_s=5),)), replace=True
+    )
+    sid = applied(store, wf.name, max_parallel=3)
+    result = asyncio.run(asyncio.wait_for(Conductor(store).run(strategy_ids=[sid]), 20))
+    assert result[sid] == "failed"
+    steps = queries.list_steps(store, sid)
+    assert {s["details"] for s in steps} == {"a: action raised CancelledError"}
+    assert check(store, sid).ok

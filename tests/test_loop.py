@@ -1,0 +1,61 @@
+"""Which event loop drives a conductor (FLEETWAVE_LOOP), and that both drive it correctly."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cli_harness import Cli
+from conftest import add_sim_targets, applied
+from fleetwave.engine import loop as event_loop
+from fleetwave.engine.conductor import Conductor
+from fleetwave.store import queries
+from fleetwave.store.db import Store
+from fleetwave.testing.invariants import check
+from test_cli_strategy import add, apply_wait, create, strategies
+
+
+def test_loop_choice_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEETWAVE_LOOP", "asyncio")
+    assert event_loop.loop_kind() == "asyncio"
+    monkeypatch.setenv("FLEETWAVE_LOOP", "uvloop")
+    assert event_loop.loop_kind() == "uvloop"  # a test dependency on Linux
+    monkeypatch.setenv("FLEETWAVE_LOOP", "")
+    assert event_loop.loop_kind() == "uvloop"
+    monkeypatch.setenv("FLEETWAVE_LOOP", "tokio")
+    with pytest.raises(event_loop.LoopChoiceError, match="unknown event loop 'tokio'"):
+        event_loop.loop_kind()
+
+
+@pytest.mark.parametrize("kind", ["asyncio", "uvloop"])
+def test_a_rollout_completes_on_either_loop(
+    kind: str, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FLEETWAVE_LOOP", kind)
+    add_sim_targets(store, 40, settings={"latency_ms": 2, "failure_rate": 0.1})
+    sid = applied(store, "patch", max_parallel=8)
+    seen: list[str] = []
+
+    async def go() -> dict[int, str]:
+        seen.append(type(asyncio.get_running_loop()).__module__)
+        return await Conductor(store).run(strategy_ids=[sid])
+
+    final = event_loop.run(go())[sid]
+    assert seen[0].startswith(kind)
+    assert final == "failed"  # some targets fail at random (seeded)
+    counts = queries.step_counts(store, sid)
+    assert set(counts) <= {"complete", "failed"} and sum(counts.values()) == 40
+    assert check(store, sid).ok
+
+
+def test_an_unknown_loop_is_refused_before_anything_runs(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    add(cli, "a", "b")
+    sid = create(cli, "--all")
+    monkeypatch.setenv("FLEETWAVE_LOOP", "tokio")
+    res = apply_wait(cli, sid)
+    assert res.code == 2
+    assert "FLEETWAVE_LOOP: unknown event loop 'tokio'" in res.text
+    assert next(s for s in strategies(cli) if s["id"] == sid)["state"] == "initial"
