@@ -13,7 +13,10 @@ What it measures (each scenario in a fresh SQLite database in a temporary direct
 ``io_bound``
     1,000 sim targets with a fixed 20 ms latency per operation (``{"latency_ms": 20}``),
     ``patch`` (5 states), max parallel 200. Wall time against the ideal
-    targets * states * 0.020 s / max parallel = 0.5 s. Target: ratio <= 1.15.
+    targets * states * 0.020 s / max parallel = 0.5 s. Target: ratio <= 1.15. It is
+    run five times (three with ``--quick``), each in fresh processes and a fresh
+    database; the median run's figures are shown and checked, and every run's ratio
+    is listed: a single half-second run moves by 10 % with the VM's noise.
 ``sim_scale``
     ``fleetwave sim`` at scale: 10,000 targets through ``patch`` with all faults on
     virtual time, seeds 1, 2 and 3, each in its own process. Target: under a minute
@@ -94,6 +97,7 @@ WORKFLOW = "patch"
 # Targets of the brief.
 MIN_TRANSITIONS_PER_S = 10_000.0
 MAX_P99_LATENCY_S = 0.010
+IO_RUNS = 5
 MAX_IO_RATIO = 1.15
 MAX_SCALE_RSS_BYTES = 1.5e9
 MAX_SCALE_TIME_RATIO = 1.3
@@ -429,16 +433,26 @@ def scenario_throughput(quick: bool) -> ScenarioReport:
 
 
 def scenario_io_bound(quick: bool) -> ScenarioReport:
+    """Run it IO_RUNS times (each in fresh processes): one run is at the mercy of the VM."""
     spec = RunSpec(targets=1_000, max_parallel=200, latency_ms=20.0)
-    r = measure(spec)
-    ideal = spec.targets * r.states * (spec.latency_ms / 1000.0) / spec.max_parallel
+    runs = [measure(spec) for _ in range(3 if quick else IO_RUNS)]
+    ideal = spec.targets * runs[0].states * (spec.latency_ms / 1000.0) / spec.max_parallel
+    runs.sort(key=lambda run: run.wall_s)
+    r = runs[len(runs) // 2]  # the median run: its figures are the ones shown
     ratio = r.wall_s / ideal
-    figures = _run_figures("", r)
+    figures = _run_figures("median run", r)
     figures.insert(3, ("ideal wall time (targets x states x latency / parallel)", f"{ideal:.3f} s"))
-    figures.insert(4, ("ratio wall / ideal", f"{ratio:.3f}"))
+    figures.insert(4, ("ratio wall / ideal, median run", f"{ratio:.3f}"))
+    figures.insert(
+        5,
+        (
+            f"ratio wall / ideal, all {len(runs)} runs",
+            ", ".join(f"{run.wall_s / ideal:.3f}" for run in runs),
+        ),
+    )
     checks = [
-        Check("wall / ideal", f"<= {MAX_IO_RATIO}", f"{ratio:.3f}", ratio <= MAX_IO_RATIO),
-        _invariant_check("", r),
+        Check("wall / ideal (median)", f"<= {MAX_IO_RATIO}", f"{ratio:.3f}", ratio <= MAX_IO_RATIO),
+        *(_invariant_check(f"run {i + 1}", run) for i, run in enumerate(runs)),
     ]
     return ScenarioReport("io_bound", quick, [("", r)], figures, checks)
 
@@ -591,8 +605,9 @@ HEADER = """# fleetwave benchmark results
 
 Written by `bench/bench.py` (see its docstring for what each scenario measures).
 Each section below is replaced when its scenario is run again and records the
-command, date and machine that produced it. Every figure is from a single run in a
-fresh SQLite database (WAL, `synchronous=FULL`), the engine run in its own process.
+command, date and machine that produced it. Every figure is from one run (io_bound:
+the median of five) in a fresh SQLite database (WAL, `synchronous=FULL`), the engine
+run in its own process.
 """
 
 _SECTION_RE = re.compile(
