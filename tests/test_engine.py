@@ -415,3 +415,44 @@ def test_clean_stop_lets_running_actions_finish_and_records_them(store: Store) -
     assert {op for _, op, _ in sim.performed} == {"pre-check"}
     assert asyncio.run(Conductor(store).run(strategy_ids=[sid]))[sid] == "complete"
     assert check(store, sid).ok
+
+
+class Quick(StateAction):
+    """No recover hook: a step lost while in this state cannot be resumed."""
+
+    seconds = 0.3
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        await asyncio.sleep(Quick.seconds)
+        return Advance()
+
+
+def test_states_entered_during_a_clean_stop_start_afresh_without_a_recover_hook(
+    store: Store,
+) -> None:
+    """Stopping enters the next states but starts none; the next owner starts them."""
+    add_sim_targets(store, 6)
+    wf = _wf("no-recover", StateDef("one", Quick()), StateDef("two", Quick()))
+    sid = applied(store, wf.name, max_parallel=6)
+    first = Conductor(store, config=EngineConfig(shutdown_grace_s=5))
+
+    async def stop_mid_action() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(first.run(stop=stop))
+        await asyncio.sleep(0.1)  # every step is inside "one"
+        stop.set()
+        await task
+
+    asyncio.run(stop_mid_action())
+    assert queries.step_counts(store, sid) == {"two": 6}
+    with store.read() as conn:
+        assert conn.execute(select(steps.c.not_started)).scalars().all() == [True] * 6
+
+    second = Conductor(store)
+    assert asyncio.run(second.run(strategy_ids=[sid]))[sid] == "complete"
+    taken = [e for e in queries.strategy_events(store, sid) if e["kind"] == "step-taken-over"]
+    assert len(taken) == 6
+    assert all(e["details"].endswith("(its action never started)") for e in taken)
+    with store.read() as conn:
+        assert set(conn.execute(select(steps.c.not_started)).scalars()) == {False}
+    assert check(store, sid).ok

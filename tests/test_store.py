@@ -55,3 +55,25 @@ def test_upgrade_from_the_first_revision_keeps_the_data(tmp_path: Path) -> None:
     with upgraded.read() as conn:
         count = conn.exec_driver_sql("SELECT count(*) FROM steps WHERE strategy_id = ?", (sid,))
         assert count.scalar_one() == 3
+
+
+def test_taking_a_step_over_clears_its_not_started_mark(tmp_path: Path) -> None:
+    """Once a new owner holds the step it may start the action: a later owner must recover."""
+    from fleetwave.store import runtime as rt
+
+    store = open_store(str(tmp_path / "f.db"))
+    admin.add_targets(store, [Target(name="t0")])
+    wf = get_workflow("patch")
+    assert wf is not None
+    sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
+    with store.write() as conn:
+        conn.exec_driver_sql(
+            "UPDATE steps SET state = 'pre-check', fence = 1, owner = 'gone', not_started = 1"
+        )
+    (rec,), _failed = rt.load_open_steps(store, sid)
+    assert rec.not_started
+    (taken,) = rt.take_over_steps(store, [rec], "c-new", 1.0, 2.0)
+    assert taken.fence == 2
+    with store.read() as conn:
+        row = conn.exec_driver_sql("SELECT not_started, owner, fence FROM steps").one()
+    assert tuple(row) == (0, "c-new", 2)

@@ -559,15 +559,18 @@ class Conductor:
             )
         out = []
         for step in taken:
-            fl = InFlight(step, step.state, step.fence, recovering=True)
+            # A clean stop records the states it entered but never started: those start
+            # afresh; any other may have started, so its recover hook looks first.
+            fl = InFlight(step, step.state, step.fence, recovering=not step.not_started)
             run.inflight[step.step_id] = fl
             run.group_load[step.group_id] += 1
             out.append(fl)
             log.warning(
-                "step %s (%s): taken over in %s; calling its recover hook",
+                "step %s (%s): taken over in %s; %s",
                 step.step_id,
                 step.target.name,
                 step.state,
+                "calling its recover hook" if fl.recovering else "its action never started",
             )
         self.runs[rec.id] = run
         if self.config.gc_freeze:
@@ -654,6 +657,8 @@ class Conductor:
                 details=decision.details,
                 attempt=msg.attempts,
                 at=now,
+                # draining: _apply will not start the next state; the next owner will
+                not_started=self._draining and decision.to_state not in STEP_TERMINAL,
             )
         )
         # Book the move now, so admissions in this same batch see the freed slot.

@@ -61,6 +61,8 @@ class Transition:
     details: str
     attempt: int
     at: float = 0.0
+    #: the conductor is stopping: it enters ``to_state`` but will not start its action
+    not_started: bool = False
 
 
 @dataclass(slots=True)
@@ -102,6 +104,8 @@ class StepRecord:
     attempt: int
     owner: str | None
     target: Target
+    #: its state was entered by a conductor that stopped before starting the action
+    not_started: bool = False
 
 
 @dataclass
@@ -314,7 +318,7 @@ def load_open_steps(store: Store, sid: int) -> tuple[list[StepRecord], int]:
     done = ", ".join(f"'{s}'" for s in sorted(STEP_TERMINAL))
     sql = (
         "SELECT s.id, s.stage, s.group_id, s.state, s.fence, s.attempt, s.owner, "
-        "t.name, t.driver, t.settings, t.managed, t.labels, g.name "
+        "t.name, t.driver, t.settings, t.managed, t.labels, g.name, s.not_started "
         "FROM steps s JOIN targets t ON t.id = s.target_id "
         "LEFT JOIN groups g ON g.id = s.group_id "
         f"WHERE s.strategy_id = {p} AND s.state NOT IN ({done}) ORDER BY s.ordinal"
@@ -349,6 +353,7 @@ def load_open_steps(store: Store, sid: int) -> tuple[list[StepRecord], int]:
                 managed=bool(r[10]),
                 labels=parse(r[11]),
             ),
+            not_started=bool(r[13]),
         )
         for r in rows
     ]
@@ -358,7 +363,11 @@ def load_open_steps(store: Store, sid: int) -> tuple[list[StepRecord], int]:
 def take_over_steps(
     store: Store, recs: list[StepRecord], cid: str, now: float, lease_until: float
 ) -> list[StepRecord]:
-    """Fence off the previous owner of in-flight steps: fence+1, owner=us (CAS per step)."""
+    """Fence off the previous owner of in-flight steps: fence+1, owner=us (CAS per step).
+
+    ``not_started`` is cleared in the same write: from here on this owner may start
+    the action, so a later owner must treat it as possibly started (recover hook).
+    """
     taken: list[StepRecord] = []
     with store.write() as conn:
         for rec in recs:
@@ -369,10 +378,13 @@ def take_over_steps(
                     steps.c.fence == rec.fence,
                     steps.c.state == rec.state,
                 )
-                .values(owner=cid, fence=rec.fence + 1, lease_expires_at=lease_until)
+                .values(
+                    owner=cid, fence=rec.fence + 1, lease_expires_at=lease_until, not_started=False
+                )
             )
             if res.rowcount != 1:
                 continue
+            how = " (its action never started)" if rec.not_started else ""
             conn.execute(
                 insert(events).values(
                     at=now,
@@ -381,7 +393,7 @@ def take_over_steps(
                     step_id=rec.step_id,
                     kind="step-taken-over",
                     details=f"in {rec.state} from {rec.owner or 'nobody'} "
-                    f"(fence {rec.fence} -> {rec.fence + 1})",
+                    f"(fence {rec.fence} -> {rec.fence + 1}){how}",
                 )
             )
             rec.fence += 1
@@ -403,8 +415,8 @@ class TransitionWriter:
         p = store.hooks.placeholder
         self._update_sql = (
             f"UPDATE steps SET state={p}, fence={p}, owner={p}, lease_expires_at={p}, "
-            f"details={p}, attempt={p}, started_at=COALESCE(started_at, {p}), finished_at={p} "
-            f"WHERE id={p} AND state={p} AND fence={p}"
+            f"details={p}, attempt={p}, started_at=COALESCE(started_at, {p}), finished_at={p}, "
+            f"not_started={p} WHERE id={p} AND state={p} AND fence={p}"
         )
         self._journal_sql = (
             "INSERT INTO journal (strategy_id, step_id, at, conductor, from_state, to_state, "
@@ -430,6 +442,7 @@ class TransitionWriter:
             t.attempt,
             None if t.from_state == STEP_INITIAL and terminal else t.at,
             t.at if terminal else None,
+            t.not_started,
             t.step_id,
             t.from_state,
             t.from_fence,

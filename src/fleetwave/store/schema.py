@@ -18,6 +18,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    false,
 )
 
 metadata = MetaData()
@@ -100,6 +101,8 @@ steps = Table(
     Column("fence", Integer, nullable=False, default=0),
     Column("owner", String(64)),
     Column("lease_expires_at", Float),
+    #: entered ``state`` while its conductor was stopping: the action never started
+    Column("not_started", Boolean, nullable=False, server_default=false()),
     Index("ix_steps_strategy_ordinal", "strategy_id", "ordinal"),
     Index("ix_steps_target", "target_id"),
 )
