@@ -10,7 +10,8 @@ from sqlalchemy.exc import OperationalError
 
 from conftest import add_sim_targets, applied, rollout
 from fleetwave.domain.models import StrategyOptions
-from fleetwave.domain.registry import get_workflow
+from fleetwave.domain.registry import get_workflow, register_workflow
+from fleetwave.domain.workflow import DriverOperation, StateDef, WorkflowDef
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.engine.clock import LoopClock
 from fleetwave.engine.conductor import Conductor, EngineConfig
@@ -64,24 +65,50 @@ def test_callbacks_that_arrive_before_the_wait_are_kept(store: Store) -> None:
     assert check(store, sid).ok
 
 
-def test_a_strategy_whose_workflow_is_gone_fails_alone(store: Store) -> None:
-    text = "name: gone-soon\nstates:\n  - name: only\n    timeout_s: 60\n"
+def test_a_strategy_keeps_the_yaml_workflow_it_was_created_with(store: Store) -> None:
+    """Editing, then deleting, the stored workflow changes nothing for the strategy."""
+    text = "name: pinned\nstates:\n  - name: only\n    timeout_s: 60\n"
     admin.save_workflow(store, parse_workflow_yaml(text), text)
-    add_sim_targets(store, 3, prefix="x")
-    add_sim_targets(store, 3, prefix="y")
-    doomed = admin.create_strategy(
-        store, parse_workflow_yaml(text), StrategyOptions(), target_names=["x00000", "x00001"]
+    add_sim_targets(store, 2)
+    sid = admin.create_strategy(
+        store, parse_workflow_yaml(text), StrategyOptions(), all_targets=True
+    )
+    edited = text.replace("only", "something-else")
+    admin.save_workflow(store, parse_workflow_yaml(edited), edited)
+    with store.write() as conn:
+        conn.execute(delete(workflows).where(workflows.c.name == "pinned"))
+    admin.apply_strategy(store, sid)
+    assert asyncio.run(Conductor(store).run(strategy_ids=[sid]))[sid] == "complete"
+    assert {s["state"] for s in queries.list_steps(store, sid)} == {"complete"}
+    assert check(store, sid).ok
+
+
+def test_a_strategy_whose_workflow_changed_or_is_gone_fails_alone(store: Store) -> None:
+    """A Python workflow re-registered with other states, or never registered here."""
+    one = (StateDef("a", DriverOperation("a")),)
+    register_workflow(WorkflowDef("shifty", one), replace=True)
+    add_sim_targets(store, 2, prefix="x")
+    add_sim_targets(store, 2, prefix="y")
+    add_sim_targets(store, 1, prefix="z")
+    changed = admin.create_strategy(
+        store, WorkflowDef("shifty", one), StrategyOptions(), target_names=["x00000", "x00001"]
+    )
+    register_workflow(WorkflowDef("shifty", (StateDef("b", DriverOperation("b")),)), replace=True)
+    gone = admin.create_strategy(
+        store, WorkflowDef("never-registered", one), StrategyOptions(), target_names=["y00000"]
     )
     wf = get_workflow("patch")
     assert wf is not None
-    healthy = admin.create_strategy(store, wf, StrategyOptions(), target_names=["y00000"])
-    with store.write() as conn:
-        conn.execute(delete(workflows).where(workflows.c.name == "gone-soon"))
-    admin.apply_strategy(store, doomed)
-    admin.apply_strategy(store, healthy)
-    result = asyncio.run(Conductor(store).run(strategy_ids=[doomed, healthy]))
-    assert result == {doomed: "failed", healthy: "complete"}
-    assert "unknown workflow 'gone-soon'" in queries.get_strategy(store, doomed)["details"]
+    healthy = admin.create_strategy(store, wf, StrategyOptions(), target_names=["z00000"])
+    for sid in (changed, gone, healthy):
+        admin.apply_strategy(store, sid)
+    result = asyncio.run(Conductor(store).run(strategy_ids=[changed, gone, healthy]))
+    assert result == {changed: "failed", gone: "failed", healthy: "complete"}
+    assert (
+        "workflow shifty changed since the strategy was created: its states were ['a'], now ['b']"
+        in queries.get_strategy(store, changed)["details"]
+    )
+    assert "unknown workflow 'never-registered'" in queries.get_strategy(store, gone)["details"]
     assert check(store).ok
 
 

@@ -38,14 +38,22 @@ def test_upgrade_from_the_first_revision_keeps_the_data(tmp_path: Path) -> None:
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "0001")
     assert "ix_steps_strategy_state" in _indexes(engine, "steps")
+    with engine.begin() as conn:  # rows as fleetwave 0001 wrote them
+        conn.exec_driver_sql(
+            "INSERT INTO targets (id, name, driver, settings, managed, labels, created_at) "
+            "VALUES (1, 't0', 'sim', '{}', 1, '{}', 0)"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO strategies (id, workflow, workflow_version, states, state, options, "
+            "group_caps, step_count, details, created_at, updated_at, fence) "
+            "VALUES (1, 'patch', 1, '[]', 'initial', '{}', '{}', 1, '', 0, 0, 0)"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO steps (strategy_id, target_id, ordinal, stage, state, details, "
+            "attempt, fence) VALUES (1, 1, 0, 1, 'initial', '', 0, 0)"
+        )
     engine.dispose()
-
-    store = open_store(str(path), migrate_schema=False)
-    admin.add_targets(store, [Target(name=f"t{i}") for i in range(3)])
-    wf = get_workflow("patch")
-    assert wf is not None
-    sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
-    store.dispose()
+    sid = 1
 
     upgraded = open_store(str(path))  # migrates to head
     assert current_revision(upgraded) == HEAD_REVISION
@@ -54,7 +62,9 @@ def test_upgrade_from_the_first_revision_keeps_the_data(tmp_path: Path) -> None:
     assert "ix_steps_strategy_state" not in names
     with upgraded.read() as conn:
         count = conn.exec_driver_sql("SELECT count(*) FROM steps WHERE strategy_id = ?", (sid,))
-        assert count.scalar_one() == 3
+        assert count.scalar_one() == 1
+        row = conn.exec_driver_sql("SELECT not_started FROM steps").one()
+        assert row[0] == 0  # the new column, filled for existing rows
 
 
 def test_taking_a_step_over_clears_its_not_started_mark(tmp_path: Path) -> None:

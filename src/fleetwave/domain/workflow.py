@@ -172,6 +172,9 @@ class WorkflowDef:
     version: int = 1
     description: str = ""
     source: str = "builtin"
+    #: the YAML it was parsed from, if any: a strategy keeps it, so editing or deleting
+    #: the stored workflow changes no strategy already created from it
+    yaml_text: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         validate_workflow(self)
@@ -213,7 +216,9 @@ class WorkflowDef:
             )
             for s in self.states
         )
-        return WorkflowDef(self.name, states, self.version, self.description, self.source)
+        return WorkflowDef(
+            self.name, states, self.version, self.description, self.source, self.yaml_text
+        )
 
 
 def validate_workflow(wf: WorkflowDef) -> None:

@@ -137,7 +137,12 @@ def parse_workflow_yaml(text: str, *, source: str = "<yaml>") -> WorkflowDef:
         )
     try:
         return WorkflowDef(
-            model.name, tuple(states), model.version, model.description, source="yaml"
+            model.name,
+            tuple(states),
+            model.version,
+            model.description,
+            source="yaml",
+            yaml_text=text,
         )
     except WorkflowError as exc:
         raise WorkflowError(f"{source}: {exc}") from exc

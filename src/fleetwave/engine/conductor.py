@@ -54,7 +54,9 @@ from fleetwave.domain.workflow import (
     StepFailed,
     TargetDriver,
     TransientError,
+    WorkflowError,
 )
+from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.drivers import make_drivers
 from fleetwave.engine.clock import Clock, WallClock
 from fleetwave.engine.messages import (
@@ -529,7 +531,19 @@ class Conductor:
     async def _adopt(self, rec: rt.StrategyRecord, events: list[rt.Event]) -> list[InFlight]:
         """Take over a claimed strategy from the database alone (G4, recovery)."""
         try:
-            wf = resolve_workflow(self.store, rec.workflow)
+            if rec.workflow_yaml is not None:
+                # The copy taken at creation: a later edit of the stored workflow (or its
+                # deletion) does not change this strategy.
+                wf = parse_workflow_yaml(
+                    rec.workflow_yaml, source=f"workflow {rec.workflow} as of strategy {rec.id}"
+                )
+            else:
+                wf = resolve_workflow(self.store, rec.workflow)
+            if rec.states and list(wf.state_names) != rec.states:
+                raise WorkflowError(
+                    f"workflow {rec.workflow} changed since the strategy was created: "
+                    f"its states were {rec.states}, now {list(wf.state_names)}"
+                )
             opts = options_from_json(rec.options)
             wf = wf.with_timeouts(opts.timeouts_s)
         except Exception as exc:  # one broken strategy must not take the conductor down

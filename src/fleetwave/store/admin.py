@@ -258,6 +258,7 @@ def create_strategy(
                 workflow=wf.name,
                 workflow_version=wf.version,
                 states=json.dumps(list(wf.state_names)),
+                workflow_yaml=wf.yaml_text,
                 state=StrategyState.INITIAL.value,
                 options=options_to_json(opts),
                 group_caps=json.dumps({str(k): v for k, v in gcaps.items()}),

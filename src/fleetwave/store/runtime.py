@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Connection, insert, select, update
@@ -119,6 +119,10 @@ class StrategyRecord:
     fence: int
     lease_expires_at: float | None
     details: str
+    #: the workflow's states when the strategy was created
+    states: list[str] = field(default_factory=list)
+    #: a YAML workflow's text as it was when the strategy was created
+    workflow_yaml: str | None = None
 
 
 # -- conductors and leases ---------------------------------------------------------
@@ -206,6 +210,8 @@ def _strategy_record(r: Any) -> StrategyRecord:
         fence=r.fence,
         lease_expires_at=r.lease_expires_at,
         details=r.details,
+        states=list(json.loads(r.states)),
+        workflow_yaml=r.workflow_yaml,
     )
 
 
@@ -217,7 +223,8 @@ def claim_strategies(
     claimed: list[StrategyRecord] = []
     sql = (
         "SELECT id, workflow, state, options, group_caps, owner, fence, lease_expires_at, "
-        f"details FROM strategies WHERE state IN ({', '.join(p for _ in DRIVEN_STATES)})"
+        "details, states, workflow_yaml FROM strategies "
+        f"WHERE state IN ({', '.join(p for _ in DRIVEN_STATES)})"
     )
     params: list[Any] = list(DRIVEN_STATES)
     if only is not None:

@@ -72,6 +72,7 @@ strategies = Table(
     Column("workflow", String(255), nullable=False),
     Column("workflow_version", Integer, nullable=False),
     Column("states", Text, nullable=False),  # JSON list: the workflow's states, for check
+    Column("workflow_yaml", Text),  # a YAML workflow's text as it was at creation
     Column("state", String(32), nullable=False),
     Column("options", Text, nullable=False),  # JSON StrategyOptions
     Column("group_caps", Text, nullable=False),  # JSON {group_id: cap}
