@@ -456,3 +456,52 @@ def test_states_entered_during_a_clean_stop_start_afresh_without_a_recover_hook(
     with store.read() as conn:
         assert set(conn.execute(select(steps.c.not_started)).scalars()) == {False}
     assert check(store, sid).ok
+
+
+def _stages_rollout(store: Store) -> int:
+    for g in ("a", "b", "c"):
+        admin.add_group(store, Group(name=g, max_parallel=10))
+    for i, g in enumerate(("a", "b", "c")):
+        add_sim_targets(store, 6, prefix=g, group=g, settings={"latency_ms": 5 * (i + 1)})
+    sid, final, _ = rollout(store, max_parallel=10, stages_by_group=True)
+    assert final == "complete"
+    return sid
+
+
+def test_stages_run_one_after_the_other(store: Store) -> None:
+    sid = _stages_rollout(store)
+    with store.read() as conn:
+        rows = conn.execute(
+            select(journal.c.id, journal.c.from_state, journal.c.to_state, steps.c.stage)
+            .join(steps, steps.c.id == journal.c.step_id)
+            .where(journal.c.strategy_id == sid)
+            .order_by(journal.c.id)
+        ).all()
+    first_start = {
+        s: min(r.id for r in rows if r.stage == s and r.from_state == "initial") for s in (1, 2, 3)
+    }
+    last_end = {
+        s: max(r.id for r in rows if r.stage == s and r.to_state == "complete") for s in (1, 2, 3)
+    }
+    assert last_end[1] < first_start[2] and last_end[2] < first_start[3]
+    assert check(store, sid).ok
+
+
+def test_check_reports_a_stage_started_too_early(store: Store) -> None:
+    sid = _stages_rollout(store)
+    with store.write() as conn:
+        rows = conn.execute(
+            select(journal.c.id, journal.c.from_state, journal.c.to_state, steps.c.stage)
+            .join(steps, steps.c.id == journal.c.step_id)
+            .where(journal.c.strategy_id == sid)
+        ).all()
+        end1 = max(r.id for r in rows if r.stage == 1 and r.to_state == "complete")
+        start2 = min(r.id for r in rows if r.stage == 2 and r.from_state == "initial")
+        # Rewrite history: stage 2's first start committed before stage 1's last end.
+        for old, new in ((end1, -1), (start2, end1), (-1, start2)):
+            conn.execute(journal.update().where(journal.c.id == old).values(id=new))
+    result = check(store, sid)
+    assert any(
+        v.startswith("stages: ") and "of stage 2 started while stage 1" in v
+        for v in result.violations
+    ), result.violations

@@ -8,6 +8,8 @@ Used by ``fleetwave check``, the demo, the simulator and the tests:
 * G7 replaying the journal in commit order, steps in flight never exceed the
   strategy's max parallel nor a group's cap;
 * G8 nothing leaves a terminal state;
+* stages: no step of a stage starts before every step of the earlier stages has
+  ended (a step and the one it frees a slot for may share a commit: journal order);
 * and the bookkeeping around them: each step's row agrees with its journal, a
   terminal strategy has only terminal steps and holds no lease, and the failure
   threshold stopped admissions exactly when it was exceeded.
@@ -71,7 +73,14 @@ def check(store: Store, strategy_id: int | None = None) -> CheckResult:
         for strat in strats:
             result.strategies += 1
             step_rows = conn.execute(
-                select(steps.c.id, steps.c.state, steps.c.group_id, steps.c.owner, targets.c.name)
+                select(
+                    steps.c.id,
+                    steps.c.state,
+                    steps.c.group_id,
+                    steps.c.stage,
+                    steps.c.owner,
+                    targets.c.name,
+                )
                 .join(targets, targets.c.id == steps.c.target_id)
                 .where(steps.c.strategy_id == strat.id)
             ).all()
@@ -101,6 +110,8 @@ def _check_strategy(
     limit = opts.failure_limit
     name = {r.id: r.name for r in step_rows}
     group = {r.id: r.group_id for r in step_rows}
+    stage = {r.id: r.stage for r in step_rows}
+    open_in_stage: Counter[int] = Counter(stage.values())  # steps not yet terminal
     result.steps += len(step_rows)
     result.transitions += len(jrows)
 
@@ -132,6 +143,8 @@ def _check_strategy(
         last[step_id] = to
 
         gid = group.get(step_id)
+        if to in STEP_TERMINAL and prev not in STEP_TERMINAL:
+            open_in_stage[stage.get(step_id, 0)] -= 1
         if to in STEP_TERMINAL:
             if step_id in inflight:
                 inflight.discard(step_id)
@@ -145,6 +158,13 @@ def _check_strategy(
                 result.add(
                     f"threshold: {who(step_id)} started after the failure threshold "
                     f"({limit}) was exceeded"
+                )
+            own = stage.get(step_id, 0)
+            earlier = sorted(s for s, n in open_in_stage.items() if s < own and n > 0)
+            if earlier:
+                result.add(
+                    f"stages: {who(step_id)} of stage {own} started while stage "
+                    f"{earlier[0]} had {open_in_stage[earlier[0]]} steps not ended"
                 )
             inflight.add(step_id)
             group_load[gid] += 1
