@@ -8,10 +8,13 @@ from conftest import add_sim_targets, applied
 from fleetwave import ActionContext, Advance, Outcome, StateAction
 from fleetwave.domain.registry import register_workflow
 from fleetwave.domain.workflow import StateDef, WorkflowDef
-from fleetwave.engine.conductor import Conductor
+from fleetwave.drivers.sim import SimDriver
+from fleetwave.engine.clock import LoopClock
+from fleetwave.engine.conductor import Conductor, EngineConfig
 from fleetwave.store import queries
 from fleetwave.store.db import Store
 from fleetwave.testing.invariants import check
+from fleetwave.testing.vloop import VirtualTimeLoop
 
 
 class Sleeps(StateAction):
@@ -86,4 +89,38 @@ def test_a_cancelled_error_escaping_an_action_fails_the_step(store: Store) -> No
     assert result[sid] == "failed"
     steps = queries.list_steps(store, sid)
     assert {s["details"] for s in steps} == {"a: action raised CancelledError"}
+    assert check(store, sid).ok
+
+
+def test_a_takeover_does_not_restart_the_states_timeout(store: Store) -> None:
+    """A state with 100 s to run loses its conductor at 60 s: it must not get 100 s more."""
+    add_sim_targets(store, 1, settings={"hang_at": "pre-check"})
+    sid = applied(store, "patch", timeouts_s={"pre-check": 100.0})
+    sim = SimDriver()  # the target side: its hung operation outlives the first conductor
+    config = EngineConfig(lease_ttl_s=10, tick_s=1, recover_grace_s=5)
+    first = Conductor(store, clock=LoopClock(), config=config, drivers={"sim": sim})
+    second = Conductor(store, clock=LoopClock(), config=config, drivers={"sim": sim})
+    started = 0.0
+
+    async def go() -> dict[int, str]:
+        nonlocal started
+        started = LoopClock().now()
+        crashed = asyncio.create_task(first.run(strategy_ids=[sid]))
+        await asyncio.sleep(60)
+        crashed.cancel()  # dies without handing its leases back
+        await asyncio.gather(crashed, return_exceptions=True)
+        return await second.run(strategy_ids=[sid], patient=True)
+
+    loop = VirtualTimeLoop()
+    try:
+        assert loop.run_until_complete(go())[sid] == "failed"
+    finally:
+        loop.close()
+    (step,) = queries.list_steps(store, sid)
+    assert step["details"] == (
+        "pre-check: timed out after 100s (its deadline carried over a conductor takeover) "
+        "(attempt 1 of 3)"
+    )
+    # 100 s of the state's own time, then the 5 s grace: not 60 + 10 + 100 s.
+    assert 100 <= step["finished_at"] - started <= 106
     assert check(store, sid).ok

@@ -97,6 +97,9 @@ class EngineConfig:
     shutdown_grace_s: float = 10.0
     #: a transient database error is retried this many times before the conductor stops
     store_retries_max: int = 8
+    #: after a takeover, the recover hook gets what is left of the state's recorded
+    #: deadline plus this much (to observe the target even when the deadline has passed)
+    recover_grace_s: float = 30.0
     #: after loading a strategy, move what is loaded out of the collector's sight
     #: (gc.freeze): full collections otherwise rescan every loaded step, pausing
     #: dispatch for 50-200 ms at a time, while they find almost nothing to free
@@ -673,6 +676,7 @@ class Conductor:
                 at=now,
                 # draining: _apply will not start the next state; the next owner will
                 not_started=self._draining and decision.to_state not in STEP_TERMINAL,
+                deadline_at=self._deadline_of(run, decision.to_state, now),
             )
         )
         # Book the move now, so admissions in this same batch see the freed slot.
@@ -757,7 +761,14 @@ class Conductor:
             details=details,
             attempt=0,
             at=now,
+            deadline_at=self._deadline_of(run, to_state, now),
         )
+
+    @staticmethod
+    def _deadline_of(run: StrategyRun, state: str, now: float) -> float | None:
+        if state in STEP_TERMINAL:
+            return None
+        return now + run.workflow.state(state).timeout_s
 
     def _apply(self, batch: list[rt.Transition], rejected: list[rt.Transition]) -> None:
         """After the commit: start the next actions; drop steps whose CAS was rejected."""
@@ -886,6 +897,11 @@ class Conductor:
         """Run one state's action (or its recover hook), with retries; never raises."""
         rec, state, fence, waiter = fl.rec, fl.state, fl.fence, fl.waiter
         st = run.workflow.state(state)
+        timeout_s = st.timeout_s
+        if recovering and rec.deadline_at is not None:
+            # The state's time kept running while its conductor was lost.
+            left = max(0.0, rec.deadline_at - self.clock.now())
+            timeout_s = min(st.timeout_s, left + self.config.recover_grace_s)
         driver = self.drivers.get(rec.target.driver)
         loop = asyncio.get_running_loop()
         attempts = 0
@@ -908,7 +924,7 @@ class Conductor:
                 )
                 self._attempts += 1
                 attempt = fl.running = self._attempts
-                self._arm_deadline(loop.time() + st.timeout_s, attempt, fl)
+                self._arm_deadline(loop.time() + timeout_s, attempt, fl)
                 try:
                     outcome: Outcome
                     if recovering:
@@ -940,6 +956,8 @@ class Conductor:
             except (TransientError, TimeoutError) as exc:
                 if isinstance(exc, TimeoutError):
                     reason = f"timed out after {st.timeout_s:g}s"
+                    if timeout_s < st.timeout_s:
+                        reason += " (its deadline carried over a conductor takeover)"
                     if waiter is not None:
                         reason += " waiting for the target's callback"
                 else:

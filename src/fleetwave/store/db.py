@@ -18,7 +18,7 @@ from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.pool import QueuePool
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
-HEAD_REVISION = "0004"
+HEAD_REVISION = "0005"
 
 
 class StoreError(Exception):

@@ -63,6 +63,8 @@ class Transition:
     at: float = 0.0
     #: the conductor is stopping: it enters ``to_state`` but will not start its action
     not_started: bool = False
+    #: when ``to_state`` runs out of time (engine clock); None for terminal states
+    deadline_at: float | None = None
 
 
 @dataclass(slots=True)
@@ -106,6 +108,8 @@ class StepRecord:
     target: Target
     #: its state was entered by a conductor that stopped before starting the action
     not_started: bool = False
+    #: when its state runs out of time (engine clock), if recorded
+    deadline_at: float | None = None
 
 
 @dataclass
@@ -325,7 +329,8 @@ def load_open_steps(store: Store, sid: int) -> tuple[list[StepRecord], int]:
     done = ", ".join(f"'{s}'" for s in sorted(STEP_TERMINAL))
     sql = (
         "SELECT s.id, s.stage, s.group_id, s.state, s.fence, s.attempt, s.owner, "
-        "t.name, t.driver, t.settings, t.managed, t.labels, g.name, s.not_started "
+        "t.name, t.driver, t.settings, t.managed, t.labels, g.name, s.not_started, "
+        "s.deadline_at "
         "FROM steps s JOIN targets t ON t.id = s.target_id "
         "LEFT JOIN groups g ON g.id = s.group_id "
         f"WHERE s.strategy_id = {p} AND s.state NOT IN ({done}) ORDER BY s.ordinal"
@@ -361,6 +366,7 @@ def load_open_steps(store: Store, sid: int) -> tuple[list[StepRecord], int]:
                 labels=parse(r[11]),
             ),
             not_started=bool(r[13]),
+            deadline_at=r[14],
         )
         for r in rows
     ]
@@ -423,7 +429,7 @@ class TransitionWriter:
         self._update_sql = (
             f"UPDATE steps SET state={p}, fence={p}, owner={p}, lease_expires_at={p}, "
             f"details={p}, attempt={p}, started_at=COALESCE(started_at, {p}), finished_at={p}, "
-            f"not_started={p} WHERE id={p} AND state={p} AND fence={p}"
+            f"not_started={p}, deadline_at={p} WHERE id={p} AND state={p} AND fence={p}"
         )
         self._journal_sql = (
             "INSERT INTO journal (strategy_id, step_id, at, conductor, from_state, to_state, "
@@ -450,6 +456,7 @@ class TransitionWriter:
             None if t.from_state == STEP_INITIAL and terminal else t.at,
             t.at if terminal else None,
             t.not_started,
+            None if terminal else t.deadline_at,
             t.step_id,
             t.from_state,
             t.from_fence,

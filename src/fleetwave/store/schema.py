@@ -104,6 +104,8 @@ steps = Table(
     Column("lease_expires_at", Float),
     #: entered ``state`` while its conductor was stopping: the action never started
     Column("not_started", Boolean, nullable=False, server_default=false()),
+    #: when ``state`` runs out of time (its first attempt), by the engine's clock
+    Column("deadline_at", Float),
     Index("ix_steps_strategy_ordinal", "strategy_id", "ordinal"),
     Index("ix_steps_target", "target_id"),
 )
