@@ -76,6 +76,9 @@ class SimConfig:
     keep_db: Path | None = None
     #: the conductor class under test (tests pass deliberately broken ones)
     conductor_cls: type[Conductor] = Conductor
+    #: False: no stop on failure and no failure threshold, so every target runs its
+    #: course (for runs at scale); the seed's other draws stay the same
+    failure_limits: bool = True
 
 
 @dataclass
@@ -273,10 +276,13 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
         for i in range(cfg.targets)
     ]
     admin.add_targets(store, targets)
+    max_parallel = rng.choice([1, 3, 10, 50, max(1, cfg.targets)])
+    stop_on_failure = rng.random() < 0.1
+    max_failures = rng.choice([None, None, None, 0, 2, 10])
     opts = StrategyOptions(
-        max_parallel=rng.choice([1, 3, 10, 50, max(1, cfg.targets)]),
-        stop_on_failure=rng.random() < 0.1,
-        max_failures=rng.choice([None, None, None, 0, 2, 10]),
+        max_parallel=max_parallel,
+        stop_on_failure=stop_on_failure and cfg.failure_limits,
+        max_failures=max_failures if cfg.failure_limits else None,
         stages_by_group=bool(groups) and rng.random() < 0.3,
     )
     sid = admin.create_strategy(store, wf, opts, all_targets=True)
