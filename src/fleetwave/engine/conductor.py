@@ -323,6 +323,8 @@ class Conductor:
             waiting = [sid for sid, run in self.runs.items() if run.waits_for_callbacks]
             if waiting:
                 await self._poll_callbacks(waiting)
+            if self._draining:
+                continue  # stopping: take on nothing new
             if self._wanted is None or self._wanted - set(self.runs) - set(self.finished):
                 await self._claim()
 
@@ -416,7 +418,7 @@ class Conductor:
             if isinstance(msg, CallbackArrived):
                 self._on_callback(msg.record, marks)
             elif isinstance(msg, StrategyClaimed):
-                recover += await self._adopt(msg.record, events)
+                recover += await self._adopt(msg.record, events, batch, now)
                 for record in await self._io(cbs.open_callbacks, self.store, [msg.record.id], 0):
                     if record.id not in self._callbacks_seen:
                         self._callbacks_seen.add(record.id)
@@ -431,6 +433,10 @@ class Conductor:
             self._admit(run, now, batch, self.config.batch_max - len(batch))
         if batch or events or marks:
             self._crash_point("before-commit")
+            # A strategy dropped in this very batch (lease lost) writes nothing more:
+            # its new owner decides what its outcomes and callbacks mean.
+            batch = [t for t in batch if t.strategy_id in self.runs]
+            marks = [m for m in marks if m.strategy_id in self.runs]
             touched = {t.strategy_id for t in batch} | {m.strategy_id for m in marks}
             fences = {sid: self.runs[sid].record.fence for sid in touched if sid in self.runs}
             result = await self._io(
@@ -444,7 +450,7 @@ class Conductor:
             for sid in result.lost:
                 self._drop_run(sid)
         for fl in recover:
-            if not self._draining:
+            if not self._draining and fl.rec.strategy_id in self.runs:
                 self._release(fl)
         for record in claimed_callbacks:
             self.post(CallbackArrived(record))
@@ -519,6 +525,8 @@ class Conductor:
             if fl.task is not None:
                 fl.task.cancel()
         self.finished[sid] = "lost"
+        if self._wake is not None:
+            self._wake.set()  # the dispatcher re-checks whether anything is left to drive
         log.error("strategy %s: lease lost to another conductor; stopped driving it", sid)
 
     def _request_stop(self, sid: int, events: list[rt.Event]) -> None:
@@ -531,7 +539,13 @@ class Conductor:
         events.append(rt.Event("abort-seen", "operator abort requested", sid))
         log.info("strategy %s: abort requested; in-flight steps finish their current state", sid)
 
-    async def _adopt(self, rec: rt.StrategyRecord, events: list[rt.Event]) -> list[InFlight]:
+    async def _adopt(
+        self,
+        rec: rt.StrategyRecord,
+        events: list[rt.Event],
+        batch: list[rt.Transition],
+        now: float,
+    ) -> list[InFlight]:
         """Take over a claimed strategy from the database alone (G4, recovery)."""
         try:
             if rec.workflow_yaml is not None:
@@ -567,6 +581,10 @@ class Conductor:
         if limit is not None and run.failed > limit:
             run.stopping = "failure"
             run.stop_details = self._failure_details(run)
+        for step in lost:
+            if step.not_started:
+                # It starts afresh here: its time starts now.
+                step.deadline_at = self._deadline_of(run, step.state, now)
         taken = await self._io(
             rt.take_over_steps, self.store, lost, self.id, self.clock.now(), self._lease_until()
         )
@@ -576,6 +594,22 @@ class Conductor:
             )
         out = []
         for step in taken:
+            if step.not_started and run.stopping is not None:
+                # Nothing of this state ran, and nothing new may start: end it here.
+                batch.append(
+                    rt.Transition(
+                        step_id=step.step_id,
+                        strategy_id=rec.id,
+                        from_state=step.state,
+                        from_fence=step.fence,
+                        to_state=STEP_ABORTED,
+                        fence=step.fence,
+                        details=f"stopped before {step.state} started: {run.stop_details}",
+                        attempt=step.attempt,
+                        at=now,
+                    )
+                )
+                continue
             # A clean stop records the states it entered but never started: those start
             # afresh; any other may have started, so its recover hook looks first.
             fl = InFlight(step, step.state, step.fence, recovering=not step.not_started)
@@ -795,7 +829,7 @@ class Conductor:
             if fl is None or fl.state != t.to_state:
                 continue
             if self._draining:
-                # The next owner's recover hook starts this state; the worker ends here.
+                # Marked not started in this commit: the next owner starts it afresh.
                 _resolve(fl.go, False)
             else:
                 self._release(fl)
@@ -817,9 +851,14 @@ class Conductor:
             task = asyncio.create_task(self._step_worker(run, fl))
             fl.task = task
             self._workers.add(task)
-            task.add_done_callback(self._workers.discard)
+            task.add_done_callback(self._worker_ended)
         else:
             _resolve(fl.go, True)
+
+    def _worker_ended(self, task: asyncio.Task[None]) -> None:
+        self._workers.discard(task)
+        if self._draining and not self._workers and self._wake is not None:
+            self._wake.set()  # a clean stop waits for the last worker: it is done
 
     # -- action deadlines ------------------------------------------------------------------
 
@@ -939,8 +978,10 @@ class Conductor:
                     task = asyncio.current_task()
                     assert task is not None
                     if fl.timed_out == attempt:
-                        task.uncancel()
-                        raise TimeoutError from None
+                        fl.timed_out = 0
+                        if task.uncancel() == 0:
+                            raise TimeoutError from None
+                        raise  # also stopped by the conductor (lease lost): that wins
                     if task.cancelling() == 0:
                         # Nobody cancelled this worker: the action let a CancelledError
                         # escape (a library's inner task). Failing the step beats losing it.
@@ -948,6 +989,13 @@ class Conductor:
                     raise  # the conductor is stopping this worker
                 finally:
                     fl.running = 0
+                    if fl.timed_out == attempt:
+                        # The action swallowed the deadline's cancel and returned: its
+                        # outcome stands (as with asyncio.timeout); take the cancel back.
+                        fl.timed_out = 0
+                        task = asyncio.current_task()
+                        assert task is not None
+                        task.uncancel()
                 decision = decide(run.workflow.state_names, state, outcome)
             except NoRecoverHook:
                 decision = failure(state, f"conductor lost during {state}")
@@ -957,7 +1005,11 @@ class Conductor:
                 if isinstance(exc, TimeoutError):
                     reason = f"timed out after {st.timeout_s:g}s"
                     if timeout_s < st.timeout_s:
-                        reason += " (its deadline carried over a conductor takeover)"
+                        reason = (
+                            f"timed out: the state's {st.timeout_s:g}s deadline, recorded "
+                            f"when it was entered, ran out across a conductor takeover "
+                            f"(the recover hook had {timeout_s:.0f}s)"
+                        )
                     if waiter is not None:
                         reason += " waiting for the target's callback"
                 else:

@@ -282,7 +282,10 @@ def strategy_states(store: Store, sids: list[int]) -> dict[int, tuple[str, str |
 def set_strategy_state(
     store: Store, sid: int, cid: str, expect: str, new: str, details: str, now: float
 ) -> bool:
-    """Compare-and-set the strategy's state; only its owner may. Terminal drops the lease."""
+    """Compare-and-set the strategy's (non-final) state; only its owner may.
+
+    Final states go through :func:`end_strategy`, which also drops the lease.
+    """
     p = store.hooks.placeholder
     with store.write() as conn:
         res = conn.exec_driver_sql(
@@ -392,7 +395,11 @@ def take_over_steps(
                     steps.c.state == rec.state,
                 )
                 .values(
-                    owner=cid, fence=rec.fence + 1, lease_expires_at=lease_until, not_started=False
+                    owner=cid,
+                    fence=rec.fence + 1,
+                    lease_expires_at=lease_until,
+                    not_started=False,
+                    deadline_at=rec.deadline_at,
                 )
             )
             if res.rowcount != 1:
