@@ -473,6 +473,8 @@ def test_step_show_has_the_steps_journal_in_order(cli: Cli) -> None:
     assert step["strategy"] == sid
     assert step["state"] == "complete"
     assert step["owner"] is None
+    assert step["deadline_at"] is None  # terminal: nothing left to time out
+    assert step["not_started"] is False
     assert [h["to"] for h in step["history"]] == [*PATCH_STATES, "complete"]
     assert {h["target"] for h in step["history"]} == {"a"}
 

@@ -447,6 +447,9 @@ def test_states_entered_during_a_clean_stop_start_afresh_without_a_recover_hook(
     assert queries.step_counts(store, sid) == {"two": 6}
     with store.read() as conn:
         assert conn.execute(select(steps.c.not_started)).scalars().all() == [True] * 6
+    shown = queries.get_step(store, 1)
+    assert shown["not_started"] is True
+    assert shown["deadline_at"] is not None  # "two" entered: its 600 s are counted
 
     second = Conductor(store)
     assert asyncio.run(second.run(strategy_ids=[sid]))[sid] == "complete"

@@ -197,6 +197,10 @@ def get_step(store: Store, step_id: int) -> dict[str, Any]:
             "fence": r.fence,
             "owner": r.owner,
             "lease_expires_at": r.lease_expires_at,
+            # when the current state runs out of time; None once terminal
+            "deadline_at": r.deadline_at,
+            # entered by a conductor that stopped before starting its action
+            "not_started": bool(r.not_started),
         }
     out["history"] = history(store, int(out["strategy"]), step_id=step_id)
     out["events"] = step_events(store, step_id)
