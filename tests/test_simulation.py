@@ -57,12 +57,13 @@ def test_same_seed_same_journal_byte_for_byte() -> None:
 def test_faults_are_really_injected() -> None:
     results = _sweep([(s, "clean", 40) for s in range(1, 9)])
     assert sum(r.crashes for r in results) > 0
+    assert sum(r.stops for r in results) > 0
     assert sum(r.store_retries for r in results) > 0
     assert sum(r.callbacks for r in results) > 0
     quiet = run_simulation(SimConfig(seed=1, targets=40, workflow="clean", faults=frozenset()))
     assert quiet.ok and quiet.crashes == 0 and quiet.store_retries == 0
     assert quiet.strategy_state == "complete"
-    assert set(FAULTS) == {"errors", "hangs", "slow", "callbacks", "db", "crash", "stall"}
+    assert set(FAULTS) == {"errors", "hangs", "slow", "callbacks", "db", "crash", "stall", "stop"}
 
 
 def test_ci_sweep_all_faults() -> None:
@@ -80,7 +81,9 @@ def test_ci_sweep_all_faults() -> None:
     PINNED or [pytest.param(0, "", 0, marks=pytest.mark.skip(reason="no seed has failed yet"))],
 )
 def test_pinned_regression_seeds(seed: int, workflow: str, targets: int) -> None:
-    res = run_simulation(SimConfig(seed=seed, targets=targets, workflow=workflow))
+    # Without clean stops (added later): each seed replays the run that found its bug.
+    faults = frozenset(FAULTS) - {"stop"}
+    res = run_simulation(SimConfig(seed=seed, targets=targets, workflow=workflow, faults=faults))
     assert res.ok, res.violations
 
 

@@ -11,7 +11,7 @@ import typer
 from fleetwave.cli.output import Format, console, print_json
 from fleetwave.domain.errors import InputError
 from fleetwave.domain.registry import get_workflow
-from fleetwave.testing.simulate import SimConfig, parse_faults, run_simulation
+from fleetwave.testing.simulate import FAULTS, SimConfig, parse_faults, run_simulation
 
 
 def sim_command(
@@ -20,7 +20,7 @@ def sim_command(
     workflow: Annotated[str, typer.Option(help="workflow to roll out")] = "patch",
     faults: Annotated[
         str,
-        typer.Option(help="all, none, or a list of: errors,hangs,slow,callbacks,db,crash,stall"),
+        typer.Option(help=f"all, none, or a list of: {','.join(FAULTS)}"),
     ] = "all",
     runs: Annotated[int, typer.Option(help="seeds to try in a row, from --seed")] = 1,
     keep_db: Annotated[

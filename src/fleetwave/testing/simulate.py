@@ -46,7 +46,7 @@ from fleetwave.store.schema import callbacks, journal, steps
 from fleetwave.testing.invariants import check
 from fleetwave.testing.vloop import Deadlock, Livelock, VirtualTimeLoop
 
-FAULTS = ("errors", "hangs", "slow", "callbacks", "db", "crash", "stall")
+FAULTS = ("errors", "hangs", "slow", "callbacks", "db", "crash", "stall", "stop")
 
 #: virtual time after which a strategy that has not ended is a liveness violation
 VIRTUAL_LIMIT_S = 7 * 24 * 3600.0
@@ -97,13 +97,16 @@ class SimResult:
     virtual_s: float
     wall_s: float
     options: dict[str, Any] = field(default_factory=dict)
+    #: clean stops (the conductor drained and handed its leases back)
+    stops: int = 0
 
     def line(self) -> str:
         verdict = "ok" if self.ok else "FAILED"
         return (
             f"seed {self.seed}: {verdict} {self.workflow} x{self.targets} "
             f"-> {self.strategy_state}, "
-            f"{self.transitions} transitions, {self.crashes} crashes, {self.store_retries} db "
+            f"{self.transitions} transitions, {self.crashes} crashes, {self.stops} clean stops, "
+            f"{self.store_retries} db "
             f"retries, {self.callbacks} callbacks, {self.virtual_s / 3600:.1f} h virtual in "
             f"{self.wall_s:.2f} s, journal {self.digest[:16]}"
         )
@@ -202,9 +205,13 @@ def _target_checks(sim: SimDriver) -> list[str]:
 class _Faults:
     """The run's fault schedule, drawn from its own generator so it replays exactly."""
 
-    def __init__(self, rng: random.Random, faults: frozenset[str]) -> None:
+    def __init__(self, rng: random.Random, faults: frozenset[str], stop_rng: random.Random) -> None:
         self.rng = rng
         self.faults = faults
+        # Clean stops draw from their own generator: the other faults of a seed stay
+        # what they were before this kind existed.
+        self.stop_rng = stop_rng
+        self.stops_left = stop_rng.randint(1, 2) if "stop" in faults else 0
         self.db_error_rate = rng.choice([0.005, 0.02, 0.05]) if "db" in faults else 0.0
         self.crashes_left = rng.randint(1, 3) if "crash" in faults else 0
         #: generations that stall (stop renewing leases while running on)
@@ -216,6 +223,13 @@ class _Faults:
             return None
         self.stalls_left -= 1
         return self.rng.uniform(0, 300)
+
+    def stop_plan(self) -> float | None:
+        """Seconds after which this generation is stopped cleanly (Ctrl-C on serve)."""
+        if self.stops_left <= 0 or self.stop_rng.random() < 0.5:
+            return None
+        self.stops_left -= 1
+        return self.stop_rng.uniform(1, 900)
 
     def write_fault(self) -> None:
         if self.db_error_rate and self.rng.random() < self.db_error_rate:
@@ -288,12 +302,15 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
     sid = admin.create_strategy(store, wf, opts, all_targets=True)
     admin.apply_strategy(store, sid)
 
-    faults = _Faults(random.Random(cfg.seed * 7919 + 1), cfg.faults)
+    faults = _Faults(
+        random.Random(cfg.seed * 7919 + 1), cfg.faults, random.Random(cfg.seed * 7919 + 2)
+    )
     store.write_fault = faults.write_fault
     sim = SimDriver(seed=cfg.seed)
     config = EngineConfig(lease_ttl_s=60.0, tick_s=10.0, seed=cfg.seed)
     clock = LoopClock()
     crashes = 0
+    stops = 0
     retries = 0
     transitions = 0
     generation = 0
@@ -328,7 +345,10 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
             crash_hook=hook,
         )
         generation += 1
-        task = asyncio.ensure_future(conductor.run(strategy_ids=[sid], patient=True))
+        stop_after = faults.stop_plan()
+        stop = asyncio.Event() if stop_after is not None else None
+        stopper = loop.call_later(stop_after, stop.set) if stop and stop_after else None
+        task = asyncio.ensure_future(conductor.run(strategy_ids=[sid], patient=True, stop=stop))
         killer: asyncio.TimerHandle | None = None
         if plan and plan[0] == "time":
             killer = loop.call_later(float(plan[1]), task.cancel)
@@ -348,6 +368,8 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
         finally:
             if killer is not None:
                 killer.cancel()
+            if stopper is not None:
+                stopper.cancel()
             transitions += conductor.stats.transitions
             retries += conductor.stats.store_retries
         if task.cancelled() or task.exception() is not None:
@@ -355,6 +377,9 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
             continue
         if state in STRATEGY_TERMINAL:
             break
+        if stop is not None and stop.is_set():
+            stops += 1
+            await asyncio.sleep(faults.stop_rng.uniform(0, 120))  # restarted a little later
     for zombie, ztask in stalled:
         if not ztask.done():
             ztask.cancel()
@@ -382,6 +407,7 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
         strategy_state=final_state,
         transitions=verdict.transitions,
         crashes=crashes,
+        stops=stops,
         store_retries=retries,
         callbacks=n_callbacks,
         virtual_s=loop.time(),
