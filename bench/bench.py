@@ -88,6 +88,7 @@ from fleetwave.store import admin
 from fleetwave.store.db import open_store
 from fleetwave.store.schema import journal
 from fleetwave.testing.invariants import check
+from fleetwave.testing.simulate import FAULTS
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_DIR = BENCH_DIR.parent
@@ -514,8 +515,8 @@ def scenario_sim_scale(quick: bool) -> ScenarioReport:
     figures: list[tuple[str, str]] = [
         (
             "run",
-            f"{targets:,} targets, patch, all faults (errors, hangs, slow, callbacks, "
-            "db, crash), virtual time",
+            f"{targets:,} targets, patch, all faults ({', '.join(FAULTS)}), "
+            "no failure limits, virtual time",
         ),
     ]
     checks: list[Check] = []
@@ -525,8 +526,8 @@ def scenario_sim_scale(quick: bool) -> ScenarioReport:
             (f"seed {seed}: wall time", f"{d['wall_s']:.1f} s"),
             (f"seed {seed}: virtual time", f"{d['virtual_s'] / 3600:.1f} h"),
             (
-                f"seed {seed}: transitions, crashes, db retries",
-                f"{d['transitions']:,}, {d['crashes']}, {d['store_retries']}",
+                f"seed {seed}: transitions, crashes, clean stops, db retries",
+                f"{d['transitions']:,}, {d['crashes']}, {d['stops']}, {d['store_retries']}",
             ),
             (f"seed {seed}: final strategy state", d["strategy_state"]),
             (f"seed {seed}: peak RSS", _mb(d["peak_rss"])),
