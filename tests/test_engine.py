@@ -508,3 +508,57 @@ def test_check_reports_a_stage_started_too_early(store: Store) -> None:
         v.startswith("stages: ") and "of stage 2 started while stage 1" in v
         for v in result.violations
     ), result.violations
+
+
+def _paged(store: Store, **options: Any) -> tuple[int, Conductor]:
+    """A strategy whose waiting steps load three at a time."""
+    sid = applied(store, "patch", **options)
+    return sid, Conductor(store, config=EngineConfig(waiting_page=3))
+
+
+def test_paged_loading_fills_slots_past_a_group_at_its_cap(store: Store) -> None:
+    """The first pages are all of a group capped at 1: later pages must fill the window."""
+    admin.add_group(store, Group(name="a-capped", max_parallel=1))
+    add_sim_targets(store, 12, prefix="a", group="a-capped", settings={"latency_ms": 20})
+    add_sim_targets(store, 12, prefix="b", settings={"latency_ms": 20})
+    sid, conductor = _paged(store, max_parallel=6)
+    peak = 0
+
+    async def go() -> dict[int, str]:
+        nonlocal peak
+        task = asyncio.create_task(conductor.run(strategy_ids=[sid]))
+        for _ in range(40):  # the first 80 ms: before the first step of a ends (100 ms)
+            peak = max(peak, sum(len(r.inflight) for r in conductor.runs.values()))
+            await asyncio.sleep(0.002)
+        return await task
+
+    assert asyncio.run(go())[sid] == "complete"
+    assert peak == 6  # one of group a and five ungrouped at once, though a's come first
+    assert check(store, sid).ok
+
+
+def test_paged_loading_ends_every_waiting_step_on_abort(store: Store) -> None:
+    add_sim_targets(store, 40, settings={"latency_ms": 100})  # about 5 s in all
+    sid, conductor = _paged(store, max_parallel=4)
+
+    async def go() -> dict[int, str]:
+        task = asyncio.create_task(conductor.run(strategy_ids=[sid]))
+        await asyncio.sleep(0.05)
+        admin.request_abort(store, sid)
+        return await task
+
+    assert asyncio.run(go())[sid] == "aborted"
+    counts = queries.step_counts(store, sid)
+    # the abort is seen within a second: most steps were still waiting, most not loaded
+    assert "initial" not in counts and counts["aborted"] >= 25
+    assert check(store, sid).ok
+
+
+def test_paged_loading_keeps_stages_in_order(store: Store) -> None:
+    for g in ("a", "b", "c"):
+        admin.add_group(store, Group(name=g, max_parallel=10))
+        add_sim_targets(store, 7, prefix=g, group=g, settings={"latency_ms": 2})
+    sid, conductor = _paged(store, max_parallel=5, stages_by_group=True)
+    assert asyncio.run(conductor.run(strategy_ids=[sid]))[sid] == "complete"
+    assert queries.step_counts(store, sid) == {"complete": 21}
+    assert check(store, sid).ok  # includes the stage order

@@ -93,6 +93,9 @@ class EngineConfig:
     #: most transitions per group commit: bounds how many actions one commit releases
     #: at once, and so the dispatch latency of the last of them
     batch_max: int = 128
+    #: waiting steps loaded from the database at a time (0: twice max parallel, at
+    #: least 512): the first actions start without loading the whole strategy first
+    waiting_page: int = 0
     #: on a clean stop, how long running actions may take to finish and commit
     shutdown_grace_s: float = 10.0
     #: a transient database error is retried this many times before the conductor stops
@@ -430,6 +433,12 @@ class Conductor:
             else:
                 self._on_finished(msg, now, batch, events, marks)
         for run in list(self.runs.values()):
+            if run.more_waiting and (
+                run.stopping is not None or run.starved or run.pending_count() < run.cap
+            ):
+                # Stopping ends every waiting step, so it needs them all.
+                await self._load_waiting(run, everything=run.stopping is not None)
+        for run in list(self.runs.values()):
             self._admit(run, now, batch, self.config.batch_max - len(batch))
         if batch or events or marks:
             self._crash_point("before-commit")
@@ -567,13 +576,9 @@ class Conductor:
             await self._fail_undrivable(rec, f"cannot drive it: {exc}")
             return []
         run = StrategyRun(rec, wf, opts, db_state=rec.state)
-        open_steps, run.failed = await self._io(rt.load_open_steps, self.store, rec.id)
-        lost: list[rt.StepRecord] = []
-        for step in open_steps:
-            if step.state == STEP_INITIAL:
-                run.add_pending(step)
-            else:
-                lost.append(step)
+        lost = await self._io(rt.load_started_steps, self.store, rec.id)
+        run.failed = await self._io(rt.failed_count, self.store, rec.id)
+        await self._load_waiting(run, everything=False)
         if rec.state in (StrategyState.ABORT_REQUESTED, StrategyState.ABORTING):
             run.stopping = "abort"
             run.stop_details = "aborted by operator"
@@ -627,8 +632,24 @@ class Conductor:
         if self.config.gc_freeze:
             gc.freeze()
         if run.stopping is None and rec.state == StrategyState.APPLYING and not lost:
-            log.info("strategy %s: driving %d pending steps", rec.id, run.pending_count())
+            log.info("strategy %s: driving its waiting steps", rec.id)
         return out
+
+    async def _load_waiting(self, run: StrategyRun, *, everything: bool) -> None:
+        """Load the next page of waiting steps (or all of them), in admission order."""
+        page = self.config.waiting_page or max(2 * run.cap, 512)
+        while True:
+            recs = await self._io(
+                rt.load_waiting_steps, self.store, run.id, run.waiting_after, page
+            )
+            for rec in recs:
+                run.add_pending(rec)
+            if recs:
+                run.waiting_after, run.waiting_stage = recs[-1].ordinal, recs[-1].stage
+            run.more_waiting = len(recs) == page
+            run.starved = False
+            if not (everything and run.more_waiting):
+                return
 
     async def _fail_undrivable(self, rec: rt.StrategyRecord, reason: str) -> None:
         """End a strategy this conductor cannot drive (its workflow is gone or invalid)."""
@@ -772,8 +793,17 @@ class Conductor:
                 batch.append(
                     self._entry(run, rec, STEP_ABORTED, f"not started: {run.stop_details}", now)
                 )
+            if run.more_waiting:
+                self._wake_soon()  # the ones not loaded yet are ended next round
         elif room <= 0 and run.take_admissions_possible():
             self._wake_soon()  # the batch was full, not the window: come back at once
+        elif run.more_waiting and len(run.inflight) < run.cap:
+            stage = run.current_stage()
+            if stage is None or stage >= run.waiting_stage:
+                # Free slots that nothing loaded can take (a group at its cap, or all
+                # admitted): steps not loaded yet may. Load the next page first.
+                run.starved = True
+                self._wake_soon()
 
     def _entry(
         self,

@@ -53,6 +53,13 @@ class StrategyRun:
     db_state: str = "applying"
     #: callbacks that arrived before their step began waiting, by step
     early_callbacks: dict[int, list[CallbackRecord]] = field(default_factory=dict)
+    #: waiting steps are loaded page by page, in admission order: the last one loaded
+    #: (ordinal and stage), and whether more wait in the database
+    waiting_after: int = -1
+    waiting_stage: int = 0
+    more_waiting: bool = False
+    #: free slots, but nothing loaded may take them: load the next page first
+    starved: bool = False
 
     @property
     def id(self) -> int:
@@ -117,4 +124,4 @@ class StrategyRun:
         return out
 
     def is_done(self) -> bool:
-        return not self.inflight and self.pending_count() == 0
+        return not self.inflight and self.pending_count() == 0 and not self.more_waiting

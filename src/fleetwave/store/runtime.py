@@ -110,6 +110,8 @@ class StepRecord:
     not_started: bool = False
     #: when its state runs out of time (engine clock), if recorded
     deadline_at: float | None = None
+    #: its place in the strategy's admission order (stages come in this order too)
+    ordinal: int = 0
 
 
 @dataclass
@@ -322,26 +324,29 @@ def end_strategy(store: Store, sid: int, cid: str, final: str, details: str, now
         return True
 
 
-def load_open_steps(store: Store, sid: int) -> tuple[list[StepRecord], int]:
-    """Every non-terminal step of a strategy in admission order, and the failed count.
+_STEP_COLUMNS = (
+    "SELECT s.id, s.stage, s.group_id, s.state, s.fence, s.attempt, s.owner, "
+    "t.name, t.driver, t.settings, t.managed, t.labels, g.name, s.not_started, "
+    "s.deadline_at, s.ordinal "
+    "FROM steps s JOIN targets t ON t.id = s.target_id "
+    "LEFT JOIN groups g ON g.id = s.group_id "
+)
 
-    Plain SQL and shared parses: this runs before the first action starts, for every
+
+def _step_records(
+    store: Store, sid: int, where: str, params: tuple[Any, ...], limit: int | None = None
+) -> list[StepRecord]:
+    """Steps of one strategy in admission order, as the engine needs them.
+
+    Plain SQL and shared parses: this runs before actions start, for up to every
     step of the strategy (100,000 of them in a large rollout).
     """
     p = store.hooks.placeholder
-    done = ", ".join(f"'{s}'" for s in sorted(STEP_TERMINAL))
-    sql = (
-        "SELECT s.id, s.stage, s.group_id, s.state, s.fence, s.attempt, s.owner, "
-        "t.name, t.driver, t.settings, t.managed, t.labels, g.name, s.not_started, "
-        "s.deadline_at "
-        "FROM steps s JOIN targets t ON t.id = s.target_id "
-        "LEFT JOIN groups g ON g.id = s.group_id "
-        f"WHERE s.strategy_id = {p} AND s.state NOT IN ({done}) ORDER BY s.ordinal"
-    )
-    failed_sql = f"SELECT count(*) FROM steps WHERE strategy_id = {p} AND state = 'failed'"
+    sql = f"{_STEP_COLUMNS}WHERE s.strategy_id = {p} AND {where} ORDER BY s.ordinal"
+    if limit is not None:
+        sql += f" LIMIT {int(limit)}"
     with store.read() as conn:
-        rows = conn.exec_driver_sql(sql, (sid,)).all()
-        failed = int(conn.exec_driver_sql(failed_sql, (sid,)).scalar_one())
+        rows = conn.exec_driver_sql(sql, (sid, *params)).all()
     parsed: dict[str, Any] = {}  # many targets share settings and labels: parse each once
 
     def parse(raw: str) -> Any:
@@ -350,7 +355,7 @@ def load_open_steps(store: Store, sid: int) -> tuple[list[StepRecord], int]:
             got = parsed[raw] = json.loads(raw)
         return got
 
-    out = [
+    return [
         StepRecord(
             step_id=r[0],
             strategy_id=sid,
@@ -370,10 +375,38 @@ def load_open_steps(store: Store, sid: int) -> tuple[list[StepRecord], int]:
             ),
             not_started=bool(r[13]),
             deadline_at=r[14],
+            ordinal=r[15],
         )
         for r in rows
     ]
-    return out, failed
+
+
+def failed_count(store: Store, sid: int) -> int:
+    p = store.hooks.placeholder
+    sql = f"SELECT count(*) FROM steps WHERE strategy_id = {p} AND state = 'failed'"
+    with store.read() as conn:
+        return int(conn.exec_driver_sql(sql, (sid,)).scalar_one())
+
+
+_DONE = ", ".join(f"'{s}'" for s in sorted(STEP_TERMINAL))
+
+
+def load_open_steps(store: Store, sid: int) -> tuple[list[StepRecord], int]:
+    """Every non-terminal step of a strategy in admission order, and the failed count."""
+    return _step_records(store, sid, f"s.state NOT IN ({_DONE})", ()), failed_count(store, sid)
+
+
+def load_started_steps(store: Store, sid: int) -> list[StepRecord]:
+    """The steps in one of the workflow's states (neither waiting nor ended)."""
+    return _step_records(store, sid, f"s.state NOT IN ('{STEP_INITIAL}', {_DONE})", ())
+
+
+def load_waiting_steps(store: Store, sid: int, after_ordinal: int, limit: int) -> list[StepRecord]:
+    """The next ``limit`` steps still waiting to start, after ``after_ordinal``, in order."""
+    p = store.hooks.placeholder
+    return _step_records(
+        store, sid, f"s.state = '{STEP_INITIAL}' AND s.ordinal > {p}", (after_ordinal,), limit
+    )
 
 
 def take_over_steps(
