@@ -559,6 +559,8 @@ def test_paged_loading_keeps_stages_in_order(store: Store) -> None:
         admin.add_group(store, Group(name=g, max_parallel=10))
         add_sim_targets(store, 7, prefix=g, group=g, settings={"latency_ms": 2})
     sid, conductor = _paged(store, max_parallel=5, stages_by_group=True)
+    with store.write() as conn:  # stage 1 last in admission order: pages would mislead
+        conn.execute(steps.update().where(steps.c.stage == 1).values(ordinal=steps.c.ordinal + 100))
     assert asyncio.run(conductor.run(strategy_ids=[sid]))[sid] == "complete"
     assert queries.step_counts(store, sid) == {"complete": 21}
     assert check(store, sid).ok  # includes the stage order

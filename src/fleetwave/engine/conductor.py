@@ -578,7 +578,9 @@ class Conductor:
         run = StrategyRun(rec, wf, opts, db_state=rec.state)
         lost = await self._io(rt.load_started_steps, self.store, rec.id)
         run.failed = await self._io(rt.failed_count, self.store, rec.id)
-        await self._load_waiting(run, everything=False)
+        # A staged strategy is loaded whole: which stage comes next is then decided on
+        # every waiting step, not on the assumption that pages come in stage order.
+        await self._load_waiting(run, everything=opts.stages_by_group)
         if rec.state in (StrategyState.ABORT_REQUESTED, StrategyState.ABORTING):
             run.stopping = "abort"
             run.stop_details = "aborted by operator"
