@@ -73,7 +73,8 @@ def open_callbacks(store: Store, strategy_ids: list[int], after_id: int) -> list
     p = store.hooks.placeholder
     sql = (
         "SELECT id, strategy_id, step_id, state, kind, details FROM callbacks "
-        f"WHERE strategy_id IN ({', '.join(p for _ in strategy_ids)}) AND outcome IS NULL "
+        f"WHERE strategy_id IN ({store.hooks.placeholders(len(strategy_ids))}) "
+        "AND outcome IS NULL "
         f"AND id > {p} ORDER BY id"
     )
     with store.read() as conn:

@@ -32,6 +32,10 @@ class DialectHooks:
     #: how the hot path opens a write transaction on a raw DBAPI connection
     begin_write_sql: str
 
+    def placeholders(self, n: int) -> str:
+        """``n`` parameter placeholders for an ``IN (...)`` list."""
+        return ", ".join([self.placeholder] * n)
+
     def now_sql(self) -> str | None:
         """SQL for the database's clock, when leases should use it (PostgreSQL)."""
         return None

@@ -184,7 +184,7 @@ def heartbeat(store: Store, cid: str, now: float, lease_until: float, step_ids: 
             chunk = step_ids[start : start + 500]
             conn.exec_driver_sql(
                 f"UPDATE steps SET lease_expires_at={p} WHERE owner={p} AND id IN "
-                f"({', '.join(p for _ in chunk)})",
+                f"({store.hooks.placeholders(len(chunk))})",
                 (lease_until, cid, *chunk),
             )
         res = conn.execute(
@@ -230,11 +230,11 @@ def claim_strategies(
     sql = (
         "SELECT id, workflow, state, options, group_caps, owner, fence, lease_expires_at, "
         "details, states, workflow_yaml FROM strategies "
-        f"WHERE state IN ({', '.join(p for _ in DRIVEN_STATES)})"
+        f"WHERE state IN ({store.hooks.placeholders(len(DRIVEN_STATES))})"
     )
     params: list[Any] = list(DRIVEN_STATES)
     if only is not None:
-        sql += f" AND id IN ({', '.join(p for _ in only)})"
+        sql += f" AND id IN ({store.hooks.placeholders(len(only))})"
         params += sorted(only)
     with store.write() as conn:
         dead = dead_conductors(conn, cid)
@@ -275,8 +275,8 @@ def strategy_states(store: Store, sids: list[int]) -> dict[int, tuple[str, str |
     """(state, owner) of several strategies in one query (the periodic pass's only read)."""
     if not sids:
         return {}
-    p = store.hooks.placeholder
-    sql = f"SELECT id, state, owner FROM strategies WHERE id IN ({', '.join(p for _ in sids)})"
+    ids = store.hooks.placeholders(len(sids))
+    sql = f"SELECT id, state, owner FROM strategies WHERE id IN ({ids})"
     with store.read() as conn:
         return {int(r[0]): (str(r[1]), r[2]) for r in conn.exec_driver_sql(sql, tuple(sids))}
 
@@ -311,7 +311,8 @@ def end_strategy(store: Store, sid: int, cid: str, final: str, details: str, now
         res = conn.exec_driver_sql(
             f"UPDATE strategies SET state = {p}, details = {p}, updated_at = {p}, "
             "owner = NULL, lease_expires_at = NULL "
-            f"WHERE id = {p} AND owner = {p} AND state IN ({', '.join(p for _ in DRIVEN_STATES)})",
+            f"WHERE id = {p} AND owner = {p} "
+            f"AND state IN ({store.hooks.placeholders(len(DRIVEN_STATES))})",
             (final, details, now, sid, cid, *DRIVEN_STATES),
         )
         if res.rowcount != 1:
@@ -546,10 +547,10 @@ class TransitionWriter:
         """Strategies no longer held by this conductor at the fence it claimed them with."""
         if not fences:
             return set()
-        p = self.store.hooks.placeholder
         ids = sorted(fences)
         cur.execute(
-            f"SELECT id, owner, fence FROM strategies WHERE id IN ({', '.join(p for _ in ids)})",
+            "SELECT id, owner, fence FROM strategies "
+            f"WHERE id IN ({self.store.hooks.placeholders(len(ids))})",
             ids,
         )
         held = {int(r[0]) for r in cur.fetchall() if r[1] == self.cid and r[2] == fences[r[0]]}
