@@ -438,7 +438,6 @@ class Conductor:
             ):
                 # Stopping ends every waiting step, so it needs them all.
                 await self._load_waiting(run, everything=run.stopping is not None)
-        for run in list(self.runs.values()):
             self._admit(run, now, batch, self.config.batch_max - len(batch))
         if batch or events or marks:
             self._crash_point("before-commit")
@@ -447,7 +446,7 @@ class Conductor:
             batch = [t for t in batch if t.strategy_id in self.runs]
             marks = [m for m in marks if m.strategy_id in self.runs]
             touched = {t.strategy_id for t in batch} | {m.strategy_id for m in marks}
-            fences = {sid: self.runs[sid].record.fence for sid in touched if sid in self.runs}
+            fences = {sid: self.runs[sid].record.fence for sid in touched}
             result = await self._io(
                 self._writer.commit, batch, events, now, self._lease_until(), marks, fences
             )
@@ -603,17 +602,17 @@ class Conductor:
         for step in taken:
             if step.not_started and run.stopping is not None:
                 # Nothing of this state ran, and nothing new may start: end it here.
+                details = f"stopped before {step.state} started: {run.stop_details}"
                 batch.append(
-                    rt.Transition(
-                        step_id=step.step_id,
-                        strategy_id=rec.id,
-                        from_state=step.state,
-                        from_fence=step.fence,
-                        to_state=STEP_ABORTED,
-                        fence=step.fence,
-                        details=f"stopped before {step.state} started: {run.stop_details}",
-                        attempt=step.attempt,
-                        at=now,
+                    self._move(
+                        run,
+                        step.step_id,
+                        step.state,
+                        step.fence,
+                        STEP_ABORTED,
+                        details,
+                        step.attempt,
+                        now,
                     )
                 )
                 continue
@@ -721,19 +720,15 @@ class Conductor:
         if run.stopping is not None and decision.to_state not in STEP_TERMINAL:
             decision = Decision(STEP_ABORTED, f"stopped after {msg.state}: {run.stop_details}")
         batch.append(
-            rt.Transition(
-                step_id=msg.step_id,
-                strategy_id=run.id,
-                from_state=fl.state,
-                from_fence=fl.fence,
-                to_state=decision.to_state,
-                fence=fl.fence,
-                details=decision.details,
-                attempt=msg.attempts,
-                at=now,
-                # draining: _apply will not start the next state; the next owner will
-                not_started=self._draining and decision.to_state not in STEP_TERMINAL,
-                deadline_at=self._deadline_of(run, decision.to_state, now),
+            self._move(
+                run,
+                msg.step_id,
+                fl.state,
+                fl.fence,
+                decision.to_state,
+                decision.details,
+                msg.attempts,
+                now,
             )
         )
         # Book the move now, so admissions in this same batch see the freed slot.
@@ -817,16 +812,47 @@ class Conductor:
         claim: bool = False,
     ) -> rt.Transition:
         """The transition out of ``initial``; a claim bumps the fence (this owner's token)."""
-        return rt.Transition(
-            step_id=rec.step_id,
-            strategy_id=run.id,
-            from_state=STEP_INITIAL,
-            from_fence=rec.fence,
-            to_state=to_state,
+        return self._move(
+            run,
+            rec.step_id,
+            STEP_INITIAL,
+            rec.fence,
+            to_state,
+            details,
+            0,
+            now,
             fence=rec.fence + 1 if claim else rec.fence,
+        )
+
+    def _move(
+        self,
+        run: StrategyRun,
+        step_id: int,
+        from_state: str,
+        from_fence: int,
+        to_state: str,
+        details: str,
+        attempt: int,
+        now: float,
+        *,
+        fence: int | None = None,
+    ) -> rt.Transition:
+        """A transition of one of ``run``'s steps, with what follows from where it goes.
+
+        Its deadline (when ``to_state`` runs out of time), and its not-started mark:
+        while draining, :meth:`_apply` starts no next state, so the next owner will.
+        """
+        return rt.Transition(
+            step_id=step_id,
+            strategy_id=run.id,
+            from_state=from_state,
+            from_fence=from_fence,
+            to_state=to_state,
+            fence=from_fence if fence is None else fence,
             details=details,
-            attempt=0,
+            attempt=attempt,
             at=now,
+            not_started=self._draining and to_state not in STEP_TERMINAL,
             deadline_at=self._deadline_of(run, to_state, now),
         )
 
