@@ -41,12 +41,15 @@ def test_an_earlier_states_deadline_never_cuts_the_next_state_short(store: Store
         replace=True,
     )
     sid = applied(store, wf.name, max_parallel=5)
-    # Bounded: a deadline that cancels the wrong attempt strands its step (a hang).
+    # b ran its whole 0.3 s although a's deadline (0.1 s after a started) passed meanwhile
+    _fails_every_step_with(store, sid, "c: timed out after 0.05s (attempt 1 of 1)")
+
+
+def _fails_every_step_with(store: Store, sid: int, details: str) -> None:
+    """Drive ``sid`` to its end, bounded: a worker stranded by a wrong cancel would hang."""
     result = asyncio.run(asyncio.wait_for(Conductor(store).run(strategy_ids=[sid]), 20))
     assert result[sid] == "failed"
-    steps = queries.list_steps(store, sid)
-    assert {s["details"] for s in steps} == {"c: timed out after 0.05s (attempt 1 of 1)"}
-    # b ran its whole 0.3 s although a's deadline (0.1 s after a started) passed meanwhile
+    assert {s["details"] for s in queries.list_steps(store, sid)} == {details}
     assert check(store, sid).ok
 
 
@@ -85,11 +88,7 @@ def test_a_cancelled_error_escaping_an_action_fails_the_step(store: Store) -> No
         WorkflowDef("leaky", (StateDef("a", LeaksCancellation(), timeout_s=5),)), replace=True
     )
     sid = applied(store, wf.name, max_parallel=3)
-    result = asyncio.run(asyncio.wait_for(Conductor(store).run(strategy_ids=[sid]), 20))
-    assert result[sid] == "failed"
-    steps = queries.list_steps(store, sid)
-    assert {s["details"] for s in steps} == {"a: action raised CancelledError"}
-    assert check(store, sid).ok
+    _fails_every_step_with(store, sid, "a: action raised CancelledError")
 
 
 def test_a_takeover_does_not_restart_the_states_timeout(store: Store) -> None:

@@ -278,18 +278,23 @@ def test_unexpected_remote_state_is_a_clear_failure(store: Store) -> None:
     assert details == "pre-check: target reports unexpected remote state 'ready-to-apply'"
 
 
+def _run_and_abort_after(store: Store, conductor: Conductor, sid: int, after_s: float) -> str:
+    """Drive ``sid``; the operator asks to abort it ``after_s`` in. Its final state."""
+
+    async def go() -> dict[int, str]:
+        task = asyncio.create_task(conductor.run(strategy_ids=[sid]))
+        await asyncio.sleep(after_s)
+        admin.request_abort(store, sid)
+        return await task
+
+    return asyncio.run(go())[sid]
+
+
 def test_operator_abort_mid_run(store: Store) -> None:
     add_sim_targets(store, 200, settings={"latency_ms": 10})
     sid = applied(store, "patch", max_parallel=10)
     c = Conductor(store, config=EngineConfig(tick_s=0.02))
-
-    async def go() -> dict[int, str]:
-        task = asyncio.create_task(c.run(strategy_ids=[sid]))
-        await asyncio.sleep(0.3)
-        admin.request_abort(store, sid)
-        return await task
-
-    assert asyncio.run(go())[sid] == "aborted"
+    assert _run_and_abort_after(store, c, sid, 0.3) == "aborted"
     counts = queries.step_counts(store, sid)
     assert set(counts) <= {"complete", "aborted"}
     assert counts["aborted"] > 100
@@ -540,14 +545,7 @@ def test_paged_loading_fills_slots_past_a_group_at_its_cap(store: Store) -> None
 def test_paged_loading_ends_every_waiting_step_on_abort(store: Store) -> None:
     add_sim_targets(store, 40, settings={"latency_ms": 100})  # about 5 s in all
     sid, conductor = _paged(store, max_parallel=4)
-
-    async def go() -> dict[int, str]:
-        task = asyncio.create_task(conductor.run(strategy_ids=[sid]))
-        await asyncio.sleep(0.05)
-        admin.request_abort(store, sid)
-        return await task
-
-    assert asyncio.run(go())[sid] == "aborted"
+    assert _run_and_abort_after(store, conductor, sid, 0.05) == "aborted"
     counts = queries.step_counts(store, sid)
     # the abort is seen within a second: most steps were still waiting, most not loaded
     assert "initial" not in counts and counts["aborted"] >= 25

@@ -23,6 +23,7 @@ from fleetwave.store.db import Store
 from fleetwave.store.schema import journal, strategies
 from fleetwave.testing.invariants import check
 from fleetwave.testing.vloop import VirtualTimeLoop
+from test_deadlines import LeaksCancellation
 
 
 class SwallowsTimeout(StateAction):
@@ -33,14 +34,6 @@ class SwallowsTimeout(StateAction):
             await asyncio.sleep(3600)
         except asyncio.CancelledError:
             return Advance(details="gave up waiting")
-        return Advance()
-
-
-class LeaksCancellation(StateAction):
-    async def run(self, ctx: ActionContext) -> Outcome:
-        inner = asyncio.get_running_loop().create_future()
-        inner.cancel()
-        await inner  # a library's cancelled inner future: CancelledError escapes
         return Advance()
 
 
