@@ -13,6 +13,7 @@ from alembic.migration import MigrationContext
 from fleetwave.domain.models import StrategyOptions, Target
 from fleetwave.domain.registry import get_workflow
 from fleetwave.store import admin
+from fleetwave.store import runtime as rt
 from fleetwave.store.db import HEAD_REVISION, MIGRATIONS_DIR, current_revision, open_store
 from fleetwave.store.schema import metadata
 
@@ -69,8 +70,6 @@ def test_upgrade_from_the_first_revision_keeps_the_data(tmp_path: Path) -> None:
 
 def test_taking_a_step_over_clears_its_not_started_mark(tmp_path: Path) -> None:
     """Once a new owner holds the step it may start the action: a later owner must recover."""
-    from fleetwave.store import runtime as rt
-
     store = open_store(str(tmp_path / "f.db"))
     admin.add_targets(store, [Target(name="t0")])
     wf = get_workflow("patch")
