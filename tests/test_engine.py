@@ -7,6 +7,7 @@ import random
 from collections import Counter
 from typing import Any
 
+import pytest
 from sqlalchemy import select
 
 from conftest import add_sim_targets, applied, rollout
@@ -19,6 +20,7 @@ from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.conductor import Conductor, EngineConfig
 from fleetwave.engine.messages import ActionFinished
 from fleetwave.store import admin, queries
+from fleetwave.store import runtime as rt
 from fleetwave.store.db import Store
 from fleetwave.store.schema import events, journal, steps
 from fleetwave.testing.invariants import check
@@ -562,3 +564,36 @@ def test_paged_loading_keeps_stages_in_order(store: Store) -> None:
     assert asyncio.run(conductor.run(strategy_ids=[sid]))[sid] == "complete"
     assert queries.step_counts(store, sid) == {"complete": 21}
     assert check(store, sid).ok  # includes the stage order
+
+
+def test_idle_dispatcher_tops_up_waiting_steps_in_small_pages(store: Store) -> None:
+    """Before the first actions end, idle moments load a reserve of waiting steps, a small
+    page at a time, up to a full page: none is loaded when slots free up under load."""
+    add_sim_targets(store, 100, settings={"latency_ms": 60})
+    sid = applied(store, "patch", max_parallel=10)
+    conductor = Conductor(store, config=EngineConfig(waiting_page=40, prefetch_page=8))
+    loads: list[int] = []
+    load = rt.load_waiting_steps
+
+    def counting(store: Store, sid: int, after: int, limit: int) -> list[rt.StepRecord]:
+        recs = load(store, sid, after, limit)
+        loads.append(limit)
+        return recs
+
+    seen: dict[str, int] = {}
+
+    async def go() -> dict[int, str]:
+        task = asyncio.create_task(conductor.run(strategy_ids=[sid]))
+        await asyncio.sleep(0.04)  # the first actions take 60 ms
+        run = conductor.runs[sid]
+        seen.update(pending=run.pending_count(), inflight=len(run.inflight))
+        return await task
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rt, "load_waiting_steps", counting)
+        assert asyncio.run(go())[sid] == "complete"
+    assert seen["inflight"] == 10
+    assert 40 <= seen["pending"] < 40 + 8  # topped up to a page, a small page at a time
+    assert loads[0] == 40  # the first load: enough to fill the window (here, the page)
+    assert set(loads[1:]) == {8}  # everything after it came in small pages while idle
+    assert check(store, sid).ok

@@ -93,9 +93,13 @@ class EngineConfig:
     #: most transitions per group commit: bounds how many actions one commit releases
     #: at once, and so the dispatch latency of the last of them
     batch_max: int = 128
-    #: waiting steps loaded from the database at a time (0: twice max parallel, at
-    #: least 512): the first actions start without loading the whole strategy first
+    #: waiting steps loaded from the database at a time when free slots need them
+    #: (0: twice max parallel, at least 512): the first actions start without loading
+    #: the whole strategy first. The first load takes just enough to fill the window.
     waiting_page: int = 0
+    #: while the dispatcher is idle, waiting steps are topped up this many at a time
+    #: (0: as ``waiting_page``), so a busy moment rarely has to stop for a page load
+    prefetch_page: int = 128
     #: on a clean stop, how long running actions may take to finish and commit
     shutdown_grace_s: float = 10.0
     #: a transient database error is retried this many times before the conductor stops
@@ -387,6 +391,9 @@ class Conductor:
                     if drain_until is None and self._should_exit(stop):
                         return
                     if drain_until is None:
+                        if await self._prefetch():
+                            await asyncio.sleep(0)  # what came due meanwhile goes first
+                            continue
                         await self._wake.wait()
                     else:
                         with contextlib.suppress(TimeoutError):
@@ -434,9 +441,13 @@ class Conductor:
                 self._on_finished(msg, now, batch, events, marks)
         for run in list(self.runs.values()):
             if run.more_waiting and (
-                run.stopping is not None or run.starved or run.pending_count() < run.cap
+                run.stopping is not None
+                or run.starved
+                or run.pending_count() < run.cap - len(run.inflight)
             ):
-                # Stopping ends every waiting step, so it needs them all.
+                # Free slots that what is loaded cannot fill (idle moments keep a reserve
+                # loaded, so under load this is rare). Stopping ends every waiting step,
+                # so it needs them all.
                 await self._load_waiting(run, everything=run.stopping is not None)
             self._admit(run, now, batch, self.config.batch_max - len(batch))
         if batch or events or marks:
@@ -579,7 +590,8 @@ class Conductor:
         run.failed = await self._io(rt.failed_count, self.store, rec.id)
         # A staged strategy is loaded whole: which stage comes next is then decided on
         # every waiting step, not on the assumption that pages come in stage order.
-        await self._load_waiting(run, everything=opts.stages_by_group)
+        first = self.config.waiting_page or max(run.cap, self._prefetch_page())
+        await self._load_waiting(run, everything=opts.stages_by_group, page=first)
         if rec.state in (StrategyState.ABORT_REQUESTED, StrategyState.ABORTING):
             run.stopping = "abort"
             run.stop_details = "aborted by operator"
@@ -636,9 +648,29 @@ class Conductor:
             log.info("strategy %s: driving its waiting steps", rec.id)
         return out
 
-    async def _load_waiting(self, run: StrategyRun, *, everything: bool) -> None:
+    def _page(self, run: StrategyRun) -> int:
+        return self.config.waiting_page or max(2 * run.cap, 512)
+
+    def _prefetch_page(self) -> int:
+        return self.config.prefetch_page or self.config.waiting_page or 512
+
+    async def _prefetch(self) -> bool:
+        """Nothing to do: top up one strategy's waiting steps by a small page, if short.
+
+        Loading a full page when slots free up would stop every running step's
+        dispatch for milliseconds; the dispatcher's idle moments cost nobody.
+        """
+        for run in self.runs.values():
+            if run.more_waiting and run.stopping is None and run.pending_count() < self._page(run):
+                await self._load_waiting(run, everything=False, page=self._prefetch_page())
+                return True
+        return False
+
+    async def _load_waiting(
+        self, run: StrategyRun, *, everything: bool, page: int | None = None
+    ) -> None:
         """Load the next page of waiting steps (or all of them), in admission order."""
-        page = self.config.waiting_page or max(2 * run.cap, 512)
+        page = page or self._page(run)
         while True:
             recs = await self._io(
                 rt.load_waiting_steps, self.store, run.id, run.waiting_after, page

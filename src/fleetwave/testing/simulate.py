@@ -309,7 +309,14 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
     sim = SimDriver(seed=cfg.seed)
     # Small pages of waiting steps for some seeds (own generator: other draws unchanged).
     page = random.Random(cfg.seed * 7919 + 3).choice([0, 0, 3, 16])
-    config = EngineConfig(lease_ttl_s=60.0, tick_s=10.0, seed=cfg.seed, waiting_page=page)
+    prefetch = random.Random(cfg.seed * 7919 + 4).choice([128, 128, 2, 16])
+    config = EngineConfig(
+        lease_ttl_s=60.0,
+        tick_s=10.0,
+        seed=cfg.seed,
+        waiting_page=page,
+        prefetch_page=prefetch,
+    )
     clock = LoopClock()
     crashes = 0
     stops = 0
