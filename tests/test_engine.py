@@ -597,3 +597,49 @@ def test_idle_dispatcher_tops_up_waiting_steps_in_small_pages(store: Store) -> N
     assert loads[0] == 40  # the first load: enough to fill the window (here, the page)
     assert set(loads[1:]) == {8}  # everything after it came in small pages while idle
     assert check(store, sid).ok
+
+
+def test_first_wave_starts_in_one_commit_up_to_twice_batch_max(store: Store) -> None:
+    """Nothing runs yet, so a bigger first commit delays nobody: the whole first wave
+    (here 12 > batch_max 8) starts after one commit; later commits keep to batch_max."""
+    add_sim_targets(store, 40, settings={"latency_ms": 50})
+    sid = applied(store, "patch", max_parallel=12)
+    conductor = Conductor(store, config=EngineConfig(batch_max=8))
+    seen: dict[str, int] = {}
+
+    async def go() -> dict[int, str]:
+        task = asyncio.create_task(conductor.run(strategy_ids=[sid]))
+        await asyncio.sleep(0.03)  # the first actions take 50 ms
+        seen.update(batches=conductor.stats.batches, running=len(conductor._workers))
+        return await task
+
+    assert asyncio.run(go())[sid] == "complete"
+    assert seen == {"batches": 1, "running": 12}
+    sizes = store_batch_sizes(store, sid)
+    assert sizes[0] == 12 and max(sizes[1:]) <= 8
+    assert check(store, sid).ok
+
+
+def store_batch_sizes(store: Store, sid: int) -> list[int]:
+    """Journal rows per commit: rows of one group commit share their timestamp."""
+    with store.read() as conn:
+        rows = conn.execute(
+            select(journal.c.at).where(journal.c.strategy_id == sid).order_by(journal.c.id)
+        ).all()
+    return list(Counter(r.at for r in rows).values())
+
+
+def test_sim_driver_counts_starts_only_when_asked(store: Store) -> None:
+    """The per-attempt start count grows with every operation: the simulator turns it
+    on to check G1 at the targets; a conductor's driver keeps nothing."""
+    add_sim_targets(store, 5)
+    sid = applied(store, "patch")
+    quiet, counting = SimDriver(), SimDriver()
+    counting.count_starts = True
+    for sim in (quiet, counting):
+        s = applied(store, "patch") if sim is counting else sid
+        assert asyncio.run(Conductor(store, drivers={"sim": sim}).run(strategy_ids=[s]))[s] == (
+            "complete"
+        )
+    assert not quiet.starts
+    assert sum(counting.starts.values()) == 5 * 5 and set(counting.starts.values()) == {1}

@@ -6,7 +6,7 @@ them whether a journalled move was allowed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from fleetwave.domain.models import (
     STEP_ABORTED,
@@ -18,8 +18,9 @@ from fleetwave.domain.models import (
 from fleetwave.domain.workflow import Outcome, Skip
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
+    """Where a step goes next, and why (made for every outcome: a light tuple)."""
+
     to_state: str
     details: str
 

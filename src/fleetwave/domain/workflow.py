@@ -52,6 +52,8 @@ class Skip:
 
 
 Outcome = Advance | Skip
+#: outcomes are immutable: the plain "next state" is shared
+_ADVANCE = Advance()
 
 
 class RemoteResult(StrEnum):
@@ -139,7 +141,7 @@ class DriverOperation(StateAction):
         if result is RemoteResult.ALREADY_DONE and self.skip_when_done:
             return Skip(f"{ctx.target.name}: {self.operation} reports already done")
         if result in (RemoteResult.DONE, RemoteResult.ALREADY_DONE):
-            return Advance()
+            return _ADVANCE
         raise StepFailed(f"{self.operation}: target reported {result.value}")
 
     def describe(self) -> str:

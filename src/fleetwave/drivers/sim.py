@@ -167,6 +167,9 @@ class SimDriver:
         #: how many times each (target, operation, attempt) was started by an action: a
         #: correct engine never starts the same attempt of a state twice
         self.starts: Counter[tuple[str, str, int]] = Counter()
+        #: count :attr:`starts` (the simulator does): off by default, as it grows with
+        #: every operation of every target for the life of the driver
+        self.count_starts = False
         #: where simulated agents send callbacks (set by whoever runs the conductor)
         self.callback_sink: CallbackSink | None = None
         self.callbacks_sent = 0
@@ -191,11 +194,12 @@ class SimDriver:
         """Start the operation on the target, or join the run already going; wait for it."""
         prof = self._profile(target)
         if not ctx.recovering:
-            self.starts[(target.name, operation, ctx.attempt)] += 1
+            if self.count_starts:
+                self.starts[(target.name, operation, ctx.attempt)] += 1
             if self.record:
                 self.performed.append((target.name, operation, ctx.attempt))
         key = (ctx.strategy_id, target.name, operation)
-        running = self._remote.get(key)
+        running = self._remote.get(key) if self._remote else None
         if running is not None and not running.future.done():
             return await asyncio.shield(running.future)  # idempotent: join, don't restart
         if prof.plain and not ctx.callback_expected:

@@ -439,6 +439,9 @@ class Conductor:
                 self._drop_run(msg.strategy_id)
             else:
                 self._on_finished(msg, now, batch, events, marks)
+        # No action running (a strategy just claimed): a bigger first commit delays no
+        # one's dispatch, and the whole first wave starts together.
+        limit = self.config.batch_max * (1 if self._workers else 2)
         for run in list(self.runs.values()):
             if run.more_waiting and (
                 run.stopping is not None
@@ -449,7 +452,7 @@ class Conductor:
                 # loaded, so under load this is rare). Stopping ends every waiting step,
                 # so it needs them all.
                 await self._load_waiting(run, everything=run.stopping is not None)
-            self._admit(run, now, batch, self.config.batch_max - len(batch))
+            self._admit(run, now, batch, limit - len(batch))
         if batch or events or marks:
             self._crash_point("before-commit")
             # A strategy dropped in this very batch (lease lost) writes nothing more:

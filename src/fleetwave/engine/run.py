@@ -60,6 +60,8 @@ class StrategyRun:
     more_waiting: bool = False
     #: free slots, but nothing loaded may take them: load the next page first
     starved: bool = False
+    #: how many steps :attr:`pending` holds (asked for on every batch)
+    _pending_n: int = 0
 
     @property
     def id(self) -> int:
@@ -80,12 +82,21 @@ class StrategyRun:
 
     def add_pending(self, rec: StepRecord) -> None:
         self.pending.setdefault(rec.stage, {}).setdefault(rec.group_id, deque()).append(rec)
+        self._pending_n += 1
 
     def pending_count(self) -> int:
-        return sum(len(q) for groups in self.pending.values() for q in groups.values())
+        return self._pending_n
 
     def current_stage(self) -> int | None:
         """The lowest stage with work left; later stages wait until it is all terminal."""
+        if not self.options.stages_by_group:
+            # All steps share one stage: no need to look at every step in flight.
+            for stage, groups in self.pending.items():
+                if any(groups.values()):
+                    return stage
+            for fl in self.inflight.values():
+                return fl.rec.stage
+            return None
         stages = {rec.rec.stage for rec in self.inflight.values()}
         stages.update(s for s, groups in self.pending.items() if any(groups.values()))
         return min(stages) if stages else None
@@ -111,16 +122,19 @@ class StrategyRun:
                 room -= 1
             if len(out) >= free:
                 break
+        self._pending_n -= len(out)
         return out
 
     def requeue_front(self, recs: list[StepRecord]) -> None:
         """Put steps taken by :meth:`take_admissions` back, in their order."""
         for rec in reversed(recs):
             self.pending.setdefault(rec.stage, {}).setdefault(rec.group_id, deque()).appendleft(rec)
+        self._pending_n += len(recs)
 
     def drain_pending(self) -> list[StepRecord]:
         out = [rec for groups in self.pending.values() for q in groups.values() for rec in q]
         self.pending.clear()
+        self._pending_n = 0
         return out
 
     def is_done(self) -> bool:

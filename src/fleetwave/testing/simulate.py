@@ -307,6 +307,7 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
     )
     store.write_fault = faults.write_fault
     sim = SimDriver(seed=cfg.seed)
+    sim.count_starts = True  # checked below: no attempt of a state started twice
     # Small pages of waiting steps for some seeds (own generator: other draws unchanged).
     page = random.Random(cfg.seed * 7919 + 3).choice([0, 0, 3, 16])
     prefetch = random.Random(cfg.seed * 7919 + 4).choice([128, 128, 2, 16])
