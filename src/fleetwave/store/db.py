@@ -36,6 +36,11 @@ class DialectHooks:
         """``n`` parameter placeholders for an ``IN (...)`` list."""
         return ", ".join([self.placeholder] * n)
 
+    def flag(self, value: bool) -> Any:
+        """A boolean parameter as the hot path binds it. SQLite: 0 or 1, which its
+        driver binds directly (a bool, like None, goes through an adapter lookup)."""
+        return int(value)
+
     def now_sql(self) -> str | None:
         """SQL for the database's clock, when leases should use it (PostgreSQL)."""
         return None

@@ -467,10 +467,25 @@ class TransitionWriter:
         self.cid = conductor_id
         self._raw: PoolProxiedConnection | None = None
         p = store.hooks.placeholder
-        self._update_sql = (
-            f"UPDATE steps SET state={p}, fence={p}, owner={p}, lease_expires_at={p}, "
-            f"details={p}, attempt={p}, started_at=COALESCE(started_at, {p}), finished_at={p}, "
-            f"not_started={p}, deadline_at={p} WHERE id={p} AND state={p} AND fence={p}"
+        # One compare-and-set UPDATE per kind of move, so that what a kind always sets to
+        # NULL is written in the SQL: binding a None costs the driver an adapter lookup
+        # (SQLite: about 2.5 us a row, a quarter of the statement).
+        head = f"UPDATE steps SET state={p}, fence={p}, details={p}, attempt={p}, "
+        cas = f" WHERE id={p} AND state={p} AND fence={p}"
+        #: into a workflow state: held by this conductor until its deadline
+        self._enter_sql = (
+            f"{head}owner={p}, lease_expires_at={p}, started_at=COALESCE(started_at, {p}), "
+            f"finished_at=NULL, not_started={p}, deadline_at={p}{cas}"
+        )
+        #: a started step ends
+        self._finish_sql = (
+            f"{head}owner=NULL, lease_expires_at=NULL, started_at=COALESCE(started_at, {p}), "
+            f"finished_at={p}, not_started={p}, deadline_at=NULL{cas}"
+        )
+        #: a step ends without having started (aborted, unmanaged): no started_at
+        self._end_unstarted_sql = (
+            f"{head}owner=NULL, lease_expires_at=NULL, finished_at={p}, not_started={p}, "
+            f"deadline_at=NULL{cas}"
         )
         self._journal_sql = (
             "INSERT INTO journal (strategy_id, step_id, at, conductor, from_state, to_state, "
@@ -485,23 +500,20 @@ class TransitionWriter:
             f"VALUES ({p}, {p}, {p}, {p}, {p}, {p})"
         )
 
-    def _params(self, t: Transition, lease_until: float) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        terminal = t.to_state in STEP_TERMINAL
-        upd = (
-            t.to_state,
-            t.fence,
-            None if terminal else self.cid,
-            None if terminal else lease_until,
-            t.details,
-            t.attempt,
-            None if t.from_state == STEP_INITIAL and terminal else t.at,
-            t.at if terminal else None,
-            t.not_started,
-            None if terminal else t.deadline_at,
-            t.step_id,
-            t.from_state,
-            t.from_fence,
-        )
+    def _params(
+        self, t: Transition, lease_until: float
+    ) -> tuple[str, tuple[Any, ...], tuple[Any, ...]]:
+        """The step's compare-and-set UPDATE (statement and parameters), its journal row."""
+        not_started = self.store.hooks.flag(t.not_started)
+        cas = (t.step_id, t.from_state, t.from_fence)
+        if t.to_state not in STEP_TERMINAL:
+            sql = self._enter_sql
+            args: tuple[Any, ...] = (self.cid, lease_until, t.at, not_started, t.deadline_at)
+        elif t.from_state == STEP_INITIAL:
+            sql, args = self._end_unstarted_sql, (t.at, not_started)
+        else:
+            sql, args = self._finish_sql, (t.at, t.at, not_started)
+        upd = (t.to_state, t.fence, t.details, t.attempt, *args, *cas)
         jr = (
             t.strategy_id,
             t.step_id,
@@ -512,7 +524,7 @@ class TransitionWriter:
             t.fence,
             t.details,
         )
-        return upd, jr
+        return sql, upd, jr
 
     def commit(
         self,
@@ -531,11 +543,11 @@ class TransitionWriter:
         ``marks`` record how callbacks were answered, in the same transaction.
         """
         mk = [(m.outcome, m.reason, now, m.callback_id) for m in marks or ()]
-        ups: list[tuple[Any, ...]] = []
+        ups: list[tuple[str, tuple[Any, ...]]] = []
         jrs: list[tuple[Any, ...]] = []
         for t in batch:
-            u, j = self._params(t, lease_until)
-            ups.append(u)
+            sql, u, j = self._params(t, lease_until)
+            ups.append((sql, u))
             jrs.append(j)
         ev = [(now, self.cid, e.strategy_id, e.step_id, e.kind, e.details) for e in evts]
         fences = fences or {}
@@ -558,7 +570,7 @@ class TransitionWriter:
 
     def _commit_fast(
         self,
-        ups: list[tuple[Any, ...]],
+        ups: list[tuple[str, tuple[Any, ...]]],
         jrs: list[tuple[Any, ...]],
         ev: list[tuple[Any, ...]],
         mk: list[tuple[Any, ...]],
@@ -583,9 +595,12 @@ class TransitionWriter:
             if self._lost(cur, fences):
                 raw.rollback()
                 return False
-            if ups:
-                cur.executemany(self._update_sql, ups)
-                if cur.rowcount != len(ups):
+            by_sql: dict[str, list[tuple[Any, ...]]] = {}
+            for sql, u in ups:
+                by_sql.setdefault(sql, []).append(u)
+            for sql, rows in by_sql.items():
+                cur.executemany(sql, rows)
+                if cur.rowcount != len(rows):
                     raw.rollback()
                     return False
             if jrs:
@@ -611,7 +626,7 @@ class TransitionWriter:
     def _commit_one_by_one(
         self,
         batch: list[Transition],
-        ups: list[tuple[Any, ...]],
+        ups: list[tuple[str, tuple[Any, ...]]],
         jrs: list[tuple[Any, ...]],
         ev: list[tuple[Any, ...]],
         marks: list[CallbackMark],
@@ -622,13 +637,13 @@ class TransitionWriter:
         with self.store.write() as conn:
             raw: Any = conn.connection.driver_connection
             lost = self._lost(raw.cursor(), fences)
-            for t, u, j in zip(batch, ups, jrs, strict=True):
+            for t, (sql, u), j in zip(batch, ups, jrs, strict=True):
                 if t.strategy_id in lost:
                     rejected.append(t)
                     continue
                 sp = conn.begin_nested()
                 try:
-                    res = conn.exec_driver_sql(self._update_sql, u)
+                    res = conn.exec_driver_sql(sql, u)
                     if res.rowcount != 1:
                         sp.rollback()
                         if not self._already_applied(conn, t):
