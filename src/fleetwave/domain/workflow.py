@@ -79,7 +79,7 @@ class TargetDriver(Protocol):
         ...
 
 
-@dataclass
+@dataclass(slots=True)
 class ActionContext:
     """Everything an action may use. Actions never see the store or the dispatcher."""
 

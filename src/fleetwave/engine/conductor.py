@@ -130,6 +130,9 @@ CrashHook = Callable[[str], None]
 
 
 class Conductor:
+    #: the loop :meth:`run` runs on (set when it starts)
+    _loop: asyncio.AbstractEventLoop
+
     def __init__(
         self,
         store: Store,
@@ -241,6 +244,9 @@ class Conductor:
         self._wanted = set(strategy_ids) if strategy_ids is not None else None
         self._patient = patient
         self._wake = asyncio.Event()
+        # The hot path asks for the loop on every action: asyncio.get_running_loop()
+        # makes a getpid() system call each time (fork safety), so it is kept here.
+        self._loop = asyncio.get_running_loop()
         clean = False
         for driver in self.drivers.values():
             if hasattr(driver, "callback_sink"):
@@ -941,7 +947,7 @@ class Conductor:
                     if cb.state == fl.state:
                         self.post(CallbackArrived(cb))
         if fl.task is None:
-            task = asyncio.create_task(self._step_worker(run, fl))
+            task = self._loop.create_task(self._step_worker(run, fl))
             fl.task = task
             self._workers.add(task)
             task.add_done_callback(self._worker_ended)
@@ -966,7 +972,7 @@ class Conductor:
             if self._deadline_timer is not None:
                 self._deadline_timer.cancel()
             self._deadline_at = when
-            self._deadline_timer = asyncio.get_running_loop().call_at(when, self._expire)
+            self._deadline_timer = self._loop.call_at(when, self._expire)
         elif len(heap) > self._deadlines_compact_at:
             # Most entries are of attempts that ended long before their deadline.
             live = [e for e in heap if e[2].running == e[1]]
@@ -985,7 +991,7 @@ class Conductor:
                 fl.task.cancel()
         if heap:
             self._deadline_at = heap[0][0]
-            self._deadline_timer = asyncio.get_running_loop().call_at(heap[0][0], self._expire)
+            self._deadline_timer = self._loop.call_at(heap[0][0], self._expire)
 
     async def _finish_done_runs(self) -> None:
         for run in list(self.runs.values()):
@@ -1014,7 +1020,7 @@ class Conductor:
         reports by message (G2); it ends when told to (terminal, fenced off, draining).
         """
         recovering = fl.recovering
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         while True:
             if self.config.measure_latency and not recovering:
                 self.stats.dispatch_latency_s.append(time.perf_counter() - self._committed_at)
@@ -1035,7 +1041,7 @@ class Conductor:
             left = max(0.0, rec.deadline_at - self.clock.now())
             timeout_s = min(st.timeout_s, left + self.config.recover_grace_s)
         driver = self.drivers.get(rec.target.driver)
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         attempts = 0
         callback_id: int | None = None
         decision: Decision

@@ -63,9 +63,11 @@ class StrategyRun:
     #: how many steps :attr:`pending` holds (asked for on every batch)
     _pending_n: int = 0
 
-    @property
-    def id(self) -> int:
-        return self.record.id
+    #: the strategy's id (asked for on every transition: a plain attribute)
+    id: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.id = self.record.id
 
     @property
     def waits_for_callbacks(self) -> bool:
