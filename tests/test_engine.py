@@ -22,7 +22,7 @@ from fleetwave.engine.messages import ActionFinished
 from fleetwave.store import admin, queries
 from fleetwave.store import runtime as rt
 from fleetwave.store.db import Store
-from fleetwave.store.schema import events, journal, steps
+from fleetwave.store.schema import conductors, events, journal, steps
 from fleetwave.testing.invariants import check
 
 
@@ -357,7 +357,7 @@ def test_clean_shutdown_hands_leases_back_and_next_conductor_resumes(store: Stor
 def test_dead_conductor_on_another_host_is_taken_over_after_lease_expiry(store: Store) -> None:
     from sqlalchemy import insert, update
 
-    from fleetwave.store.schema import conductors, strategies
+    from fleetwave.store.schema import strategies
 
     add_sim_targets(store, 3)
     sid = applied(store, "patch", max_parallel=3)
@@ -643,3 +643,19 @@ def test_sim_driver_counts_starts_only_when_asked(store: Store) -> None:
         )
     assert not quiet.starts
     assert sum(counting.starts.values()) == 5 * 5 and set(counting.starts.values()) == {1}
+
+
+@pytest.mark.parametrize("wanted", ["nothing", "one strategy"])
+def test_a_conductor_registers_once_and_signs_off(store: Store, wanted: str) -> None:
+    """Registered with its first claim (or alone when there is nothing to claim), and
+    marked stopped on a clean exit: the liveness that takeovers rely on."""
+    sids: list[int] = []
+    if wanted == "one strategy":
+        add_sim_targets(store, 3)
+        sids.append(applied(store, "patch"))
+    conductor = Conductor(store)
+    finished = asyncio.run(conductor.run(strategy_ids=sids))
+    assert finished == {sid: "complete" for sid in sids}
+    with store.read() as conn:
+        rows = conn.execute(select(conductors).where(conductors.c.id == conductor.id)).all()
+    assert len(rows) == 1 and rows[0].stopped_at is not None

@@ -252,8 +252,7 @@ class Conductor:
             if hasattr(driver, "callback_sink"):
                 driver.callback_sink = self._sink  # simulated agents call us back here
         try:
-            await self._io(rt.register_conductor, self.store, self.id, self.clock.now())
-            await self._claim()
+            await self._claim(register=True)
             periodic = asyncio.create_task(self._periodic(), name="fleetwave-periodic")
             periodic.add_done_callback(self._periodic_ended)
             try:
@@ -348,14 +347,22 @@ class Conductor:
                 self._callbacks_seen.add(record.id)
                 self.post(CallbackArrived(record))
 
-    async def _claim(self) -> None:
+    async def _claim(self, *, register: bool = False) -> None:
         todo: set[int] | None = None
         if self._wanted is not None:
             todo = self._wanted - set(self.runs) - set(self.finished)
             if not todo:
+                if register:
+                    await self._io(rt.register_conductor, self.store, self.id, self.clock.now())
                 return
         claimed = await self._io(
-            rt.claim_strategies, self.store, self.id, self.clock.now(), self._lease_until(), todo
+            rt.claim_strategies,
+            self.store,
+            self.id,
+            self.clock.now(),
+            self._lease_until(),
+            todo,
+            register=register,
         )
         for rec in claimed:
             self.post(StrategyClaimed(rec))
@@ -595,8 +602,7 @@ class Conductor:
             await self._fail_undrivable(rec, f"cannot drive it: {exc}")
             return []
         run = StrategyRun(rec, wf, opts, db_state=rec.state)
-        lost = await self._io(rt.load_started_steps, self.store, rec.id)
-        run.failed = await self._io(rt.failed_count, self.store, rec.id)
+        lost, run.failed = await self._io(rt.load_started_steps, self.store, rec.id)
         # A staged strategy is loaded whole: which stage comes next is then decided on
         # every waiting step, not on the assumption that pages come in stage order.
         first = self.config.waiting_page or max(run.cap, self._prefetch_page())

@@ -140,13 +140,17 @@ class StrategyRecord:
 
 
 def register_conductor(store: Store, cid: str, now: float) -> None:
-    p = store.hooks.placeholder
     with store.write() as conn:
-        conn.exec_driver_sql(
-            "INSERT INTO conductors (id, hostname, pid, started_at, heartbeat_at) "
-            f"VALUES ({p}, {p}, {p}, {p}, {p})",
-            (cid, HOSTNAME, os.getpid(), now, now),
-        )
+        _register(conn, store, cid, now)
+
+
+def _register(conn: Connection, store: Store, cid: str, now: float) -> None:
+    p = store.hooks.placeholder
+    conn.exec_driver_sql(
+        "INSERT INTO conductors (id, hostname, pid, started_at, heartbeat_at) "
+        f"VALUES ({p}, {p}, {p}, {p}, {p})",
+        (cid, HOSTNAME, os.getpid(), now, now),
+    )
 
 
 def _pid_alive(pid: int) -> bool:
@@ -222,9 +226,19 @@ def _strategy_record(r: Any) -> StrategyRecord:
 
 
 def claim_strategies(
-    store: Store, cid: str, now: float, lease_until: float, only: set[int] | None = None
+    store: Store,
+    cid: str,
+    now: float,
+    lease_until: float,
+    only: set[int] | None = None,
+    *,
+    register: bool = False,
 ) -> list[StrategyRecord]:
-    """Claim every driven strategy that is free, expired, or held by a dead conductor."""
+    """Claim every driven strategy that is free, expired, or held by a dead conductor.
+
+    ``register``: a starting conductor registers itself in the same transaction (one
+    commit, so one fsync, before its first action can start).
+    """
     p = store.hooks.placeholder
     claimed: list[StrategyRecord] = []
     sql = (
@@ -237,6 +251,8 @@ def claim_strategies(
         sql += f" AND id IN ({store.hooks.placeholders(len(only))})"
         params += sorted(only)
     with store.write() as conn:
+        if register:
+            _register(conn, store, cid, now)
         dead = dead_conductors(conn, cid)
         for r in conn.exec_driver_sql(sql + " ORDER BY id", tuple(params)).all():
             free = (
@@ -335,7 +351,12 @@ _STEP_COLUMNS = (
 
 
 def _step_records(
-    store: Store, sid: int, where: str, params: tuple[Any, ...], limit: int | None = None
+    conn: Connection,
+    store: Store,
+    sid: int,
+    where: str,
+    params: tuple[Any, ...],
+    limit: int | None = None,
 ) -> list[StepRecord]:
     """Steps of one strategy in admission order, as the engine needs them.
 
@@ -346,8 +367,7 @@ def _step_records(
     sql = f"{_STEP_COLUMNS}WHERE s.strategy_id = {p} AND {where} ORDER BY s.ordinal"
     if limit is not None:
         sql += f" LIMIT {int(limit)}"
-    with store.read() as conn:
-        rows = conn.exec_driver_sql(sql, (sid, *params)).all()
+    rows = conn.exec_driver_sql(sql, (sid, *params)).all()
     parsed: dict[str, Any] = {}  # many targets share settings and labels: parse each once
 
     def parse(raw: str) -> Any:
@@ -382,11 +402,10 @@ def _step_records(
     ]
 
 
-def failed_count(store: Store, sid: int) -> int:
+def _failed_count(conn: Connection, store: Store, sid: int) -> int:
     p = store.hooks.placeholder
     sql = f"SELECT count(*) FROM steps WHERE strategy_id = {p} AND state = 'failed'"
-    with store.read() as conn:
-        return int(conn.exec_driver_sql(sql, (sid,)).scalar_one())
+    return int(conn.exec_driver_sql(sql, (sid,)).scalar_one())
 
 
 _DONE = ", ".join(f"'{s}'" for s in sorted(STEP_TERMINAL))
@@ -394,20 +413,25 @@ _DONE = ", ".join(f"'{s}'" for s in sorted(STEP_TERMINAL))
 
 def load_open_steps(store: Store, sid: int) -> tuple[list[StepRecord], int]:
     """Every non-terminal step of a strategy in admission order, and the failed count."""
-    return _step_records(store, sid, f"s.state NOT IN ({_DONE})", ()), failed_count(store, sid)
+    with store.read() as conn:
+        recs = _step_records(conn, store, sid, f"s.state NOT IN ({_DONE})", ())
+        return recs, _failed_count(conn, store, sid)
 
 
-def load_started_steps(store: Store, sid: int) -> list[StepRecord]:
-    """The steps in one of the workflow's states (neither waiting nor ended)."""
-    return _step_records(store, sid, f"s.state NOT IN ('{STEP_INITIAL}', {_DONE})", ())
+def load_started_steps(store: Store, sid: int) -> tuple[list[StepRecord], int]:
+    """The steps in one of the workflow's states (neither waiting nor ended), and the
+    failed count, from one snapshot."""
+    with store.read() as conn:
+        where = f"s.state NOT IN ('{STEP_INITIAL}', {_DONE})"
+        return _step_records(conn, store, sid, where, ()), _failed_count(conn, store, sid)
 
 
 def load_waiting_steps(store: Store, sid: int, after_ordinal: int, limit: int) -> list[StepRecord]:
     """The next ``limit`` steps still waiting to start, after ``after_ordinal``, in order."""
     p = store.hooks.placeholder
-    return _step_records(
-        store, sid, f"s.state = '{STEP_INITIAL}' AND s.ordinal > {p}", (after_ordinal,), limit
-    )
+    where = f"s.state = '{STEP_INITIAL}' AND s.ordinal > {p}"
+    with store.read() as conn:
+        return _step_records(conn, store, sid, where, (after_ordinal,), limit)
 
 
 def take_over_steps(
