@@ -97,3 +97,17 @@ class LockingCallbackConductor(Conductor):
         if lock is not None and lock.locked():
             raise NodeLocked(f"step {step_id} is locked by its worker")
         return super().receive_callback(step_id, state, kind, details)
+
+
+class ForgetsAbortConductor(Conductor):
+    """An operator's abort is logged, then forgotten: new steps keep starting.
+
+    Not one of the seed documents: it shows the simulator's operator abort is checked,
+    not merely issued.
+    """
+
+    def _request_stop(self, sid: int, events: list[rt.Event]) -> None:
+        super()._request_stop(sid, events)
+        run = self.runs.get(sid)
+        if run is not None:
+            run.stopping = None

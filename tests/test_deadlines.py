@@ -11,7 +11,7 @@ from fleetwave.domain.workflow import StateDef, WorkflowDef
 from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.clock import LoopClock
 from fleetwave.engine.conductor import Conductor, EngineConfig
-from fleetwave.store import queries
+from fleetwave.store import admin, queries
 from fleetwave.store.db import Store
 from fleetwave.testing.invariants import check
 from fleetwave.testing.vloop import VirtualTimeLoop
@@ -122,4 +122,36 @@ def test_a_takeover_does_not_restart_the_states_timeout(store: Store) -> None:
     )
     # 100 s of the state's own time, then the 5 s grace: not 60 + 10 + 100 s.
     assert 100 <= step["finished_at"] - started <= 106
+    assert check(store, sid).ok
+
+
+def test_an_abort_still_wins_over_the_failure_threshold_after_a_takeover(store: Store) -> None:
+    """Failures past the threshold and an operator's abort, then the conductor dies: the
+    next one ends the strategy aborted, as the first would have (the simulator's abort
+    fault found the takeover ending it failed)."""
+    add_sim_targets(store, 1, prefix="bad", settings={"fail_at": "pre-check"})
+    add_sim_targets(store, 3, prefix="slow", settings={"latency_ms": 8_000})
+    sid = applied(store, "patch", max_parallel=4, max_failures=0)
+    sim = SimDriver()
+    config = EngineConfig(lease_ttl_s=10, tick_s=1)
+    first = Conductor(store, clock=LoopClock(), config=config, drivers={"sim": sim})
+    # No periodic pass before it ends: only the takeover itself sees the abort.
+    quiet = EngineConfig(lease_ttl_s=10, tick_s=1000)
+    second = Conductor(store, clock=LoopClock(), config=quiet, drivers={"sim": sim})
+
+    async def go() -> dict[int, str]:
+        crashed = asyncio.create_task(first.run(strategy_ids=[sid]))
+        await asyncio.sleep(5)  # bad has failed; the slow ones are still in pre-check
+        crashed.cancel()  # dies without handing its leases back
+        await asyncio.gather(crashed, return_exceptions=True)
+        admin.request_abort(store, sid)
+        return await second.run(strategy_ids=[sid], patient=True)
+
+    loop = VirtualTimeLoop()
+    try:
+        assert loop.run_until_complete(go())[sid] == "aborted"
+    finally:
+        loop.close()
+    counts = queries.step_counts(store, sid)
+    assert counts == {"failed": 1, "aborted": 3}, counts
     assert check(store, sid).ok

@@ -8,6 +8,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from broken_engines import (
+    ForgetsAbortConductor,
     LockingCallbackConductor,
     SelfRemovingWorkerConductor,
     StaleSnapshotConductor,
@@ -63,7 +64,18 @@ def test_faults_are_really_injected() -> None:
     quiet = run_simulation(SimConfig(seed=1, targets=40, workflow="clean", faults=frozenset()))
     assert quiet.ok and quiet.crashes == 0 and quiet.store_retries == 0
     assert quiet.strategy_state == "complete"
-    assert set(FAULTS) == {"errors", "hangs", "slow", "callbacks", "db", "crash", "stall", "stop"}
+    assert sum(r.aborted_by_operator for r in results) > 0
+    assert set(FAULTS) == {
+        "errors",
+        "hangs",
+        "slow",
+        "callbacks",
+        "db",
+        "crash",
+        "stall",
+        "stop",
+        "abort",
+    }
 
 
 def test_ci_sweep_all_faults() -> None:
@@ -81,8 +93,9 @@ def test_ci_sweep_all_faults() -> None:
     PINNED or [pytest.param(0, "", 0, marks=pytest.mark.skip(reason="no seed has failed yet"))],
 )
 def test_pinned_regression_seeds(seed: int, workflow: str, targets: int) -> None:
-    # Without clean stops (added later): each seed replays the run that found its bug.
-    faults = frozenset(FAULTS) - {"stop"}
+    # Without clean stops and aborts (added later): each seed replays the run that
+    # found its bug.
+    faults = frozenset(FAULTS) - {"stop", "abort"}
     res = run_simulation(SimConfig(seed=seed, targets=targets, workflow=workflow, faults=faults))
     assert res.ok, res.violations
 
@@ -105,6 +118,11 @@ def _first_caught(
             print(f"{cls.__name__} caught by seed {seed}: {hits[0]}")
             return seed, hits
     raise AssertionError(f"{cls.__name__} not caught in seeds {seeds}")
+
+
+def test_guard_catches_conductor_that_forgets_an_abort() -> None:
+    _seed, hits = _first_caught(ForgetsAbortConductor, "patch", "abort:", range(1, 41))
+    assert "after a conductor saw the operator's abort" in hits[0] or "yet it ended" in hits[0]
 
 
 def test_guard_catches_stale_snapshot_dispatcher() -> None:

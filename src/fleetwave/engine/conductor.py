@@ -607,13 +607,15 @@ class Conductor:
         # every waiting step, not on the assumption that pages come in stage order.
         first = self.config.waiting_page or max(run.cap, self._prefetch_page())
         await self._load_waiting(run, everything=opts.stages_by_group, page=first)
-        if rec.state in (StrategyState.ABORT_REQUESTED, StrategyState.ABORTING):
-            run.stopping = "abort"
-            run.stop_details = "aborted by operator"
         limit = opts.failure_limit
         if limit is not None and run.failed > limit:
             run.stopping = "failure"
             run.stop_details = self._failure_details(run)
+        if rec.state in (StrategyState.ABORT_REQUESTED, StrategyState.ABORTING):
+            # The operator's abort wins over the failure threshold, as it does when the
+            # abort reaches a running conductor (found by the simulator's abort fault).
+            run.stopping = "abort"
+            run.stop_details = "aborted by operator"
         for step in lost:
             if step.not_started:
                 # It starts afresh here: its time starts now.

@@ -9,7 +9,8 @@ One run, for one seed:
 3. conductors that crash (killed at a random virtual time, or at a chosen commit,
    before or after it) and restart with a new identity, taking over by lease expiry;
    conductors that stall (run on without renewing their leases) while a rival takes
-   over, and must be fenced off; transient database errors inside write transactions;
+   over, and must be fenced off; conductors stopped cleanly; transient database errors
+   inside write transactions; an operator who aborts the strategy mid-run;
 4. then every guarantee is checked from the journal and final rows, and the journal's
    digest is printed: the same seed gives the same journal, byte for byte.
 
@@ -34,7 +35,15 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
-from fleetwave.domain.models import STRATEGY_TERMINAL, ApplyType, Group, StrategyOptions, Target
+from fleetwave.domain.errors import Conflict
+from fleetwave.domain.models import (
+    STEP_TERMINAL,
+    STRATEGY_TERMINAL,
+    ApplyType,
+    Group,
+    StrategyOptions,
+    Target,
+)
 from fleetwave.domain.registry import get_workflow
 from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.clock import LoopClock
@@ -42,11 +51,11 @@ from fleetwave.engine.conductor import Conductor, EngineConfig, SimulatedCrash
 from fleetwave.store import admin
 from fleetwave.store import runtime as rt
 from fleetwave.store.db import Store, open_store
-from fleetwave.store.schema import callbacks, journal, steps
+from fleetwave.store.schema import callbacks, events, journal, steps, strategies
 from fleetwave.testing.invariants import check
 from fleetwave.testing.vloop import Deadlock, Livelock, VirtualTimeLoop
 
-FAULTS = ("errors", "hangs", "slow", "callbacks", "db", "crash", "stall", "stop")
+FAULTS = ("errors", "hangs", "slow", "callbacks", "db", "crash", "stall", "stop", "abort")
 
 #: virtual time after which a strategy that has not ended is a liveness violation
 VIRTUAL_LIMIT_S = 7 * 24 * 3600.0
@@ -99,6 +108,8 @@ class SimResult:
     options: dict[str, Any] = field(default_factory=dict)
     #: clean stops (the conductor drained and handed its leases back)
     stops: int = 0
+    #: the operator's abort was accepted (the strategy was still applying)
+    aborted_by_operator: bool = False
 
     def line(self) -> str:
         verdict = "ok" if self.ok else "FAILED"
@@ -205,13 +216,23 @@ def _target_checks(sim: SimDriver) -> list[str]:
 class _Faults:
     """The run's fault schedule, drawn from its own generator so it replays exactly."""
 
-    def __init__(self, rng: random.Random, faults: frozenset[str], stop_rng: random.Random) -> None:
+    def __init__(
+        self,
+        rng: random.Random,
+        faults: frozenset[str],
+        stop_rng: random.Random,
+        abort_rng: random.Random,
+    ) -> None:
         self.rng = rng
         self.faults = faults
-        # Clean stops draw from their own generator: the other faults of a seed stay
-        # what they were before this kind existed.
+        # Clean stops and aborts draw from their own generators: the other faults of a
+        # seed stay what they were before these kinds existed.
         self.stop_rng = stop_rng
         self.stops_left = stop_rng.randint(1, 2) if "stop" in faults else 0
+        #: when the operator asks for an abort (virtual seconds), for 40 % of seeds
+        self.abort_at: float | None = None
+        if "abort" in faults and abort_rng.random() < 0.4:
+            self.abort_at = abort_rng.uniform(1, 600)
         self.db_error_rate = rng.choice([0.005, 0.02, 0.05]) if "db" in faults else 0.0
         self.crashes_left = rng.randint(1, 3) if "crash" in faults else 0
         #: generations that stall (stop renewing leases while running on)
@@ -244,6 +265,59 @@ class _Faults:
         if kind == "time":
             return ("time", self.rng.uniform(1, 900))
         return (kind, self.rng.randint(1, 60))
+
+
+class _OperatorAbort:
+    """``fleetwave strategy abort``, typed while the strategy runs: retried after an
+    (injected) database error, refused once the strategy has ended."""
+
+    def __init__(self, store: Store, sid: int) -> None:
+        self.store = store
+        self.sid = sid
+        self.accepted = False
+        self.tries = 0
+
+    def request(self) -> None:
+        self.tries += 1
+        try:
+            admin.request_abort(self.store, self.sid)
+        except Conflict:
+            return  # ended already: nothing to abort
+        except OperationalError:
+            if self.tries < 5:
+                asyncio.get_running_loop().call_later(5.0, self.request)
+            return
+        self.accepted = True
+
+
+def _abort_checks(store: Store, sid: int) -> list[str]:
+    """Once a conductor has seen the abort, no step starts; the strategy ends aborted
+    unless every step had ended before any conductor saw it."""
+    out: list[str] = []
+    with store.read() as conn:
+        seen = conn.execute(
+            select(events.c.at)
+            .where(events.c.strategy_id == sid, events.c.kind == "abort-seen")
+            .order_by(events.c.id)
+        ).first()
+        final = conn.execute(select(strategies.c.state).where(strategies.c.id == sid)).scalar()
+        if seen is not None:
+            late = conn.execute(
+                select(journal.c.step_id, journal.c.to_state, journal.c.at).where(
+                    journal.c.strategy_id == sid,
+                    journal.c.from_state == "initial",
+                    journal.c.to_state.not_in(sorted(STEP_TERMINAL)),
+                    journal.c.at > seen.at,
+                )
+            ).all()
+            for r in late:
+                out.append(
+                    f"abort: step {r.step_id} started ({r.to_state}) "
+                    f"{r.at - seen.at:.1f} s after a conductor saw the operator's abort"
+                )
+            if final != "aborted":
+                out.append(f"abort: a conductor saw the operator's abort, yet it ended {final}")
+    return out
 
 
 def _crash_hook(point: str, at_count: int) -> Callable[[str], None]:
@@ -303,7 +377,10 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
     admin.apply_strategy(store, sid)
 
     faults = _Faults(
-        random.Random(cfg.seed * 7919 + 1), cfg.faults, random.Random(cfg.seed * 7919 + 2)
+        random.Random(cfg.seed * 7919 + 1),
+        cfg.faults,
+        random.Random(cfg.seed * 7919 + 2),
+        random.Random(cfg.seed * 7919 + 5),
     )
     store.write_fault = faults.write_fault
     sim = SimDriver(seed=cfg.seed)
@@ -327,6 +404,9 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
     state = "applying"
     stalled: list[tuple[Conductor, asyncio.Future[dict[int, str]]]] = []
     stuck: list[str] = []
+    operator_abort = _OperatorAbort(store, sid)
+    if faults.abort_at is not None:
+        loop.call_at(faults.abort_at, operator_abort.request)
     while loop.time() < VIRTUAL_LIMIT_S:
         stall_after = faults.stall_plan()
         if stall_after is not None:
@@ -402,6 +482,8 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
     final_state, _owner = rt.strategy_state(store, sid)
     verdict = check(store, sid)
     violations = list(verdict.violations) + _extra_checks(store, sid, final_state)
+    if operator_abort.accepted:
+        violations += _abort_checks(store, sid)
     violations += _target_checks(sim) + stuck
     with store.read() as conn:
         n_callbacks = len(conn.execute(select(callbacks.c.id)).all())
@@ -418,6 +500,7 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
         transitions=verdict.transitions,
         crashes=crashes,
         stops=stops,
+        aborted_by_operator=operator_abort.accepted,
         store_retries=retries,
         callbacks=n_callbacks,
         virtual_s=loop.time(),
