@@ -115,7 +115,7 @@ class SimResult:
         verdict = "ok" if self.ok else "FAILED"
         return (
             f"seed {self.seed}: {verdict} {self.workflow} x{self.targets} "
-            f"-> {self.strategy_state}, "
+            f"-> {self.strategy_state}{' (operator abort)' if self.aborted_by_operator else ''}, "
             f"{self.transitions} transitions, {self.crashes} crashes, {self.stops} clean stops, "
             f"{self.store_retries} db "
             f"retries, {self.callbacks} callbacks, {self.virtual_s / 3600:.1f} h virtual in "
