@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from conftest import add_sim_targets, applied
-from fleetwave import ActionContext, Advance, Outcome, StateAction
+from fleetwave import ActionContext, Advance, Outcome, StateAction, TransientError
 from fleetwave.domain.registry import register_workflow
 from fleetwave.domain.workflow import StateDef, WorkflowDef
 from fleetwave.drivers.sim import SimDriver
@@ -154,4 +154,58 @@ def test_an_abort_still_wins_over_the_failure_threshold_after_a_takeover(store: 
         loop.close()
     counts = queries.step_counts(store, sid)
     assert counts == {"failed": 1, "aborted": 3}, counts
+    assert check(store, sid).ok
+
+
+class FlakyThenHangs(StateAction):
+    """Attempt 1 fails transiently after 10 s; attempt 2 never returns (nor does observing
+    it after a takeover): only the state's timeout ends it."""
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        if ctx.attempt == 1:
+            await asyncio.sleep(10)
+            raise TransientError("busy")
+        await asyncio.Event().wait()
+        return Advance()
+
+    async def recover(self, ctx: ActionContext) -> Outcome:
+        await asyncio.Event().wait()  # the retry is still running on the target
+        return Advance()
+
+
+def test_a_takeover_during_a_retry_gives_the_retry_its_own_time(store: Store) -> None:
+    """Attempt 2 starts at 15 s with 100 s to run; the conductor dies at 60 s. The next
+    one must give it until 115 s (plus grace), not what was left of attempt 1 (100 s)."""
+    add_sim_targets(store, 1)
+    wf = register_workflow(
+        WorkflowDef(
+            "flaky-then-hangs",
+            (StateDef("a", FlakyThenHangs(), timeout_s=100, attempts_max=2, backoff_s=5),),
+        ),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    config = EngineConfig(lease_ttl_s=10, tick_s=1, recover_grace_s=5)
+    first = Conductor(store, clock=LoopClock(), config=config)
+    second = Conductor(store, clock=LoopClock(), config=config)
+    started = 0.0
+
+    async def go() -> dict[int, str]:
+        nonlocal started
+        started = LoopClock().now()
+        crashed = asyncio.create_task(first.run(strategy_ids=[sid]))
+        await asyncio.sleep(60)
+        crashed.cancel()  # dies without handing its leases back
+        await asyncio.gather(crashed, return_exceptions=True)
+        return await second.run(strategy_ids=[sid], patient=True)
+
+    loop = VirtualTimeLoop()
+    try:
+        assert loop.run_until_complete(go())[sid] == "failed"
+    finally:
+        loop.close()
+    (step,) = queries.list_steps(store, sid)
+    assert "ran out across a conductor takeover" in step["details"], step["details"]
+    # attempt 2's 100 s from 15 s, then the 5 s grace: not attempt 1's deadline (100 s)
+    assert 115 <= step["finished_at"] - started <= 121
     assert check(store, sid).ok

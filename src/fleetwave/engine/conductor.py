@@ -61,6 +61,7 @@ from fleetwave.drivers import make_drivers
 from fleetwave.engine.clock import Clock, WallClock
 from fleetwave.engine.messages import (
     ActionFinished,
+    AttemptStarted,
     CallbackArrived,
     LeaseLost,
     Message,
@@ -435,10 +436,20 @@ class Conductor:
         batch: list[rt.Transition] = []
         events: list[rt.Event] = []
         marks: list[rt.CallbackMark] = []
+        deadlines: list[rt.AttemptDeadline] = []
         recover: list[InFlight] = []
         claimed_callbacks: list[cbs.CallbackRecord] = []
         for msg in msgs:
-            if isinstance(msg, CallbackArrived):
+            if isinstance(msg, AttemptStarted):
+                run = self.runs.get(msg.strategy_id)
+                fl = run.inflight.get(msg.step_id) if run is not None else None
+                if fl is not None and fl.fence == msg.fence and fl.state == msg.state:
+                    deadlines.append(
+                        rt.AttemptDeadline(
+                            msg.step_id, msg.strategy_id, msg.state, msg.fence, msg.deadline_at
+                        )
+                    )
+            elif isinstance(msg, CallbackArrived):
                 self._on_callback(msg.record, marks)
             elif isinstance(msg, StrategyClaimed):
                 recover += await self._adopt(msg.record, events, batch, now)
@@ -466,16 +477,25 @@ class Conductor:
                 # so it needs them all.
                 await self._load_waiting(run, everything=run.stopping is not None)
             self._admit(run, now, batch, limit - len(batch))
-        if batch or events or marks:
+        if batch or events or marks or deadlines:
             self._crash_point("before-commit")
             # A strategy dropped in this very batch (lease lost) writes nothing more:
             # its new owner decides what its outcomes and callbacks mean.
             batch = [t for t in batch if t.strategy_id in self.runs]
             marks = [m for m in marks if m.strategy_id in self.runs]
+            deadlines = [d for d in deadlines if d.strategy_id in self.runs]
             touched = {t.strategy_id for t in batch} | {m.strategy_id for m in marks}
+            touched.update(d.strategy_id for d in deadlines)
             fences = {sid: self.runs[sid].record.fence for sid in touched}
             result = await self._io(
-                self._writer.commit, batch, events, now, self._lease_until(), marks, fences
+                self._writer.commit,
+                batch,
+                events,
+                now,
+                self._lease_until(),
+                marks,
+                fences,
+                deadlines,
             )
             self._committed_at = time.perf_counter()
             self.stats.batches += 1
@@ -1071,6 +1091,14 @@ class Conductor:
                 self._attempts += 1
                 attempt = fl.running = self._attempts
                 self._arm_deadline(loop.time() + timeout_s, attempt, fl)
+                if attempts > 1:
+                    # The state's recorded deadline was its first attempt's: record this
+                    # one's, so a takeover gives the recover hook what is left of it.
+                    self.post(
+                        AttemptStarted(
+                            run.id, rec.step_id, state, fence, self.clock.now() + timeout_s
+                        )
+                    )
                 try:
                     outcome: Outcome
                     if recovering:

@@ -24,6 +24,21 @@ class ActionFinished:
 
 
 @dataclass(slots=True)
+class AttemptStarted:
+    """A worker started a retry of (step, state, fence): its deadline, to be recorded.
+
+    Not a transition (the step stays in its state): the record only tells a conductor
+    that takes the step over how much of this attempt's time is left.
+    """
+
+    strategy_id: int
+    step_id: int
+    state: str
+    fence: int
+    deadline_at: float
+
+
+@dataclass(slots=True)
 class StrategyClaimed:
     record: StrategyRecord
 
@@ -49,4 +64,6 @@ class CallbackArrived:
     record: CallbackRecord
 
 
-Message = ActionFinished | StrategyClaimed | StopRequested | LeaseLost | CallbackArrived
+Message = (
+    ActionFinished | AttemptStarted | StrategyClaimed | StopRequested | LeaseLost | CallbackArrived
+)

@@ -86,6 +86,17 @@ class CommitResult:
 
 
 @dataclass(slots=True)
+class AttemptDeadline:
+    """A retry's deadline for a step still in ``state`` at ``fence`` (not a transition)."""
+
+    step_id: int
+    strategy_id: int
+    state: str
+    fence: int
+    deadline_at: float
+
+
+@dataclass(slots=True)
 class CallbackMark:
     """How the dispatcher answered one stored callback."""
 
@@ -515,6 +526,10 @@ class TransitionWriter:
             "INSERT INTO journal (strategy_id, step_id, at, conductor, from_state, to_state, "
             f"fence, details) VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p}, {p})"
         )
+        #: a retry's deadline; a step that has moved on since is left alone
+        self._deadline_sql = (
+            f"UPDATE steps SET deadline_at={p} WHERE id={p} AND state={p} AND fence={p}"
+        )
         self._mark_sql = (
             f"UPDATE callbacks SET outcome={p}, reason={p}, processed_at={p} "
             f"WHERE id={p} AND outcome IS NULL"
@@ -558,15 +573,18 @@ class TransitionWriter:
         lease_until: float,
         marks: list[CallbackMark] | None = None,
         fences: dict[int, int] | None = None,
+        deadlines: list[AttemptDeadline] | None = None,
     ) -> CommitResult:
         """Commit a batch in one transaction (group commit).
 
         ``fences`` maps each strategy the batch touches to the fence this conductor
         claimed it with: if another conductor has claimed it since (this one was
         presumed dead), nothing of that strategy is written and it is reported lost.
-        ``marks`` record how callbacks were answered, in the same transaction.
+        ``marks`` record how callbacks were answered, ``deadlines`` when retries run
+        out of time, in the same transaction.
         """
         mk = [(m.outcome, m.reason, now, m.callback_id) for m in marks or ()]
+        dl = [(d.deadline_at, d.step_id, d.state, d.fence) for d in deadlines or ()]
         ups: list[tuple[str, tuple[Any, ...]]] = []
         jrs: list[tuple[Any, ...]] = []
         for t in batch:
@@ -575,9 +593,11 @@ class TransitionWriter:
             jrs.append(j)
         ev = [(now, self.cid, e.strategy_id, e.step_id, e.kind, e.details) for e in evts]
         fences = fences or {}
-        if self._commit_fast(ups, jrs, ev, mk, fences):
+        if self._commit_fast(ups, jrs, ev, mk, fences, dl):
             return CommitResult([], set())
-        return self._commit_one_by_one(batch, ups, jrs, ev, marks or [], now, fences)
+        return self._commit_one_by_one(
+            batch, ups, jrs, ev, marks or [], now, fences, deadlines or []
+        )
 
     def _lost(self, cur: Any, fences: dict[int, int]) -> set[int]:
         """Strategies no longer held by this conductor at the fence it claimed them with."""
@@ -599,6 +619,7 @@ class TransitionWriter:
         ev: list[tuple[Any, ...]],
         mk: list[tuple[Any, ...]],
         fences: dict[int, int],
+        dl: list[tuple[Any, ...]],
     ) -> bool:
         """The hot path: one transaction on a dedicated DBAPI connection, four executemany.
 
@@ -633,6 +654,8 @@ class TransitionWriter:
                 cur.executemany(self._event_sql, ev)
             if mk:
                 cur.executemany(self._mark_sql, mk)
+            if dl:
+                cur.executemany(self._deadline_sql, dl)
             raw.commit()
             return True
         except dbapi.IntegrityError:
@@ -656,6 +679,7 @@ class TransitionWriter:
         marks: list[CallbackMark],
         now: float,
         fences: dict[int, int],
+        deadlines: list[AttemptDeadline],
     ) -> CommitResult:
         rejected: list[Transition] = []
         with self.store.write() as conn:
@@ -704,6 +728,13 @@ class TransitionWriter:
             ]
             if mk:
                 conn.exec_driver_sql(self._mark_sql, mk)
+            dl = [
+                (d.deadline_at, d.step_id, d.state, d.fence)
+                for d in deadlines
+                if d.strategy_id not in lost
+            ]
+            if dl:
+                conn.exec_driver_sql(self._deadline_sql, dl)
         return CommitResult(rejected, lost)
 
     def close(self) -> None:
