@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+from sqlalchemy import select
+
 from conftest import add_sim_targets, applied
 from fleetwave import ActionContext, Advance, Outcome, StateAction, TransientError
 from fleetwave.domain.registry import register_workflow
@@ -13,7 +15,9 @@ from fleetwave.engine.clock import LoopClock
 from fleetwave.engine.conductor import Conductor, EngineConfig
 from fleetwave.store import admin, queries
 from fleetwave.store.db import Store
+from fleetwave.store.schema import events
 from fleetwave.testing.invariants import check
+from fleetwave.testing.simulate import _abort_checks
 from fleetwave.testing.vloop import VirtualTimeLoop
 
 
@@ -155,6 +159,12 @@ def test_an_abort_still_wins_over_the_failure_threshold_after_a_takeover(store: 
     counts = queries.step_counts(store, sid)
     assert counts == {"failed": 1, "aborted": 3}, counts
     assert check(store, sid).ok
+    # The takeover records that it saw the abort: the simulator's abort check needs it
+    # to hold the new owner to the abort (none of its steps may start or move on).
+    with store.read() as conn:
+        seen = conn.execute(select(events.c.details).where(events.c.kind == "abort-seen")).scalars()
+        assert list(seen) == ["operator abort requested (on takeover)"]
+    assert _abort_checks(store, sid) == []
 
 
 class FlakyThenHangs(StateAction):

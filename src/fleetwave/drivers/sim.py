@@ -154,7 +154,9 @@ class _Sleeps:
     (due, seq, future) and one loop timer for its earliest entry cost less per
     operation than a loop timer each (about 7 % of the CPU of a 20 ms-latency
     rollout). An entry wakes when the timer for its due time fires, as with
-    ``asyncio.sleep``; a cancelled sleeper stays in the heap until then.
+    ``asyncio.sleep``; a cancelled sleeper stays in the heap until then. One loop at
+    a time: sleeping on a new loop forgets the old one's sleepers (tests run a loop
+    per case; one driver never serves two loops at once).
     """
 
     def __init__(self) -> None:

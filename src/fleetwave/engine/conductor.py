@@ -463,8 +463,8 @@ class Conductor:
                 self._drop_run(msg.strategy_id)
             else:
                 self._on_finished(msg, now, batch, events, marks)
-        # No action running (a strategy just claimed): a bigger first commit delays no
-        # one's dispatch, and the whole first wave starts together.
+        # No action running (a strategy just claimed, or all ended): a bigger commit
+        # delays no one's dispatch, and a whole first wave starts together.
         limit = self.config.batch_max * (1 if self._workers else 2)
         for run in list(self.runs.values()):
             if run.more_waiting and (
@@ -636,6 +636,7 @@ class Conductor:
             # abort reaches a running conductor (found by the simulator's abort fault).
             run.stopping = "abort"
             run.stop_details = "aborted by operator"
+            events.append(rt.Event("abort-seen", "operator abort requested (on takeover)", rec.id))
         for step in lost:
             if step.not_started:
                 # It starts afresh here: its time starts now.

@@ -31,22 +31,26 @@ class DialectHooks:
     placeholder: str
     #: how the hot path opens a write transaction on a raw DBAPI connection
     begin_write_sql: str
+    #: bind booleans as integers: SQLite's driver binds 0 or 1 directly, while a bool
+    #: (like None) goes through an adapter lookup; a boolean column elsewhere needs bool
+    flags_as_int: bool = False
 
     def placeholders(self, n: int) -> str:
         """``n`` parameter placeholders for an ``IN (...)`` list."""
         return ", ".join([self.placeholder] * n)
 
     def flag(self, value: bool) -> Any:
-        """A boolean parameter as the hot path binds it. SQLite: 0 or 1, which its
-        driver binds directly (a bool, like None, goes through an adapter lookup)."""
-        return int(value)
+        """A boolean parameter as the hot path binds it."""
+        return int(value) if self.flags_as_int else value
 
     def now_sql(self) -> str | None:
         """SQL for the database's clock, when leases should use it (PostgreSQL)."""
         return None
 
 
-SQLITE = DialectHooks(name="sqlite", placeholder="?", begin_write_sql="BEGIN IMMEDIATE")
+SQLITE = DialectHooks(
+    name="sqlite", placeholder="?", begin_write_sql="BEGIN IMMEDIATE", flags_as_int=True
+)
 
 
 class Store:

@@ -291,8 +291,9 @@ class _OperatorAbort:
 
 
 def _abort_checks(store: Store, sid: int) -> list[str]:
-    """Once a conductor has seen the abort, no step starts; the strategy ends aborted
-    unless every step had ended before any conductor saw it."""
+    """Once a conductor has seen the abort (running, or on taking the strategy over),
+    no step enters a workflow state (none starts, none moves on) and the strategy ends
+    aborted."""
     out: list[str] = []
     with store.read() as conn:
         seen = conn.execute(
@@ -302,17 +303,20 @@ def _abort_checks(store: Store, sid: int) -> list[str]:
         ).first()
         final = conn.execute(select(strategies.c.state).where(strategies.c.id == sid)).scalar()
         if seen is not None:
+            # (rows of the very batch that saw it share its time, and come after it)
             late = conn.execute(
-                select(journal.c.step_id, journal.c.to_state, journal.c.at).where(
+                select(
+                    journal.c.step_id, journal.c.from_state, journal.c.to_state, journal.c.at
+                ).where(
                     journal.c.strategy_id == sid,
-                    journal.c.from_state == "initial",
                     journal.c.to_state.not_in(sorted(STEP_TERMINAL)),
                     journal.c.at > seen.at,
                 )
             ).all()
             for r in late:
+                what = "started" if r.from_state == "initial" else f"moved on from {r.from_state}"
                 out.append(
-                    f"abort: step {r.step_id} started ({r.to_state}) "
+                    f"abort: step {r.step_id} {what} ({r.to_state}) "
                     f"{r.at - seen.at:.1f} s after a conductor saw the operator's abort"
                 )
             if final != "aborted":
