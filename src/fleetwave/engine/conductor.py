@@ -441,9 +441,7 @@ class Conductor:
         claimed_callbacks: list[cbs.CallbackRecord] = []
         for msg in msgs:
             if isinstance(msg, AttemptStarted):
-                run = self.runs.get(msg.strategy_id)
-                fl = run.inflight.get(msg.step_id) if run is not None else None
-                if fl is not None and fl.fence == msg.fence and fl.state == msg.state:
+                if self._reported(msg) is not None:
                     deadlines.append(
                         rt.AttemptDeadline(
                             msg.step_id, msg.strategy_id, msg.state, msg.fence, msg.deadline_at
@@ -758,6 +756,17 @@ class Conductor:
             return "stopped after a step failed (stop on failure)"
         return f"stopped: {run.failed} failed steps exceed the failure threshold of {limit}"
 
+    def _reported(
+        self, msg: ActionFinished | AttemptStarted
+    ) -> tuple[StrategyRun, InFlight] | None:
+        """The run and in-flight step a worker reports on, if the step is still at the
+        state and fence the worker ran (else the report is stale)."""
+        run = self.runs.get(msg.strategy_id)
+        fl = run.inflight.get(msg.step_id) if run is not None else None
+        if run is None or fl is None or fl.fence != msg.fence or fl.state != msg.state:
+            return None
+        return run, fl
+
     def _on_finished(
         self,
         msg: ActionFinished,
@@ -766,15 +775,14 @@ class Conductor:
         events: list[rt.Event],
         marks: list[rt.CallbackMark],
     ) -> None:
-        run = self.runs.get(msg.strategy_id)
-        fl = run.inflight.get(msg.step_id) if run is not None else None
+        reported = self._reported(msg)
         if msg.callback_id is not None:
             # The callback counts as applied exactly when its transition commits.
             outcome, why = ("applied", f"moved the step on from {msg.state}")
-            if run is None or fl is None or fl.fence != msg.fence or fl.state != msg.state:
+            if reported is None:
                 outcome, why = ("ignored", "its step had moved on")
             marks.append(rt.CallbackMark(msg.callback_id, outcome, why, msg.strategy_id))
-        if run is None or fl is None or fl.fence != msg.fence or fl.state != msg.state:
+        if reported is None:
             self.stats.stale_outcomes += 1
             events.append(
                 rt.Event(
@@ -786,6 +794,7 @@ class Conductor:
             )
             log.warning("stale outcome for step %s in %s ignored", msg.step_id, msg.state)
             return
+        run, fl = reported
         decision = msg.decision
         if run.stopping is not None and decision.to_state not in STEP_TERMINAL:
             decision = Decision(STEP_ABORTED, f"stopped after {msg.state}: {run.stop_details}")

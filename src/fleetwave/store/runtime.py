@@ -422,19 +422,20 @@ def _failed_count(conn: Connection, store: Store, sid: int) -> int:
 _DONE = ", ".join(f"'{s}'" for s in sorted(STEP_TERMINAL))
 
 
+def _steps_and_failed(store: Store, sid: int, where: str) -> tuple[list[StepRecord], int]:
+    with store.read() as conn:  # one snapshot for both
+        return _step_records(conn, store, sid, where, ()), _failed_count(conn, store, sid)
+
+
 def load_open_steps(store: Store, sid: int) -> tuple[list[StepRecord], int]:
     """Every non-terminal step of a strategy in admission order, and the failed count."""
-    with store.read() as conn:
-        recs = _step_records(conn, store, sid, f"s.state NOT IN ({_DONE})", ())
-        return recs, _failed_count(conn, store, sid)
+    return _steps_and_failed(store, sid, f"s.state NOT IN ({_DONE})")
 
 
 def load_started_steps(store: Store, sid: int) -> tuple[list[StepRecord], int]:
     """The steps in one of the workflow's states (neither waiting nor ended), and the
-    failed count, from one snapshot."""
-    with store.read() as conn:
-        where = f"s.state NOT IN ('{STEP_INITIAL}', {_DONE})"
-        return _step_records(conn, store, sid, where, ()), _failed_count(conn, store, sid)
+    failed count."""
+    return _steps_and_failed(store, sid, f"s.state NOT IN ('{STEP_INITIAL}', {_DONE})")
 
 
 def load_waiting_steps(store: Store, sid: int, after_ordinal: int, limit: int) -> list[StepRecord]:
