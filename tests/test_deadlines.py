@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from sqlalchemy import select
 
@@ -95,6 +96,37 @@ def test_a_cancelled_error_escaping_an_action_fails_the_step(store: Store) -> No
     _fails_every_step_with(store, sid, "a: action raised CancelledError")
 
 
+def _crash_then_take_over(
+    sid: int,
+    first: Conductor,
+    second: Conductor,
+    *,
+    crash_after_s: float,
+    before_takeover: Callable[[], object] | None = None,
+) -> tuple[str, float]:
+    """On virtual time: ``first`` drives ``sid`` and dies after ``crash_after_s`` without
+    handing its leases back; ``second`` takes over once they expire. Returns the final
+    state and when ``first`` started (engine clock)."""
+    started = 0.0
+
+    async def go() -> dict[int, str]:
+        nonlocal started
+        started = LoopClock().now()
+        crashed = asyncio.create_task(first.run(strategy_ids=[sid]))
+        await asyncio.sleep(crash_after_s)
+        crashed.cancel()  # dies without handing its leases back
+        await asyncio.gather(crashed, return_exceptions=True)
+        if before_takeover is not None:
+            before_takeover()
+        return await second.run(strategy_ids=[sid], patient=True)
+
+    loop = VirtualTimeLoop()
+    try:
+        return loop.run_until_complete(go())[sid], started
+    finally:
+        loop.close()
+
+
 def test_a_takeover_does_not_restart_the_states_timeout(store: Store) -> None:
     """A state with 100 s to run loses its conductor at 60 s: it must not get 100 s more."""
     add_sim_targets(store, 1, settings={"hang_at": "pre-check"})
@@ -103,22 +135,8 @@ def test_a_takeover_does_not_restart_the_states_timeout(store: Store) -> None:
     config = EngineConfig(lease_ttl_s=10, tick_s=1, recover_grace_s=5)
     first = Conductor(store, clock=LoopClock(), config=config, drivers={"sim": sim})
     second = Conductor(store, clock=LoopClock(), config=config, drivers={"sim": sim})
-    started = 0.0
-
-    async def go() -> dict[int, str]:
-        nonlocal started
-        started = LoopClock().now()
-        crashed = asyncio.create_task(first.run(strategy_ids=[sid]))
-        await asyncio.sleep(60)
-        crashed.cancel()  # dies without handing its leases back
-        await asyncio.gather(crashed, return_exceptions=True)
-        return await second.run(strategy_ids=[sid], patient=True)
-
-    loop = VirtualTimeLoop()
-    try:
-        assert loop.run_until_complete(go())[sid] == "failed"
-    finally:
-        loop.close()
+    final, started = _crash_then_take_over(sid, first, second, crash_after_s=60)
+    assert final == "failed"
     (step,) = queries.list_steps(store, sid)
     assert step["details"].startswith(
         "pre-check: timed out: the state's 100s deadline, recorded when it was entered, "
@@ -142,20 +160,11 @@ def test_an_abort_still_wins_over_the_failure_threshold_after_a_takeover(store: 
     # No periodic pass before it ends: only the takeover itself sees the abort.
     quiet = EngineConfig(lease_ttl_s=10, tick_s=1000)
     second = Conductor(store, clock=LoopClock(), config=quiet, drivers={"sim": sim})
-
-    async def go() -> dict[int, str]:
-        crashed = asyncio.create_task(first.run(strategy_ids=[sid]))
-        await asyncio.sleep(5)  # bad has failed; the slow ones are still in pre-check
-        crashed.cancel()  # dies without handing its leases back
-        await asyncio.gather(crashed, return_exceptions=True)
-        admin.request_abort(store, sid)
-        return await second.run(strategy_ids=[sid], patient=True)
-
-    loop = VirtualTimeLoop()
-    try:
-        assert loop.run_until_complete(go())[sid] == "aborted"
-    finally:
-        loop.close()
+    # At 5 s bad has failed and the slow ones are still in pre-check.
+    final, _ = _crash_then_take_over(
+        sid, first, second, crash_after_s=5, before_takeover=lambda: admin.request_abort(store, sid)
+    )
+    assert final == "aborted"
     counts = queries.step_counts(store, sid)
     assert counts == {"failed": 1, "aborted": 3}, counts
     assert check(store, sid).ok
@@ -198,22 +207,8 @@ def test_a_takeover_during_a_retry_gives_the_retry_its_own_time(store: Store) ->
     config = EngineConfig(lease_ttl_s=10, tick_s=1, recover_grace_s=5)
     first = Conductor(store, clock=LoopClock(), config=config)
     second = Conductor(store, clock=LoopClock(), config=config)
-    started = 0.0
-
-    async def go() -> dict[int, str]:
-        nonlocal started
-        started = LoopClock().now()
-        crashed = asyncio.create_task(first.run(strategy_ids=[sid]))
-        await asyncio.sleep(60)
-        crashed.cancel()  # dies without handing its leases back
-        await asyncio.gather(crashed, return_exceptions=True)
-        return await second.run(strategy_ids=[sid], patient=True)
-
-    loop = VirtualTimeLoop()
-    try:
-        assert loop.run_until_complete(go())[sid] == "failed"
-    finally:
-        loop.close()
+    final, started = _crash_then_take_over(sid, first, second, crash_after_s=60)
+    assert final == "failed"
     (step,) = queries.list_steps(store, sid)
     assert "ran out across a conductor takeover" in step["details"], step["details"]
     # attempt 2's 100 s from 15 s, then the 5 s grace: not attempt 1's deadline (100 s)

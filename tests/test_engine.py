@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import Connection, Row, select
 
 from conftest import add_sim_targets, applied, rollout
 from fleetwave import ActionContext, Advance, Outcome, StateAction, StepFailed, TransientError
@@ -478,15 +479,19 @@ def _stages_rollout(store: Store) -> int:
     return sid
 
 
+def _journal_with_stages(conn: Connection, sid: int) -> Sequence[Row[Any]]:
+    return conn.execute(
+        select(journal.c.id, journal.c.from_state, journal.c.to_state, steps.c.stage)
+        .join(steps, steps.c.id == journal.c.step_id)
+        .where(journal.c.strategy_id == sid)
+        .order_by(journal.c.id)
+    ).all()
+
+
 def test_stages_run_one_after_the_other(store: Store) -> None:
     sid = _stages_rollout(store)
     with store.read() as conn:
-        rows = conn.execute(
-            select(journal.c.id, journal.c.from_state, journal.c.to_state, steps.c.stage)
-            .join(steps, steps.c.id == journal.c.step_id)
-            .where(journal.c.strategy_id == sid)
-            .order_by(journal.c.id)
-        ).all()
+        rows = _journal_with_stages(conn, sid)
     first_start = {
         s: min(r.id for r in rows if r.stage == s and r.from_state == "initial") for s in (1, 2, 3)
     }
@@ -500,11 +505,7 @@ def test_stages_run_one_after_the_other(store: Store) -> None:
 def test_check_reports_a_stage_started_too_early(store: Store) -> None:
     sid = _stages_rollout(store)
     with store.write() as conn:
-        rows = conn.execute(
-            select(journal.c.id, journal.c.from_state, journal.c.to_state, steps.c.stage)
-            .join(steps, steps.c.id == journal.c.step_id)
-            .where(journal.c.strategy_id == sid)
-        ).all()
+        rows = _journal_with_stages(conn, sid)
         end1 = max(r.id for r in rows if r.stage == 1 and r.to_state == "complete")
         start2 = min(r.id for r in rows if r.stage == 2 and r.from_state == "initial")
         # Rewrite history: stage 2's first start committed before stage 1's last end.
