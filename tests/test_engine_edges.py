@@ -13,9 +13,11 @@ from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.registry import get_workflow, register_workflow
 from fleetwave.domain.workflow import DriverOperation, StateDef, WorkflowDef
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
+from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.clock import LoopClock
 from fleetwave.engine.conductor import Conductor, EngineConfig
 from fleetwave.store import admin, queries
+from fleetwave.store import runtime as rt
 from fleetwave.store.callbacks import callback_outcomes
 from fleetwave.store.db import Store
 from fleetwave.store.schema import workflows
@@ -45,6 +47,56 @@ def test_unmanaged_target_crossing_the_threshold_starts_nothing_more(store: Stor
     # Admitted in the same round, after the unmanaged one: none of them may start.
     assert all(state == "aborted" for n, (state, _) in steps.items() if n != names[0])
     assert check(store, sid).ok
+
+
+def test_target_unmanaged_after_its_step_was_loaded_fails_when_its_turn_comes(
+    store: Store,
+) -> None:
+    """Found by an acceptance run: the managed flag was read when the page of waiting
+    steps was loaded, so a target unmanaged during the rollout was still operated on."""
+    names = add_sim_targets(store, 3, settings={"latency_ms": 20})
+    sid = applied(store, "patch", max_parallel=1)
+    driver = SimDriver()
+    driver.record = True
+    c = Conductor(store, drivers={"sim": driver})
+
+    async def go() -> dict[int, str]:
+        task = asyncio.create_task(c.run(strategy_ids=[sid]))
+        while not driver.performed:  # the first step runs: all three are loaded
+            await asyncio.sleep(0.005)
+        assert sum(len(run.inflight) + run.pending_count() for run in c.runs.values()) == 3
+        admin.set_managed(store, names[2], False)  # as `fleetwave target unmanage` does
+        return await task
+
+    assert asyncio.run(go())[sid] == "failed"
+    steps = {s["target"]: (s["state"], s["details"]) for s in queries.list_steps(store, sid)}
+    assert steps[names[2]] == ("failed", f"Target {names[2]} is unmanaged.")
+    assert steps[names[0]][0] == steps[names[1]][0] == "complete"
+    assert not [p for p in driver.performed if p[0] == names[2]]  # never touched
+    moves = [(h["from"], h["to"]) for h in queries.history(store, sid, target=names[2])]
+    assert moves == [("initial", "failed")]
+    assert check(store, sid).ok
+
+
+def test_unmanaged_entry_and_a_refused_move_in_one_batch(store: Store) -> None:
+    """The row-by-row commit (taken when a compare-and-set refuses a row) also fails an
+    entry whose target is unmanaged, and reports it."""
+    names = add_sim_targets(store, 2)
+    sid = applied(store, "patch")
+    ids = {s["target"]: s["step"] for s in queries.list_steps(store, sid)}
+    admin.set_managed(store, names[1], False)
+    writer = rt.TransitionWriter(store, "c1")
+    entry = rt.Transition(ids[names[1]], sid, "initial", 0, "pre-check", 1, "", 0, at=1.0)
+    stale = rt.Transition(ids[names[0]], sid, "pre-check", 7, "updating-patches", 7, "", 1)
+    batch = [stale, entry]
+    result = writer.commit(batch, [], 1.0, 2.0)
+    assert result.rejected == [stale]
+    assert [(t.step_id, t.to_state) for t in result.unmanaged] == [(ids[names[1]], "failed")]
+    assert batch[1] is result.unmanaged[0]  # replaced in the batch
+    steps = {s["target"]: (s["state"], s["details"]) for s in queries.list_steps(store, sid)}
+    assert steps[names[1]] == ("failed", f"Target {names[1]} is unmanaged.")
+    assert steps[names[0]][0] == "initial"
+    writer.close()
 
 
 def test_callbacks_that_arrive_before_the_wait_are_kept(store: Store) -> None:

@@ -18,7 +18,9 @@ def list_workflows(store: Store | None) -> list[WorkflowDef]:
     return sorted(found.values(), key=lambda w: w.name)
 
 
-def resolve_workflow(store: Store | None, name: str) -> WorkflowDef:
+def resolve_workflow(store: Store | None, name: str, what: str = "--workflow") -> WorkflowDef:
+    """The built-in, plugin or stored workflow called ``name``; ``what`` names the input
+    in the error (an option, or the command's argument)."""
     wf = get_workflow(name)
     if wf is not None:
         return wf
@@ -27,4 +29,4 @@ def resolve_workflow(store: Store | None, name: str) -> WorkflowDef:
             if stored_name == name:
                 return parse_workflow_yaml(text, source=f"stored workflow {name}")
     known = ", ".join(w.name for w in list_workflows(store))
-    raise NotFound(f"--workflow: unknown workflow '{name}' (known: {known})")
+    raise NotFound(f"{what}: unknown workflow '{name}' (known: {known})")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -93,7 +94,7 @@ def target_import(file: Path, db: DbOpt = None) -> None:
     """Add targets from CSV (name,group,driver,<settings...>) or YAML, in one transaction."""
     items = targets_from_file(file)
     n = admin.add_targets(store_for(db), items)
-    console.print(f"{n} targets imported from {file}")
+    console.print(f"{n} target{'' if n == 1 else 's'} imported from {file}")
 
 
 @target_app.command("list")
@@ -161,7 +162,7 @@ def group_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
 
 
 def _workflow_dict(name: str, db: str | None) -> dict[str, object]:
-    wf = resolve_workflow(store_for(db), name)
+    wf = resolve_workflow(store_for(db), name, what="NAME")
     return {
         "name": wf.name,
         "version": wf.version,
@@ -422,15 +423,33 @@ def serve(db: DbOpt = None) -> None:
     event_loop.run(_serve())
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 def main() -> None:
+    level = os.environ.get("FLEETWAVE_LOG", "warning").strip().lower() or "warning"
+    if level not in LOG_LEVELS:
+        _fail(f"FLEETWAVE_LOG: unknown level '{level}' (choose one of {', '.join(LOG_LEVELS)})", 2)
     logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        app()
+        # Not standalone: bad usage (an unknown option or value) is reported below as
+        # one line, like every other bad input, instead of in a boxed panel.
+        code = app(standalone_mode=False)
+    except typer.TyperException as exc:  # usage: exit 2 (Click's code for bad usage)
+        _fail(exc.format_message(), exc.exit_code)
+    except typer.Abort:
+        _fail("interrupted", 130)
     except (InputError, WorkflowError, StoreError, event_loop.LoopChoiceError) as exc:
-        output.err_console.print(f"error: {exc}", markup=False, highlight=False)
-        sys.exit(2)
+        _fail(str(exc), 2)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _fail(message: str, code: int) -> None:
+    """One line on stderr, never wrapped (scripts and logs read it whole), and exit."""
+    output.err_console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -77,4 +77,7 @@ def _ensure_loaded() -> None:
     for mod in filter(
         None, (m.strip() for m in os.environ.get("FLEETWAVE_PLUGINS", "").split(","))
     ):
-        importlib.import_module(mod)
+        try:
+            importlib.import_module(mod)
+        except ImportError as exc:
+            raise WorkflowError(f"FLEETWAVE_PLUGINS: cannot import '{mod}': {exc}") from None

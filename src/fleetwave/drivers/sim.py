@@ -35,6 +35,7 @@ import asyncio
 import heapq
 import math
 import random
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,8 +86,27 @@ def _float(settings: dict[str, Any], key: str, default: float, lo: float, hi: fl
     return val
 
 
-def _bool(raw: Any) -> bool:
-    return str(raw).strip().lower() in {"1", "true", "yes", "on"}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+#: what a workflow state may be called (as in a YAML workflow)
+_STATE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def _bool(settings: dict[str, Any], key: str) -> bool:
+    raw = settings.get(key, False)
+    word = str(raw).strip().lower()
+    if word not in _TRUE | _FALSE:
+        raise SimSettingError(f"sim setting {key}: '{raw}' is not true or false")
+    return word in _TRUE
+
+
+def _state(settings: dict[str, Any], key: str) -> str | None:
+    raw = settings.get(key)
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or not _STATE_NAME.match(raw):
+        raise SimSettingError(f"sim setting {key}: '{raw}' is not a state name")
+    return raw
 
 
 def validate_settings(settings: dict[str, Any]) -> None:
@@ -131,11 +151,11 @@ class _Profile:
         self.flaky = _float(settings, "flaky_rate", 0, 0, 1)
         self.hang = _float(settings, "hang_rate", 0, 0, 1)
         self.error = _float(settings, "error_rate", 0, 0, 1)
-        self.fail_at = settings.get("fail_at")
-        self.hang_at = settings.get("hang_at")
-        self.already_done = _bool(settings.get("already_done", False))
+        self.fail_at = _state(settings, "fail_at")
+        self.hang_at = _state(settings, "hang_at")
+        self.already_done = _bool(settings, "already_done")
         self.remote_state = settings.get("remote_state")
-        self.unexpected_at = settings.get("unexpected_at")
+        self.unexpected_at = _state(settings, "unexpected_at")
         self.callback_rates = {k: _float(settings, k, 0, 0, 1) for k in CALLBACK_RATES}
         self.plain = (
             self.failure == 0

@@ -44,6 +44,7 @@ from fleetwave.domain.models import (
     STEP_INITIAL,
     STEP_TERMINAL,
     StrategyState,
+    unmanaged_reason,
 )
 from fleetwave.domain.rules import Decision, decide, failure
 from fleetwave.domain.workflow import (
@@ -500,6 +501,8 @@ class Conductor:
             self.stats.transitions += len(batch) - len(result.rejected)
             self._crash_point("after-commit")
             self._apply(batch, result.rejected)
+            for t in result.unmanaged:
+                self._unmanaged_at_turn(t)
             for sid in result.lost:
                 self._drop_run(sid)
         for fl in recover:
@@ -670,12 +673,22 @@ class Conductor:
             run.inflight[step.step_id] = fl
             run.group_load[step.group_id] += 1
             out.append(fl)
-            log.warning(
+            log.debug(
                 "step %s (%s): taken over in %s; %s",
                 step.step_id,
                 step.target.name,
                 step.state,
                 "calling its recover hook" if fl.recovering else "its action never started",
+            )
+        if out:
+            recovering = sum(1 for fl in out if fl.recovering)
+            log.warning(
+                "strategy %s: took over %d steps in flight (%d call their recover hook, "
+                "%d start afresh: their action never started)",
+                rec.id,
+                len(out),
+                recovering,
+                len(out) - recovering,
             )
         self.runs[rec.id] = run
         if self.config.gc_freeze:
@@ -821,6 +834,20 @@ class Conductor:
             fl.state = decision.to_state
             fl.waiter = None  # the next state's waiter is made when its action starts
 
+    def _unmanaged_at_turn(self, t: rt.Transition) -> None:
+        """A step admitted in this batch was failed in the commit: its target had been
+        unmanaged since it was loaded. Free its slot and count the failure."""
+        run = self.runs.get(t.strategy_id)
+        if run is None:
+            return
+        fl = run.inflight.pop(t.step_id, None)
+        if fl is not None:
+            run.group_load[fl.rec.group_id] -= 1
+            _resolve(fl.go, False)
+        self._count_failure(run)
+        log.warning("step %s: %s (unmanaged before its turn came)", t.step_id, t.details)
+        self._wake_soon()  # its slot is free: fill it without waiting for another message
+
     def _count_failure(self, run: StrategyRun) -> None:
         run.failed += 1
         limit = run.options.failure_limit
@@ -856,7 +883,7 @@ class Conductor:
                     run.requeue_front(admitted[i:])
                     break
                 if not rec.target.managed:
-                    reason = f"Target {rec.target.name} is unmanaged."
+                    reason = unmanaged_reason(rec.target.name)
                     batch.append(self._entry(run, rec, STEP_FAILED, reason, now))
                     self._count_failure(run)
                     continue
@@ -1164,7 +1191,16 @@ class Conductor:
                     continue
                 decision = failure(state, f"{reason} (attempt {attempts} of {st.attempts_max})")
             except Exception as exc:  # an action bug must fail the step, never strand it
-                log.exception("action for %s in %s raised", rec.target.name, state)
+                # One line per step (a bug in an action may fail thousands of them); the
+                # traceback at debug level.
+                log.error(
+                    "action for %s in %s raised %s: %s",
+                    rec.target.name,
+                    state,
+                    type(exc).__name__,
+                    exc,
+                )
+                log.debug("traceback of the action for %s", rec.target.name, exc_info=True)
                 decision = failure(state, str(exc) or type(exc).__name__)
             break
         return ActionFinished(run.id, rec.step_id, state, fence, decision, attempts, callback_id)

@@ -312,7 +312,10 @@ def apply_strategy(store: Store, sid: int) -> str:
             StrategyState.ABORT_REQUESTED,
             StrategyState.ABORTING,
         ):
-            raise Conflict(f"strategy {sid}: is {state}; only an initial strategy can be applied")
+            raise Conflict(
+                f"strategy {sid}: is {state} (over); apply starts an initial strategy or "
+                "resumes one still running"
+            )
         return state
 
 

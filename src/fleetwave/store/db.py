@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
+from sqlalchemy.exc import DatabaseError
 from sqlalchemy.pool import QueuePool
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
@@ -128,13 +129,22 @@ def open_store(
         raise StoreError(f"synchronous: unknown SQLite level '{synchronous}'")
     if "://" in target:
         raise StoreError(f"--db: '{target}' is a URL; this version supports SQLite file paths only")
-    parent = Path(target).expanduser().resolve().parent
+    path = Path(target).expanduser()
+    parent = path.resolve().parent
     if not parent.is_dir():
         raise StoreError(f"--db: directory {parent} does not exist")
-    engine = _sqlite_engine(str(Path(target).expanduser()), synchronous.upper())
+    if path.is_dir():
+        raise StoreError(f"--db: {target} is a directory, not a database file")
+    engine = _sqlite_engine(str(path), synchronous.upper())
     store = Store(engine, SQLITE, target)
-    if migrate_schema:
-        migrate(store)
+    try:
+        if migrate_schema:
+            migrate(store)
+        else:
+            current_revision(store)  # fail here, not in the middle of a command
+    except DatabaseError as exc:
+        engine.dispose()
+        raise StoreError(f"--db: cannot use {target}: {exc.orig}") from None
     return store
 
 

@@ -18,7 +18,14 @@ from sqlalchemy import Connection, insert, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.pool import PoolProxiedConnection
 
-from fleetwave.domain.models import STEP_INITIAL, STEP_TERMINAL, StrategyState, Target
+from fleetwave.domain.models import (
+    STEP_FAILED,
+    STEP_INITIAL,
+    STEP_TERMINAL,
+    StrategyState,
+    Target,
+    unmanaged_reason,
+)
 from fleetwave.store.db import Store
 from fleetwave.store.schema import (
     conductors,
@@ -83,6 +90,9 @@ class CommitResult:
     rejected: list[Transition]
     #: strategies another conductor has claimed since this one did
     lost: set[int]
+    #: steps whose target was unmanaged after they were loaded: written as failed
+    #: instead of started (they replace their entries in the batch)
+    unmanaged: list[Transition] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -583,6 +593,11 @@ class TransitionWriter:
         presumed dead), nothing of that strategy is written and it is reported lost.
         ``marks`` record how callbacks were answered, ``deadlines`` when retries run
         out of time, in the same transaction.
+
+        A step about to start whose target an operator has unmanaged since it was
+        loaded is written as failed instead (the check is in this transaction, so an
+        unmanage either comes before the step starts or after): its entry is replaced
+        in ``batch`` and listed in :attr:`CommitResult.unmanaged`.
         """
         mk = [(m.outcome, m.reason, now, m.callback_id) for m in marks or ()]
         dl = [(d.deadline_at, d.step_id, d.state, d.fence) for d in deadlines or ()]
@@ -594,10 +609,13 @@ class TransitionWriter:
             jrs.append(j)
         ev = [(now, self.cid, e.strategy_id, e.step_id, e.kind, e.details) for e in evts]
         fences = fences or {}
-        if self._commit_fast(ups, jrs, ev, mk, fences, dl):
-            return CommitResult([], set())
+        unmanaged: list[Transition] = []
+        if self._commit_fast(batch, lease_until, ups, jrs, ev, mk, fences, dl, unmanaged):
+            return CommitResult([], set(), unmanaged)
+        # Rolled back: entries it failed stay failed (replaced in the batch), and the
+        # slower path checks what is still entering.
         return self._commit_one_by_one(
-            batch, ups, jrs, ev, marks or [], now, fences, deadlines or []
+            batch, lease_until, ups, jrs, ev, marks or [], now, fences, deadlines or [], unmanaged
         )
 
     def _lost(self, cur: Any, fences: dict[int, int]) -> set[int]:
@@ -613,14 +631,64 @@ class TransitionWriter:
         held = {int(r[0]) for r in cur.fetchall() if r[1] == self.cid and r[2] == fences[r[0]]}
         return set(ids) - held
 
+    def _fail_unmanaged(
+        self,
+        cur: Any,
+        batch: list[Transition],
+        lease_until: float,
+        ups: list[tuple[str, tuple[Any, ...]]],
+        jrs: list[tuple[Any, ...]],
+    ) -> list[Transition]:
+        """Steps about to start whose target is unmanaged now: fail them instead.
+
+        Their entries are replaced, in ``batch`` and in the statements' parameters, by
+        ``initial -> failed`` with the unmanaged reason. One query, only for batches
+        that start steps.
+        """
+        at = {
+            t.step_id: i
+            for i, t in enumerate(batch)
+            if t.from_state == STEP_INITIAL and t.to_state not in STEP_TERMINAL
+        }
+        if not at:
+            return []
+        hooks = self.store.hooks
+        cur.execute(
+            "SELECT s.id, t.name FROM steps s JOIN targets t ON t.id = s.target_id "
+            f"WHERE s.id IN ({hooks.placeholders(len(at))}) AND t.managed = {hooks.placeholder}",
+            [*at, hooks.flag(False)],
+        )
+        failed: list[Transition] = []
+        for step_id, name in cur.fetchall():
+            i = at[step_id]
+            t = batch[i]
+            batch[i] = f = Transition(
+                step_id=t.step_id,
+                strategy_id=t.strategy_id,
+                from_state=t.from_state,
+                from_fence=t.from_fence,
+                to_state=STEP_FAILED,
+                fence=t.from_fence,
+                details=unmanaged_reason(name),
+                attempt=t.attempt,
+                at=t.at,
+            )
+            sql, u, j = self._params(f, lease_until)
+            ups[i], jrs[i] = (sql, u), j
+            failed.append(f)
+        return failed
+
     def _commit_fast(
         self,
+        batch: list[Transition],
+        lease_until: float,
         ups: list[tuple[str, tuple[Any, ...]]],
         jrs: list[tuple[Any, ...]],
         ev: list[tuple[Any, ...]],
         mk: list[tuple[Any, ...]],
         fences: dict[int, int],
         dl: list[tuple[Any, ...]],
+        unmanaged: list[Transition],
     ) -> bool:
         """The hot path: one transaction on a dedicated DBAPI connection, four executemany.
 
@@ -641,6 +709,7 @@ class TransitionWriter:
             if self._lost(cur, fences):
                 raw.rollback()
                 return False
+            unmanaged += self._fail_unmanaged(cur, batch, lease_until, ups, jrs)
             by_sql: dict[str, list[tuple[Any, ...]]] = {}
             for sql, u in ups:
                 by_sql.setdefault(sql, []).append(u)
@@ -674,6 +743,7 @@ class TransitionWriter:
     def _commit_one_by_one(
         self,
         batch: list[Transition],
+        lease_until: float,
         ups: list[tuple[str, tuple[Any, ...]]],
         jrs: list[tuple[Any, ...]],
         ev: list[tuple[Any, ...]],
@@ -681,11 +751,13 @@ class TransitionWriter:
         now: float,
         fences: dict[int, int],
         deadlines: list[AttemptDeadline],
+        unmanaged: list[Transition],
     ) -> CommitResult:
         rejected: list[Transition] = []
         with self.store.write() as conn:
             raw: Any = conn.connection.driver_connection
             lost = self._lost(raw.cursor(), fences)
+            unmanaged += self._fail_unmanaged(raw.cursor(), batch, lease_until, ups, jrs)
             for t, (sql, u), j in zip(batch, ups, jrs, strict=True):
                 if t.strategy_id in lost:
                     rejected.append(t)
@@ -736,7 +808,8 @@ class TransitionWriter:
             ]
             if dl:
                 conn.exec_driver_sql(self._deadline_sql, dl)
-        return CommitResult(rejected, lost)
+        refused = {id(t) for t in rejected}
+        return CommitResult(rejected, lost, [t for t in unmanaged if id(t) not in refused])
 
     def close(self) -> None:
         if self._raw is not None:

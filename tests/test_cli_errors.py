@@ -1,0 +1,93 @@
+"""Bad input at the edges of the CLI: one ``error:`` line, exit code 2, nothing written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cli_harness import Cli
+
+
+def _one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+def test_a_bad_option_value_is_one_line_naming_the_option(cli: Cli) -> None:
+    res = cli("strategy", "list", "--format", "xml")
+    assert res.code == 2
+    line = _one_line(res.err)
+    assert "--format" in line and "xml" in line
+
+
+def test_an_unknown_command_is_one_line(cli: Cli) -> None:
+    res = cli("strategy", "frobnicate")
+    assert res.code == 2
+    assert "frobnicate" in _one_line(res.err)
+
+
+def test_error_lines_are_not_wrapped_on_a_narrow_or_piped_stderr(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "40")
+    res = cli("workflow", "show", "nope")
+    assert res.code == 2
+    line = _one_line(res.err)
+    # the argument is named as the command has it (there is no --workflow here)
+    assert line.startswith("error: NAME: unknown workflow 'nope'")
+    assert line.endswith("sw-deploy)")
+
+
+def test_db_that_is_a_directory(cli: Cli, tmp_path: Path) -> None:
+    res = cli("strategy", "list", db=tmp_path)
+    assert res.code == 2
+    assert "is a directory" in _one_line(res.err)
+
+
+def test_db_that_is_not_a_database_is_left_alone(cli: Cli, tmp_path: Path) -> None:
+    path = tmp_path / "notes.db"
+    path.write_bytes(b"my notes, not a database\n" * 10)
+    res = cli("target", "add", "a", db=path)
+    assert res.code == 2
+    assert "not a database" in _one_line(res.err)
+    assert path.read_bytes() == b"my notes, not a database\n" * 10
+
+
+def test_a_plugin_module_that_does_not_import(cli: Cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEETWAVE_PLUGINS", "no_such_plugin_module")
+    monkeypatch.setattr("fleetwave.domain.registry._loaded", False)
+    res = cli("workflow", "list")
+    assert res.code == 2
+    assert "FLEETWAVE_PLUGINS: cannot import 'no_such_plugin_module'" in _one_line(res.err)
+
+
+@pytest.mark.parametrize(
+    ("setting", "problem"),
+    [
+        ("already_done=maybe", "already_done: 'maybe' is not true or false"),
+        ("fail_at=", "fail_at: '' is not a state name"),
+        ("hang_at=two words", "hang_at: 'two words' is not a state name"),
+    ],
+)
+def test_sim_settings_that_would_silently_do_nothing_are_refused(
+    cli: Cli, setting: str, problem: str
+) -> None:
+    res = cli("target", "add", "site-1", "--set", setting)
+    assert res.code == 2
+    assert problem in _one_line(res.err)
+    assert cli("target", "list", "--format", "json").json() == []
+
+
+def test_already_done_words(cli: Cli) -> None:
+    for i, word in enumerate(["true", "False", "yes", "no", "1", "0", "on", "off"]):
+        assert cli("target", "add", f"t{i}", "--set", f"already_done={word}").code == 0
+
+
+def test_an_unknown_log_level(cli: Cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEETWAVE_LOG", "loud")
+    res = cli("target", "list")
+    assert res.code == 2
+    assert "FLEETWAVE_LOG: unknown level 'loud'" in _one_line(res.err)
