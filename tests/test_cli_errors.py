@@ -91,3 +91,31 @@ def test_an_unknown_log_level(cli: Cli, monkeypatch: pytest.MonkeyPatch) -> None
     res = cli("target", "list")
     assert res.code == 2
     assert "FLEETWAVE_LOG: unknown level 'loud'" in _one_line(res.err)
+
+
+def test_bad_input_on_a_new_database_path_leaves_no_file(cli: Cli, tmp_path: Path) -> None:
+    where = tmp_path / "new"
+    where.mkdir()
+    fresh = where / "new.db"
+    for args in (
+        ("group", "add", "g", "--max-parallel", "0"),
+        ("strategy", "create", "--workflow", "nope", "--all"),
+        ("target", "show", "nope"),
+    ):
+        res = cli(*args, db=fresh)
+        assert res.code == 2, args
+        assert not list(where.iterdir()), args  # not the database, nor its WAL
+    assert cli("target", "add", "a", db=fresh).code == 0
+    assert cli("target", "show", "nope", db=fresh).code == 2
+    assert fresh.exists()  # an existing database stays, whatever the input
+    assert cli("target", "show", "a", db=fresh).code == 0
+
+
+def test_yaml_import_with_settings_at_the_top_level_says_where_they_go(
+    cli: Cli, tmp_path: Path
+) -> None:
+    f = tmp_path / "fleet.yaml"
+    f.write_text("- name: a\n  latency_ms: 20\n")
+    res = cli("target", "import", str(f))
+    assert res.code == 2
+    assert "latency_ms: unknown field" in res.err and "under 'settings:'" in res.err

@@ -17,7 +17,13 @@ import typer
 
 from fleetwave.catalog import list_workflows, resolve_workflow
 from fleetwave.cli import output
-from fleetwave.cli.common import DbOpt, FormatOpt, store_for
+from fleetwave.cli.common import (
+    DbOpt,
+    FormatOpt,
+    discard_created,
+    forget_created,
+    store_for,
+)
 from fleetwave.cli.demo import demo_command
 from fleetwave.cli.drive import drive_strategy
 from fleetwave.cli.output import Format, console, emit_one, emit_rows, err_console, print_json
@@ -433,15 +439,18 @@ def main() -> None:
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    forget_created()
     try:
         # Not standalone: bad usage (an unknown option or value) is reported below as
         # one line, like every other bad input, instead of in a boxed panel.
         code = app(standalone_mode=False)
     except typer.TyperException as exc:  # usage: exit 2 (Click's code for bad usage)
+        discard_created()
         _fail(exc.format_message(), exc.exit_code)
     except typer.Abort:
         _fail("interrupted", 130)
     except (InputError, WorkflowError, StoreError, event_loop.LoopChoiceError) as exc:
+        discard_created()
         _fail(str(exc), 2)
     sys.exit(code if isinstance(code, int) else 0)
 

@@ -96,7 +96,10 @@ def targets_from_yaml(text: str, source: str) -> list[Target]:
             raise InputError(f"{where}: expected a mapping with at least 'name'")
         unknown = set(item) - {"name", "group", "driver", "settings", "labels", "managed"}
         if unknown:
-            raise InputError(f"{where}: {sorted(unknown)[0]}: unknown field")
+            raise InputError(
+                f"{where}: {sorted(unknown)[0]}: unknown field (fields: name, group, driver, "
+                "managed, labels, settings; driver settings go under 'settings:')"
+            )
         name = str(item.get("name") or "").strip()
         if not name:
             raise InputError(f"{where}: name: must not be empty")
