@@ -13,6 +13,8 @@ import pytest
 
 from cli_harness import PATCH_STATES, Cli, assert_rejected
 from fleetwave import ActionContext, Outcome, Skip, StateAction
+from fleetwave.domain.registry import register_workflow
+from fleetwave.domain.workflow import DriverOperation, StateDef, WorkflowDef
 
 
 def workflows(cli: Cli) -> dict[str, dict[str, Any]]:
@@ -85,6 +87,29 @@ def test_workflow_show_patch_lists_its_states_in_order(cli: Cli) -> None:
     assert first["attempts"] == 3
     assert all(s["timeout_s"] > 0 for s in wf["states"])
     assert all(s["mode"] == "run" for s in wf["states"])
+    # what a takeover does, and how long retries may back off
+    assert all(s["recover"] == "hook" for s in wf["states"])
+    assert all(s["backoff_max_s"] >= s["backoff_s"] for s in wf["states"])
+
+
+def test_workflow_show_says_which_states_have_no_recover_hook(cli: Cli, tmp_path: Path) -> None:
+    f = tmp_path / "wf.yaml"
+    f.write_text(
+        "name: two\nstates:\n"
+        "  - name: first\n    action: driver:op\n"
+        "  - name: second\n    action: driver:op\n    recover: none\n"
+    )
+    assert cli("workflow", "add", str(f)).code == 0
+    wf = cli("workflow", "show", "two", "--format", "json").json()
+    assert [s["recover"] for s in wf["states"]] == ["hook", "none"]
+    assert wf["source"] == "yaml"
+
+
+def test_a_workflow_registered_by_code_is_not_called_builtin(cli: Cli) -> None:
+    register_workflow(
+        WorkflowDef("by-code", (StateDef("only", DriverOperation("op")),)), replace=True
+    )
+    assert workflows(cli)["by-code"]["source"] == "python"
 
 
 def test_workflow_show_table(cli: Cli) -> None:
@@ -235,7 +260,9 @@ def test_workflow_add_stores_it_for_list_and_show(cli: Cli, tmp_path: Path) -> N
             "timeout_s": 30.0,
             "attempts": 2,
             "backoff_s": 0.01,
+            "backoff_max_s": 0.02,
             "mode": "run",
+            "recover": "hook",
         },
         {
             "state": "apply",
@@ -243,7 +270,9 @@ def test_workflow_add_stores_it_for_list_and_show(cli: Cli, tmp_path: Path) -> N
             "timeout_s": 7200.0,
             "attempts": 1,
             "backoff_s": 1.0,
+            "backoff_max_s": 300.0,
             "mode": "run",
+            "recover": "none",
         },
         {
             "state": "verify",
@@ -251,7 +280,9 @@ def test_workflow_add_stores_it_for_list_and_show(cli: Cli, tmp_path: Path) -> N
             "timeout_s": 600.0,
             "attempts": 1,
             "backoff_s": 1.0,
+            "backoff_max_s": 300.0,
             "mode": "poll",
+            "recover": "hook",
         },
     ]
 

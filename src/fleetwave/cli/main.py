@@ -181,7 +181,10 @@ def _workflow_dict(name: str, db: str | None) -> dict[str, object]:
                 "timeout_s": s.timeout_s,
                 "attempts": s.attempts_max,
                 "backoff_s": s.backoff_s,
+                "backoff_max_s": s.backoff_max_s,
                 "mode": s.mode,
+                # after a takeover: the hook decides, or (none) the step fails
+                "recover": "hook" if s.action.has_recover_hook() else "none",
             }
             for s in wf.states
         ],

@@ -44,6 +44,7 @@ def builtin_workflows() -> list[WorkflowDef]:
                 _state("applying-remote-patch-strategy", 2 * HOUR),
                 _state("finishing", 10 * MINUTE, attempts_max=3),
             ),
+            source="builtin",
             description="Patch each target: check, upload patches, create and apply "
             "the remote patch strategy, clean up.",
         ),
@@ -56,6 +57,7 @@ def builtin_workflows() -> list[WorkflowDef]:
                 _state("apply-remote-strategy", 3 * HOUR),
                 _state("finish", 10 * MINUTE, attempts_max=3),
             ),
+            source="builtin",
             description="Deploy a software release: pre-check (skips targets already on "
             "the release), license, remote deploy strategy, finish.",
         ),
@@ -67,6 +69,7 @@ def builtin_workflows() -> list[WorkflowDef]:
                 _state("applying-fw-update-strategy", 3 * HOUR),
                 _state("finishing-fw-update", 10 * MINUTE, attempts_max=3),
             ),
+            source="builtin",
             description="Update device firmware through a remote firmware update strategy.",
         ),
         WorkflowDef(
@@ -76,6 +79,7 @@ def builtin_workflows() -> list[WorkflowDef]:
                 _state("create-kube-upgrade-strategy", 15 * MINUTE, attempts_max=3),
                 _state("apply-kube-upgrade-strategy", 4 * HOUR),
             ),
+            source="builtin",
             description="Upgrade kubernetes through a remote kube upgrade strategy.",
         ),
         WorkflowDef(
@@ -89,6 +93,7 @@ def builtin_workflows() -> list[WorkflowDef]:
                 _state("final-power-off", 5 * MINUTE, attempts_max=3),
                 _state("mark-available", 5 * MINUTE, attempts_max=3),
             ),
+            source="builtin",
             description="Clean a bare-metal node: network boot its agent, wait for the "
             "agent's callback, run the clean steps (the agent reports when done), power off.",
         ),

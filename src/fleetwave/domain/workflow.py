@@ -110,6 +110,10 @@ class StateAction:
         """
         raise NoRecoverHook(ctx.state)
 
+    def has_recover_hook(self) -> bool:
+        """Whether :meth:`recover` is overridden (else a takeover fails the step)."""
+        return type(self).recover is not StateAction.recover
+
     def describe(self) -> str:
         return type(self).__name__
 
@@ -173,7 +177,9 @@ class WorkflowDef:
     states: tuple[StateDef, ...]
     version: int = 1
     description: str = ""
-    source: str = "builtin"
+    #: where it comes from: "builtin", "yaml" (a file or a stored workflow) or "python"
+    #: (registered by code, such as a module named in FLEETWAVE_PLUGINS)
+    source: str = "python"
     #: the YAML it was parsed from, if any: a strategy keeps it, so editing or deleting
     #: the stored workflow changes no strategy already created from it
     yaml_text: str | None = field(default=None, compare=False, repr=False)

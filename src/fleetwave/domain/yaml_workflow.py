@@ -75,6 +75,9 @@ class _NoRecover(StateAction):
     async def recover(self, ctx: ActionContext) -> Outcome:
         raise NoRecoverHook(ctx.state)
 
+    def has_recover_hook(self) -> bool:
+        return False
+
     def describe(self) -> str:
         return f"{self.inner.describe()} (no recover)"
 
