@@ -111,3 +111,18 @@ class ForgetsAbortConductor(Conductor):
         run = self.runs.get(sid)
         if run is not None:
             run.stopping = None
+
+
+class _LoadTimeManagedWriter(rt.TransitionWriter):
+    def _fail_unmanaged(self, *args: Any, **kwargs: Any) -> list[rt.Transition]:
+        return []
+
+
+class LoadTimeManagedConductor(Conductor):
+    """The managed flag is read when a page of waiting steps is loaded, never at the
+    step's turn: a target unmanaged meanwhile is still operated on (found by an
+    acceptance run before the simulator had the operator's unmanage)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._writer = _LoadTimeManagedWriter(self.store, self.id)

@@ -9,6 +9,7 @@ import pytest
 
 from broken_engines import (
     ForgetsAbortConductor,
+    LoadTimeManagedConductor,
     LockingCallbackConductor,
     SelfRemovingWorkerConductor,
     StaleSnapshotConductor,
@@ -65,6 +66,7 @@ def test_faults_are_really_injected() -> None:
     assert quiet.ok and quiet.crashes == 0 and quiet.store_retries == 0
     assert quiet.strategy_state == "complete"
     assert sum(r.aborted_by_operator for r in results) > 0
+    assert sum(r.unmanaged_by_operator for r in results) > 0
     assert set(FAULTS) == {
         "errors",
         "hangs",
@@ -75,6 +77,7 @@ def test_faults_are_really_injected() -> None:
         "stall",
         "stop",
         "abort",
+        "unmanage",
     }
 
 
@@ -93,9 +96,9 @@ def test_ci_sweep_all_faults() -> None:
     PINNED or [pytest.param(0, "", 0, marks=pytest.mark.skip(reason="no seed has failed yet"))],
 )
 def test_pinned_regression_seeds(seed: int, workflow: str, targets: int) -> None:
-    # Without clean stops and aborts (added later): each seed replays the run that
-    # found its bug.
-    faults = frozenset(FAULTS) - {"stop", "abort"}
+    # Without clean stops, aborts and unmanages (added later): each seed replays the
+    # run that found its bug.
+    faults = frozenset(FAULTS) - {"stop", "abort", "unmanage"}
     res = run_simulation(SimConfig(seed=seed, targets=targets, workflow=workflow, faults=faults))
     assert res.ok, res.violations
 
@@ -138,3 +141,8 @@ def test_guard_catches_worker_that_removes_itself() -> None:
 def test_guard_catches_callback_handler_waiting_on_the_lock() -> None:
     _seed, hits = _first_caught(LockingCallbackConductor, "clean", "G6", range(1, 11))
     assert "never accepted" in hits[0]
+
+
+def test_guard_catches_conductor_that_reads_managed_only_at_load() -> None:
+    _seed, hits = _first_caught(LoadTimeManagedConductor, "patch", "unmanage:", range(1, 121))
+    assert "after the operator unmanaged it" in hits[0]

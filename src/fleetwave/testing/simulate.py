@@ -10,7 +10,8 @@ One run, for one seed:
    before or after it) and restart with a new identity, taking over by lease expiry;
    conductors that stall (run on without renewing their leases) while a rival takes
    over, and must be fenced off; conductors stopped cleanly; transient database errors
-   inside write transactions; an operator who aborts the strategy mid-run;
+   inside write transactions; an operator who aborts the strategy mid-run, or who
+   unmanages a few targets while it runs;
 4. then every guarantee is checked from the journal and final rows, and the journal's
    digest is printed: the same seed gives the same journal, byte for byte.
 
@@ -43,6 +44,7 @@ from fleetwave.domain.models import (
     Group,
     StrategyOptions,
     Target,
+    unmanaged_reason,
 )
 from fleetwave.domain.registry import get_workflow
 from fleetwave.drivers.sim import SimDriver
@@ -52,10 +54,22 @@ from fleetwave.store import admin
 from fleetwave.store import runtime as rt
 from fleetwave.store.db import Store, open_store
 from fleetwave.store.schema import callbacks, events, journal, steps, strategies
+from fleetwave.store.schema import targets as target_table
 from fleetwave.testing.invariants import check
 from fleetwave.testing.vloop import Deadlock, Livelock, VirtualTimeLoop
 
-FAULTS = ("errors", "hangs", "slow", "callbacks", "db", "crash", "stall", "stop", "abort")
+FAULTS = (
+    "errors",
+    "hangs",
+    "slow",
+    "callbacks",
+    "db",
+    "crash",
+    "stall",
+    "stop",
+    "abort",
+    "unmanage",
+)
 
 #: virtual time after which a strategy that has not ended is a liveness violation
 VIRTUAL_LIMIT_S = 7 * 24 * 3600.0
@@ -110,6 +124,8 @@ class SimResult:
     stops: int = 0
     #: the operator's abort was accepted (the strategy was still applying)
     aborted_by_operator: bool = False
+    #: targets the operator unmanaged while the strategy ran
+    unmanaged_by_operator: int = 0
 
     def line(self) -> str:
         verdict = "ok" if self.ok else "FAILED"
@@ -267,6 +283,69 @@ class _Faults:
         return (kind, self.rng.randint(1, 60))
 
 
+class _OperatorUnmanage:
+    """``fleetwave target unmanage NAME`` for a few targets while the strategy runs (40 %
+    of seeds, own generator): a step that had not started by then never starts."""
+
+    def __init__(
+        self, store: Store, clock: LoopClock, rng: random.Random, names: list[str], on: bool
+    ) -> None:
+        self.store = store
+        self.clock = clock
+        #: (virtual time, target names) to unmanage, in time order
+        self.plan: list[tuple[float, list[str]]] = []
+        if on and names and rng.random() < 0.4:
+            for _ in range(rng.randint(1, 3)):
+                picked = rng.sample(names, k=min(len(names), rng.randint(1, 5)))
+                self.plan.append((rng.uniform(1, 600), picked))
+            self.plan.sort()
+        #: target name -> when its unmanage was committed (the conductors' clock)
+        self.done: dict[str, float] = {}
+
+    def schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        for at, picked in self.plan:
+            loop.call_at(at, self._unmanage, picked, 0)
+
+    def _unmanage(self, names: list[str], tries: int) -> None:
+        loop = asyncio.get_running_loop()
+        for i, name in enumerate(names):
+            try:
+                admin.set_managed(self.store, name, False)
+            except OperationalError:
+                if tries < 5:  # an injected database error: the operator tries again
+                    loop.call_later(5.0, self._unmanage, names[i:], tries + 1)
+                return
+            self.done.setdefault(name, self.clock.now())
+
+
+def _unmanage_checks(store: Store, sid: int, done: dict[str, float]) -> list[str]:
+    """A target unmanaged before its step started: the step never starts, and it ends
+    failed as unmanaged (or aborted, when the strategy stopped first)."""
+    out: list[str] = []
+    with store.read() as conn:
+        for name, at in sorted(done.items()):
+            rows = conn.execute(
+                select(journal.c.from_state, journal.c.to_state, journal.c.at, journal.c.details)
+                .join(steps, steps.c.id == journal.c.step_id)
+                .join(target_table, target_table.c.id == steps.c.target_id)
+                .where(journal.c.strategy_id == sid, target_table.c.name == name)
+                .order_by(journal.c.id)
+            ).all()
+            entry = next((r for r in rows if r.from_state == "initial"), None)
+            if entry is None or entry.at < at:
+                continue  # started (or ended) before the operator unmanaged it
+            if entry.at == at:
+                continue  # the same virtual instant: either order is right
+            if entry.to_state not in ("failed", "aborted"):
+                out.append(
+                    f"unmanage: {name} started ({entry.to_state}) "
+                    f"{entry.at - at:.1f} s after the operator unmanaged it"
+                )
+            elif entry.to_state == "failed" and entry.details != unmanaged_reason(name):
+                out.append(f"unmanage: {name} failed with '{entry.details}', not as unmanaged")
+    return out
+
+
 class _OperatorAbort:
     """``fleetwave strategy abort``, typed while the strategy runs: retried after an
     (injected) database error, refused once the strategy has ended."""
@@ -411,6 +490,14 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
     operator_abort = _OperatorAbort(store, sid)
     if faults.abort_at is not None:
         loop.call_at(faults.abort_at, operator_abort.request)
+    unmanage = _OperatorUnmanage(
+        store,
+        clock,
+        random.Random(cfg.seed * 7919 + 6),
+        [t.name for t in targets],
+        "unmanage" in cfg.faults,
+    )
+    unmanage.schedule(loop)
     while loop.time() < VIRTUAL_LIMIT_S:
         stall_after = faults.stall_plan()
         if stall_after is not None:
@@ -488,6 +575,7 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
     violations = list(verdict.violations) + _extra_checks(store, sid, final_state)
     if operator_abort.accepted:
         violations += _abort_checks(store, sid)
+    violations += _unmanage_checks(store, sid, unmanage.done)
     violations += _target_checks(sim) + stuck
     with store.read() as conn:
         n_callbacks = len(conn.execute(select(callbacks.c.id)).all())
@@ -505,6 +593,7 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
         crashes=crashes,
         stops=stops,
         aborted_by_operator=operator_abort.accepted,
+        unmanaged_by_operator=len(unmanage.done),
         store_retries=retries,
         callbacks=n_callbacks,
         virtual_s=loop.time(),
