@@ -114,7 +114,7 @@ class ForgetsAbortConductor(Conductor):
 
 
 class _LoadTimeManagedWriter(rt.TransitionWriter):
-    def _fail_unmanaged(self, *args: Any, **kwargs: Any) -> list[rt.Transition]:
+    def _end_unmanaged(self, *args: Any, **kwargs: Any) -> list[rt.Transition]:
         return []
 
 

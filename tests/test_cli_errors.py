@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from cli_harness import Cli
+from fleetwave.domain.models import Group
 
 
 def _one_line(err: str) -> str:
@@ -119,3 +121,31 @@ def test_yaml_import_with_settings_at_the_top_level_says_where_they_go(
     res = cli("target", "import", str(f))
     assert res.code == 2
     assert "latency_ms: unknown field" in res.err and "under 'settings:'" in res.err
+
+
+def test_no_command_prints_the_help_and_no_empty_error_line(cli: Cli) -> None:
+    res = cli(db=None)
+    assert res.code == 2
+    assert "Usage" in res.out + res.err
+    assert "error:" not in res.err
+
+
+def test_a_new_database_that_another_process_wrote_to_is_kept(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Removing what the failed command created must not remove someone else's work."""
+    from fleetwave.cli import common
+    from fleetwave.store import admin
+
+    fresh = tmp_path / "shared.db"
+    real_store_for = common.store_for
+
+    def store_then_other_process_adds(db: str | None) -> Any:
+        store = real_store_for(db)
+        admin.add_group(store, Group("east"))  # e.g. a `serve` beside this command
+        return store
+
+    monkeypatch.setattr("fleetwave.cli.main.store_for", store_then_other_process_adds)
+    res = cli("target", "show", "nope", db=fresh)
+    assert res.code == 2
+    assert fresh.exists()

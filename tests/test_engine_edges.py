@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+from typing import Any
 
 import pytest
 from sqlalchemy import delete
@@ -91,12 +93,147 @@ def test_unmanaged_entry_and_a_refused_move_in_one_batch(store: Store) -> None:
     batch = [stale, entry]
     result = writer.commit(batch, [], 1.0, 2.0)
     assert result.rejected == [stale]
-    assert [(t.step_id, t.to_state) for t in result.unmanaged] == [(ids[names[1]], "failed")]
-    assert batch[1] is result.unmanaged[0]  # replaced in the batch
+    assert [(t.step_id, t.to_state) for t in result.replaced] == [(ids[names[1]], "failed")]
+    assert batch == [stale, entry]  # the caller's batch is left alone
     steps = {s["target"]: (s["state"], s["details"]) for s in queries.list_steps(store, sid)}
     assert steps[names[1]] == ("failed", f"Target {names[1]} is unmanaged.")
     assert steps[names[0]][0] == "initial"
     writer.close()
+
+
+def _unmanage_right_after_loading(store: Store, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """The operator unmanages ``name`` just after the conductor loaded its step."""
+    real_load = rt.load_waiting_steps
+
+    def load_then_unmanage(*a: Any, **kw: Any) -> list[rt.StepRecord]:
+        recs = real_load(*a, **kw)
+        admin.set_managed(store, name, False)
+        return recs
+
+    monkeypatch.setattr(rt, "load_waiting_steps", load_then_unmanage)
+
+
+def test_transient_error_after_failing_an_unmanaged_entry_strands_nothing(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: the writer replaced the entry in the conductor's own batch, so
+    the commit retried after a transient error found nothing to fail, and the step was
+    written failed but kept its slot forever (the strategy never ended)."""
+    names = add_sim_targets(store, 2)
+    _unmanage_right_after_loading(store, monkeypatch, names[1])
+    real_fail = rt.TransitionWriter._end_unmanaged
+    calls = {"n": 0}
+
+    def fail_then_disk_error(self: rt.TransitionWriter, *a: Any, **kw: Any) -> Any:
+        out = real_fail(self, *a, **kw)
+        calls["n"] += 1
+        if out and calls["n"] == 1:
+            raise sqlite3.OperationalError("disk I/O error (injected)")
+        return out
+
+    monkeypatch.setattr(rt.TransitionWriter, "_end_unmanaged", fail_then_disk_error)
+    sid = applied(store, "patch", max_parallel=2)
+    c = Conductor(store, config=EngineConfig(store_retries_max=3))
+
+    async def go() -> dict[int, str]:
+        return await asyncio.wait_for(c.run(strategy_ids=[sid]), 10)
+
+    assert asyncio.run(go())[sid] == "failed"
+    assert c.stats.store_retries >= 1
+    steps = {s["target"]: s["state"] for s in queries.list_steps(store, sid)}
+    assert steps == {names[0]: "complete", names[1]: "failed"}
+    assert check(store, sid).ok
+
+
+def test_stop_on_failure_by_an_unmanaged_target_found_in_the_commit_starts_nothing_more(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: the steps admitted beside the unmanaged one entered their first
+    state in the same commit and then ran, though the strategy stops on failure."""
+    names = add_sim_targets(store, 10)
+    _unmanage_right_after_loading(store, monkeypatch, names[0])
+    sid = applied(store, "patch", max_parallel=10, stop_on_failure=True)
+    driver = SimDriver()
+    driver.record = True
+    final = asyncio.run(Conductor(store, drivers={"sim": driver}).run(strategy_ids=[sid]))
+    assert final[sid] == "failed"
+    assert driver.performed == []  # no target was touched
+    steps = {s["target"]: (s["state"], s["details"]) for s in queries.list_steps(store, sid)}
+    assert steps[names[0]] == ("failed", f"Target {names[0]} is unmanaged.")
+    # Admitted beside it, after it: none entered a state (as when the flag is known at
+    # admission: test_unmanaged_target_crossing_the_threshold_starts_nothing_more).
+    for n in names[1:]:
+        assert [h["to"] for h in queries.history(store, sid, target=n)] == ["aborted"]
+        assert steps[n][1] == "not started: stopped after a step failed (stop on failure)"
+    assert check(store, sid).ok
+
+
+def test_threshold_crossed_by_unmanaged_targets_found_in_the_commit(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two failures tolerated: the first three unmanaged targets fail (the third one
+    exceeds the threshold), and no step after the third starts."""
+    names = add_sim_targets(store, 8)
+    real_load = rt.load_waiting_steps
+
+    def load_then_unmanage(*a: Any, **kw: Any) -> list[rt.StepRecord]:
+        recs = real_load(*a, **kw)
+        for n in (names[1], names[3], names[4], names[6]):
+            admin.set_managed(store, n, False)
+        return recs
+
+    monkeypatch.setattr(rt, "load_waiting_steps", load_then_unmanage)
+    sid = applied(store, "patch", max_parallel=8, max_failures=2)
+    assert asyncio.run(Conductor(store).run(strategy_ids=[sid]))[sid] == "failed"
+    steps = {s["target"]: s for s in queries.list_steps(store, sid)}
+    moves = {n: [h["to"] for h in queries.history(store, sid, target=n)] for n in names}
+    assert [moves[n] for n in names] == [
+        ["pre-check", "aborted"],  # started before the failures: ends its state, stops
+        ["failed"],
+        ["pre-check", "aborted"],
+        ["failed"],
+        ["failed"],  # the third failure: past the threshold of 2
+        ["aborted"],
+        ["aborted"],  # unmanaged too, but never reached: stopped first
+        ["aborted"],
+    ]
+    assert steps[names[5]]["details"] == (
+        "not started: stopped: 3 failed steps exceed the failure threshold of 2"
+    )
+    assert check(store, sid).ok
+
+
+def test_takeover_does_not_start_a_step_whose_target_was_unmanaged_meanwhile(
+    store: Store,
+) -> None:
+    """A clean stop leaves a step entered but not started; its target is unmanaged
+    before the next conductor takes over: the step must not start then either."""
+    add_sim_targets(store, 2, settings={"latency_ms": 200})
+    sid = applied(store, "patch", max_parallel=1)
+    stop = asyncio.Event()
+    first = Conductor(store)
+
+    async def until_stopped() -> None:
+        task = asyncio.create_task(first.run(strategy_ids=[sid], stop=stop))
+        while not any(run.inflight for run in first.runs.values()):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        stop.set()  # the first step finishes its state; its next state is entered, unstarted
+        await task
+
+    asyncio.run(until_stopped())
+    entered = [s for s in queries.list_steps(store, sid) if s["state"] not in ("initial",)]
+    assert entered, "the stop should leave a step in flight"
+    target = entered[0]["target"]
+    admin.set_managed(store, target, False)
+    driver = SimDriver()
+    driver.record = True
+    final = asyncio.run(Conductor(store, drivers={"sim": driver}).run(strategy_ids=[sid]))
+    assert final[sid] == "failed"
+    assert not [p for p in driver.performed if p[0] == target]
+    steps = {s["target"]: (s["state"], s["details"]) for s in queries.list_steps(store, sid)}
+    assert steps[target] == ("failed", f"Target {target} is unmanaged.")
+    assert check(store, sid).ok
 
 
 def test_callbacks_that_arrive_before_the_wait_are_kept(store: Store) -> None:

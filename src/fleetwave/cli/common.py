@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from fleetwave.cli.output import Format
-from fleetwave.store.db import Store, default_db_path, open_store
+from fleetwave.store.db import Store, default_db_path, is_empty, open_store
 
 DbOpt = Annotated[
     str | None,
@@ -42,9 +42,15 @@ def forget_created() -> None:
 
 
 def discard_created() -> None:
-    """Bad input: remove the databases this command created (with their WAL files)."""
+    """Bad input: remove the databases this command created (with their WAL files),
+    if nothing has been written to them since (another process may have begun to)."""
     while _created:
         path, store = _created.pop()
-        store.dispose()
+        try:
+            empty = is_empty(store)
+        finally:
+            store.dispose()
+        if not empty:
+            continue
         for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
             p.unlink(missing_ok=True)

@@ -459,8 +459,12 @@ def main() -> None:
 
 
 def _fail(message: str, code: int) -> None:
-    """One line on stderr, never wrapped (scripts and logs read it whole), and exit."""
-    output.err_console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+    """One line on stderr, never wrapped (scripts and logs read it whole), and exit.
+
+    No line for an empty message: ``fleetwave`` alone prints its help and exits 2.
+    """
+    if message:
+        output.err_console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
     sys.exit(code)
 
 

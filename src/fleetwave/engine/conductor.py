@@ -43,6 +43,7 @@ from fleetwave.domain.models import (
     STEP_FAILED,
     STEP_INITIAL,
     STEP_TERMINAL,
+    StrategyOptions,
     StrategyState,
     unmanaged_reason,
 )
@@ -495,14 +496,18 @@ class Conductor:
                 marks,
                 fences,
                 deadlines,
+                self._stop_rules(batch),
             )
             self._committed_at = time.perf_counter()
             self.stats.batches += 1
             self.stats.transitions += len(batch) - len(result.rejected)
             self._crash_point("after-commit")
+            # First: entries the commit turned into failed (an unmanaged target) or, after
+            # that crossed the failure threshold, aborted, leave the window (_apply then
+            # finds them gone and starts nothing for them).
+            for t in result.replaced:
+                self._replaced_at_turn(t)
             self._apply(batch, result.rejected)
-            for t in result.unmanaged:
-                self._unmanaged_at_turn(t)
             for sid in result.lost:
                 self._drop_run(sid)
         for fl in recover:
@@ -667,6 +672,23 @@ class Conductor:
                     )
                 )
                 continue
+            if step.not_started and not step.target.managed:
+                # Unmanaged since it entered the state, and its action never started: as
+                # at an admission, it must not start now.
+                batch.append(
+                    self._move(
+                        run,
+                        step.step_id,
+                        step.state,
+                        step.fence,
+                        STEP_FAILED,
+                        unmanaged_reason(step.target.name),
+                        step.attempt,
+                        now,
+                    )
+                )
+                self._count_failure(run)
+                continue
             # A clean stop records the states it entered but never started: those start
             # afresh; any other may have started, so its recover hook looks first.
             fl = InFlight(step, step.state, step.fence, recovering=not step.not_started)
@@ -764,10 +786,7 @@ class Conductor:
         self.finished[rec.id] = StrategyState.FAILED.value if ok else "lost"
 
     def _failure_details(self, run: StrategyRun) -> str:
-        limit = run.options.failure_limit
-        if run.options.stop_on_failure:
-            return "stopped after a step failed (stop on failure)"
-        return f"stopped: {run.failed} failed steps exceed the failure threshold of {limit}"
+        return _stop_details(run.options, run.failed)
 
     def _reported(
         self, msg: ActionFinished | AttemptStarted
@@ -834,9 +853,10 @@ class Conductor:
             fl.state = decision.to_state
             fl.waiter = None  # the next state's waiter is made when its action starts
 
-    def _unmanaged_at_turn(self, t: rt.Transition) -> None:
-        """A step admitted in this batch was failed in the commit: its target had been
-        unmanaged since it was loaded. Free its slot and count the failure."""
+    def _replaced_at_turn(self, t: rt.Transition) -> None:
+        """A step admitted in this batch was ended in the commit instead: its target had
+        been unmanaged since it was loaded (failed), or such a failure stopped the
+        strategy before its turn (aborted). Free its slot; count the failure."""
         run = self.runs.get(t.strategy_id)
         if run is None:
             return
@@ -844,9 +864,24 @@ class Conductor:
         if fl is not None:
             run.group_load[fl.rec.group_id] -= 1
             _resolve(fl.go, False)
-        self._count_failure(run)
-        log.warning("step %s: %s (unmanaged before its turn came)", t.step_id, t.details)
+        if t.to_state == STEP_FAILED:
+            self._count_failure(run)
+            log.warning("step %s: %s (unmanaged before its turn came)", t.step_id, t.details)
         self._wake_soon()  # its slot is free: fill it without waiting for another message
+
+    def _stop_rules(self, batch: list[rt.Transition]) -> dict[int, rt.StopRule]:
+        """For each strategy starting steps in this batch under a failure limit: how
+        many more failures it tolerates, and what stops it past that."""
+        rules: dict[int, rt.StopRule] = {}
+        for t in batch:
+            if t.from_state != STEP_INITIAL or t.strategy_id in rules:
+                continue
+            run = self.runs.get(t.strategy_id)
+            limit = run.options.failure_limit if run is not None else None
+            if run is None or limit is None:
+                continue
+            rules[run.id] = rt.StopRule(limit - run.failed, _stop_details(run.options, limit + 1))
+        return rules
 
     def _count_failure(self, run: StrategyRun) -> None:
         run.failed += 1
@@ -1204,6 +1239,13 @@ class Conductor:
                 decision = failure(state, str(exc) or type(exc).__name__)
             break
         return ActionFinished(run.id, rec.step_id, state, fence, decision, attempts, callback_id)
+
+
+def _stop_details(options: StrategyOptions, failed: int) -> str:
+    """Why a strategy stopped starting steps, once ``failed`` steps exceed its limit."""
+    if options.stop_on_failure:
+        return "stopped after a step failed (stop on failure)"
+    return f"stopped: {failed} failed steps exceed the failure threshold of {options.failure_limit}"
 
 
 def _resolve(fut: asyncio.Future[bool] | None, value: bool) -> None:

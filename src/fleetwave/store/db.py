@@ -148,6 +148,15 @@ def open_store(
     return store
 
 
+def is_empty(store: Store) -> bool:
+    """No target, group, workflow or strategy: a database as ``init`` leaves it."""
+    with store.read() as conn:
+        return not any(
+            conn.execute(text(f"SELECT 1 FROM {table} LIMIT 1")).first()
+            for table in ("targets", "groups", "workflows", "strategies")
+        )
+
+
 def current_revision(store: Store) -> str | None:
     with store.read() as conn:
         if not inspect(conn).has_table("alembic_version"):

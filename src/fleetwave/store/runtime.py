@@ -19,6 +19,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.pool import PoolProxiedConnection
 
 from fleetwave.domain.models import (
+    STEP_ABORTED,
     STEP_FAILED,
     STEP_INITIAL,
     STEP_TERMINAL,
@@ -90,9 +91,19 @@ class CommitResult:
     rejected: list[Transition]
     #: strategies another conductor has claimed since this one did
     lost: set[int]
-    #: steps whose target was unmanaged after they were loaded: written as failed
-    #: instead of started (they replace their entries in the batch)
-    unmanaged: list[Transition] = field(default_factory=list)
+    #: entries written otherwise: failed, their target unmanaged since it was loaded;
+    #: aborted, that failure having stopped the strategy (see :class:`StopRule`)
+    replaced: list[Transition] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class StopRule:
+    """A strategy's failure limit, as a commit that starts its steps must apply it."""
+
+    #: failures it still tolerates (its limit minus the failed steps so far)
+    tolerated: int
+    #: why it stops once one more has failed (the not-started steps' details)
+    details: str
 
 
 @dataclass(slots=True)
@@ -585,6 +596,7 @@ class TransitionWriter:
         marks: list[CallbackMark] | None = None,
         fences: dict[int, int] | None = None,
         deadlines: list[AttemptDeadline] | None = None,
+        stops: dict[int, StopRule] | None = None,
     ) -> CommitResult:
         """Commit a batch in one transaction (group commit).
 
@@ -596,8 +608,10 @@ class TransitionWriter:
 
         A step about to start whose target an operator has unmanaged since it was
         loaded is written as failed instead (the check is in this transaction, so an
-        unmanage either comes before the step starts or after): its entry is replaced
-        in ``batch`` and listed in :attr:`CommitResult.unmanaged`.
+        unmanage either comes before the step starts or after). If that exceeds its
+        strategy's failure limit (``stops``), the strategy's later entries in the batch
+        are written as aborted, not started. Both are listed in
+        :attr:`CommitResult.replaced`; ``batch`` itself is left as it is.
         """
         mk = [(m.outcome, m.reason, now, m.callback_id) for m in marks or ()]
         dl = [(d.deadline_at, d.step_id, d.state, d.fence) for d in deadlines or ()]
@@ -609,13 +623,25 @@ class TransitionWriter:
             jrs.append(j)
         ev = [(now, self.cid, e.strategy_id, e.step_id, e.kind, e.details) for e in evts]
         fences = fences or {}
-        unmanaged: list[Transition] = []
-        if self._commit_fast(batch, lease_until, ups, jrs, ev, mk, fences, dl, unmanaged):
-            return CommitResult([], set(), unmanaged)
-        # Rolled back: entries it failed stay failed (replaced in the batch), and the
-        # slower path checks what is still entering.
+        # Each attempt replaces entries in its own copies: the caller's batch stays as it
+        # was, so the slower path, or a retried commit (a transient error), decides again.
+        stops = stops or {}
+        replaced: list[Transition] = []
+        if self._commit_fast(
+            list(batch), lease_until, list(ups), list(jrs), ev, mk, fences, dl, stops, replaced
+        ):
+            return CommitResult([], set(), replaced)
         return self._commit_one_by_one(
-            batch, lease_until, ups, jrs, ev, marks or [], now, fences, deadlines or [], unmanaged
+            list(batch),
+            lease_until,
+            ups,
+            jrs,
+            ev,
+            marks or [],
+            now,
+            fences,
+            deadlines or [],
+            stops,
         )
 
     def _lost(self, cur: Any, fences: dict[int, int]) -> set[int]:
@@ -631,19 +657,22 @@ class TransitionWriter:
         held = {int(r[0]) for r in cur.fetchall() if r[1] == self.cid and r[2] == fences[r[0]]}
         return set(ids) - held
 
-    def _fail_unmanaged(
+    def _end_unmanaged(
         self,
         cur: Any,
         batch: list[Transition],
         lease_until: float,
         ups: list[tuple[str, tuple[Any, ...]]],
         jrs: list[tuple[Any, ...]],
+        stops: dict[int, StopRule],
     ) -> list[Transition]:
-        """Steps about to start whose target is unmanaged now: fail them instead.
+        """Steps about to start whose target is unmanaged now: fail them instead; and
+        once that exceeds a strategy's failure limit, start none of its later ones.
 
-        Their entries are replaced, in ``batch`` and in the statements' parameters, by
-        ``initial -> failed`` with the unmanaged reason. One query, only for batches
-        that start steps.
+        Entries are replaced, in ``batch`` and in the statements' parameters (the
+        caller's copies): ``initial -> failed`` with the unmanaged reason, or ``initial
+        -> aborted`` as not started, as the dispatcher would have decided had it known.
+        One query, only for batches that start steps.
         """
         at = {
             t.step_id: i
@@ -658,25 +687,40 @@ class TransitionWriter:
             f"WHERE s.id IN ({hooks.placeholders(len(at))}) AND t.managed = {hooks.placeholder}",
             [*at, hooks.flag(False)],
         )
-        failed: list[Transition] = []
-        for step_id, name in cur.fetchall():
-            i = at[step_id]
+        unmanaged = dict(cur.fetchall())
+        if not unmanaged:
+            return []
+        tolerated = {sid: rule.tolerated for sid, rule in stops.items()}
+        stopped: dict[int, str] = {}
+        out: list[Transition] = []
+        for i in sorted(at.values()):
             t = batch[i]
-            batch[i] = f = Transition(
+            sid = t.strategy_id
+            if sid in stopped:
+                to_state, details = STEP_ABORTED, f"not started: {stopped[sid]}"
+            elif t.step_id in unmanaged:
+                to_state, details = STEP_FAILED, unmanaged_reason(unmanaged[t.step_id])
+                if sid in tolerated:
+                    tolerated[sid] -= 1
+                    if tolerated[sid] < 0:
+                        stopped[sid] = stops[sid].details
+            else:
+                continue
+            batch[i] = ended = Transition(
                 step_id=t.step_id,
-                strategy_id=t.strategy_id,
+                strategy_id=sid,
                 from_state=t.from_state,
                 from_fence=t.from_fence,
-                to_state=STEP_FAILED,
+                to_state=to_state,
                 fence=t.from_fence,
-                details=unmanaged_reason(name),
+                details=details,
                 attempt=t.attempt,
                 at=t.at,
             )
-            sql, u, j = self._params(f, lease_until)
+            sql, u, j = self._params(ended, lease_until)
             ups[i], jrs[i] = (sql, u), j
-            failed.append(f)
-        return failed
+            out.append(ended)
+        return out
 
     def _commit_fast(
         self,
@@ -688,7 +732,8 @@ class TransitionWriter:
         mk: list[tuple[Any, ...]],
         fences: dict[int, int],
         dl: list[tuple[Any, ...]],
-        unmanaged: list[Transition],
+        stops: dict[int, StopRule],
+        replaced: list[Transition],
     ) -> bool:
         """The hot path: one transaction on a dedicated DBAPI connection, four executemany.
 
@@ -709,7 +754,7 @@ class TransitionWriter:
             if self._lost(cur, fences):
                 raw.rollback()
                 return False
-            unmanaged += self._fail_unmanaged(cur, batch, lease_until, ups, jrs)
+            replaced += self._end_unmanaged(cur, batch, lease_until, ups, jrs, stops)
             by_sql: dict[str, list[tuple[Any, ...]]] = {}
             for sql, u in ups:
                 by_sql.setdefault(sql, []).append(u)
@@ -751,13 +796,13 @@ class TransitionWriter:
         now: float,
         fences: dict[int, int],
         deadlines: list[AttemptDeadline],
-        unmanaged: list[Transition],
+        stops: dict[int, StopRule],
     ) -> CommitResult:
         rejected: list[Transition] = []
         with self.store.write() as conn:
             raw: Any = conn.connection.driver_connection
             lost = self._lost(raw.cursor(), fences)
-            unmanaged += self._fail_unmanaged(raw.cursor(), batch, lease_until, ups, jrs)
+            replaced = self._end_unmanaged(raw.cursor(), batch, lease_until, ups, jrs, stops)
             for t, (sql, u), j in zip(batch, ups, jrs, strict=True):
                 if t.strategy_id in lost:
                     rejected.append(t)
@@ -809,7 +854,7 @@ class TransitionWriter:
             if dl:
                 conn.exec_driver_sql(self._deadline_sql, dl)
         refused = {id(t) for t in rejected}
-        return CommitResult(rejected, lost, [t for t in unmanaged if id(t) not in refused])
+        return CommitResult(rejected, lost, [t for t in replaced if id(t) not in refused])
 
     def close(self) -> None:
         if self._raw is not None:
