@@ -398,7 +398,11 @@ def test_import_csv_error_line_number_counts_blank_lines(cli: Cli, tmp_path: Pat
 def test_import_duplicate_name_inside_the_file_writes_nothing(cli: Cli, tmp_path: Path) -> None:
     f = tmp_path / "fleet.csv"
     f.write_text("name\nd1\nd2\nd1\n", encoding="utf-8")
-    assert_rejected(cli("target", "import", str(f)), "d1", "twice")
+    assert_rejected(cli("target", "import", str(f)), "line 4", "d1", "twice", "also line 2")
+    assert targets(cli) == {}
+    y = tmp_path / "fleet.yaml"
+    y.write_text("- name: a\n- name: b\n- name: a\n", encoding="utf-8")
+    assert_rejected(cli("target", "import", str(y)), "targets[2]", "also targets[0]")
     assert targets(cli) == {}
 
 

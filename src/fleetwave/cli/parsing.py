@@ -58,11 +58,17 @@ def targets_from_csv(text: str, source: str) -> list[Target]:
     if reader.fieldnames is None or "name" not in reader.fieldnames:
         raise InputError(f"{source}: the first line must name the columns, including 'name'")
     out: list[Target] = []
+    first_seen: dict[str, int] = {}
     for row in reader:
         where = f"{source} line {reader.line_num}"
         name = (row.get("name") or "").strip()
         if not name:
             raise InputError(f"{where}: name: must not be empty")
+        if name in first_seen:
+            raise InputError(
+                f"{where}: name: {name} appears twice in the file (also line {first_seen[name]})"
+            )
+        first_seen[name] = reader.line_num
         settings = {
             k.strip(): scalar(v.strip())
             for k, v in row.items()
@@ -90,6 +96,7 @@ def targets_from_yaml(text: str, source: str) -> list[Target]:
     if not isinstance(data, list):
         raise InputError(f"{source}: expected a list of targets (or a 'targets:' list)")
     out: list[Target] = []
+    first_seen: dict[str, int] = {}
     for i, item in enumerate(data):
         where = f"{source} targets[{i}]"
         if not isinstance(item, dict):
@@ -103,6 +110,12 @@ def targets_from_yaml(text: str, source: str) -> list[Target]:
         name = str(item.get("name") or "").strip()
         if not name:
             raise InputError(f"{where}: name: must not be empty")
+        if name in first_seen:
+            raise InputError(
+                f"{where}: name: {name} appears twice in the file "
+                f"(also targets[{first_seen[name]}])"
+            )
+        first_seen[name] = i
         for key in ("settings", "labels"):
             if not isinstance(item.get(key, {}), dict):
                 raise InputError(f"{where} ({name}): {key}: expected a mapping")
