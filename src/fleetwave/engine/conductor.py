@@ -1082,7 +1082,7 @@ class Conductor:
 
     def _expire(self) -> None:
         """The earliest deadline is due: cancel every attempt still running past its own."""
-        due, heap = self._deadline_at, self._deadlines
+        due, heap = max(self._deadline_at, self._loop.time()), self._deadlines
         self._deadline_timer = None
         while heap and heap[0][0] <= due:
             _, attempt, fl = heapq.heappop(heap)
