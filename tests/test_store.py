@@ -86,3 +86,26 @@ def test_taking_a_step_over_clears_its_not_started_mark(tmp_path: Path) -> None:
     with store.read() as conn:
         row = conn.exec_driver_sql("SELECT not_started, owner, fence FROM steps").one()
     assert tuple(row) == (0, "c-new", 2)
+
+
+def test_started_steps_of_a_strategy_never_driven_need_no_scan(tmp_path: Path) -> None:
+    """No journal row yet: nothing started or failed (answered by one index probe);
+    once a step has moved, the started steps and the failures are read as before."""
+    store = open_store(str(tmp_path / "s.db"))
+    admin.add_targets(store, [Target(name=f"t{i}") for i in range(3)])
+    wf = get_workflow("patch")
+    assert wf is not None
+    sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
+    assert rt.load_started_steps(store, sid) == ([], 0)
+    waiting = rt.load_waiting_steps(store, sid, -1, 10)
+    writer = rt.TransitionWriter(store, "c1")
+    first, second = waiting[0], waiting[1]
+    moves = [
+        rt.Transition(first.step_id, sid, "initial", 0, "pre-check", 1, "", 0, at=1.0),
+        rt.Transition(second.step_id, sid, "initial", 0, "failed", 0, "boom", 0, at=1.0),
+    ]
+    assert writer.commit(moves, [], 1.0, 2.0).rejected == []
+    writer.close()
+    started, failed = rt.load_started_steps(store, sid)
+    assert [s.step_id for s in started] == [first.step_id] and failed == 1
+    store.dispose()
