@@ -374,6 +374,20 @@ def test_dead_conductor_on_another_host_is_taken_over_after_lease_expiry(store: 
             .where(steps.c.id == 1)
             .values(state="updating-patches", owner="ghost", fence=3, lease_expires_at=10**12)
         )
+        # as the ghost would have journalled it (G9: every move has its row)
+        for frm, to in (("initial", "pre-check"), ("pre-check", "updating-patches")):
+            conn.execute(
+                insert(journal).values(
+                    strategy_id=sid,
+                    step_id=1,
+                    at=0.0,
+                    conductor="ghost",
+                    from_state=frm,
+                    to_state=to,
+                    fence=3,
+                    details="",
+                )
+            )
     # The lease is live: nobody may take it.
     assert asyncio.run(Conductor(store).run(strategy_ids=[sid]))[sid] == "owned"
     with store.write() as conn:
@@ -388,7 +402,7 @@ def test_dead_conductor_on_another_host_is_taken_over_after_lease_expiry(store: 
 
 
 def test_recover_hook_missing_fails_with_conductor_lost(store: Store) -> None:
-    from sqlalchemy import update
+    from sqlalchemy import insert, update
 
     add_sim_targets(store, 1)
     wf = _wf("no-recover", StateDef("only", Boom()))
@@ -396,6 +410,18 @@ def test_recover_hook_missing_fails_with_conductor_lost(store: Store) -> None:
     admin.apply_strategy(store, sid)
     with store.write() as conn:
         conn.execute(update(steps).values(state="only", fence=1, owner="gone"))
+        conn.execute(  # journalled, as every move is (G9)
+            insert(journal).values(
+                strategy_id=sid,
+                step_id=1,
+                at=0.0,
+                conductor="gone",
+                from_state="initial",
+                to_state="only",
+                fence=1,
+                details="",
+            )
+        )
     result = asyncio.run(Conductor(store).run(strategy_ids=[sid]))
     assert result[sid] == "failed"
     ((_state, details),) = _states(store, sid).values()

@@ -449,8 +449,9 @@ def _steps_and_failed(
     with store.read() as conn:  # one snapshot for all
         if none_if_unmoved:
             # No transition journalled yet (a strategy driven for the first time): no
-            # step has left ``initial``, none failed. One index probe instead of two
-            # scans of every step (100,000 of them in a large rollout).
+            # step has left ``initial``, none failed, since every move is journalled in
+            # its own transaction (G9). One index probe instead of two scans of every
+            # step (100,000 of them in a large rollout).
             p = store.hooks.placeholder
             moved = conn.exec_driver_sql(
                 f"SELECT 1 FROM journal WHERE strategy_id = {p} LIMIT 1", (sid,)
