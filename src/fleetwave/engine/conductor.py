@@ -267,7 +267,8 @@ class Conductor:
         finally:
             await self._stop_workers()
             if clean:
-                await self._io(rt.release_conductor, self.store, self.id, self.clock.now())
+                held = [i for run in self.runs.values() for i in run.inflight]
+                await self._io(rt.release_conductor, self.store, self.id, self.clock.now(), held)
             self._writer.close()
         return self.finished
 

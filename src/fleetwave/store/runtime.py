@@ -229,16 +229,27 @@ def heartbeat(store: Store, cid: str, now: float, lease_until: float, step_ids: 
         return int(res.rowcount)
 
 
-def release_conductor(store: Store, cid: str, now: float) -> None:
-    """Clean shutdown: hand every lease back at once (G5)."""
+def release_conductor(store: Store, cid: str, now: float, step_ids: list[int]) -> None:
+    """Clean shutdown: hand every lease back at once (G5).
+
+    ``step_ids`` are the steps it has in flight (the dispatcher knows them): by id, as
+    the heartbeat renews them, not by a scan of every step in the database. Once the
+    conductor is marked stopped it counts as dead, so whatever it still held is free.
+    """
     p = store.hooks.placeholder
     with store.write() as conn:
-        for table in ("steps", "strategies"):
-            conn.exec_driver_sql(
-                f"UPDATE {table} SET owner = NULL, lease_expires_at = NULL WHERE owner = {p}",
-                (cid,),
-            )
         conn.exec_driver_sql(f"UPDATE conductors SET stopped_at = {p} WHERE id = {p}", (now, cid))
+        conn.exec_driver_sql(
+            f"UPDATE strategies SET owner = NULL, lease_expires_at = NULL WHERE owner = {p}",
+            (cid,),
+        )
+        for start in range(0, len(step_ids), 500):
+            chunk = step_ids[start : start + 500]
+            conn.exec_driver_sql(
+                "UPDATE steps SET owner = NULL, lease_expires_at = NULL "
+                f"WHERE owner = {p} AND id IN ({store.hooks.placeholders(len(chunk))})",
+                (cid, *chunk),
+            )
 
 
 def _strategy_record(r: Any) -> StrategyRecord:
