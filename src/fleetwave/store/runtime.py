@@ -710,10 +710,16 @@ class TransitionWriter:
         if not at:
             return []
         hooks = self.store.hooks
+        ids = list(at)
+        # Lists padded to a power of two (with a repeated id): each length is its own
+        # statement, and one per batch size would crowd the driver's statement cache,
+        # which holds the hot path's UPDATEs and INSERTs.
+        size = 1 << (len(ids) - 1).bit_length()
+        ids += [ids[-1]] * (size - len(ids))
         cur.execute(
             "SELECT s.id, t.name FROM steps s JOIN targets t ON t.id = s.target_id "
-            f"WHERE s.id IN ({hooks.placeholders(len(at))}) AND t.managed = {hooks.placeholder}",
-            [*at, hooks.flag(False)],
+            f"WHERE s.id IN ({hooks.placeholders(size)}) AND t.managed = {hooks.placeholder}",
+            [*ids, hooks.flag(False)],
         )
         unmanaged = dict(cur.fetchall())
         if not unmanaged:
