@@ -11,9 +11,10 @@ from sqlalchemy import delete
 from sqlalchemy.exc import OperationalError
 
 from conftest import add_sim_targets, applied, rollout
+from fleetwave import ActionContext, Advance, Outcome, StateAction
 from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.registry import get_workflow, register_workflow
-from fleetwave.domain.workflow import DriverOperation, StateDef, WorkflowDef
+from fleetwave.domain.workflow import DriverOperation, StateDef, StepFailed, WorkflowDef
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.clock import LoopClock
@@ -325,3 +326,217 @@ def test_a_conductor_whose_store_keeps_failing_stops_instead_of_running_blind(
     finally:
         store.write_fault = None
         loop.close()
+
+
+# -- found by a bug hunt (liveness and exactly-once) ------------------------------
+
+
+class EndsJustBefore(StateAction):
+    """Returns a hair before loop time ``at`` (within the loop's 1 us resolution)."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(self.at - 5e-7 - loop.time())
+        return Advance()
+
+
+class Records(StateAction):
+    def __init__(self) -> None:
+        self.started: list[str] = []
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        self.started.append(ctx.target.name)
+        return Advance()
+
+
+def test_outcome_and_abort_in_one_batch_starts_no_next_state(store: Store) -> None:
+    """Found by a bug hunt. The operator aborts at t=1.5. At t=2.0 the periodic pass
+    sees it; in that same loop turn step a's action ends. The dispatcher got
+    [ActionFinished, StopRequested] in one batch: the step was moved into b, and b's
+    action started after the abort was seen (the abort-seen event in the very commit
+    that entered b)."""
+    add_sim_targets(store, 1)
+    b = Records()
+    wf = register_workflow(
+        WorkflowDef(
+            "hunt-abort-race",
+            (StateDef("a", EndsJustBefore(2.0), timeout_s=60), StateDef("b", b, timeout_s=60)),
+        ),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    c = Conductor(store, clock=LoopClock(), config=EngineConfig(tick_s=1.0))
+
+    async def go() -> dict[int, str]:
+        asyncio.get_running_loop().call_at(1.5, admin.request_abort, store, sid)
+        return await asyncio.wait_for(c.run(strategy_ids=[sid]), 30)
+
+    loop = VirtualTimeLoop()
+    try:
+        result = loop.run_until_complete(go())
+    finally:
+        loop.close()
+    assert result[sid] == "aborted"
+    moves = [h["to"] for h in queries.history(store, sid)]
+    assert b.started == [], f"b's action started after the abort was seen; journal {moves}"
+    assert moves == ["a", "aborted"]
+
+
+def test_takeover_starts_no_unstarted_step_once_an_unmanaged_one_stops_the_strategy(
+    store: Store,
+) -> None:
+    """A clean stop leaves two steps entered but not started. The second one's target is
+    then unmanaged. The next conductor (stop on failure) walks the taken-over steps in
+    order: the first is put in flight, the second fails (unmanaged) and stops the
+    strategy; the first is started anyway, although the code ends unstarted steps of a
+    stopping strategy without starting them."""
+    names = add_sim_targets(store, 2, settings={"latency_ms": 200})
+    sid = applied(store, "patch", max_parallel=2, stop_on_failure=True)
+    stop = asyncio.Event()
+    first = Conductor(store)
+
+    async def until_stopped() -> None:
+        task = asyncio.create_task(first.run(strategy_ids=[sid], stop=stop))
+        while sum(len(r.inflight) for r in first.runs.values()) < 2:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        stop.set()  # both finish pre-check and enter updating-patches, unstarted
+        await task
+
+    asyncio.run(until_stopped())
+    states = {s["target"]: s["state"] for s in queries.list_steps(store, sid)}
+    assert states == {names[0]: "updating-patches", names[1]: "updating-patches"}
+    admin.set_managed(store, names[1], False)
+    driver = SimDriver()
+    driver.record = True
+    final = asyncio.run(Conductor(store, drivers={"sim": driver}).run(strategy_ids=[sid]))
+    assert final[sid] == "failed"
+    steps = {s["target"]: (s["state"], s["details"]) for s in queries.list_steps(store, sid)}
+    assert steps[names[1]][0] == "failed"
+    # Expected: names[0] ends "stopped before updating-patches started", untouched.
+    assert driver.performed == [], f"started after the strategy stopped: {driver.performed}"
+
+
+class FailsOrAdvancesJustBefore(StateAction):
+    """Target x advances 0.5 us before t=1.0; target y fails 0.2 us before (one loop turn)."""
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        loop = asyncio.get_running_loop()
+        fails = ctx.target.name.endswith("1")
+        await asyncio.sleep(1.0 - (2e-7 if fails else 5e-7) - loop.time())
+        if fails:
+            raise StepFailed("broken")
+        return Advance()
+
+
+def test_outcome_and_a_failure_in_one_batch_under_stop_on_failure(store: Store) -> None:
+    """Stop on failure: x's outcome and y's failure reach the dispatcher in one batch.
+    x is moved into b in the same commit that fails y, and b's action then starts
+    though the strategy has stopped."""
+    add_sim_targets(store, 2)
+    b = Records()
+    wf = register_workflow(
+        WorkflowDef(
+            "hunt-fail-race",
+            (StateDef("a", FailsOrAdvancesJustBefore(), timeout_s=60), StateDef("b", b)),
+        ),
+        replace=True,
+    )
+    sid = applied(store, wf.name, max_parallel=2, stop_on_failure=True)
+    c = Conductor(store, clock=LoopClock(), config=EngineConfig(tick_s=1.0))
+    loop = VirtualTimeLoop()
+    try:
+        result = loop.run_until_complete(asyncio.wait_for(c.run(strategy_ids=[sid]), 30))
+    finally:
+        loop.close()
+    assert result[sid] == "failed"
+    moves = {
+        s["target"]: [h["to"] for h in queries.history(store, sid, target=s["target"])]
+        for s in queries.list_steps(store, sid)
+    }
+    assert b.started == [], f"b started after the strategy stopped on failure: {moves}"
+
+
+class Sleeps(StateAction):
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        await asyncio.sleep(self.seconds)
+        return Advance()
+
+
+def test_a_serving_conductor_that_fenced_itself_off_takes_its_strategy_up_again(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a bug hunt: a heartbeat slow to succeed (a few 'database is locked'
+    retries; on a real SQLite file each also waits busy_timeout) made the periodic pass
+    think renewal had lapsed: it stopped acting on every strategy. But nobody took them
+    over, the database still named this conductor, its heartbeats kept the lease, and
+    claims skipped strategies it owned: a serving conductor never drove it again."""
+    add_sim_targets(store, 1)
+    wf = register_workflow(
+        WorkflowDef("hunt-long", (StateDef("a", Sleeps(60), timeout_s=600),)), replace=True
+    )
+    sid = applied(store, wf.name)
+    real = rt.heartbeat
+    calls = {"n": 0}
+
+    def flaky_heartbeat(*a: Any, **kw: Any) -> int:
+        calls["n"] += 1
+        if 2 <= calls["n"] <= 8:  # the second renewal needs 7 retries (~11 s of backoff)
+            raise OperationalError("UPDATE", None, Exception("database is locked"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(rt, "heartbeat", flaky_heartbeat)
+    c = Conductor(store, clock=LoopClock(), config=EngineConfig(lease_ttl_s=12, tick_s=1))
+
+    seen: dict[str, Any] = {}
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(600, stop.set)
+        task = asyncio.create_task(c.run(stop=stop))
+        await asyncio.sleep(500)
+        st = queries.get_strategy(store, sid)
+        seen.update(state=st["state"], owner=rt.strategy_state(store, sid)[1])
+        await task
+
+    loop = VirtualTimeLoop()
+    try:
+        loop.run_until_complete(serve())
+    finally:
+        loop.close()
+    # Claimed again (a new fence) and taken over: the state has no recover hook, so its
+    # step fails as lost; the strategy ends, and nobody holds it.
+    assert seen == {"state": "failed", "owner": None}, (seen, c.id, c.finished)
+    ((step_state, details),) = [(s["state"], s["details"]) for s in queries.list_steps(store, sid)]
+    assert (step_state, details) == ("failed", "a: conductor lost during a")
+
+
+def test_target_managed_again_before_its_turn_is_not_failed_as_unmanaged(store: Store) -> None:
+    """Found by a bug hunt; the mirror of the unmanaged-after-loading test: the managed
+    flag read when the page was loaded was trusted at admission. A target that
+    was unmanaged at load time but managed again long before its turn is failed as
+    'unmanaged' (and, under stop on failure, stops the whole strategy)."""
+    names = add_sim_targets(store, 3, settings={"latency_ms": 20})
+    admin.set_managed(store, names[2], False)
+    sid = applied(store, "patch", max_parallel=1, stop_on_failure=True)
+    driver = SimDriver()
+    driver.record = True
+    c = Conductor(store, drivers={"sim": driver})
+
+    async def go() -> dict[int, str]:
+        task = asyncio.create_task(c.run(strategy_ids=[sid]))
+        while not driver.performed:  # the first step runs: all three are loaded
+            await asyncio.sleep(0.005)
+        admin.set_managed(store, names[2], True)  # `fleetwave target manage`, before its turn
+        return await asyncio.wait_for(task, 30)
+
+    result = asyncio.run(go())
+    steps = {s["target"]: (s["state"], s["details"]) for s in queries.list_steps(store, sid)}
+    assert steps[names[2]][0] == "complete", steps
+    assert result[sid] == "complete"

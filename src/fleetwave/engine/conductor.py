@@ -173,6 +173,8 @@ class Conductor:
         self._deadline_at = 0.0
         self._deadlines_compact_at = 1024
         self._attempts = 0
+        #: claimed, not yet adopted (its StrategyClaimed message waits in the inbox)
+        self._claiming: set[int] = set()
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -367,8 +369,10 @@ class Conductor:
             self._lease_until(),
             todo,
             register=register,
+            driving=set(self.runs) | self._claiming,
         )
         for rec in claimed:
+            self._claiming.add(rec.id)
             self.post(StrategyClaimed(rec))
         if todo is None:
             return
@@ -453,6 +457,7 @@ class Conductor:
             elif isinstance(msg, CallbackArrived):
                 self._on_callback(msg.record, marks)
             elif isinstance(msg, StrategyClaimed):
+                self._claiming.discard(msg.record.id)
                 recover += await self._adopt(msg.record, events, batch, now)
                 for record in await self._io(cbs.open_callbacks, self.store, [msg.record.id], 0):
                     if record.id not in self._callbacks_seen:
@@ -464,6 +469,7 @@ class Conductor:
                 self._drop_run(msg.strategy_id)
             else:
                 self._on_finished(msg, now, batch, events, marks)
+        self._stop_moves_before_the_stop(batch, now)
         # No action running (a strategy just claimed, or all ended): a bigger commit
         # delays no one's dispatch, and a whole first wave starts together.
         limit = self.config.batch_max * (1 if self._workers else 2)
@@ -656,7 +662,28 @@ class Conductor:
                 rt.Event("takeover-incomplete", f"{len(lost) - len(taken)} steps moved on", rec.id)
             )
         out = []
+        # First the entered-but-unstarted steps whose target is unmanaged now: they fail,
+        # as at an admission, and that may stop the strategy before any other starts.
+        failed_now: set[int] = set()
         for step in taken:
+            if step.not_started and not step.target.managed and run.stopping is None:
+                batch.append(
+                    self._move(
+                        run,
+                        step.step_id,
+                        step.state,
+                        step.fence,
+                        STEP_FAILED,
+                        unmanaged_reason(step.target.name),
+                        step.attempt,
+                        now,
+                    )
+                )
+                self._count_failure(run)
+                failed_now.add(step.step_id)
+        for step in taken:
+            if step.step_id in failed_now:
+                continue
             if step.not_started and run.stopping is not None:
                 # Nothing of this state ran, and nothing new may start: end it here.
                 details = f"stopped before {step.state} started: {run.stop_details}"
@@ -672,23 +699,6 @@ class Conductor:
                         now,
                     )
                 )
-                continue
-            if step.not_started and not step.target.managed:
-                # Unmanaged since it entered the state, and its action never started: as
-                # at an admission, it must not start now.
-                batch.append(
-                    self._move(
-                        run,
-                        step.step_id,
-                        step.state,
-                        step.fence,
-                        STEP_FAILED,
-                        unmanaged_reason(step.target.name),
-                        step.attempt,
-                        now,
-                    )
-                )
-                self._count_failure(run)
                 continue
             # A clean stop records the states it entered but never started: those start
             # afresh; any other may have started, so its recover hook looks first.
@@ -854,10 +864,29 @@ class Conductor:
             fl.state = decision.to_state
             fl.waiter = None  # the next state's waiter is made when its action starts
 
+    def _stop_moves_before_the_stop(self, batch: list[rt.Transition], now: float) -> None:
+        """A step moved on by an outcome that came before, in this same batch, the
+        abort or the failure that stopped its strategy: its next state must not start
+        either. It ends aborted after the state it finished, like the moves after it."""
+        for i, t in enumerate(batch):
+            if t.to_state in STEP_TERMINAL or t.from_state == STEP_INITIAL:
+                continue
+            run = self.runs.get(t.strategy_id)
+            if run is None or run.stopping is None:
+                continue
+            fl = run.inflight.pop(t.step_id, None)
+            if fl is not None:
+                run.group_load[fl.rec.group_id] -= 1
+                _resolve(fl.go, False)
+            details = f"stopped after {t.from_state}: {run.stop_details}"
+            batch[i] = self._move(
+                run, t.step_id, t.from_state, t.from_fence, STEP_ABORTED, details, t.attempt, now
+            )
+
     def _replaced_at_turn(self, t: rt.Transition) -> None:
-        """A step admitted in this batch was ended in the commit instead: its target had
-        been unmanaged since it was loaded (failed), or such a failure stopped the
-        strategy before its turn (aborted). Free its slot; count the failure."""
+        """A step admitted in this batch was ended in the commit instead: its target is
+        unmanaged (failed), or such a failure stopped the strategy before its turn
+        (aborted). Free its slot; count the failure."""
         run = self.runs.get(t.strategy_id)
         if run is None:
             return
@@ -867,7 +896,7 @@ class Conductor:
             _resolve(fl.go, False)
         if t.to_state == STEP_FAILED:
             self._count_failure(run)
-            log.warning("step %s: %s (unmanaged before its turn came)", t.step_id, t.details)
+            log.warning("step %s: %s", t.step_id, t.details)
         self._wake_soon()  # its slot is free: fill it without waiting for another message
 
     def _stop_rules(self, batch: list[rt.Transition]) -> dict[int, rt.StopRule]:
@@ -918,11 +947,8 @@ class Conductor:
                     # of it never starts (they are ended below, with every waiting step).
                     run.requeue_front(admitted[i:])
                     break
-                if not rec.target.managed:
-                    reason = unmanaged_reason(rec.target.name)
-                    batch.append(self._entry(run, rec, STEP_FAILED, reason, now))
-                    self._count_failure(run)
-                    continue
+                # A target unmanaged now is failed in the commit that would start it (as
+                # of then, not as of when its page was loaded: it may be managed again).
                 batch.append(self._entry(run, rec, first, "", now, claim=True))
                 run.inflight[rec.step_id] = InFlight(rec, first, rec.fence + 1)
                 run.group_load[rec.group_id] += 1

@@ -276,11 +276,14 @@ def claim_strategies(
     only: set[int] | None = None,
     *,
     register: bool = False,
+    driving: set[int] | None = None,
 ) -> list[StrategyRecord]:
     """Claim every driven strategy that is free, expired, or held by a dead conductor.
 
     ``register``: a starting conductor registers itself in the same transaction (one
-    commit, so one fsync, before its first action can start).
+    commit, so one fsync, before its first action can start). A strategy this
+    conductor owns but is not ``driving`` (it stopped acting on it when its lease
+    renewal lapsed) is claimed again, with a new fence, as if from another.
     """
     p = store.hooks.placeholder
     claimed: list[StrategyRecord] = []
@@ -298,12 +301,16 @@ def claim_strategies(
             _register(conn, store, cid, now)
         dead = dead_conductors(conn, cid)
         for r in conn.exec_driver_sql(sql + " ORDER BY id", tuple(params)).all():
+            mine = r.owner == cid
+            if mine and r.id in (driving or ()):
+                continue
             free = (
                 r.owner is None
+                or mine
                 or r.owner in dead
                 or (r.lease_expires_at is not None and r.lease_expires_at < now)
             )
-            if r.owner == cid or not free:
+            if not free:
                 continue
             res = conn.exec_driver_sql(
                 f"UPDATE strategies SET owner = {p}, fence = {p}, lease_expires_at = {p} "
