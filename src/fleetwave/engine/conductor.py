@@ -1041,6 +1041,7 @@ class Conductor:
                 if fl is not None:
                     run.group_load[fl.rec.group_id] -= 1
                     _resolve(fl.go, False)
+                    self._wake_soon()  # a slot is free: fill it without waiting for a message
             log.error(
                 "transition %s -> %s of step %s rejected: fenced off or already entered",
                 t.from_state,
