@@ -868,6 +868,8 @@ class Conductor:
         """A step moved on by an outcome that came before, in this same batch, the
         abort or the failure that stopped its strategy: its next state must not start
         either. It ends aborted after the state it finished, like the moves after it."""
+        if all(run.stopping is None for run in self.runs.values()):
+            return
         for i, t in enumerate(batch):
             if t.to_state in STEP_TERMINAL or t.from_state == STEP_INITIAL:
                 continue
