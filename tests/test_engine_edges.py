@@ -14,7 +14,13 @@ from conftest import add_sim_targets, applied, rollout
 from fleetwave import ActionContext, Advance, Outcome, StateAction
 from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.registry import get_workflow, register_workflow
-from fleetwave.domain.workflow import DriverOperation, StateDef, StepFailed, WorkflowDef
+from fleetwave.domain.workflow import (
+    DriverOperation,
+    StateDef,
+    StepFailed,
+    TransientError,
+    WorkflowDef,
+)
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.clock import LoopClock
@@ -540,3 +546,68 @@ def test_target_managed_again_before_its_turn_is_not_failed_as_unmanaged(store: 
     steps = {s["target"]: (s["state"], s["details"]) for s in queries.list_steps(store, sid)}
     assert steps[names[2]][0] == "complete", steps
     assert result[sid] == "complete"
+
+
+class FlakyCounting(StateAction):
+    """Fails transiently every time, after ``delay`` seconds; counts attempts per target."""
+
+    def __init__(self, delay: float, fail_for_good: str = "") -> None:
+        self.delay = delay
+        self.fail_for_good = fail_for_good
+        self.attempts: dict[str, int] = {}
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        self.attempts[ctx.target.name] = self.attempts.get(ctx.target.name, 0) + 1
+        if ctx.target.name == self.fail_for_good:
+            await asyncio.sleep(2 * self.delay)
+            raise StepFailed("broken for good")
+        await asyncio.sleep(self.delay)
+        raise TransientError("busy")
+
+
+def _virtual(coro: Any) -> Any:
+    loop = VirtualTimeLoop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+def test_no_new_attempt_starts_after_an_abort(store: Store) -> None:
+    """The operator aborts while a step waits to retry its state: the retry (a new
+    operation on the target) must not start; the step ends aborted, not retried."""
+    add_sim_targets(store, 1)
+    action = FlakyCounting(delay=1.0)
+    wf = register_workflow(
+        WorkflowDef("retry-abort", (StateDef("a", action, attempts_max=3, backoff_s=10.0),)),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    c = Conductor(store, clock=LoopClock(), config=EngineConfig(tick_s=1.0))
+
+    async def go() -> dict[int, str]:
+        asyncio.get_running_loop().call_at(4.0, admin.request_abort, store, sid)
+        return await asyncio.wait_for(c.run(strategy_ids=[sid]), 120)
+
+    assert _virtual(go())[sid] == "aborted"
+    assert action.attempts == {"t00000": 1}
+    ((state, details),) = [(s["state"], s["details"]) for s in queries.list_steps(store, sid)]
+    assert state == "aborted"
+    assert details == "a: busy (attempt 1 of 3); not retried: the strategy is stopping"
+    assert check(store, sid).ok
+
+
+def test_no_new_attempt_starts_after_the_strategy_stopped_on_failure(store: Store) -> None:
+    names = add_sim_targets(store, 2)
+    action = FlakyCounting(delay=1.0, fail_for_good=names[1])
+    wf = register_workflow(
+        WorkflowDef("retry-stop", (StateDef("a", action, attempts_max=3, backoff_s=10.0),)),
+        replace=True,
+    )
+    sid = applied(store, wf.name, max_parallel=2, stop_on_failure=True)
+    c = Conductor(store, clock=LoopClock(), config=EngineConfig(tick_s=1.0))
+    assert _virtual(asyncio.wait_for(c.run(strategy_ids=[sid]), 120))[sid] == "failed"
+    assert action.attempts == {names[0]: 1, names[1]: 1}  # no retry after t=2
+    steps = {s["target"]: s["state"] for s in queries.list_steps(store, sid)}
+    assert steps == {names[0]: "aborted", names[1]: "failed"}
+    assert check(store, sid).ok

@@ -603,6 +603,7 @@ class Conductor:
             return
         run.stopping = "abort"
         run.stop_details = "aborted by operator"
+        _stop_flights(run)
         run.db_state = StrategyState.ABORT_REQUESTED.value
         events.append(rt.Event("abort-seen", "operator abort requested", sid))
         log.info("strategy %s: abort requested; in-flight steps finish their current state", sid)
@@ -703,6 +704,7 @@ class Conductor:
             # A clean stop records the states it entered but never started: those start
             # afresh; any other may have started, so its recover hook looks first.
             fl = InFlight(step, step.state, step.fence, recovering=not step.not_started)
+            fl.stopped = run.stopping is not None
             run.inflight[step.step_id] = fl
             run.group_load[step.group_id] += 1
             out.append(fl)
@@ -921,6 +923,7 @@ class Conductor:
         if run.stopping is None and limit is not None and run.failed > limit:
             run.stopping = "failure"
             run.stop_details = self._failure_details(run)
+            _stop_flights(run)
             log.warning("strategy %s: %s", run.id, run.stop_details)
 
     def _wake_soon(self) -> None:
@@ -1251,10 +1254,20 @@ class Conductor:
                         reason += " waiting for the target's callback"
                 else:
                     reason = str(exc) or type(exc).__name__
-                if attempts < st.attempts_max and not recovering and waiter is None:
+                retry = attempts < st.attempts_max and not recovering and waiter is None
+                if retry and not fl.stopped:
                     await asyncio.sleep(st.backoff_for(attempts))
-                    continue
-                decision = failure(state, f"{reason} (attempt {attempts} of {st.attempts_max})")
+                    if not fl.stopped:
+                        continue
+                if retry:
+                    # The strategy stopped (abort, failure limit): no new attempt starts.
+                    decision = Decision(
+                        STEP_ABORTED,
+                        f"{state}: {reason} (attempt {attempts} of {st.attempts_max}); "
+                        "not retried: the strategy is stopping",
+                    )
+                else:
+                    decision = failure(state, f"{reason} (attempt {attempts} of {st.attempts_max})")
             except Exception as exc:  # an action bug must fail the step, never strand it
                 # One line per step (a bug in an action may fail thousands of them); the
                 # traceback at debug level.
@@ -1269,6 +1282,12 @@ class Conductor:
                 decision = failure(state, str(exc) or type(exc).__name__)
             break
         return ActionFinished(run.id, rec.step_id, state, fence, decision, attempts, callback_id)
+
+
+def _stop_flights(run: StrategyRun) -> None:
+    """The strategy stops: its workers start no new attempt of their current state."""
+    for fl in run.inflight.values():
+        fl.stopped = True
 
 
 def _stop_details(options: StrategyOptions, failed: int) -> str:
