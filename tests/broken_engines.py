@@ -126,3 +126,14 @@ class LoadTimeManagedConductor(Conductor):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._writer = _LoadTimeManagedWriter(self.store, self.id)
+
+
+class RetriesAfterAbortConductor(Conductor):
+    """An operator's abort stops admissions, but a step waiting to retry its state still
+    tries again (found by a bug hunt: workers did not learn that the strategy stopped)."""
+
+    def _request_stop(self, sid: int, events: list[rt.Event]) -> None:
+        super()._request_stop(sid, events)
+        run = self.runs.get(sid)
+        for fl in run.inflight.values() if run is not None else ():
+            fl.stopped = False

@@ -11,6 +11,7 @@ from broken_engines import (
     ForgetsAbortConductor,
     LoadTimeManagedConductor,
     LockingCallbackConductor,
+    RetriesAfterAbortConductor,
     SelfRemovingWorkerConductor,
     StaleSnapshotConductor,
 )
@@ -146,3 +147,8 @@ def test_guard_catches_callback_handler_waiting_on_the_lock() -> None:
 def test_guard_catches_conductor_that_reads_managed_only_at_load() -> None:
     _seed, hits = _first_caught(LoadTimeManagedConductor, "patch", "unmanage:", range(1, 121))
     assert "after the operator unmanaged it" in hits[0]
+
+
+def test_guard_catches_conductor_that_retries_after_an_abort() -> None:
+    _seed, hits = _first_caught(RetriesAfterAbortConductor, "patch", "abort:", range(1, 201))
+    assert "start" in hits[0] and "after a conductor saw the operator's abort" in hits[0]

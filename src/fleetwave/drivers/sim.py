@@ -248,6 +248,8 @@ class SimDriver:
         #: count :attr:`starts` (the simulator does): off by default, as it grows with
         #: every operation of every target for the life of the driver
         self.count_starts = False
+        #: with :attr:`count_starts`, every retry as (target, operation, attempt, loop time)
+        self.retried_at: list[tuple[str, str, int, float]] = []
         #: where simulated agents send callbacks (set by whoever runs the conductor)
         self.callback_sink: CallbackSink | None = None
         self.callbacks_sent = 0
@@ -277,6 +279,10 @@ class SimDriver:
         if not ctx.recovering:
             if self.count_starts:
                 self.starts[(target.name, operation, ctx.attempt)] += 1
+                if ctx.attempt > 1:  # when each retry began (loop time)
+                    self.retried_at.append(
+                        (target.name, operation, ctx.attempt, asyncio.get_running_loop().time())
+                    )
             if self.record:
                 self.performed.append((target.name, operation, ctx.attempt))
         key = (ctx.strategy_id, target.name, operation)

@@ -369,10 +369,12 @@ class _OperatorAbort:
         self.accepted = True
 
 
-def _abort_checks(store: Store, sid: int) -> list[str]:
+def _abort_checks(
+    store: Store, sid: int, retries: list[tuple[str, str, int, float]], epoch: float
+) -> list[str]:
     """Once a conductor has seen the abort (running, or on taking the strategy over),
-    no step enters a workflow state (none starts, none moves on) and the strategy ends
-    aborted."""
+    no step enters a workflow state (none starts, none moves on), no state is tried
+    again (what the targets saw), and the strategy ends aborted."""
     out: list[str] = []
     with store.read() as conn:
         seen = conn.execute(
@@ -398,6 +400,12 @@ def _abort_checks(store: Store, sid: int) -> list[str]:
                     f"abort: step {r.step_id} {what} ({r.to_state}) "
                     f"{r.at - seen.at:.1f} s after a conductor saw the operator's abort"
                 )
+            for name, op, attempt, t in retries:
+                if epoch + t > seen.at:
+                    out.append(
+                        f"abort: {name} saw attempt {attempt} of {op} start "
+                        f"{epoch + t - seen.at:.1f} s after a conductor saw the operator's abort"
+                    )
             if final != "aborted":
                 out.append(f"abort: a conductor saw the operator's abort, yet it ended {final}")
     return out
@@ -574,7 +582,7 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
     verdict = check(store, sid)
     violations = list(verdict.violations) + _extra_checks(store, sid, final_state)
     if operator_abort.accepted:
-        violations += _abort_checks(store, sid)
+        violations += _abort_checks(store, sid, sim.retried_at, clock.epoch)
     violations += _unmanage_checks(store, sid, unmanage.done)
     violations += _target_checks(sim) + stuck
     with store.read() as conn:
