@@ -663,23 +663,20 @@ class Conductor:
                 rt.Event("takeover-incomplete", f"{len(lost) - len(taken)} steps moved on", rec.id)
             )
         out = []
+
+        def end(step: rt.StepRecord, to_state: str, details: str) -> None:
+            batch.append(
+                self._move(
+                    run, step.step_id, step.state, step.fence, to_state, details, step.attempt, now
+                )
+            )
+
         # First the entered-but-unstarted steps whose target is unmanaged now: they fail,
         # as at an admission, and that may stop the strategy before any other starts.
         failed_now: set[int] = set()
         for step in taken:
             if step.not_started and not step.target.managed and run.stopping is None:
-                batch.append(
-                    self._move(
-                        run,
-                        step.step_id,
-                        step.state,
-                        step.fence,
-                        STEP_FAILED,
-                        unmanaged_reason(step.target.name),
-                        step.attempt,
-                        now,
-                    )
-                )
+                end(step, STEP_FAILED, unmanaged_reason(step.target.name))
                 self._count_failure(run)
                 failed_now.add(step.step_id)
         for step in taken:
@@ -687,19 +684,7 @@ class Conductor:
                 continue
             if step.not_started and run.stopping is not None:
                 # Nothing of this state ran, and nothing new may start: end it here.
-                details = f"stopped before {step.state} started: {run.stop_details}"
-                batch.append(
-                    self._move(
-                        run,
-                        step.step_id,
-                        step.state,
-                        step.fence,
-                        STEP_ABORTED,
-                        details,
-                        step.attempt,
-                        now,
-                    )
-                )
+                end(step, STEP_ABORTED, f"stopped before {step.state} started: {run.stop_details}")
                 continue
             # A clean stop records the states it entered but never started: those start
             # afresh; any other may have started, so its recover hook looks first.
@@ -857,9 +842,7 @@ class Conductor:
         )
         # Book the move now, so admissions in this same batch see the freed slot.
         if decision.to_state in STEP_TERMINAL:
-            del run.inflight[msg.step_id]
-            run.group_load[fl.rec.group_id] -= 1
-            _resolve(fl.go, False)  # nothing more for its worker to do
+            _free_slot(run, msg.step_id)  # nothing more for its worker to do
             if decision.to_state == STEP_FAILED:
                 self._count_failure(run)
         else:
@@ -878,10 +861,7 @@ class Conductor:
             run = self.runs.get(t.strategy_id)
             if run is None or run.stopping is None:
                 continue
-            fl = run.inflight.pop(t.step_id, None)
-            if fl is not None:
-                run.group_load[fl.rec.group_id] -= 1
-                _resolve(fl.go, False)
+            _free_slot(run, t.step_id)
             details = f"stopped after {t.from_state}: {run.stop_details}"
             batch[i] = self._move(
                 run, t.step_id, t.from_state, t.from_fence, STEP_ABORTED, details, t.attempt, now
@@ -894,10 +874,7 @@ class Conductor:
         run = self.runs.get(t.strategy_id)
         if run is None:
             return
-        fl = run.inflight.pop(t.step_id, None)
-        if fl is not None:
-            run.group_load[fl.rec.group_id] -= 1
-            _resolve(fl.go, False)
+        _free_slot(run, t.step_id)
         if t.to_state == STEP_FAILED:
             self._count_failure(run)
             log.warning("step %s: %s", t.step_id, t.details)
@@ -1041,12 +1018,8 @@ class Conductor:
         for t in rejected:
             self.stats.rejected += 1
             run = self.runs.get(t.strategy_id)
-            if run is not None:
-                fl = run.inflight.pop(t.step_id, None)
-                if fl is not None:
-                    run.group_load[fl.rec.group_id] -= 1
-                    _resolve(fl.go, False)
-                    self._wake_soon()  # a slot is free: fill it without waiting for a message
+            if run is not None and _free_slot(run, t.step_id):
+                self._wake_soon()  # a slot is free: fill it without waiting for a message
             log.error(
                 "transition %s -> %s of step %s rejected: fenced off or already entered",
                 t.from_state,
@@ -1282,6 +1255,17 @@ class Conductor:
                 decision = failure(state, str(exc) or type(exc).__name__)
             break
         return ActionFinished(run.id, rec.step_id, state, fence, decision, attempts, callback_id)
+
+
+def _free_slot(run: StrategyRun, step_id: int) -> bool:
+    """The step leaves the window (ended, or never to start): free its slot and tell its
+    worker, if it has one, that there is nothing more to do. False if not in flight."""
+    fl = run.inflight.pop(step_id, None)
+    if fl is None:
+        return False
+    run.group_load[fl.rec.group_id] -= 1
+    _resolve(fl.go, False)
+    return True
 
 
 def _stop_flights(run: StrategyRun) -> None:

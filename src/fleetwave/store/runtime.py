@@ -207,6 +207,17 @@ def dead_conductors(conn: Connection, self_id: str) -> set[str]:
     return dead
 
 
+def _update_steps_by_id(
+    conn: Connection, store: Store, sql: str, params: tuple[Any, ...], step_ids: list[int]
+) -> None:
+    """``sql AND id IN (...)`` for the given steps, 500 ids a statement."""
+    for start in range(0, len(step_ids), 500):
+        chunk = step_ids[start : start + 500]
+        conn.exec_driver_sql(
+            f"{sql} AND id IN ({store.hooks.placeholders(len(chunk))})", (*params, *chunk)
+        )
+
+
 def heartbeat(store: Store, cid: str, now: float, lease_until: float, step_ids: list[int]) -> int:
     """Renew every lease this conductor holds; returns how many strategies it still owns.
 
@@ -216,13 +227,13 @@ def heartbeat(store: Store, cid: str, now: float, lease_until: float, step_ids: 
     p = store.hooks.placeholder
     with store.write() as conn:
         conn.execute(update(conductors).where(conductors.c.id == cid).values(heartbeat_at=now))
-        for start in range(0, len(step_ids), 500):
-            chunk = step_ids[start : start + 500]
-            conn.exec_driver_sql(
-                f"UPDATE steps SET lease_expires_at={p} WHERE owner={p} AND id IN "
-                f"({store.hooks.placeholders(len(chunk))})",
-                (lease_until, cid, *chunk),
-            )
+        _update_steps_by_id(
+            conn,
+            store,
+            f"UPDATE steps SET lease_expires_at={p} WHERE owner={p}",
+            (lease_until, cid),
+            step_ids,
+        )
         res = conn.execute(
             update(strategies).where(strategies.c.owner == cid).values(lease_expires_at=lease_until)
         )
@@ -243,13 +254,13 @@ def release_conductor(store: Store, cid: str, now: float, step_ids: list[int]) -
             f"UPDATE strategies SET owner = NULL, lease_expires_at = NULL WHERE owner = {p}",
             (cid,),
         )
-        for start in range(0, len(step_ids), 500):
-            chunk = step_ids[start : start + 500]
-            conn.exec_driver_sql(
-                "UPDATE steps SET owner = NULL, lease_expires_at = NULL "
-                f"WHERE owner = {p} AND id IN ({store.hooks.placeholders(len(chunk))})",
-                (cid, *chunk),
-            )
+        _update_steps_by_id(
+            conn,
+            store,
+            f"UPDATE steps SET owner = NULL, lease_expires_at = NULL WHERE owner = {p}",
+            (cid,),
+            step_ids,
+        )
 
 
 def _strategy_record(r: Any) -> StrategyRecord:
