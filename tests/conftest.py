@@ -11,10 +11,11 @@ import pytest
 
 from fleetwave.domain.models import StrategyOptions, Target
 from fleetwave.domain.registry import get_workflow
-from fleetwave.domain.workflow import WorkflowDef
+from fleetwave.domain.workflow import ActionContext, Advance, Outcome, StateAction, WorkflowDef
 from fleetwave.engine.conductor import Conductor, EngineConfig
 from fleetwave.store import admin
 from fleetwave.store.db import Store, open_store
+from fleetwave.testing.vloop import VirtualTimeLoop
 
 #: the CLI tests' fixtures (cli, db_path, migrated_db)
 pytest_plugins = ["cli_harness"]
@@ -60,3 +61,23 @@ def rollout(
     c = conductor or Conductor(store, config=config or EngineConfig())
     result = asyncio.run(c.run(strategy_ids=[sid]))
     return sid, result[sid], c
+
+
+def on_virtual_time(main: Any) -> Any:
+    """Run a coroutine to completion on a fresh virtual-time loop."""
+    loop = VirtualTimeLoop()
+    try:
+        return loop.run_until_complete(main)
+    finally:
+        loop.close()
+
+
+class Sleeps(StateAction):
+    """An action that takes ``seconds`` and advances."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        await asyncio.sleep(self.seconds)
+        return Advance()

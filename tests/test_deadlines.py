@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from sqlalchemy import select
 
-from conftest import add_sim_targets, applied
+from conftest import Sleeps, add_sim_targets, applied
 from fleetwave import ActionContext, Advance, Outcome, StateAction, TransientError
 from fleetwave.domain.registry import register_workflow
 from fleetwave.domain.workflow import StateDef, WorkflowDef
@@ -20,15 +20,6 @@ from fleetwave.store.schema import events
 from fleetwave.testing.invariants import check
 from fleetwave.testing.simulate import _abort_checks
 from fleetwave.testing.vloop import VirtualTimeLoop
-
-
-class Sleeps(StateAction):
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-    async def run(self, ctx: ActionContext) -> Outcome:
-        await asyncio.sleep(self.seconds)
-        return Advance()
 
 
 def test_an_earlier_states_deadline_never_cuts_the_next_state_short(store: Store) -> None:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from sqlalchemy import delete
 from sqlalchemy.exc import OperationalError
 
-from conftest import add_sim_targets, applied, rollout
+from conftest import Sleeps, add_sim_targets, applied, on_virtual_time, rollout
 from fleetwave import ActionContext, Advance, Outcome, StateAction
 from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.registry import get_workflow, register_workflow
@@ -58,6 +59,27 @@ def test_unmanaged_target_crossing_the_threshold_starts_nothing_more(store: Stor
     assert check(store, sid).ok
 
 
+def _recorded_run(
+    store: Store, sid: int, after_first_operation: Callable[[Conductor], None] | None = None
+) -> tuple[str, SimDriver]:
+    """Drive ``sid`` with a sim driver that records what the targets saw; once the first
+    operation has started (its page of waiting steps is loaded), call
+    ``after_first_operation``. Returns the strategy's final state and the driver."""
+    driver = SimDriver()
+    driver.record = True
+    c = Conductor(store, drivers={"sim": driver})
+
+    async def go() -> dict[int, str]:
+        task = asyncio.create_task(c.run(strategy_ids=[sid]))
+        if after_first_operation is not None:
+            while not driver.performed:
+                await asyncio.sleep(0.005)
+            after_first_operation(c)
+        return await asyncio.wait_for(task, 30)
+
+    return asyncio.run(go())[sid], driver
+
+
 def test_target_unmanaged_after_its_step_was_loaded_fails_when_its_turn_comes(
     store: Store,
 ) -> None:
@@ -65,19 +87,13 @@ def test_target_unmanaged_after_its_step_was_loaded_fails_when_its_turn_comes(
     steps was loaded, so a target unmanaged during the rollout was still operated on."""
     names = add_sim_targets(store, 3, settings={"latency_ms": 20})
     sid = applied(store, "patch", max_parallel=1)
-    driver = SimDriver()
-    driver.record = True
-    c = Conductor(store, drivers={"sim": driver})
 
-    async def go() -> dict[int, str]:
-        task = asyncio.create_task(c.run(strategy_ids=[sid]))
-        while not driver.performed:  # the first step runs: all three are loaded
-            await asyncio.sleep(0.005)
+    def unmanage(c: Conductor) -> None:
         assert sum(len(run.inflight) + run.pending_count() for run in c.runs.values()) == 3
         admin.set_managed(store, names[2], False)  # as `fleetwave target unmanage` does
-        return await task
 
-    assert asyncio.run(go())[sid] == "failed"
+    final, driver = _recorded_run(store, sid, unmanage)
+    assert final == "failed"
     steps = {s["target"]: (s["state"], s["details"]) for s in queries.list_steps(store, sid)}
     assert steps[names[2]] == ("failed", f"Target {names[2]} is unmanaged.")
     assert steps[names[0]][0] == steps[names[1]][0] == "complete"
@@ -160,10 +176,8 @@ def test_stop_on_failure_by_an_unmanaged_target_found_in_the_commit_starts_nothi
     names = add_sim_targets(store, 10)
     _unmanage_right_after_loading(store, monkeypatch, names[0])
     sid = applied(store, "patch", max_parallel=10, stop_on_failure=True)
-    driver = SimDriver()
-    driver.record = True
-    final = asyncio.run(Conductor(store, drivers={"sim": driver}).run(strategy_ids=[sid]))
-    assert final[sid] == "failed"
+    final, driver = _recorded_run(store, sid)
+    assert final == "failed"
     assert driver.performed == []  # no target was touched
     steps = {s["target"]: (s["state"], s["details"]) for s in queries.list_steps(store, sid)}
     assert steps[names[0]] == ("failed", f"Target {names[0]} is unmanaged.")
@@ -233,10 +247,8 @@ def test_takeover_does_not_start_a_step_whose_target_was_unmanaged_meanwhile(
     assert entered, "the stop should leave a step in flight"
     target = entered[0]["target"]
     admin.set_managed(store, target, False)
-    driver = SimDriver()
-    driver.record = True
-    final = asyncio.run(Conductor(store, drivers={"sim": driver}).run(strategy_ids=[sid]))
-    assert final[sid] == "failed"
+    final, driver = _recorded_run(store, sid)
+    assert final == "failed"
     assert not [p for p in driver.performed if p[0] == target]
     steps = {s["target"]: (s["state"], s["details"]) for s in queries.list_steps(store, sid)}
     assert steps[target] == ("failed", f"Target {target} is unmanaged.")
@@ -380,11 +392,7 @@ def test_outcome_and_abort_in_one_batch_starts_no_next_state(store: Store) -> No
         asyncio.get_running_loop().call_at(1.5, admin.request_abort, store, sid)
         return await asyncio.wait_for(c.run(strategy_ids=[sid]), 30)
 
-    loop = VirtualTimeLoop()
-    try:
-        result = loop.run_until_complete(go())
-    finally:
-        loop.close()
+    result = on_virtual_time(go())
     assert result[sid] == "aborted"
     moves = [h["to"] for h in queries.history(store, sid)]
     assert b.started == [], f"b's action started after the abort was seen; journal {moves}"
@@ -416,10 +424,8 @@ def test_takeover_starts_no_unstarted_step_once_an_unmanaged_one_stops_the_strat
     states = {s["target"]: s["state"] for s in queries.list_steps(store, sid)}
     assert states == {names[0]: "updating-patches", names[1]: "updating-patches"}
     admin.set_managed(store, names[1], False)
-    driver = SimDriver()
-    driver.record = True
-    final = asyncio.run(Conductor(store, drivers={"sim": driver}).run(strategy_ids=[sid]))
-    assert final[sid] == "failed"
+    final, driver = _recorded_run(store, sid)
+    assert final == "failed"
     steps = {s["target"]: (s["state"], s["details"]) for s in queries.list_steps(store, sid)}
     assert steps[names[1]][0] == "failed"
     # Expected: names[0] ends "stopped before updating-patches started", untouched.
@@ -453,26 +459,13 @@ def test_outcome_and_a_failure_in_one_batch_under_stop_on_failure(store: Store) 
     )
     sid = applied(store, wf.name, max_parallel=2, stop_on_failure=True)
     c = Conductor(store, clock=LoopClock(), config=EngineConfig(tick_s=1.0))
-    loop = VirtualTimeLoop()
-    try:
-        result = loop.run_until_complete(asyncio.wait_for(c.run(strategy_ids=[sid]), 30))
-    finally:
-        loop.close()
+    result = on_virtual_time(asyncio.wait_for(c.run(strategy_ids=[sid]), 30))
     assert result[sid] == "failed"
     moves = {
         s["target"]: [h["to"] for h in queries.history(store, sid, target=s["target"])]
         for s in queries.list_steps(store, sid)
     }
     assert b.started == [], f"b started after the strategy stopped on failure: {moves}"
-
-
-class Sleeps(StateAction):
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-    async def run(self, ctx: ActionContext) -> Outcome:
-        await asyncio.sleep(self.seconds)
-        return Advance()
 
 
 def test_a_serving_conductor_that_fenced_itself_off_takes_its_strategy_up_again(
@@ -511,11 +504,7 @@ def test_a_serving_conductor_that_fenced_itself_off_takes_its_strategy_up_again(
         seen.update(state=st["state"], owner=rt.strategy_state(store, sid)[1])
         await task
 
-    loop = VirtualTimeLoop()
-    try:
-        loop.run_until_complete(serve())
-    finally:
-        loop.close()
+    on_virtual_time(serve())
     # Claimed again (a new fence) and taken over: the state has no recover hook, so its
     # step fails as lost; the strategy ends, and nobody holds it.
     assert seen == {"state": "failed", "owner": None}, (seen, c.id, c.finished)
@@ -531,21 +520,14 @@ def test_target_managed_again_before_its_turn_is_not_failed_as_unmanaged(store: 
     names = add_sim_targets(store, 3, settings={"latency_ms": 20})
     admin.set_managed(store, names[2], False)
     sid = applied(store, "patch", max_parallel=1, stop_on_failure=True)
-    driver = SimDriver()
-    driver.record = True
-    c = Conductor(store, drivers={"sim": driver})
 
-    async def go() -> dict[int, str]:
-        task = asyncio.create_task(c.run(strategy_ids=[sid]))
-        while not driver.performed:  # the first step runs: all three are loaded
-            await asyncio.sleep(0.005)
+    def manage(_c: Conductor) -> None:
         admin.set_managed(store, names[2], True)  # `fleetwave target manage`, before its turn
-        return await asyncio.wait_for(task, 30)
 
-    result = asyncio.run(go())
+    final, _driver = _recorded_run(store, sid, manage)
     steps = {s["target"]: (s["state"], s["details"]) for s in queries.list_steps(store, sid)}
     assert steps[names[2]][0] == "complete", steps
-    assert result[sid] == "complete"
+    assert final == "complete"
 
 
 class FlakyCounting(StateAction):
@@ -565,14 +547,6 @@ class FlakyCounting(StateAction):
         raise TransientError("busy")
 
 
-def _virtual(coro: Any) -> Any:
-    loop = VirtualTimeLoop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
-
-
 def test_no_new_attempt_starts_after_an_abort(store: Store) -> None:
     """The operator aborts while a step waits to retry its state: the retry (a new
     operation on the target) must not start; the step ends aborted, not retried."""
@@ -589,7 +563,7 @@ def test_no_new_attempt_starts_after_an_abort(store: Store) -> None:
         asyncio.get_running_loop().call_at(4.0, admin.request_abort, store, sid)
         return await asyncio.wait_for(c.run(strategy_ids=[sid]), 120)
 
-    assert _virtual(go())[sid] == "aborted"
+    assert on_virtual_time(go())[sid] == "aborted"
     assert action.attempts == {"t00000": 1}
     ((state, details),) = [(s["state"], s["details"]) for s in queries.list_steps(store, sid)]
     assert state == "aborted"
@@ -606,7 +580,7 @@ def test_no_new_attempt_starts_after_the_strategy_stopped_on_failure(store: Stor
     )
     sid = applied(store, wf.name, max_parallel=2, stop_on_failure=True)
     c = Conductor(store, clock=LoopClock(), config=EngineConfig(tick_s=1.0))
-    assert _virtual(asyncio.wait_for(c.run(strategy_ids=[sid]), 120))[sid] == "failed"
+    assert on_virtual_time(asyncio.wait_for(c.run(strategy_ids=[sid]), 120))[sid] == "failed"
     assert action.attempts == {names[0]: 1, names[1]: 1}  # no retry after t=2
     steps = {s["target"]: s["state"] for s in queries.list_steps(store, sid)}
     assert steps == {names[0]: "aborted", names[1]: "failed"}
