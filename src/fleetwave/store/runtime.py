@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sqlalchemy import Connection, insert, select, update
@@ -473,34 +473,32 @@ _DONE = ", ".join(f"'{s}'" for s in sorted(STEP_TERMINAL))
 
 
 def _steps_and_failed(
-    store: Store, sid: int, where: str, *, none_if_unmoved: bool = False
+    conn: Connection, store: Store, sid: int, where: str
 ) -> tuple[list[StepRecord], int]:
-    with store.read() as conn:  # one snapshot for all
-        if none_if_unmoved:
-            # No transition journalled yet (a strategy driven for the first time): no
-            # step has left ``initial``, none failed, since every move is journalled in
-            # its own transaction (G9). One index probe instead of two scans of every
-            # step (100,000 of them in a large rollout).
-            p = store.hooks.placeholder
-            moved = conn.exec_driver_sql(
-                f"SELECT 1 FROM journal WHERE strategy_id = {p} LIMIT 1", (sid,)
-            ).first()
-            if moved is None:
-                return [], 0
-        return _step_records(conn, store, sid, where, ()), _failed_count(conn, store, sid)
+    return _step_records(conn, store, sid, where, ()), _failed_count(conn, store, sid)
 
 
 def load_open_steps(store: Store, sid: int) -> tuple[list[StepRecord], int]:
     """Every non-terminal step of a strategy in admission order, and the failed count."""
-    return _steps_and_failed(store, sid, f"s.state NOT IN ({_DONE})")
+    with store.read() as conn:  # one snapshot for both
+        return _steps_and_failed(conn, store, sid, f"s.state NOT IN ({_DONE})")
 
 
 def load_started_steps(store: Store, sid: int) -> tuple[list[StepRecord], int]:
     """The steps in one of the workflow's states (neither waiting nor ended), and the
     failed count."""
-    return _steps_and_failed(
-        store, sid, f"s.state NOT IN ('{STEP_INITIAL}', {_DONE})", none_if_unmoved=True
-    )
+    with store.read() as conn:  # one snapshot for all three
+        # No transition journalled yet (a strategy driven for the first time): no step
+        # has left ``initial``, none failed, since every move is journalled in its own
+        # transaction (G9). One index probe instead of two scans of every step (100,000
+        # of them in a large rollout).
+        p = store.hooks.placeholder
+        moved = conn.exec_driver_sql(
+            f"SELECT 1 FROM journal WHERE strategy_id = {p} LIMIT 1", (sid,)
+        ).first()
+        if moved is None:
+            return [], 0
+        return _steps_and_failed(conn, store, sid, f"s.state NOT IN ('{STEP_INITIAL}', {_DONE})")
 
 
 def load_waiting_steps(store: Store, sid: int, after_ordinal: int, limit: int) -> list[StepRecord]:
@@ -758,16 +756,13 @@ class TransitionWriter:
                         stopped[sid] = stops[sid].details
             else:
                 continue
-            batch[i] = ended = Transition(
-                step_id=t.step_id,
-                strategy_id=sid,
-                from_state=t.from_state,
-                from_fence=t.from_fence,
+            batch[i] = ended = replace(
+                t,
                 to_state=to_state,
                 fence=t.from_fence,
                 details=details,
-                attempt=t.attempt,
-                at=t.at,
+                not_started=False,
+                deadline_at=None,
             )
             sql, u, j = self._params(ended, lease_until)
             ups[i], jrs[i] = (sql, u), j
