@@ -140,12 +140,70 @@ def test_a_new_database_that_another_process_wrote_to_is_kept(
     fresh = tmp_path / "shared.db"
     real_store_for = common.store_for
 
-    def store_then_other_process_adds(db: str | None) -> Any:
-        store = real_store_for(db)
+    def store_then_other_process_adds(db: str | None, *, create: bool = True) -> Any:
+        store = real_store_for(db, create=create)
         admin.add_group(store, Group("east"))  # e.g. a `serve` beside this command
         return store
 
     monkeypatch.setattr("fleetwave.cli.main.store_for", store_then_other_process_adds)
-    res = cli("target", "show", "nope", db=fresh)
+    res = cli("group", "add", "g", "--max-parallel", "0", db=fresh)
     assert res.code == 2
     assert fresh.exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("target", "list"),
+        ("target", "show", "a"),
+        ("target", "unmanage", "a"),
+        ("group", "list"),
+        ("strategy", "list"),
+        ("strategy", "show", "1"),
+        ("strategy", "apply", "1", "--wait"),
+        ("strategy", "create", "--workflow", "patch", "--all"),
+        ("step", "list", "--strategy", "1"),
+        ("history", "--strategy", "1"),
+        ("check",),
+    ],
+)
+def test_a_command_on_a_database_that_is_not_there_says_so_and_creates_none(
+    cli: Cli, tmp_path: Path, args: tuple[str, ...]
+) -> None:
+    # A mistyped --db must not show an empty fleet as if it were the truth.
+    where = tmp_path / "elsewhere"
+    where.mkdir()
+    res = cli(*args, db=where / "typo.db")
+    assert res.code == 2, res.err
+    line = _one_line(res.err)
+    assert line.startswith(f"error: --db: no database at {where / 'typo.db'}")
+    assert "fleetwave init" in line
+    assert not list(where.iterdir())
+
+
+def test_fleetwave_db_naming_no_database_is_named(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FLEETWAVE_DB", str(tmp_path / "nope.db"))
+    res = cli("strategy", "list", db=None)
+    assert res.code == 2
+    assert _one_line(res.err).startswith("error: FLEETWAVE_DB: no database at ")
+    assert not (tmp_path / "nope.db").exists()
+
+
+def test_builtin_workflows_are_listed_without_a_database(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    here = tmp_path / "fresh-dir"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    monkeypatch.delenv("FLEETWAVE_DB", raising=False)
+    names = [w["name"] for w in cli("workflow", "list", "--format", "json", db=None).json()]
+    assert {"patch", "sw-deploy", "firmware", "kube-upgrade"} <= set(names)
+    shown = cli("workflow", "show", "patch", "--format", "json", db=None).json()
+    assert shown["states"][0]["state"] == "pre-check"
+    assert list(here.iterdir()) == []  # nothing was created to answer that
+    # init creates it; then the same commands read it
+    assert cli("init", db=None).code == 0
+    assert (here / "fleetwave.db").exists()
+    assert cli("target", "list", "--format", "json", db=None).json() == []

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from fleetwave.cli.output import Format
+from fleetwave.domain.errors import InputError
 from fleetwave.store.db import Store, default_db_path, is_empty, open_store
 
 DbOpt = Annotated[
@@ -26,14 +28,37 @@ FormatOpt = Annotated[Format, typer.Option("--format", help="table or json")]
 _created: list[tuple[Path, Store]] = []
 
 
-def store_for(db: str | None) -> Store:
+def store_for(db: str | None, *, create: bool = True) -> Store:
+    """The command's database, created (and migrated) if ``create`` and none is there.
+
+    Commands that read, or change what is already there, pass ``create=False``: a
+    mistyped ``--db`` or ``FLEETWAVE_DB`` then gets an error, instead of a new empty
+    database that shows an empty fleet (and no strategies) as if that were the truth.
+    """
     target = db or default_db_path()
     path = Path(target).expanduser()
     fresh = not path.exists()
+    if fresh and not create:
+        source = "FLEETWAVE_DB" if db is None and os.environ.get("FLEETWAVE_DB") else "--db"
+        raise InputError(
+            f"{source}: no database at {target} "
+            "(create one with 'fleetwave init', or point --db at an existing one)"
+        )
     store = open_store(target)
     if fresh:
         _created.append((path, store))
     return store
+
+
+def existing_store(db: str | None) -> Store:
+    """The command's database, which must exist (see :func:`store_for`)."""
+    return store_for(db, create=False)
+
+
+def store_if_any(db: str | None) -> Store | None:
+    """The database if there is one: built-in workflows need none to be listed."""
+    target = db or default_db_path()
+    return store_for(db) if Path(target).expanduser().exists() else None
 
 
 def forget_created() -> None:

@@ -21,8 +21,10 @@ from fleetwave.cli.common import (
     DbOpt,
     FormatOpt,
     discard_created,
+    existing_store,
     forget_created,
     store_for,
+    store_if_any,
 )
 from fleetwave.cli.demo import demo_command
 from fleetwave.cli.drive import drive_strategy
@@ -110,34 +112,34 @@ def target_list(
     db: DbOpt = None,
 ) -> None:
     """List targets."""
-    rows = queries.list_targets(store_for(db), group)
+    rows = queries.list_targets(existing_store(db), group)
     emit_rows(rows, ["name", "group", "driver", "managed", "settings", "labels"], fmt)
 
 
 @target_app.command("show")
 def target_show(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Show one target and the strategies it has been in."""
-    emit_one(queries.get_target(store_for(db), name), fmt)
+    emit_one(queries.get_target(existing_store(db), name), fmt)
 
 
 @target_app.command("manage")
 def target_manage(name: str, db: DbOpt = None) -> None:
     """Mark a target managed: rollouts may touch it."""
-    admin.set_managed(store_for(db), name, True)
+    admin.set_managed(existing_store(db), name, True)
     console.print(f"target {name} is managed")
 
 
 @target_app.command("unmanage")
 def target_unmanage(name: str, db: DbOpt = None) -> None:
     """Mark a target unmanaged: its step fails when its turn comes, nothing touches it."""
-    admin.set_managed(store_for(db), name, False)
+    admin.set_managed(existing_store(db), name, False)
     console.print(f"target {name} is unmanaged")
 
 
 @target_app.command("delete")
 def target_delete(name: str, db: DbOpt = None) -> None:
     """Delete a target that is in no strategy."""
-    admin.delete_target(store_for(db), name)
+    admin.delete_target(existing_store(db), name)
     console.print(f"target {name} deleted")
 
 
@@ -160,7 +162,7 @@ def group_add(
 def group_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """List groups."""
     emit_rows(
-        queries.list_groups(store_for(db)), ["name", "max_parallel", "apply_type", "targets"], fmt
+        queries.list_groups(existing_store(db)), ["name", "max_parallel", "apply_type", "targets"], fmt
     )
 
 
@@ -168,7 +170,7 @@ def group_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
 
 
 def _workflow_dict(name: str, db: str | None) -> dict[str, object]:
-    wf = resolve_workflow(store_for(db), name, what="NAME")
+    wf = resolve_workflow(store_if_any(db), name, what="NAME")
     return {
         "name": wf.name,
         "version": wf.version,
@@ -201,7 +203,7 @@ def workflow_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
             "source": wf.source,
             "states": " -> ".join(wf.state_names),
         }
-        for wf in list_workflows(store_for(db))
+        for wf in list_workflows(store_if_any(db))
     ]
     emit_rows(rows, ["name", "version", "source", "states"], fmt)
 
@@ -274,7 +276,7 @@ def strategy_create(
     db: DbOpt = None,
 ) -> None:
     """Create a strategy (state initial); apply it to start."""
-    store = store_for(db)
+    store = existing_store(db)
     wf = resolve_workflow(store, workflow)
     opts = StrategyOptions(
         max_parallel=max_parallel,
@@ -306,7 +308,7 @@ def strategy_apply(
     db: DbOpt = None,
 ) -> None:
     """Start (or resume) a strategy. With --wait, drive it in the foreground."""
-    store = store_for(db)
+    store = existing_store(db)
     if wait:
         event_loop.loop_kind()  # a bad FLEETWAVE_LOOP is refused before anything changes
     admin.apply_strategy(store, strategy_id)
@@ -326,21 +328,21 @@ def strategy_apply(
 @strategy_app.command("abort")
 def strategy_abort(strategy_id: int, db: DbOpt = None) -> None:
     """Abort: nothing new starts; in-flight steps finish their current state."""
-    admin.request_abort(store_for(db), strategy_id)
+    admin.request_abort(existing_store(db), strategy_id)
     console.print(f"strategy {strategy_id}: abort requested")
 
 
 @strategy_app.command("show")
 def strategy_show(strategy_id: int, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Show a strategy with its step counts per state."""
-    emit_one(queries.get_strategy(store_for(db), strategy_id), fmt)
+    emit_one(queries.get_strategy(existing_store(db), strategy_id), fmt)
 
 
 @strategy_app.command("list")
 def strategy_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """List strategies."""
     emit_rows(
-        queries.list_strategies(store_for(db)),
+        queries.list_strategies(existing_store(db)),
         ["id", "workflow", "state", "steps", "max_parallel", "stop_on_failure", "details"],
         fmt,
     )
@@ -349,7 +351,7 @@ def strategy_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
 @strategy_app.command("delete")
 def strategy_delete(strategy_id: int, db: DbOpt = None) -> None:
     """Delete a strategy that is not running, with its steps and journal."""
-    admin.delete_strategy(store_for(db), strategy_id)
+    admin.delete_strategy(existing_store(db), strategy_id)
     console.print(f"strategy {strategy_id} deleted")
 
 
@@ -364,14 +366,14 @@ def step_list(
     db: DbOpt = None,
 ) -> None:
     """List the steps of a strategy."""
-    rows = queries.list_steps(store_for(db), strategy, state)
+    rows = queries.list_steps(existing_store(db), strategy, state)
     emit_rows(rows, ["target", "stage", "state", "details", "started_at", "finished_at"], fmt)
 
 
 @step_app.command("show")
 def step_show(step_id: int, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Show one step with its journal and events."""
-    emit_one(queries.get_step(store_for(db), step_id), fmt)
+    emit_one(queries.get_step(existing_store(db), step_id), fmt)
 
 
 @app.command()
@@ -382,7 +384,7 @@ def history(
     db: DbOpt = None,
 ) -> None:
     """The journal: every transition with time, conductor, from, to and details."""
-    rows = queries.history(store_for(db), strategy, target)
+    rows = queries.history(existing_store(db), strategy, target)
     emit_rows(rows, ["at", "conductor", "target", "from", "to", "details"], fmt)
 
 
@@ -393,7 +395,7 @@ def check(
     db: DbOpt = None,
 ) -> None:
     """Verify G1, G3, G7 and G8 from the journal; exit 1 listing violations."""
-    store = store_for(db)
+    store = existing_store(db)
     if strategy is not None:
         queries.strategy_exists(store, strategy)
     result = check_invariants(store, strategy)
