@@ -162,7 +162,9 @@ def group_add(
 def group_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """List groups."""
     emit_rows(
-        queries.list_groups(existing_store(db)), ["name", "max_parallel", "apply_type", "targets"], fmt
+        queries.list_groups(existing_store(db)),
+        ["name", "max_parallel", "apply_type", "targets"],
+        fmt,
     )
 
 
