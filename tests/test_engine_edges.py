@@ -585,3 +585,74 @@ def test_no_new_attempt_starts_after_the_strategy_stopped_on_failure(store: Stor
     steps = {s["target"]: s["state"] for s in queries.list_steps(store, sid)}
     assert steps == {names[0]: "aborted", names[1]: "failed"}
     assert check(store, sid).ok
+
+
+def _edit_row_during_its_action(store: Store, sid: int, sql: str) -> tuple[str, SimDriver]:
+    """Run ``sid`` (one step at a time); while the first step's first action runs, change
+    that step's row behind the conductor's back (a hand edit, or a bug elsewhere), so the
+    transition its outcome asks for is refused although the strategy is still held."""
+
+    def edit(c: Conductor) -> None:
+        (run,) = c.runs.values()
+        (step_id,) = run.inflight
+        with store.write() as conn:
+            conn.exec_driver_sql(sql, (step_id,))
+
+    return _recorded_run(store, sid, edit)
+
+
+def test_a_refused_transition_is_settled_from_the_row_not_left_to_nobody(store: Store) -> None:
+    """Suspected by the bug hunt: a transition refused while the strategy is still held
+    freed the step's slot and nobody drove the step again; the strategy could end
+    complete with that step mid-state. The conductor now reads the row and takes the
+    step over (its recover hook decides), as after a crash."""
+    add_sim_targets(store, 3, settings={"latency_ms": 20})
+    sid = applied(store, "patch", max_parallel=1)
+    final, _ = _edit_row_during_its_action(
+        store, sid, "UPDATE steps SET fence = fence + 1 WHERE id = ?"
+    )
+    assert final == "complete"
+    assert {s["state"] for s in queries.list_steps(store, sid)} == {"complete"}
+    with store.read() as conn:
+        kinds = [r[0] for r in conn.exec_driver_sql("SELECT kind FROM events").all()]
+    assert "step-taken-over" in kinds
+    assert check(store, sid).ok
+
+
+def test_a_refused_transition_of_a_step_ended_elsewhere_counts_it_as_ended(
+    store: Store,
+) -> None:
+    """The row says the step failed (someone ended it): the strategy counts that failure
+    and ends failed, instead of complete, and nothing runs on that target again."""
+    names = add_sim_targets(store, 3, settings={"latency_ms": 20})
+    sid = applied(store, "patch", max_parallel=1)
+    final, driver = _edit_row_during_its_action(
+        store, sid, "UPDATE steps SET state = 'failed', details = 'ended by hand' WHERE id = ?"
+    )
+    assert final == "failed"
+    steps = {s["target"]: s["state"] for s in queries.list_steps(store, sid)}
+    assert steps == {names[0]: "failed", names[1]: "complete", names[2]: "complete"}
+    assert len([p for p in driver.performed if p[0] == names[0]]) == 1  # its first action only
+
+
+@pytest.mark.parametrize(
+    ("sql", "details"),
+    [
+        ("UPDATE steps SET state = 'bogus' WHERE id = ?", "bogus: not a state of workflow patch"),
+        ("UPDATE steps SET state = 'initial' WHERE id = ?", "set back to initial after it started"),
+    ],
+)
+def test_a_refused_transition_of_a_row_that_cannot_go_on_fails_the_step(
+    store: Store, sql: str, details: str
+) -> None:
+    """A row edited into a state the workflow lacks, or back to initial after the step
+    started (its states cannot be entered twice), ends failed, once: not a loop of
+    refused admissions."""
+    names = add_sim_targets(store, 3, settings={"latency_ms": 20})
+    sid = applied(store, "patch", max_parallel=1)
+    final, driver = _edit_row_during_its_action(store, sid, sql)
+    assert final == "failed"
+    steps = {s["target"]: (s["state"], s["details"]) for s in queries.list_steps(store, sid)}
+    assert steps[names[0]] == ("failed", details)
+    assert steps[names[1]][0] == steps[names[2]][0] == "complete"
+    assert len([p for p in driver.performed if p[0] == names[0]]) == 1

@@ -520,10 +520,92 @@ class Conductor:
         for fl in recover:
             if not self._draining and fl.rec.strategy_id in self.runs:
                 self._release(fl)
+        for run in list(self.runs.values()):
+            if run.unsettled and not self._draining:
+                await self._settle(run)
         for record in claimed_callbacks:
             self.post(CallbackArrived(record))
         await self._mark_aborting()
         await self._finish_done_runs()
+
+    async def _settle(self, run: StrategyRun) -> None:
+        """Steps whose transition was refused although this conductor still holds the
+        strategy: someone else changed their row (a hand edit, a bug elsewhere). The row
+        is the truth (G4): an ended step counts as ended, a waiting one waits again, and
+        one in a state is taken over (fence + 1) and its recover hook decides, as after
+        a crash. Never left to nobody: the strategy does not end while any is unsettled.
+        """
+        ids = sorted(run.unsettled)
+        now = self.clock.now()
+        found, journalled = await self._io(rt.load_steps, self.store, run.id, ids)
+        rows = {r.step_id: r for r in found}
+        events: list[rt.Event] = []
+        batch: list[rt.Transition] = []
+        started: list[rt.StepRecord] = []
+        for step_id in ids:
+            row = rows.get(step_id)
+            if row is None or row.step_id in run.inflight:
+                run.unsettled.discard(step_id)  # deleted, or already back in flight
+                continue
+            if row.state in STEP_TERMINAL:
+                run.unsettled.discard(step_id)
+                if row.state == STEP_FAILED:
+                    self._count_failure(run)
+                what = f"ended elsewhere: {row.state}"
+            elif row.state == STEP_INITIAL and step_id not in journalled:
+                run.unsettled.discard(step_id)
+                run.requeue_front([row])
+                what = "waiting again"
+            elif row.state == STEP_INITIAL or row.state not in run.workflow.state_names:
+                # Set back to initial after it started (its states cannot be entered
+                # again, G1), or in a state this workflow does not have: it ends here.
+                why = (
+                    "set back to initial after it started"
+                    if row.state == STEP_INITIAL
+                    else f"{row.state}: not a state of workflow {run.workflow.name}"
+                )
+                batch.append(
+                    self._move(
+                        run, row.step_id, row.state, row.fence, STEP_FAILED, why, row.attempt, now
+                    )
+                )
+                what = f"{why}: failed"
+            else:
+                started.append(row)
+                what = f"in {row.state}: taken over"
+            events.append(
+                rt.Event("step-settled", f"transition refused; row {what}", run.id, step_id)
+            )
+            log.warning("step %s of strategy %s: transition refused; row %s", step_id, run.id, what)
+        taken = await self._io(
+            rt.take_over_steps, self.store, started, self.id, now, self._lease_until()
+        )
+        for step in taken:
+            run.unsettled.discard(step.step_id)
+            fl = InFlight(step, step.state, step.fence, recovering=not step.not_started)
+            fl.stopped = run.stopping is not None
+            run.inflight[step.step_id] = fl
+            run.group_load[step.group_id] += 1
+            self._release(fl)
+        if batch or events:
+            result = await self._io(
+                self._writer.commit,
+                batch,
+                events,
+                now,
+                self._lease_until(),
+                [],
+                {run.id: run.record.fence},
+            )
+            for t in batch:
+                if t not in result.rejected:
+                    run.unsettled.discard(t.step_id)
+                    self._count_failure(run)
+            for sid in result.lost:
+                self._drop_run(sid)
+        if run.unsettled and run.id in self.runs:
+            # Changed again in between: look again shortly, not in a tight loop.
+            self._loop.call_later(self.config.tick_s, self._wake_soon)
 
     async def _mark_aborting(self) -> None:
         """abort-requested -> aborting, once the dispatcher has stopped admitting."""
@@ -662,6 +744,8 @@ class Conductor:
             events.append(
                 rt.Event("takeover-incomplete", f"{len(lost) - len(taken)} steps moved on", rec.id)
             )
+            # Moved between the read and the takeover: read back, settled like a refusal.
+            run.unsettled.update({s.step_id for s in lost} - {s.step_id for s in taken})
         out = []
 
         def end(step: rt.StepRecord, to_state: str, details: str) -> None:
@@ -1018,8 +1102,12 @@ class Conductor:
         for t in rejected:
             self.stats.rejected += 1
             run = self.runs.get(t.strategy_id)
-            if run is not None and _free_slot(run, t.step_id):
-                self._wake_soon()  # a slot is free: fill it without waiting for a message
+            if run is None:
+                continue
+            # Its row is not what this conductor believed: read it back (see _settle).
+            run.unsettled.add(t.step_id)
+            _free_slot(run, t.step_id)
+            self._wake_soon()  # settle it, and fill the freed slot, without waiting
             log.error(
                 "transition %s -> %s of step %s rejected: fenced off or already entered",
                 t.from_state,

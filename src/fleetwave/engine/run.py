@@ -65,6 +65,9 @@ class StrategyRun:
     starved: bool = False
     #: how many steps :attr:`pending` holds (asked for on every batch)
     _pending_n: int = 0
+    #: steps whose transition was refused although the strategy is still held (their
+    #: row was changed by someone else): read back and settled before the strategy ends
+    unsettled: set[int] = field(default_factory=set)
 
     #: the strategy's id (asked for on every transition: a plain attribute)
     id: int = field(init=False)
@@ -143,4 +146,9 @@ class StrategyRun:
         return out
 
     def is_done(self) -> bool:
-        return not self.inflight and self.pending_count() == 0 and not self.more_waiting
+        return (
+            not self.inflight
+            and self.pending_count() == 0
+            and not self.more_waiting
+            and not self.unsettled
+        )

@@ -509,6 +509,21 @@ def load_waiting_steps(store: Store, sid: int, after_ordinal: int, limit: int) -
         return _step_records(conn, store, sid, where, (after_ordinal,), limit)
 
 
+def load_steps(store: Store, sid: int, step_ids: list[int]) -> tuple[list[StepRecord], set[int]]:
+    """These steps of a strategy as their rows are now (to settle a refused transition),
+    and which of them have journal rows (have left ``initial`` at some time)."""
+    if not step_ids:
+        return [], set()
+    ids = tuple(sorted(step_ids))
+    marks = store.hooks.placeholders(len(ids))
+    with store.read() as conn:
+        rows = _step_records(conn, store, sid, f"s.id IN ({marks})", ids)
+        moved = conn.exec_driver_sql(
+            f"SELECT DISTINCT step_id FROM journal WHERE step_id IN ({marks})", ids
+        ).all()
+    return rows, {int(r[0]) for r in moved}
+
+
 def take_over_steps(
     store: Store, recs: list[StepRecord], cid: str, now: float, lease_until: float
 ) -> list[StepRecord]:
