@@ -8,7 +8,10 @@ checks the outcome through the CLI's own ``--format json`` output.
 
 from __future__ import annotations
 
+import os
+import socket
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -225,6 +228,66 @@ def test_apply_without_wait_only_marks_it_applying(cli: Cli) -> None:
     # apply --wait picks it up from there
     assert apply_wait(cli, sid).code == 0
     assert steps(cli, sid)["a"]["state"] == "complete"
+    assert cli("strategy", "show", str(sid), "--format", "json").json()["driven_by"] is None
+
+
+def _conductor_row(db: Path, cid: str, *, serves_all: bool, age_s: float = 0.0) -> None:
+    """A conductor as `fleetwave serve` (serves_all) or `apply --wait` registers itself,
+    alive in this very process, its last renewal ``age_s`` ago."""
+    now = time.time() - age_s
+    with sqlite3.connect(db) as conn:
+        conn.execute(
+            "INSERT INTO conductors (id, hostname, pid, started_at, heartbeat_at, serves_all) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (cid, socket.gethostname(), os.getpid(), now, now, serves_all),
+        )
+
+
+@pytest.mark.parametrize(
+    ("conductor", "warned", "driven_by"),
+    [
+        (None, True, "nobody: no conductor serves this database"),
+        # apply --wait drives only its own strategy
+        ({"serves_all": False}, True, "nobody: no conductor serves this database"),
+        # a serve whose renewals stopped long ago is not serving
+        ({"serves_all": True, "age_s": 120.0}, True, "nobody: no conductor serves"),
+        ({"serves_all": True}, False, "nobody yet: conductor c-serve serves this database"),
+    ],
+)
+def test_apply_without_wait_says_when_no_conductor_will_drive_it(
+    cli: Cli, db_path: Path, conductor: dict[str, Any] | None, warned: bool, driven_by: str
+) -> None:
+    """A strategy applied with nobody serving the database would sit `applying` forever:
+    the operator is told at once, and `strategy show` says who drives it."""
+    if conductor is not None:
+        _conductor_row(db_path, "c-serve", **conductor)
+    add(cli, "a")
+    sid = create(cli, "--all")
+    res = cli("strategy", "apply", str(sid))
+    assert res.code == 0
+    warning = f"warning: no conductor serves {db_path}: strategy {sid} waits until"
+    assert (warning in res.err) is warned, res.err
+    shown = cli("strategy", "show", str(sid), "--format", "json").json()
+    assert shown["driven_by"].startswith(driven_by), shown["driven_by"]
+
+
+def test_show_names_the_conductor_driving_it_and_a_lapsed_lease(cli: Cli, db_path: Path) -> None:
+    add(cli, "a")
+    sid = create(cli, "--all")
+    assert cli("strategy", "apply", str(sid)).code == 0
+    with sqlite3.connect(db_path) as conn:
+        conn.execute(
+            "UPDATE strategies SET owner = 'c-1', lease_expires_at = ? WHERE id = ?",
+            (time.time() + 30, sid),
+        )
+    shown = cli("strategy", "show", str(sid), "--format", "json").json()
+    assert shown["driven_by"] == "conductor c-1"
+    with sqlite3.connect(db_path) as conn:
+        conn.execute(
+            "UPDATE strategies SET lease_expires_at = ? WHERE id = ?", (time.time() - 90, sid)
+        )
+    shown = cli("strategy", "show", str(sid), "--format", "json").json()
+    assert shown["driven_by"].startswith("nobody: the lease of conductor c-1 ran out 9")
 
 
 def test_apply_wait_exits_1_when_a_step_failed(cli: Cli) -> None:

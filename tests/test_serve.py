@@ -63,6 +63,7 @@ def test_serve_drives_apply_and_a_second_process_only_watches(tmp_path: Path) ->
             owner = json.loads(shown.stdout)["owner"]
             time.sleep(0.1)
         assert owner is not None, "serve should claim the applied strategy"
+        assert json.loads(shown.stdout)["driven_by"] == f"conductor {owner}"
         # A second process asks to drive it too: it must only watch the live owner.
         waited = _cli(db, "strategy", "apply", str(sid), "--wait", "--format", "json")
         assert waited.returncode == 0, waited.stderr
@@ -77,10 +78,15 @@ def test_serve_drives_apply_and_a_second_process_only_watches(tmp_path: Path) ->
     with store.read() as conn:
         drivers = {r[0] for r in conn.execute(select(steps.c.owner)) if r[0]}
         live = conn.execute(select(conductors.c.id, conductors.c.stopped_at)).all()
+        serves_all = dict(conn.execute(select(conductors.c.id, conductors.c.serves_all)).all())
     # Both processes registered as conductors, but the journal shows one drove it.
     hist = json.loads(_cli(db, "history", "--strategy", str(sid), "--format", "json").stdout)
     assert {h["conductor"] for h in hist} == {owner}
     assert drivers == set()
     assert all(stopped is not None for _, stopped in live)
+    # serve drives every strategy; apply --wait only its own (so it does not count as
+    # serving the database when another strategy is applied)
+    assert serves_all == {owner: True} | {c: False for c in serves_all if c != owner}
+    assert len(serves_all) == 2
     assert check(store, sid).ok
     store.dispose()

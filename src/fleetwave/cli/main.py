@@ -316,6 +316,15 @@ def strategy_apply(
     admin.apply_strategy(store, strategy_id)
     if not wait:
         console.print(f"strategy {strategy_id} applying; a running 'fleetwave serve' drives it")
+        if not queries.serving_conductors(store):
+            err_console.print(
+                f"warning: no conductor serves {store.url}: strategy {strategy_id} waits until "
+                f"'fleetwave serve' runs (or drive it here: 'fleetwave strategy apply "
+                f"{strategy_id} --wait')",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
         return
     result = drive_strategy(store, strategy_id, show_progress=fmt is Format.table)
     summary = queries.get_strategy(store, strategy_id)

@@ -359,7 +359,13 @@ class Conductor:
             todo = self._wanted - set(self.runs) - set(self.finished)
             if not todo:
                 if register:
-                    await self._io(rt.register_conductor, self.store, self.id, self.clock.now())
+                    await self._io(
+                        rt.register_conductor,
+                        self.store,
+                        self.id,
+                        self.clock.now(),
+                        serves_all=False,
+                    )
                 return
         claimed = await self._io(
             rt.claim_strategies,
@@ -370,6 +376,7 @@ class Conductor:
             todo,
             register=register,
             driving=set(self.runs) | self._claiming,
+            serves_all=self._wanted is None,
         )
         for rec in claimed:
             self._claiming.add(rec.id)

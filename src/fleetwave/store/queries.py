@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from sqlalchemy import func, select
 
 from fleetwave.domain.errors import NotFound
 from fleetwave.store.db import Store
-from fleetwave.store.schema import events, groups, journal, steps, strategies, targets
+from fleetwave.store.runtime import DRIVEN_STATES, HOSTNAME, pid_alive
+from fleetwave.store.schema import (
+    conductors,
+    events,
+    groups,
+    journal,
+    steps,
+    strategies,
+    targets,
+)
 
 
 def list_groups(store: Store) -> list[dict[str, Any]]:
@@ -116,7 +126,53 @@ def list_strategies(store: Store) -> list[dict[str, Any]]:
         ]
 
 
+#: a conductor that has not renewed its leases for this long is not serving (a
+#: conductor renews every third of its lease, 30 s by default)
+SERVING_WITHIN_S = 30.0
+
+
+def serving_conductors(store: Store, now: float | None = None) -> list[dict[str, Any]]:
+    """Conductors that drive every applying strategy (``fleetwave serve``) and are alive:
+    not stopped, renewed lately, and (on this host) their process is there."""
+    now = time.time() if now is None else now
+    with store.read() as conn:
+        rows = conn.execute(
+            select(conductors.c.id, conductors.c.hostname, conductors.c.pid).where(
+                conductors.c.serves_all.is_(True),
+                conductors.c.stopped_at.is_(None),
+                conductors.c.heartbeat_at >= now - SERVING_WITHIN_S,
+            )
+        ).all()
+    return [
+        {"id": r.id, "hostname": r.hostname, "pid": r.pid}
+        for r in rows
+        if r.hostname != HOSTNAME or pid_alive(r.pid)
+    ]
+
+
+def _driven_by(store: Store, r: Any, now: float) -> str | None:
+    """Who drives a strategy that should be driven, in words an operator can act on."""
+    if r.state not in DRIVEN_STATES:
+        return None
+    if r.owner is not None and r.lease_expires_at is not None and r.lease_expires_at >= now:
+        return f"conductor {r.owner}"
+    if r.owner is not None:
+        ago = now - (r.lease_expires_at or now)
+        return (
+            f"nobody: the lease of conductor {r.owner} ran out {ago:.0f}s ago "
+            "(a serving conductor takes the strategy over)"
+        )
+    serving = serving_conductors(store, now)
+    if serving:
+        return f"nobody yet: conductor {serving[0]['id']} serves this database and claims it"
+    return (
+        "nobody: no conductor serves this database "
+        f"(start 'fleetwave serve', or 'fleetwave strategy apply {r.id} --wait')"
+    )
+
+
 def get_strategy(store: Store, sid: int) -> dict[str, Any]:
+    now = time.time()
     with store.read() as conn:
         r = conn.execute(select(strategies).where(strategies.c.id == sid)).first()
         if r is None:
@@ -124,6 +180,7 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
         out = _strategy_dict(r)
         out["states"] = json.loads(r.states)
         out["options"] = json.loads(r.options)
+    out["driven_by"] = _driven_by(store, r, now)
     out["step_states"] = step_counts(store, sid)
     return out
 

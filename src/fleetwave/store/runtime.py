@@ -171,18 +171,23 @@ class StrategyRecord:
 # more than the statement itself (about a millisecond each at startup).
 
 
-def register_conductor(store: Store, cid: str, now: float) -> None:
+def register_conductor(store: Store, cid: str, now: float, *, serves_all: bool) -> None:
     with store.write() as conn:
-        _register(conn, store, cid, now)
+        _register(conn, store, cid, now, serves_all)
 
 
-def _register(conn: Connection, store: Store, cid: str, now: float) -> None:
+def _register(conn: Connection, store: Store, cid: str, now: float, serves_all: bool) -> None:
     p = store.hooks.placeholder
     conn.exec_driver_sql(
-        "INSERT INTO conductors (id, hostname, pid, started_at, heartbeat_at) "
-        f"VALUES ({p}, {p}, {p}, {p}, {p})",
-        (cid, HOSTNAME, os.getpid(), now, now),
+        "INSERT INTO conductors (id, hostname, pid, started_at, heartbeat_at, serves_all) "
+        f"VALUES ({p}, {p}, {p}, {p}, {p}, {p})",
+        (cid, HOSTNAME, os.getpid(), now, now, store.hooks.flag(serves_all)),
     )
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host is still there."""
+    return _pid_alive(pid)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -288,6 +293,7 @@ def claim_strategies(
     *,
     register: bool = False,
     driving: set[int] | None = None,
+    serves_all: bool = False,
 ) -> list[StrategyRecord]:
     """Claim every driven strategy that is free, expired, or held by a dead conductor.
 
@@ -309,7 +315,7 @@ def claim_strategies(
         params += sorted(only)
     with store.write() as conn:
         if register:
-            _register(conn, store, cid, now)
+            _register(conn, store, cid, now, serves_all)
         dead = dead_conductors(conn, cid)
         for r in conn.exec_driver_sql(sql + " ORDER BY id", tuple(params)).all():
             mine = r.owner == cid

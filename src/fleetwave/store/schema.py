@@ -32,6 +32,8 @@ conductors = Table(
     Column("started_at", Float, nullable=False),
     Column("heartbeat_at", Float, nullable=False),
     Column("stopped_at", Float),
+    #: ``fleetwave serve`` (every applying strategy), not a conductor started for some
+    Column("serves_all", Boolean, nullable=False, server_default=false()),
 )
 
 groups = Table(
