@@ -9,9 +9,11 @@ from collections import Counter
 import pytest
 
 from conftest import add_sim_targets, applied, rollout
+from fleetwave import ActionContext, Outcome, StateAction
 from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.models import StrategyOptions
-from fleetwave.domain.registry import get_workflow
+from fleetwave.domain.registry import get_workflow, register_workflow
+from fleetwave.domain.workflow import StateDef, StepFailed, WorkflowDef
 from fleetwave.engine.conductor import Conductor
 from fleetwave.store import admin, queries
 from fleetwave.store.callbacks import accept_callback, callback_outcomes
@@ -99,3 +101,43 @@ def test_bad_callbacks_are_refused_with_a_clear_message(store: Store) -> None:
         accept_callback(store, 1, "wait-for-agent", "maybe", "", 0.0)
     with pytest.raises(NotFound, match="step 99"):
         accept_callback(store, 99, "wait-for-agent", "done", "", 0.0)
+
+
+class CalledBackThenFails(StateAction):
+    """The target calls back at once (the dispatcher hands the callback to the waiting
+    step), then the action itself fails: the wait never reads the callback."""
+
+    def __init__(self) -> None:
+        self.conductor: Conductor | None = None
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        assert self.conductor is not None
+        self.conductor.receive_callback(ctx.step_id, ctx.state, "done", "agent says done")
+        await asyncio.sleep(0.05)  # the dispatcher resolves the step's wait meanwhile
+        raise StepFailed("the action broke after the target called back")
+
+
+def test_a_callback_handed_to_a_wait_that_then_failed_is_answered_with_why(
+    store: Store,
+) -> None:
+    """It was left open until the strategy ended ("strategy ended first"), which hid
+    what happened: the step's state ended (failed, or timed out) before its wait read
+    the callback."""
+    action = CalledBackThenFails()
+    wf = register_workflow(
+        WorkflowDef(
+            "calls-back-then-fails",
+            (StateDef("wait", action, mode="wait-for-callback", timeout_s=30),),
+        ),
+        replace=True,
+    )
+    add_sim_targets(store, 1)
+    sid = applied(store, wf.name)
+    c = Conductor(store)
+    action.conductor = c
+    assert asyncio.run(c.run(strategy_ids=[sid])) == {sid: "failed"}
+    (cb,) = callback_outcomes(store, sid)
+    assert cb["outcome"] == "ignored"
+    assert cb["reason"] == (
+        "its step's state ended first: wait: the action broke after the target called back"
+    )

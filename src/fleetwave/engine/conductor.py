@@ -917,6 +917,22 @@ class Conductor:
             return
         run, fl = reported
         decision = msg.decision
+        handed = fl.waiter
+        if (
+            msg.callback_id is None
+            and handed is not None
+            and handed.done()
+            and not handed.cancelled()
+        ):
+            # A callback was handed to this state's wait, but the state ended (its action
+            # failed, or it timed out) before the wait read it: answer it now, with why.
+            cb = handed.result()
+            why = decision.details or f"the step moved to {decision.to_state}"
+            marks.append(
+                rt.CallbackMark(
+                    cb.id, "ignored", f"its step's state ended first: {why}", msg.strategy_id
+                )
+            )
         if run.stopping is not None and decision.to_state not in STEP_TERMINAL:
             decision = Decision(STEP_ABORTED, f"stopped after {msg.state}: {run.stop_details}")
         batch.append(
