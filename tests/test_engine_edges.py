@@ -656,3 +656,64 @@ def test_a_refused_transition_of_a_row_that_cannot_go_on_fails_the_step(
     assert steps[names[0]] == ("failed", details)
     assert steps[names[1]][0] == steps[names[2]][0] == "complete"
     assert len([p for p in driver.performed if p[0] == names[0]]) == 1
+
+
+class RecordsCancel(StateAction):
+    """Runs for a long time; records when (loop time) the conductor stopped it."""
+
+    def __init__(self) -> None:
+        self.cancelled_at: list[float] = []
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        try:
+            await asyncio.sleep(300)
+        except asyncio.CancelledError:
+            self.cancelled_at.append(asyncio.get_running_loop().time())
+            raise
+        return Advance()
+
+
+def test_actions_stop_before_the_lease_lapses_while_renewal_keeps_failing(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lapse was checked only by the periodic pass after its renewal returned; a
+    renewal retrying 'database is locked' (each try also blocking up to busy_timeout on
+    a real file) kept that pass away for longer than the lease, so actions went on after
+    another conductor could have taken the strategy over. A watchdog on the loop stops
+    them once 80 % of the lease has passed since the last renewal that got through."""
+    add_sim_targets(store, 1)
+    action = RecordsCancel()
+    wf = register_workflow(
+        WorkflowDef("lease-watch", (StateDef("a", action, timeout_s=600),)), replace=True
+    )
+    sid = applied(store, wf.name)
+    real = rt.heartbeat
+    calls: list[float] = []
+
+    def heartbeat_then_locked(*a: Any, **kw: Any) -> int:
+        calls.append(asyncio.get_running_loop().time())
+        if len(calls) >= 2:
+            raise OperationalError("UPDATE", None, Exception("database is locked"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(rt, "heartbeat", heartbeat_then_locked)
+    ttl = 12.0
+    c = Conductor(
+        store,
+        clock=LoopClock(),
+        config=EngineConfig(lease_ttl_s=ttl, tick_s=1, store_retries_max=40),
+    )
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(60, stop.set)
+        await c.run(stop=stop)
+
+    on_virtual_time(serve())
+    renewed = calls[0]  # the last renewal that got through (its lease: renewed + ttl)
+    assert len(calls) > 5  # renewal kept failing
+    (stopped,) = action.cancelled_at
+    assert renewed + 0.8 * ttl <= stopped <= renewed + 0.8 * ttl + 1.0 < renewed + ttl
+    # Left to the next owner (whose recover hook looks at what was stopped), not ended.
+    assert queries.get_strategy(store, sid)["state"] == "applying"
+    assert [s["state"] for s in queries.list_steps(store, sid)] == ["a"]

@@ -175,6 +175,9 @@ class Conductor:
         self._attempts = 0
         #: claimed, not yet adopted (its StrategyClaimed message waits in the inbox)
         self._claiming: set[int] = set()
+        #: loop time each claim in progress started (its lease runs from then)
+        self._claimed_at: dict[int, float] = {}
+        self._lease_watch: asyncio.TimerHandle | None = None
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -258,6 +261,7 @@ class Conductor:
                 driver.callback_sink = self._sink  # simulated agents call us back here
         try:
             await self._claim(register=True)
+            self._watch_leases()
             periodic = asyncio.create_task(self._periodic(), name="fleetwave-periodic")
             periodic.add_done_callback(self._periodic_ended)
             try:
@@ -267,12 +271,39 @@ class Conductor:
                 await asyncio.gather(periodic, return_exceptions=True)
             clean = True
         finally:
+            if self._lease_watch is not None:
+                self._lease_watch.cancel()
+                self._lease_watch = None
             await self._stop_workers()
             if clean:
                 held = [i for run in self.runs.values() for i in run.inflight]
                 await self._io(rt.release_conductor, self.store, self.id, self.clock.now(), held)
             self._writer.close()
         return self.finished
+
+    def _watch_leases(self) -> None:
+        """Self-fencing, every tick: a strategy whose lease has not been renewed for most
+        of its length (renewals failing: the database is locked or unreachable) is
+        dropped, and its actions stopped, before another conductor may take it over.
+
+        A timer of its own, not the periodic pass: that pass waits inside the renewal
+        that keeps failing (retries, each perhaps blocking for busy_timeout), which may
+        take longer than the lease. Once the database answers again, the strategy is
+        claimed anew (a new fence) and the recover hooks look at what was stopped.
+        """
+        self._lease_watch = self._loop.call_later(self.config.tick_s, self._watch_leases)
+        if not self.config.renew_leases:
+            return
+        limit = self._loop.time() - self.config.lease_ttl_s * 0.8
+        lapsing = [run.id for run in self.runs.values() if run.lease_from < limit]
+        if lapsing:
+            log.error(
+                "lease-lapsing: renewal overdue; %s stops acting on strategies %s",
+                self.id,
+                ", ".join(map(str, lapsing)),
+            )
+            for sid in lapsing:
+                self.post(LeaseLost(sid))  # the dispatcher drops it (and stops its workers)
 
     def _periodic_ended(self, task: asyncio.Task[None]) -> None:
         """The periodic pass must live as long as the dispatcher: its death is fatal."""
@@ -312,7 +343,9 @@ class Conductor:
             now_loop = asyncio.get_running_loop().time()
             if self.config.renew_leases and now_loop - last_renew >= renew_every:
                 in_flight = [i for run in self.runs.values() for i in run.inflight]
-                renewed_at = now_loop
+                renewing = list(self.runs.values())
+                # The lease written runs from now (it is computed once, here), however
+                # long the write then takes: the watchdog measures from here too.
                 await self._io(
                     rt.heartbeat,
                     self.store,
@@ -321,17 +354,9 @@ class Conductor:
                     self._lease_until(),
                     in_flight,
                 )
-                last_renew = renewed_at
-            if (
-                self.config.renew_leases
-                and self.runs
-                and asyncio.get_running_loop().time() - last_renew > self.config.lease_ttl_s * 0.8
-            ):
-                # Renewal has been failing for most of a lease: assume another conductor is
-                # about to take over, and stop acting before it does (self-fencing).
-                log.error("lease-lapsing: renewal overdue; stopping all actions of %s", self.id)
-                for sid in list(self.runs):
-                    self.post(LeaseLost(sid))
+                last_renew = now_loop
+                for run in renewing:
+                    run.lease_from = max(run.lease_from, now_loop)
             states = await self._io(rt.strategy_states, self.store, list(self.runs))
             for sid, (state, owner) in states.items():
                 if owner != self.id:
@@ -367,6 +392,7 @@ class Conductor:
                         serves_all=False,
                     )
                 return
+        started = self._loop.time()
         claimed = await self._io(
             rt.claim_strategies,
             self.store,
@@ -380,6 +406,7 @@ class Conductor:
         )
         for rec in claimed:
             self._claiming.add(rec.id)
+            self._claimed_at[rec.id] = started
             self.post(StrategyClaimed(rec))
         if todo is None:
             return
@@ -705,6 +732,7 @@ class Conductor:
         now: float,
     ) -> list[InFlight]:
         """Take over a claimed strategy from the database alone (G4, recovery)."""
+        lease_from = self._claimed_at.pop(rec.id, self._loop.time())
         try:
             if rec.workflow_yaml is not None:
                 # The copy taken at creation: a later edit of the stored workflow (or its
@@ -724,7 +752,7 @@ class Conductor:
         except Exception as exc:  # one broken strategy must not take the conductor down
             await self._fail_undrivable(rec, f"cannot drive it: {exc}")
             return []
-        run = StrategyRun(rec, wf, opts, db_state=rec.state)
+        run = StrategyRun(rec, wf, opts, db_state=rec.state, lease_from=lease_from)
         lost, run.failed = await self._io(rt.load_started_steps, self.store, rec.id)
         # A staged strategy is loaded whole: which stage comes next is then decided on
         # every waiting step, not on the assumption that pages come in stage order.

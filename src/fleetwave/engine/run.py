@@ -68,6 +68,9 @@ class StrategyRun:
     #: steps whose transition was refused although the strategy is still held (their
     #: row was changed by someone else): read back and settled before the strategy ends
     unsettled: set[int] = field(default_factory=set)
+    #: loop time its lease was last written from (claim, or a renewal that got through):
+    #: the lease runs out ``lease_ttl_s`` after it
+    lease_from: float = 0.0
 
     #: the strategy's id (asked for on every transition: a plain attribute)
     id: int = field(init=False)
