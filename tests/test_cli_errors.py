@@ -207,3 +207,28 @@ def test_builtin_workflows_are_listed_without_a_database(
     assert cli("init", db=None).code == 0
     assert (here / "fleetwave.db").exists()
     assert cli("target", "list", "--format", "json", db=None).json() == []
+
+
+def test_a_missing_database_message_says_which_path_and_why(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    here = tmp_path / "cwd"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    monkeypatch.delenv("FLEETWAVE_DB", raising=False)
+    line = _one_line(cli("target", "list", db=None).err)
+    assert line.startswith("error: --db: no database at fleetwave.db (the default when neither")
+    # set but empty counts as not set
+    monkeypatch.setenv("FLEETWAVE_DB", "")
+    assert _one_line(cli("target", "list", db=None).err) == line
+    # a path that cannot be a database file says that, not "run init" (init would refuse)
+    url = _one_line(cli("target", "list", "--db", "sqlite:///x.db", db=None).err)
+    assert "is a URL" in url
+    nodir = _one_line(cli("target", "list", db=tmp_path / "no" / "such.db").err)
+    assert "does not exist" in nodir and "init" not in nodir
+    # a mistyped database named for workflow list is an error too (it may hold YAML
+    # workflows that a built-ins-only answer would silently leave out)
+    res = cli("workflow", "list", db=tmp_path / "typo.db")
+    assert res.code == 2
+    assert "no database at" in _one_line(res.err)
+    assert list(here.iterdir()) == [] and not (tmp_path / "typo.db").exists()

@@ -9,7 +9,6 @@ checks the outcome through the CLI's own ``--format json`` output.
 from __future__ import annotations
 
 import os
-import socket
 import sqlite3
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 
 from cli_harness import PATCH_STATES, Cli, Result, assert_rejected
+from fleetwave.store.runtime import HOSTNAME
 
 
 def add(cli: Cli, *names: str, **settings: str) -> None:
@@ -239,7 +239,7 @@ def _conductor_row(db: Path, cid: str, *, serves_all: bool, age_s: float = 0.0) 
         conn.execute(
             "INSERT INTO conductors (id, hostname, pid, started_at, heartbeat_at, serves_all) "
             "VALUES (?, ?, ?, ?, ?, ?)",
-            (cid, socket.gethostname(), os.getpid(), now, now, serves_all),
+            (cid, HOSTNAME, os.getpid(), now, now, serves_all),
         )
 
 
@@ -274,20 +274,57 @@ def test_apply_without_wait_says_when_no_conductor_will_drive_it(
 def test_show_names_the_conductor_driving_it_and_a_lapsed_lease(cli: Cli, db_path: Path) -> None:
     add(cli, "a")
     sid = create(cli, "--all")
-    assert cli("strategy", "apply", str(sid)).code == 0
+    _conductor_row(db_path, "c-1", serves_all=False)  # as `apply --wait` registers
     with sqlite3.connect(db_path) as conn:
         conn.execute(
-            "UPDATE strategies SET owner = 'c-1', lease_expires_at = ? WHERE id = ?",
+            "UPDATE strategies SET state = 'applying', owner = 'c-1', lease_expires_at = ? "
+            "WHERE id = ?",
             (time.time() + 30, sid),
         )
-    shown = cli("strategy", "show", str(sid), "--format", "json").json()
-    assert shown["driven_by"] == "conductor c-1"
+
+    def driven_by() -> str:
+        return str(cli("strategy", "show", str(sid), "--format", "json").json()["driven_by"])
+
+    assert driven_by() == "conductor c-1"
+    # Applied again while that conductor drives it: no warning.
+    res = cli("strategy", "apply", str(sid))
+    assert res.code == 0 and "warning" not in res.err, res.err
+
+    def lease_ends_in(seconds: float) -> None:
+        with sqlite3.connect(db_path) as conn:
+            conn.execute(
+                "UPDATE strategies SET lease_expires_at = ? WHERE id = ?",
+                (time.time() + seconds, sid),
+            )
+
+    lease_ends_in(-90)
+    said = driven_by()
+    assert said.startswith("nobody: the lease of conductor c-1 ran out 9"), said
+    assert said.endswith(
+        "; no conductor serves this database "
+        f"(start 'fleetwave serve', or 'fleetwave strategy apply {sid} --wait')"
+    ), said
+    _conductor_row(db_path, "c-serve", serves_all=True)
+    said = driven_by()
+    assert said.startswith("nobody yet: the lease of conductor c-1 ran out 9"), said
+    assert said.endswith("; conductor c-serve serves this database and claims it"), said
+    # An owner whose process is gone (kill -9): a claim takes the strategy over at once.
+    lease_ends_in(30)
     with sqlite3.connect(db_path) as conn:
-        conn.execute(
-            "UPDATE strategies SET lease_expires_at = ? WHERE id = ?", (time.time() - 90, sid)
-        )
-    shown = cli("strategy", "show", str(sid), "--format", "json").json()
-    assert shown["driven_by"].startswith("nobody: the lease of conductor c-1 ran out 9")
+        conn.execute("UPDATE conductors SET pid = ? WHERE id = 'c-1'", (_no_such_pid(),))
+    assert driven_by().startswith("nobody yet: conductor c-1 is gone; conductor c-serve serves")
+
+
+def _no_such_pid() -> int:
+    pid = 4_000_000
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return pid
+        except PermissionError:
+            pass
+        pid -= 1
 
 
 def test_apply_wait_exits_1_when_a_step_failed(cli: Cli) -> None:

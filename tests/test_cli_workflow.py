@@ -291,6 +291,7 @@ def test_workflow_add_is_per_database(cli: Cli, tmp_path: Path) -> None:
     f = write(tmp_path, GOOD)
     assert cli("workflow", "add", str(f)).code == 0
     other = tmp_path / "other.db"
+    assert cli("init", db=other).code == 0
     res = cli("workflow", "list", "--format", "json", db=other)
     assert res.code == 0
     assert "site-patch" not in {w["name"] for w in res.json()}

@@ -717,3 +717,76 @@ def test_actions_stop_before_the_lease_lapses_while_renewal_keeps_failing(
     # Left to the next owner (whose recover hook looks at what was stopped), not ended.
     assert queries.get_strategy(store, sid)["state"] == "applying"
     assert [s["state"] for s in queries.list_steps(store, sid)] == ["a"]
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "UPDATE steps SET state = 'failed', details = 'ended by hand' WHERE id = ?",
+        "UPDATE steps SET fence = fence + 1 WHERE id = ?",
+    ],
+)
+def test_a_refused_failure_is_counted_once(store: Store, sql: str) -> None:
+    """Found by review: a move to failed was counted when decided and again when its
+    refusal was settled (from the row, or when the taken-over step failed again), so one
+    failed step crossed a failure threshold of one and aborted the rest."""
+    add_sim_targets(store, 1, prefix="a", settings={"latency_ms": 20, "fail_at": "pre-check"})
+    names = add_sim_targets(store, 2, settings={"latency_ms": 20})
+    sid = applied(store, "patch", max_parallel=1, max_failures=1)
+    final, _ = _edit_row_during_its_action(store, sid, sql)
+    steps = {s["target"]: s["state"] for s in queries.list_steps(store, sid)}
+    assert steps == {"a00000": "failed", names[0]: "complete", names[1]: "complete"}
+    assert final == "failed"
+
+
+def test_a_row_that_keeps_changing_is_read_once_a_tick(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: every dispatcher pass settled again and armed one more retry
+    timer, so retries piled up with the other steps' traffic (hundreds of reads and
+    writes a second, long after it stopped). A step that cannot be taken over yet keeps
+    its slot and is read again once a tick."""
+    add_sim_targets(store, 1, prefix="a", settings={"latency_ms": 30})
+    add_sim_targets(store, 300, settings={"latency_ms": 10})
+    sid = applied(store, "patch", max_parallel=20)
+    stuck: set[int] = set()
+    real_take_over = rt.take_over_steps
+
+    def take_over(st: Store, recs: list[rt.StepRecord], *a: Any, **kw: Any) -> Any:
+        # the row "changes again" before each takeover while the step is stuck
+        return real_take_over(st, [r for r in recs if r.step_id not in stuck], *a, **kw)
+
+    monkeypatch.setattr(rt, "take_over_steps", take_over)
+    reads: list[float] = []
+    real_load = rt.load_steps
+
+    def load_steps(*a: Any, **kw: Any) -> Any:
+        reads.append(asyncio.get_running_loop().time())
+        return real_load(*a, **kw)
+
+    monkeypatch.setattr(rt, "load_steps", load_steps)
+    c = Conductor(store, drivers={"sim": SimDriver()}, config=EngineConfig(tick_s=0.5))
+    seen: dict[str, int] = {}
+
+    async def go() -> dict[int, str]:
+        task = asyncio.create_task(c.run(strategy_ids=[sid]))
+        while not c.runs:
+            await asyncio.sleep(0.005)
+        (run,) = c.runs.values()
+        first = min(run.inflight)
+        stuck.add(first)
+        with store.write() as conn:
+            conn.exec_driver_sql("UPDATE steps SET fence = fence + 1 WHERE id = ?", (first,))
+        while run.inflight or run.pending_count() or run.more_waiting:
+            seen["max_held"] = max(seen.get("max_held", 0), run.held_slots())
+            await asyncio.sleep(0.01)
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.sleep(2.0)  # only the stuck step is left
+        seen["idle_reads"] = len([t for t in reads if t >= t0])
+        stuck.clear()
+        return await asyncio.wait_for(task, 30)
+
+    assert asyncio.run(go())[sid] == "complete"
+    assert seen["idle_reads"] <= 2 / 0.5 + 1, seen
+    assert seen["max_held"] <= 20  # the stuck step's slot is not handed to another
+    assert {s["state"] for s in queries.list_steps(store, sid)} == {"complete"}

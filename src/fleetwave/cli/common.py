@@ -10,7 +10,7 @@ import typer
 
 from fleetwave.cli.output import Format
 from fleetwave.domain.errors import InputError
-from fleetwave.store.db import Store, default_db_path, is_empty, open_store
+from fleetwave.store.db import Store, check_db_path, default_db_path, is_empty, open_store
 
 DbOpt = Annotated[
     str | None,
@@ -36,14 +36,10 @@ def store_for(db: str | None, *, create: bool = True) -> Store:
     database that shows an empty fleet (and no strategies) as if that were the truth.
     """
     target = db or default_db_path()
-    path = Path(target).expanduser()
+    path = check_db_path(target)
     fresh = not path.exists()
     if fresh and not create:
-        source = "FLEETWAVE_DB" if db is None and os.environ.get("FLEETWAVE_DB") else "--db"
-        raise InputError(
-            f"{source}: no database at {target} "
-            "(create one with 'fleetwave init', or point --db at an existing one)"
-        )
+        raise InputError(f"{_named(db)}: no database at {target}{_hint(db)}")
     store = open_store(target)
     if fresh:
         _created.append((path, store))
@@ -56,9 +52,25 @@ def existing_store(db: str | None) -> Store:
 
 
 def store_if_any(db: str | None) -> Store | None:
-    """The database if there is one: built-in workflows need none to be listed."""
-    target = db or default_db_path()
-    return store_for(db) if Path(target).expanduser().exists() else None
+    """The database, if the default path has none: None (built-in and plug-in workflows
+    need no database to be listed). A path given (--db, FLEETWAVE_DB) must exist."""
+    if db is not None or os.environ.get("FLEETWAVE_DB"):
+        return existing_store(db)
+    return store_for(db) if check_db_path(default_db_path()).exists() else None
+
+
+def _named(db: str | None) -> str:
+    """The input that named the database path."""
+    return "FLEETWAVE_DB" if db is None and os.environ.get("FLEETWAVE_DB") else "--db"
+
+
+def _hint(db: str | None) -> str:
+    if db is None and not os.environ.get("FLEETWAVE_DB"):
+        return (
+            " (the default when neither --db nor FLEETWAVE_DB is given; "
+            "create one with 'fleetwave init')"
+        )
+    return " (create one with 'fleetwave init', or point it at an existing one)"
 
 
 def forget_created() -> None:

@@ -316,7 +316,8 @@ def strategy_apply(
     admin.apply_strategy(store, strategy_id)
     if not wait:
         console.print(f"strategy {strategy_id} applying; a running 'fleetwave serve' drives it")
-        if not queries.serving_conductors(store):
+        who = queries.driven_by(store, strategy_id) or ""
+        if who.startswith("nobody:"):
             err_console.print(
                 f"warning: no conductor serves {store.url}: strategy {strategy_id} waits until "
                 f"'fleetwave serve' runs (or drive it here: 'fleetwave strategy apply "

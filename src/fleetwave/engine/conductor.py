@@ -555,7 +555,7 @@ class Conductor:
             if not self._draining and fl.rec.strategy_id in self.runs:
                 self._release(fl)
         for run in list(self.runs.values()):
-            if run.unsettled and not self._draining:
+            if run.settle_due and run.unsettled and not self._draining:
                 await self._settle(run)
         for record in claimed_callbacks:
             self.post(CallbackArrived(record))
@@ -567,55 +567,65 @@ class Conductor:
         strategy: someone else changed their row (a hand edit, a bug elsewhere). The row
         is the truth (G4): an ended step counts as ended, a waiting one waits again, and
         one in a state is taken over (fence + 1) and its recover hook decides, as after
-        a crash. Never left to nobody: the strategy does not end while any is unsettled.
+        a crash (as at a takeover, one marked not started starts afresh, or ends if the
+        strategy is stopping). One that cannot go on (a state its workflow lacks, or set
+        back to initial after it started) fails. Never left to nobody: the strategy does
+        not end while any is unsettled, and each keeps its slot until settled.
         """
+        run.settle_due = False
         ids = sorted(run.unsettled)
         now = self.clock.now()
-        found, journalled = await self._io(rt.load_steps, self.store, run.id, ids)
+        found, started_ever = await self._io(rt.load_steps, self.store, run.id, ids)
         rows = {r.step_id: r for r in found}
         events: list[rt.Event] = []
         batch: list[rt.Transition] = []
-        started: list[rt.StepRecord] = []
-        for step_id in ids:
-            row = rows.get(step_id)
-            if row is None or row.step_id in run.inflight:
-                run.unsettled.discard(step_id)  # deleted, or already back in flight
-                continue
-            if row.state in STEP_TERMINAL:
-                run.unsettled.discard(step_id)
-                if row.state == STEP_FAILED:
-                    self._count_failure(run)
-                what = f"ended elsewhere: {row.state}"
-            elif row.state == STEP_INITIAL and step_id not in journalled:
-                run.unsettled.discard(step_id)
-                run.requeue_front([row])
-                what = "waiting again"
-            elif row.state == STEP_INITIAL or row.state not in run.workflow.state_names:
-                # Set back to initial after it started (its states cannot be entered
-                # again, G1), or in a state this workflow does not have: it ends here.
-                why = (
-                    "set back to initial after it started"
-                    if row.state == STEP_INITIAL
-                    else f"{row.state}: not a state of workflow {run.workflow.name}"
-                )
-                batch.append(
-                    self._move(
-                        run, row.step_id, row.state, row.fence, STEP_FAILED, why, row.attempt, now
-                    )
-                )
-                what = f"{why}: failed"
-            else:
-                started.append(row)
-                what = f"in {row.state}: taken over"
+        to_take: list[rt.StepRecord] = []
+
+        def settled(step_id: int, what: str) -> None:
+            run.unsettled.pop(step_id, None)
             events.append(
                 rt.Event("step-settled", f"transition refused; row {what}", run.id, step_id)
             )
             log.warning("step %s of strategy %s: transition refused; row %s", step_id, run.id, what)
+
+        def end(row: rt.StepRecord, to_state: str, why: str) -> None:
+            batch.append(
+                self._move(run, row.step_id, row.state, row.fence, to_state, why, row.attempt, now)
+            )
+
+        for step_id in ids:
+            row = rows.get(step_id)
+            if row is None or step_id in run.inflight:
+                run.unsettled.pop(step_id, None)  # deleted, or already back in flight
+            elif row.state in STEP_TERMINAL:
+                if row.state == STEP_FAILED:
+                    self._count_failure(run)
+                settled(step_id, f"ended elsewhere: {row.state}")
+            elif row.state == STEP_INITIAL and step_id not in started_ever:
+                run.requeue_front([row])
+                settled(step_id, "waiting again")
+            elif row.state == STEP_INITIAL:
+                # Its states cannot be entered again (G1): it ends here.
+                end(row, STEP_FAILED, "set back to initial after it started")
+            elif row.state not in run.workflow.state_names:
+                end(row, STEP_FAILED, f"{row.state}: not a state of workflow {run.workflow.name}")
+            elif row.not_started and run.stopping is not None:
+                end(row, STEP_ABORTED, f"stopped before {row.state} started: {run.stop_details}")
+            else:
+                if row.not_started:
+                    row.deadline_at = self._deadline_of(run, row.state, now)
+                to_take.append(row)
         taken = await self._io(
-            rt.take_over_steps, self.store, started, self.id, now, self._lease_until()
+            rt.take_over_steps,
+            self.store,
+            to_take,
+            self.id,
+            now,
+            self._lease_until(),
+            held=(run.id, run.record.fence),
         )
         for step in taken:
-            run.unsettled.discard(step.step_id)
+            settled(step.step_id, f"in {step.state}: taken over")
             fl = InFlight(step, step.state, step.fence, recovering=not step.not_started)
             fl.stopped = run.stopping is not None
             run.inflight[step.step_id] = fl
@@ -631,15 +641,25 @@ class Conductor:
                 [],
                 {run.id: run.record.fence},
             )
+            refused = {id(t) for t in result.rejected}
             for t in batch:
-                if t not in result.rejected:
-                    run.unsettled.discard(t.step_id)
-                    self._count_failure(run)
+                if id(t) not in refused and run.id not in result.lost:
+                    if t.to_state == STEP_FAILED:
+                        self._count_failure(run)
+                    settled(t.step_id, f"{t.details}: {t.to_state}")
             for sid in result.lost:
                 self._drop_run(sid)
-        if run.unsettled and run.id in self.runs:
-            # Changed again in between: look again shortly, not in a tight loop.
-            self._loop.call_later(self.config.tick_s, self._wake_soon)
+        if run.id not in self.runs:
+            return
+        self._wake_soon()  # admit what waits again, into the slots settled steps held
+        if run.unsettled and run.settle_timer is None:
+            # Changed again in between: look again at the next tick, not in a tight loop.
+            run.settle_timer = self._loop.call_later(self.config.tick_s, self._settle_later, run)
+
+    def _settle_later(self, run: StrategyRun) -> None:
+        run.settle_timer = None
+        run.settle_due = True
+        self._wake_soon()
 
     async def _mark_aborting(self) -> None:
         """abort-requested -> aborting, once the dispatcher has stopped admitting."""
@@ -780,7 +800,9 @@ class Conductor:
                 rt.Event("takeover-incomplete", f"{len(lost) - len(taken)} steps moved on", rec.id)
             )
             # Moved between the read and the takeover: read back, settled like a refusal.
-            run.unsettled.update({s.step_id for s in lost} - {s.step_id for s in taken})
+            got = {s.step_id for s in taken}
+            run.unsettled.update({s.step_id: s.stage for s in lost if s.step_id not in got})
+            run.settle_due = True
         out = []
 
         def end(step: rt.StepRecord, to_state: str, details: str) -> None:
@@ -1156,9 +1178,13 @@ class Conductor:
             if run is None:
                 continue
             # Its row is not what this conductor believed: read it back (see _settle).
-            run.unsettled.add(t.step_id)
+            if t.to_state == STEP_FAILED:
+                run.failed -= 1  # counted when decided, but it did not happen
+            fl = run.inflight.get(t.step_id)
+            run.unsettled[t.step_id] = fl.rec.stage if fl is not None else None
+            run.settle_due = True
             _free_slot(run, t.step_id)
-            self._wake_soon()  # settle it, and fill the freed slot, without waiting
+            self._wake_soon()  # settle it without waiting for a message
             log.error(
                 "transition %s -> %s of step %s rejected: fenced off or already entered",
                 t.from_state,

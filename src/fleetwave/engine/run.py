@@ -66,8 +66,15 @@ class StrategyRun:
     #: how many steps :attr:`pending` holds (asked for on every batch)
     _pending_n: int = 0
     #: steps whose transition was refused although the strategy is still held (their
-    #: row was changed by someone else): read back and settled before the strategy ends
-    unsettled: set[int] = field(default_factory=set)
+    #: row was changed by someone else), with their stage if known: read back and
+    #: settled before the strategy ends; each keeps its slot (and its stage open) until
+    #: then
+    unsettled: dict[int, int | None] = field(default_factory=dict)
+    #: read the unsettled steps' rows on the dispatcher's next turn (new ones, or the
+    #: retry timer fired); a retry waits for a tick, so a row that keeps changing costs
+    #: one read a tick
+    settle_due: bool = False
+    settle_timer: asyncio.TimerHandle | None = None
     #: loop time its lease was last written from (claim, or a renewal that got through):
     #: the lease runs out ``lease_ttl_s`` after it
     lease_from: float = 0.0
@@ -110,16 +117,21 @@ class StrategyRun:
             return None
         stages = {rec.rec.stage for rec in self.inflight.values()}
         stages.update(s for s, groups in self.pending.items() if any(groups.values()))
+        stages.update(s for s in self.unsettled.values() if s is not None)
         return min(stages) if stages else None
 
+    def held_slots(self) -> int:
+        """Slots taken: steps in flight, and unsettled ones (they may be taken over)."""
+        return len(self.inflight) + len(self.unsettled)
+
     def take_admissions_possible(self) -> bool:
-        return self.stopping is None and len(self.inflight) < self.cap and self.pending_count() > 0
+        return self.stopping is None and self.held_slots() < self.cap and self.pending_count() > 0
 
     def take_admissions(self, limit: int) -> list[StepRecord]:
         """Pop the steps that may start now: sliding window under every cap."""
         if self.stopping is not None:
             return []
-        free = min(limit, self.cap - len(self.inflight))
+        free = min(limit, self.cap - self.held_slots())
         if free <= 0:
             return []
         stage = self.current_stage()

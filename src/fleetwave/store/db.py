@@ -88,7 +88,21 @@ class Store:
 
 
 def default_db_path() -> str:
-    return os.environ.get("FLEETWAVE_DB", "fleetwave.db")
+    """``$FLEETWAVE_DB``, or ``fleetwave.db`` when it is unset (or set empty)."""
+    return os.environ.get("FLEETWAVE_DB") or "fleetwave.db"
+
+
+def check_db_path(target: str) -> Path:
+    """The database file a path names, or a StoreError saying why it cannot be one."""
+    if "://" in target:
+        raise StoreError(f"--db: '{target}' is a URL; this version supports SQLite file paths only")
+    path = Path(target).expanduser()
+    parent = path.resolve().parent
+    if not parent.is_dir():
+        raise StoreError(f"--db: directory {parent} does not exist")
+    if path.is_dir():
+        raise StoreError(f"--db: {target} is a directory, not a database file")
+    return path
 
 
 def _sqlite_engine(path: str, synchronous: str) -> Engine:
@@ -127,14 +141,7 @@ def open_store(
     target = db or default_db_path()
     if synchronous.upper() not in {"FULL", "NORMAL", "OFF", "EXTRA"}:
         raise StoreError(f"synchronous: unknown SQLite level '{synchronous}'")
-    if "://" in target:
-        raise StoreError(f"--db: '{target}' is a URL; this version supports SQLite file paths only")
-    path = Path(target).expanduser()
-    parent = path.resolve().parent
-    if not parent.is_dir():
-        raise StoreError(f"--db: directory {parent} does not exist")
-    if path.is_dir():
-        raise StoreError(f"--db: {target} is a directory, not a database file")
+    path = check_db_path(target)
     engine = _sqlite_engine(str(path), synchronous.upper())
     store = Store(engine, SQLITE, target)
     try:

@@ -150,23 +150,49 @@ def serving_conductors(store: Store, now: float | None = None) -> list[dict[str,
     ]
 
 
+def _owner_gone(store: Store, owner: str) -> bool:
+    """The owner stopped, or its process on this host is gone (a claim takes over now)."""
+    with store.read() as conn:
+        c = conn.execute(
+            select(conductors.c.hostname, conductors.c.pid, conductors.c.stopped_at).where(
+                conductors.c.id == owner
+            )
+        ).first()
+    if c is None or c.stopped_at is not None:
+        return True
+    return c.hostname == HOSTNAME and not pid_alive(c.pid)
+
+
+def driven_by(store: Store, sid: int, now: float | None = None) -> str | None:
+    """Who drives a strategy that should be driven (applying, aborting), in words an
+    operator can act on; None for a strategy in any other state. ``"nobody: ..."``
+    means nothing will drive it until a conductor starts."""
+    now = time.time() if now is None else now
+    with store.read() as conn:
+        r = conn.execute(select(strategies).where(strategies.c.id == sid)).first()
+    if r is None:
+        raise NotFound(f"strategy {sid} not found")
+    return _driven_by(store, r, now)
+
+
 def _driven_by(store: Store, r: Any, now: float) -> str | None:
-    """Who drives a strategy that should be driven, in words an operator can act on."""
     if r.state not in DRIVEN_STATES:
         return None
-    if r.owner is not None and r.lease_expires_at is not None and r.lease_expires_at >= now:
+    expired = r.lease_expires_at is None or r.lease_expires_at < now
+    if r.owner is not None and not expired and not _owner_gone(store, r.owner):
         return f"conductor {r.owner}"
-    if r.owner is not None:
+    serving = [c["id"] for c in serving_conductors(store, now) if c["id"] != r.owner]
+    if r.owner is None:
+        lapsed = ""
+    elif expired:
         ago = now - (r.lease_expires_at or now)
-        return (
-            f"nobody: the lease of conductor {r.owner} ran out {ago:.0f}s ago "
-            "(a serving conductor takes the strategy over)"
-        )
-    serving = serving_conductors(store, now)
+        lapsed = f"the lease of conductor {r.owner} ran out {ago:.0f}s ago; "
+    else:
+        lapsed = f"conductor {r.owner} is gone; "
     if serving:
-        return f"nobody yet: conductor {serving[0]['id']} serves this database and claims it"
+        return f"nobody yet: {lapsed}conductor {serving[0]} serves this database and claims it"
     return (
-        "nobody: no conductor serves this database "
+        f"nobody: {lapsed}no conductor serves this database "
         f"(start 'fleetwave serve', or 'fleetwave strategy apply {r.id} --wait')"
     )
 

@@ -187,10 +187,6 @@ def _register(conn: Connection, store: Store, cid: str, now: float, serves_all: 
 
 def pid_alive(pid: int) -> bool:
     """Whether a process of this host is still there."""
-    return _pid_alive(pid)
-
-
-def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -207,7 +203,7 @@ def dead_conductors(conn: Connection, self_id: str) -> set[str]:
     for r in rows:
         if r.id == self_id:
             continue
-        if r.stopped_at is not None or (r.hostname == HOSTNAME and not _pid_alive(r.pid)):
+        if r.stopped_at is not None or (r.hostname == HOSTNAME and not pid_alive(r.pid)):
             dead.add(r.id)
     return dead
 
@@ -517,31 +513,48 @@ def load_waiting_steps(store: Store, sid: int, after_ordinal: int, limit: int) -
 
 def load_steps(store: Store, sid: int, step_ids: list[int]) -> tuple[list[StepRecord], set[int]]:
     """These steps of a strategy as their rows are now (to settle a refused transition),
-    and which of them have journal rows (have left ``initial`` at some time)."""
+    and which of them have ever entered one of their workflow's states (journalled)."""
     if not step_ids:
         return [], set()
     ids = tuple(sorted(step_ids))
     marks = store.hooks.placeholders(len(ids))
     with store.read() as conn:
         rows = _step_records(conn, store, sid, f"s.id IN ({marks})", ids)
-        moved = conn.exec_driver_sql(
-            f"SELECT DISTINCT step_id FROM journal WHERE step_id IN ({marks})", ids
+        entered = conn.exec_driver_sql(
+            f"SELECT DISTINCT step_id FROM journal WHERE step_id IN ({marks}) "
+            f"AND to_state NOT IN ({_DONE})",
+            ids,
         ).all()
-    return rows, {int(r[0]) for r in moved}
+    return rows, {int(r[0]) for r in entered}
 
 
 def take_over_steps(
-    store: Store, recs: list[StepRecord], cid: str, now: float, lease_until: float
+    store: Store,
+    recs: list[StepRecord],
+    cid: str,
+    now: float,
+    lease_until: float,
+    *,
+    held: tuple[int, int] | None = None,
 ) -> list[StepRecord]:
     """Fence off the previous owner of in-flight steps: fence+1, owner=us (CAS per step).
 
     ``not_started`` is cleared in the same write: from here on this owner may start
     the action, so a later owner must treat it as possibly started (recover hook).
+    ``held`` (strategy id, fence): take nothing unless this conductor still holds that
+    strategy at that fence (checked in the same transaction).
     """
     taken: list[StepRecord] = []
     if not recs:
         return taken  # nothing to fence off: no write transaction
     with store.write() as conn:
+        if held is not None:
+            p = store.hooks.placeholder
+            row = conn.exec_driver_sql(
+                f"SELECT owner, fence FROM strategies WHERE id = {p}", (held[0],)
+            ).first()
+            if row is None or (row[0], row[1]) != (cid, held[1]):
+                return taken
         for rec in recs:
             res = conn.execute(
                 update(steps)
