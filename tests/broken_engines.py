@@ -137,3 +137,13 @@ class RetriesAfterAbortConductor(Conductor):
         run = self.runs.get(sid)
         for fl in run.inflight.values() if run is not None else ():
             fl.stopped = False
+
+
+class LeavesRefusedStepsConductor(Conductor):
+    """A transition refused while the strategy is still held (someone else changed the
+    step's row) frees the step's slot and nobody drives the step again: the strategy
+    can end with that step mid-state."""
+
+    async def _settle(self, run: StrategyRun) -> None:
+        run.settle_due = False
+        run.unsettled.clear()

@@ -790,3 +790,33 @@ def test_a_row_that_keeps_changing_is_read_once_a_tick(
     assert seen["idle_reads"] <= 2 / 0.5 + 1, seen
     assert seen["max_held"] <= 20  # the stuck step's slot is not handed to another
     assert {s["state"] for s in queries.list_steps(store, sid)} == {"complete"}
+
+
+def test_entries_beside_a_refused_end_wait(store: Store) -> None:
+    """Found by the simulator's outside-writer fault: the dispatcher gives a step's slot
+    (and, when it was its stage's last, the next stage) to an entry as soon as it decides
+    the step ended. If that end is refused, the step is still in a state: the entries of
+    its strategy in that batch are not written (more than max parallel in flight, or a
+    stage started early, otherwise). Another strategy's entry is written."""
+    add_sim_targets(store, 4)
+    wf = get_workflow("patch")
+    assert wf is not None
+    three = ["t00000", "t00001", "t00002"]
+    sid = admin.create_strategy(store, wf, StrategyOptions(max_parallel=1), target_names=three)
+    other = admin.create_strategy(store, wf, StrategyOptions(), target_names=["t00003"])
+    ids = {s["target"]: s["step"] for s in queries.list_steps(store, sid)}
+    (other_step,) = [s["step"] for s in queries.list_steps(store, other)]
+    writer = rt.TransitionWriter(store, "c1")
+    enter = rt.Transition(ids["t00000"], sid, "initial", 0, "pre-check", 1, "", 0, at=1.0)
+    assert writer.commit([enter], [], 1.0, 2.0).rejected == []
+    with store.write() as conn:  # someone else writes that step's row meanwhile
+        conn.exec_driver_sql("UPDATE steps SET fence = 5 WHERE id = ?", (ids["t00000"],))
+    end = rt.Transition(ids["t00000"], sid, "pre-check", 1, "complete", 1, "skipped", 1, at=2.0)
+    nxt = rt.Transition(ids["t00001"], sid, "initial", 0, "pre-check", 1, "", 0, at=2.0)
+    elsewhere = rt.Transition(other_step, other, "initial", 0, "pre-check", 1, "", 0, at=2.0)
+    result = writer.commit([end, nxt, elsewhere], [], 2.0, 3.0)
+    assert result.rejected == [end]
+    assert result.deferred == [nxt]
+    states = {s["target"]: s["state"] for s in queries.list_steps(store, sid)}
+    assert states == {"t00000": "pre-check", "t00001": "initial", "t00002": "initial"}
+    assert [s["state"] for s in queries.list_steps(store, other)] == ["pre-check"]

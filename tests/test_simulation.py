@@ -9,6 +9,7 @@ import pytest
 
 from broken_engines import (
     ForgetsAbortConductor,
+    LeavesRefusedStepsConductor,
     LoadTimeManagedConductor,
     LockingCallbackConductor,
     RetriesAfterAbortConductor,
@@ -68,6 +69,7 @@ def test_faults_are_really_injected() -> None:
     assert quiet.strategy_state == "complete"
     assert sum(r.aborted_by_operator for r in results) > 0
     assert sum(r.unmanaged_by_operator for r in results) > 0
+    assert sum(r.meddled for r in results) > 0
     assert set(FAULTS) == {
         "errors",
         "hangs",
@@ -79,6 +81,7 @@ def test_faults_are_really_injected() -> None:
         "stop",
         "abort",
         "unmanage",
+        "meddle",
     }
 
 
@@ -97,9 +100,9 @@ def test_ci_sweep_all_faults() -> None:
     PINNED or [pytest.param(0, "", 0, marks=pytest.mark.skip(reason="no seed has failed yet"))],
 )
 def test_pinned_regression_seeds(seed: int, workflow: str, targets: int) -> None:
-    # Without clean stops, aborts and unmanages (added later): each seed replays the
-    # run that found its bug.
-    faults = frozenset(FAULTS) - {"stop", "abort", "unmanage"}
+    # Without clean stops, aborts, unmanages and outside writes (added later): each seed
+    # replays the run that found its bug.
+    faults = frozenset(FAULTS) - {"stop", "abort", "unmanage", "meddle"}
     res = run_simulation(SimConfig(seed=seed, targets=targets, workflow=workflow, faults=faults))
     assert res.ok, res.violations
 
@@ -152,3 +155,8 @@ def test_guard_catches_conductor_that_reads_managed_only_at_load() -> None:
 def test_guard_catches_conductor_that_retries_after_an_abort() -> None:
     _seed, hits = _first_caught(RetriesAfterAbortConductor, "patch", "abort:", range(1, 201))
     assert "start" in hits[0] and "after a conductor saw the operator's abort" in hits[0]
+
+
+def test_guard_catches_conductor_that_leaves_refused_steps() -> None:
+    _seed, hits = _first_caught(LeavesRefusedStepsConductor, "patch", "", range(1, 121))
+    assert any(h.startswith(("terminal:", "G7:", "liveness:")) for h in hits), hits

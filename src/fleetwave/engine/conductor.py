@@ -548,6 +548,8 @@ class Conductor:
             # finds them gone and starts nothing for them).
             for t in result.replaced:
                 self._replaced_at_turn(t)
+            for t in result.deferred:
+                self._wait_again(t)
             self._apply(batch, result.rejected)
             for sid in result.lost:
                 self._drop_run(sid)
@@ -1036,6 +1038,16 @@ class Conductor:
             self._count_failure(run)
             log.warning("step %s: %s", t.step_id, t.details)
         self._wake_soon()  # its slot is free: fill it without waiting for another message
+
+    def _wait_again(self, t: rt.Transition) -> None:
+        """An entry the commit did not write: the step whose end it was to follow still
+        holds the slot (that end was refused). It waits again, first in line."""
+        run = self.runs.get(t.strategy_id)
+        fl = run.inflight.pop(t.step_id, None) if run is not None else None
+        if run is None or fl is None:
+            return
+        run.group_load[fl.rec.group_id] -= 1
+        run.requeue_front([fl.rec])
 
     def _stop_rules(self, batch: list[rt.Transition]) -> dict[int, rt.StopRule]:
         """For each strategy starting steps in this batch under a failure limit: how

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -94,6 +95,9 @@ class CommitResult:
     #: entries written otherwise: failed, their target unmanaged since it was loaded;
     #: aborted, that failure having stopped the strategy (see :class:`StopRule`)
     replaced: list[Transition] = field(default_factory=list)
+    #: entries not written (the steps still wait): a move of their strategy to an end
+    #: was refused, so that step still holds its slot (and its stage)
+    deferred: list[Transition] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -594,6 +598,11 @@ def take_over_steps(
 # -- the hot path -------------------------------------------------------------------
 
 
+def _is_entry(t: Transition) -> bool:
+    """A step starting: out of ``initial`` into one of its workflow's states."""
+    return t.from_state == STEP_INITIAL and t.to_state not in STEP_TERMINAL
+
+
 class TransitionWriter:
     """Group commit of transitions. Not thread-safe: one conductor owns it."""
 
@@ -880,14 +889,18 @@ class TransitionWriter:
         stops: dict[int, StopRule],
     ) -> CommitResult:
         rejected: list[Transition] = []
+        deferred: list[Transition] = []
         with self.store.write() as conn:
             raw: Any = conn.connection.driver_connection
             lost = self._lost(raw.cursor(), fences)
             replaced = self._end_unmanaged(raw.cursor(), batch, lease_until, ups, jrs, stops)
-            for t, (sql, u), j in zip(batch, ups, jrs, strict=True):
+            rows = list(zip(batch, ups, jrs, strict=True))
+            held: Counter[int] = Counter()
+
+            def write(t: Transition, sql: str, u: tuple[Any, ...], j: tuple[Any, ...]) -> None:
                 if t.strategy_id in lost:
                     rejected.append(t)
-                    continue
+                    return
                 sp = conn.begin_nested()
                 try:
                     res = conn.exec_driver_sql(sql, u)
@@ -895,12 +908,31 @@ class TransitionWriter:
                         sp.rollback()
                         if not self._already_applied(conn, t):
                             rejected.append(t)
-                        continue
+                            held[t.strategy_id] += t.to_state in STEP_TERMINAL
+                        return
                     conn.exec_driver_sql(self._journal_sql, j)
                     sp.commit()
                 except IntegrityError:
                     sp.rollback()
                     rejected.append(t)
+                    held[t.strategy_id] += t.to_state in STEP_TERMINAL
+
+            # Moves first, then the entries. The dispatcher admitted entries as soon as it
+            # decided that steps ended (their slots free, perhaps their stage done); if such
+            # an end is refused, the step is still in a state, so none of its strategy's
+            # entries in this batch is written: they wait, and the dispatcher admits again
+            # once it has read that step's row (more than max parallel in flight, or a
+            # stage started before the last one ended, otherwise).
+            for t, (sql, u), j in rows:
+                if not _is_entry(t):
+                    write(t, sql, u, j)
+            for t, (sql, u), j in rows:
+                if not _is_entry(t):
+                    continue
+                if held[t.strategy_id] and t.strategy_id not in lost:
+                    deferred.append(t)
+                else:
+                    write(t, sql, u, j)
             for t in rejected:
                 why = (
                     "strategy claimed by another conductor (fenced off)"
@@ -934,8 +966,8 @@ class TransitionWriter:
             ]
             if dl:
                 conn.exec_driver_sql(self._deadline_sql, dl)
-        refused = {id(t) for t in rejected}
-        return CommitResult(rejected, lost, [t for t in replaced if id(t) not in refused])
+        refused = {id(t) for t in rejected} | {id(t) for t in deferred}
+        return CommitResult(rejected, lost, [t for t in replaced if id(t) not in refused], deferred)
 
     def close(self) -> None:
         if self._raw is not None:

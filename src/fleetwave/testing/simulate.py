@@ -11,7 +11,9 @@ One run, for one seed:
    conductors that stall (run on without renewing their leases) while a rival takes
    over, and must be fenced off; conductors stopped cleanly; transient database errors
    inside write transactions; an operator who aborts the strategy mid-run, or who
-   unmanages a few targets while it runs;
+   unmanages a few targets while it runs; an outside writer that changes the rows of
+   steps in flight (a hand edit, a rogue tool), so the conductor's next transitions
+   for them are refused;
 4. then every guarantee is checked from the journal and final rows, and the journal's
    digest is printed: the same seed gives the same journal, byte for byte.
 
@@ -69,6 +71,7 @@ FAULTS = (
     "stop",
     "abort",
     "unmanage",
+    "meddle",
 )
 
 #: virtual time after which a strategy that has not ended is a liveness violation
@@ -126,6 +129,8 @@ class SimResult:
     aborted_by_operator: bool = False
     #: targets the operator unmanaged while the strategy ran
     unmanaged_by_operator: int = 0
+    #: rows of steps in flight an outside writer changed (their fence bumped)
+    meddled: int = 0
 
     def line(self) -> str:
         verdict = "ok" if self.ok else "FAILED"
@@ -318,6 +323,41 @@ class _OperatorUnmanage:
             self.done.setdefault(name, self.clock.now())
 
 
+class _OutsideWriter:
+    """Someone else writes the row of a step in flight (30 % of seeds, own generator): its
+    fence is bumped, as a hand edit or a rogue tool might. The conductor's next
+    transition for that step is refused; it must settle the step from the row (take it
+    over, its recover hook decides), never leave it to nobody. The usual checks (every
+    step ends, no state entered twice, no attempt started twice) cover the rest."""
+
+    def __init__(self, store: Store, rng: random.Random, on: bool) -> None:
+        self.store = store
+        self.rng = rng
+        self.plan: list[float] = []
+        if on and rng.random() < 0.3:
+            self.plan = sorted(rng.uniform(1, 900) for _ in range(rng.randint(1, 4)))
+        self.meddled = 0
+
+    def schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        for at in self.plan:
+            loop.call_at(at, self._meddle)
+
+    def _meddle(self) -> None:
+        try:
+            with self.store.write() as conn:
+                rows = conn.exec_driver_sql(
+                    "SELECT id FROM steps WHERE state NOT IN "
+                    "('initial', 'complete', 'failed', 'aborted') ORDER BY id"
+                ).all()
+                if not rows:
+                    return
+                step_id = self.rng.choice(rows)[0]
+                conn.exec_driver_sql("UPDATE steps SET fence = fence + 1 WHERE id = ?", (step_id,))
+        except OperationalError:
+            return  # an injected database error: this edit did not happen
+        self.meddled += 1
+
+
 def _unmanage_checks(store: Store, sid: int, done: dict[str, float]) -> list[str]:
     """A target unmanaged before its step started: the step never starts, and it ends
     failed as unmanaged (or aborted, when the strategy stopped first)."""
@@ -506,6 +546,8 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
         "unmanage" in cfg.faults,
     )
     unmanage.schedule(loop)
+    outsider = _OutsideWriter(store, random.Random(cfg.seed * 7919 + 7), "meddle" in cfg.faults)
+    outsider.schedule(loop)
     while loop.time() < VIRTUAL_LIMIT_S:
         stall_after = faults.stall_plan()
         if stall_after is not None:
@@ -602,6 +644,7 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
         stops=stops,
         aborted_by_operator=operator_abort.accepted,
         unmanaged_by_operator=len(unmanage.done),
+        meddled=outsider.meddled,
         store_retries=retries,
         callbacks=n_callbacks,
         virtual_s=loop.time(),
