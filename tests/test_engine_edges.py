@@ -656,6 +656,11 @@ def test_a_refused_transition_of_a_row_that_cannot_go_on_fails_the_step(
     assert steps[names[0]] == ("failed", details)
     assert steps[names[1]][0] == steps[names[2]][0] == "complete"
     assert len([p for p in driver.performed if p[0] == names[0]]) == 1
+    with store.read() as conn:
+        settled = conn.exec_driver_sql(
+            "SELECT details FROM events WHERE kind = 'step-settled'"
+        ).all()
+    assert [r[0] for r in settled] == [f"transition refused; row {details}: failed"]
 
 
 class RecordsCancel(StateAction):

@@ -548,8 +548,8 @@ class Conductor:
             # finds them gone and starts nothing for them).
             for t in result.replaced:
                 self._replaced_at_turn(t)
-            for t in result.deferred:
-                self._wait_again(t)
+            if result.deferred:
+                self._wait_again(result.deferred)
             self._apply(batch, result.rejected)
             for sid in result.lost:
                 self._drop_run(sid)
@@ -593,6 +593,16 @@ class Conductor:
         def end(row: rt.StepRecord, to_state: str, why: str) -> None:
             batch.append(
                 self._move(run, row.step_id, row.state, row.fence, to_state, why, row.attempt, now)
+            )
+            # Written with the transition (if that is refused too, the rejection's event
+            # follows it, and the step is read again).
+            events.append(
+                rt.Event(
+                    "step-settled",
+                    f"transition refused; row {why}: {to_state}",
+                    run.id,
+                    row.step_id,
+                )
             )
 
         for step_id in ids:
@@ -646,9 +656,9 @@ class Conductor:
             refused = {id(t) for t in result.rejected}
             for t in batch:
                 if id(t) not in refused and run.id not in result.lost:
+                    run.unsettled.pop(t.step_id, None)
                     if t.to_state == STEP_FAILED:
                         self._count_failure(run)
-                    settled(t.step_id, f"{t.details}: {t.to_state}")
             for sid in result.lost:
                 self._drop_run(sid)
         if run.id not in self.runs:
@@ -1039,15 +1049,19 @@ class Conductor:
             log.warning("step %s: %s", t.step_id, t.details)
         self._wake_soon()  # its slot is free: fill it without waiting for another message
 
-    def _wait_again(self, t: rt.Transition) -> None:
-        """An entry the commit did not write: the step whose end it was to follow still
-        holds the slot (that end was refused). It waits again, first in line."""
-        run = self.runs.get(t.strategy_id)
-        fl = run.inflight.pop(t.step_id, None) if run is not None else None
-        if run is None or fl is None:
-            return
-        run.group_load[fl.rec.group_id] -= 1
-        run.requeue_front([fl.rec])
+    def _wait_again(self, entries: list[rt.Transition]) -> None:
+        """Entries the commit did not write (an end of their strategy was refused: that
+        step still holds its slot and stage): they wait again, first in line, in order."""
+        back: dict[int, list[rt.StepRecord]] = {}
+        for t in entries:
+            run = self.runs.get(t.strategy_id)
+            fl = run.inflight.pop(t.step_id, None) if run is not None else None
+            if run is None or fl is None:
+                continue
+            run.group_load[fl.rec.group_id] -= 1
+            back.setdefault(run.id, []).append(fl.rec)
+        for sid, recs in back.items():
+            self.runs[sid].requeue_front(recs)
 
     def _stop_rules(self, batch: list[rt.Transition]) -> dict[int, rt.StopRule]:
         """For each strategy starting steps in this batch under a failure limit: how
