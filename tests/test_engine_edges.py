@@ -604,18 +604,25 @@ def _edit_row_during_its_action(store: Store, sid: int, sql: str) -> tuple[str, 
 def test_a_refused_transition_is_settled_from_the_row_not_left_to_nobody(store: Store) -> None:
     """Suspected by the bug hunt: a transition refused while the strategy is still held
     freed the step's slot and nobody drove the step again; the strategy could end
-    complete with that step mid-state. The conductor now reads the row and takes the
-    step over (its recover hook decides), as after a crash."""
-    add_sim_targets(store, 3, settings={"latency_ms": 20})
+    complete with that step mid-state. The conductor now reads the row: still in the
+    state its action finished (only the fence changed), so the decision is applied
+    again, at a new fence, and nothing runs twice."""
+    names = add_sim_targets(store, 3, settings={"latency_ms": 20})
     sid = applied(store, "patch", max_parallel=1)
-    final, _ = _edit_row_during_its_action(
+    final, driver = _edit_row_during_its_action(
         store, sid, "UPDATE steps SET fence = fence + 1 WHERE id = ?"
     )
     assert final == "complete"
     assert {s["state"] for s in queries.list_steps(store, sid)} == {"complete"}
     with store.read() as conn:
-        kinds = [r[0] for r in conn.exec_driver_sql("SELECT kind FROM events").all()]
-    assert "step-taken-over" in kinds
+        settled = conn.exec_driver_sql(
+            "SELECT details FROM events WHERE kind = 'step-settled'"
+        ).all()
+    assert [r[0] for r in settled] == ["transition refused; row unchanged: updating-patches"]
+    ops = [p[1] for p in driver.performed if p[0] == names[0]]
+    assert len(ops) == len(set(ops)) == 5  # each state's action once
+    moves = [(h["from"], h["to"]) for h in queries.history(store, sid, target=names[0])]
+    assert moves[:2] == [("initial", "pre-check"), ("pre-check", "updating-patches")]
     assert check(store, sid).ok
 
 

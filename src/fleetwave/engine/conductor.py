@@ -70,7 +70,7 @@ from fleetwave.engine.messages import (
     StopRequested,
     StrategyClaimed,
 )
-from fleetwave.engine.run import InFlight, StrategyRun
+from fleetwave.engine.run import InFlight, StrategyRun, Unsettled
 from fleetwave.store import callbacks as cbs
 from fleetwave.store import runtime as rt
 from fleetwave.store.admin import options_from_json
@@ -177,6 +177,8 @@ class Conductor:
         self._claiming: set[int] = set()
         #: loop time each claim in progress started (its lease runs from then)
         self._claimed_at: dict[int, float] = {}
+        #: steps freed in the batch being built (their end decided, not yet committed)
+        self._freed: dict[int, InFlight | None] = {}
         self._lease_watch: asyncio.TimerHandle | None = None
 
     # -- plumbing -------------------------------------------------------------------
@@ -474,6 +476,7 @@ class Conductor:
 
     async def _handle(self, msgs: list[Message]) -> None:
         now = self.clock.now()
+        self._freed.clear()
         batch: list[rt.Transition] = []
         events: list[rt.Event] = []
         marks: list[rt.CallbackMark] = []
@@ -567,12 +570,19 @@ class Conductor:
     async def _settle(self, run: StrategyRun) -> None:
         """Steps whose transition was refused although this conductor still holds the
         strategy: someone else changed their row (a hand edit, a bug elsewhere). The row
-        is the truth (G4): an ended step counts as ended, a waiting one waits again, and
-        one in a state is taken over (fence + 1) and its recover hook decides, as after
-        a crash (as at a takeover, one marked not started starts afresh, or ends if the
-        strategy is stopping). One that cannot go on (a state its workflow lacks, or set
-        back to initial after it started) fails. Never left to nobody: the strategy does
-        not end while any is unsettled, and each keeps its slot until settled.
+        is the truth (G4):
+
+        - still in the state the refused transition left (only its fence or owner
+          changed): that transition is applied again, at a new fence (the outcome of
+          the action is known: nothing runs twice);
+        - ended: it counts as ended; waiting (never started): it waits again;
+        - in another state: taken over (fence + 1) and its recover hook decides, as
+          after a crash (one marked not started starts afresh, or ends if stopping);
+        - cannot go on (a state its workflow lacks, or set back to initial after it
+          started): it fails.
+
+        Until then it holds its slot, its group's and its stage, and the strategy does
+        not end; a row that keeps changing is read again once a tick.
         """
         run.settle_due = False
         ids = sorted(run.unsettled)
@@ -581,25 +591,41 @@ class Conductor:
         rows = {r.step_id: r for r in found}
         events: list[rt.Event] = []
         batch: list[rt.Transition] = []
+        again: dict[int, rt.StepRecord] = {}  # step -> its row, for transitions applied again
         to_take: list[rt.StepRecord] = []
 
+        def done(step_id: int) -> None:
+            u = run.unsettled.pop(step_id, None)
+            if u is not None and u.held:
+                run.group_load[u.group_id] -= 1
+
         def settled(step_id: int, what: str) -> None:
-            run.unsettled.pop(step_id, None)
+            done(step_id)
             events.append(
                 rt.Event("step-settled", f"transition refused; row {what}", run.id, step_id)
             )
             log.warning("step %s of strategy %s: transition refused; row %s", step_id, run.id, what)
 
-        def end(row: rt.StepRecord, to_state: str, why: str) -> None:
+        def end(row: rt.StepRecord, to_state: str, why: str, *, fence: int | None = None) -> None:
             batch.append(
-                self._move(run, row.step_id, row.state, row.fence, to_state, why, row.attempt, now)
+                self._move(
+                    run,
+                    row.step_id,
+                    row.state,
+                    row.fence,
+                    to_state,
+                    why,
+                    row.attempt,
+                    now,
+                    fence=fence,
+                )
             )
             # Written with the transition (if that is refused too, the rejection's event
             # follows it, and the step is read again).
             events.append(
                 rt.Event(
                     "step-settled",
-                    f"transition refused; row {why}: {to_state}",
+                    f"transition refused; row {why or 'unchanged'}: {to_state}",
                     run.id,
                     row.step_id,
                 )
@@ -607,10 +633,20 @@ class Conductor:
 
         for step_id in ids:
             row = rows.get(step_id)
+            refused = run.unsettled[step_id].refused
             if row is None or step_id in run.inflight:
-                run.unsettled.pop(step_id, None)  # deleted, or already back in flight
+                done(step_id)  # deleted, or already back in flight
+            elif refused is not None and row.state == refused.from_state != STEP_INITIAL:
+                # Where this conductor left it: apply the decision again, fencing off
+                # whoever changed the row.
+                again[step_id] = row
+                to_state, why = refused.to_state, refused.details
+                if run.stopping is not None and to_state not in STEP_TERMINAL:
+                    to_state, why = STEP_ABORTED, f"stopped after {row.state}: {run.stop_details}"
+                end(row, to_state, why, fence=row.fence + 1)
             elif row.state in STEP_TERMINAL:
-                if row.state == STEP_FAILED:
+                failed_here = refused is not None and refused.to_state == STEP_FAILED
+                if row.state == STEP_FAILED and not failed_here:
                     self._count_failure(run)
                 settled(step_id, f"ended elsewhere: {row.state}")
             elif row.state == STEP_INITIAL and step_id not in started_ever:
@@ -638,11 +674,7 @@ class Conductor:
         )
         for step in taken:
             settled(step.step_id, f"in {step.state}: taken over")
-            fl = InFlight(step, step.state, step.fence, recovering=not step.not_started)
-            fl.stopped = run.stopping is not None
-            run.inflight[step.step_id] = fl
-            run.group_load[step.group_id] += 1
-            self._release(fl)
+            self._back_in_flight(run, step, step.state, recovering=not step.not_started)
         if batch or events:
             result = await self._io(
                 self._writer.commit,
@@ -653,12 +685,17 @@ class Conductor:
                 [],
                 {run.id: run.record.fence},
             )
-            refused = {id(t) for t in result.rejected}
+            refused_now = {id(t) for t in result.rejected}
             for t in batch:
-                if id(t) not in refused and run.id not in result.lost:
-                    run.unsettled.pop(t.step_id, None)
-                    if t.to_state == STEP_FAILED:
-                        self._count_failure(run)
+                if id(t) in refused_now or run.id in result.lost:
+                    continue
+                done(t.step_id)
+                row = again.get(t.step_id)
+                if t.to_state == STEP_FAILED and row is None:
+                    self._count_failure(run)  # (one applied again was counted when decided)
+                if row is not None and t.to_state not in STEP_TERMINAL:
+                    row.fence, row.state = t.fence, t.to_state
+                    self._back_in_flight(run, row, t.to_state, recovering=False)
             for sid in result.lost:
                 self._drop_run(sid)
         if run.id not in self.runs:
@@ -667,6 +704,15 @@ class Conductor:
         if run.unsettled and run.settle_timer is None:
             # Changed again in between: look again at the next tick, not in a tight loop.
             run.settle_timer = self._loop.call_later(self.config.tick_s, self._settle_later, run)
+
+    def _back_in_flight(
+        self, run: StrategyRun, step: rt.StepRecord, state: str, *, recovering: bool
+    ) -> None:
+        fl = InFlight(step, state, step.fence, recovering=recovering)
+        fl.stopped = run.stopping is not None
+        run.inflight[step.step_id] = fl
+        run.group_load[step.group_id] += 1
+        self._release(fl)
 
     def _settle_later(self, run: StrategyRun) -> None:
         run.settle_timer = None
@@ -813,7 +859,12 @@ class Conductor:
             )
             # Moved between the read and the takeover: read back, settled like a refusal.
             got = {s.step_id for s in taken}
-            run.unsettled.update({s.step_id: s.stage for s in lost if s.step_id not in got})
+            for step in lost:
+                if step.step_id not in got:
+                    run.unsettled[step.step_id] = Unsettled(
+                        None, step.stage, step.group_id, held=True
+                    )
+                    run.group_load[step.group_id] += 1
             run.settle_due = True
         out = []
 
@@ -1011,7 +1062,8 @@ class Conductor:
         )
         # Book the move now, so admissions in this same batch see the freed slot.
         if decision.to_state in STEP_TERMINAL:
-            _free_slot(run, msg.step_id)  # nothing more for its worker to do
+            # nothing more for its worker to do (kept for the batch: the end may be refused)
+            self._freed[msg.step_id] = _free_slot(run, msg.step_id)
             if decision.to_state == STEP_FAILED:
                 self._count_failure(run)
         else:
@@ -1030,7 +1082,7 @@ class Conductor:
             run = self.runs.get(t.strategy_id)
             if run is None or run.stopping is None:
                 continue
-            _free_slot(run, t.step_id)
+            self._freed[t.step_id] = _free_slot(run, t.step_id)
             details = f"stopped after {t.from_state}: {run.stop_details}"
             batch[i] = self._move(
                 run, t.step_id, t.from_state, t.from_fence, STEP_ABORTED, details, t.attempt, now
@@ -1203,13 +1255,18 @@ class Conductor:
             run = self.runs.get(t.strategy_id)
             if run is None:
                 continue
-            # Its row is not what this conductor believed: read it back (see _settle).
-            if t.to_state == STEP_FAILED:
-                run.failed -= 1  # counted when decided, but it did not happen
-            fl = run.inflight.get(t.step_id)
-            run.unsettled[t.step_id] = fl.rec.stage if fl is not None else None
+            # Its row is not what this conductor believed: read it back (see _settle). It
+            # keeps its slot, its group's and its stage until then.
+            fl = _free_slot(run, t.step_id) or self._freed.get(t.step_id)
+            if fl is not None:
+                run.group_load[fl.rec.group_id] += 1
+            run.unsettled[t.step_id] = Unsettled(
+                t,
+                fl.rec.stage if fl is not None else None,
+                fl.rec.group_id if fl is not None else None,
+                held=fl is not None,
+            )
             run.settle_due = True
-            _free_slot(run, t.step_id)
             self._wake_soon()  # settle it without waiting for a message
             log.error(
                 "transition %s -> %s of step %s rejected: fenced off or already entered",
@@ -1448,15 +1505,15 @@ class Conductor:
         return ActionFinished(run.id, rec.step_id, state, fence, decision, attempts, callback_id)
 
 
-def _free_slot(run: StrategyRun, step_id: int) -> bool:
+def _free_slot(run: StrategyRun, step_id: int) -> InFlight | None:
     """The step leaves the window (ended, or never to start): free its slot and tell its
-    worker, if it has one, that there is nothing more to do. False if not in flight."""
+    worker, if it has one, that there is nothing more to do. None if not in flight."""
     fl = run.inflight.pop(step_id, None)
     if fl is None:
-        return False
+        return None
     run.group_load[fl.rec.group_id] -= 1
     _resolve(fl.go, False)
-    return True
+    return fl
 
 
 def _stop_flights(run: StrategyRun) -> None:

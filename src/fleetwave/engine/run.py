@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.workflow import WorkflowDef
 from fleetwave.store.callbacks import CallbackRecord
-from fleetwave.store.runtime import StepRecord, StrategyRecord
+from fleetwave.store.runtime import StepRecord, StrategyRecord, Transition
 
 UNCAPPED = 1 << 30
 
@@ -38,6 +38,18 @@ class InFlight:
     #: set by the dispatcher once the strategy stops (abort, failure limit): the worker
     #: starts no new attempt of its state (it reads this one flag at any time)
     stopped: bool = False
+
+
+@dataclass(slots=True)
+class Unsettled:
+    """A step whose transition was refused although the strategy is still held."""
+
+    #: the transition refused (None: the step moved between a takeover's read and write)
+    refused: Transition | None
+    stage: int | None
+    #: the group whose slot it holds until settled (``held``)
+    group_id: int | None
+    held: bool
 
 
 @dataclass
@@ -69,7 +81,7 @@ class StrategyRun:
     #: row was changed by someone else), with their stage if known: read back and
     #: settled before the strategy ends; each keeps its slot (and its stage open) until
     #: then
-    unsettled: dict[int, int | None] = field(default_factory=dict)
+    unsettled: dict[int, Unsettled] = field(default_factory=dict)
     #: read the unsettled steps' rows on the dispatcher's next turn (new ones, or the
     #: retry timer fired); a retry waits for a tick, so a row that keeps changing costs
     #: one read a tick
@@ -117,7 +129,7 @@ class StrategyRun:
             return None
         stages = {rec.rec.stage for rec in self.inflight.values()}
         stages.update(s for s, groups in self.pending.items() if any(groups.values()))
-        stages.update(s for s in self.unsettled.values() if s is not None)
+        stages.update(u.stage for u in self.unsettled.values() if u.stage is not None)
         return min(stages) if stages else None
 
     def held_slots(self) -> int:

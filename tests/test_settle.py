@@ -1,0 +1,213 @@
+"""Refused transitions settled from the row, under an outside writer (found by a bug hunt
+on the settling code; each failed before its fix)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from conftest import add_sim_targets
+from fleetwave import ActionContext, Advance, Outcome, StateAction
+from fleetwave.domain.models import Group, StrategyOptions
+from fleetwave.domain.registry import register_workflow
+from fleetwave.domain.workflow import StateDef, StepFailed, WorkflowDef
+from fleetwave.drivers.sim import SimDriver
+from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.store import admin, queries
+from fleetwave.store import runtime as rt
+from fleetwave.store.db import Store
+from fleetwave.testing.invariants import check
+
+
+class FailsOnceAfterEdit(StateAction):
+    """The first step's action: someone bumps its row's fence while it runs, then the
+    action fails. Its recover hook (after the takeover) finds the target fine."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.first: int | None = None
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        await asyncio.sleep(0.01)
+        if self.first is None:
+            self.first = ctx.step_id
+            with self.store.write() as conn:
+                conn.exec_driver_sql(
+                    "UPDATE steps SET fence = fence + 1 WHERE id = ?", (ctx.step_id,)
+                )
+            raise StepFailed("boom")
+        return Advance()
+
+    async def recover(self, ctx: ActionContext) -> Outcome:
+        return Advance()
+
+
+def test_a_refused_failure_is_applied_again_and_explains_the_stop(store: Store) -> None:
+    """The action failed (a threshold of 0: the strategy stops) while someone bumped its
+    row's fence: the failure was refused, yet the stop and the other steps' aborts were
+    written, and the strategy ended 'complete' (the failure uncounted). The failure is
+    now applied again at a new fence: the journal explains the stop."""
+    action = FailsOnceAfterEdit(store)
+    wf = register_workflow(
+        WorkflowDef("hunt-b", (StateDef("a", action, timeout_s=60),)), replace=True
+    )
+    add_sim_targets(store, 4)
+    sid = admin.create_strategy(
+        store, wf, StrategyOptions(max_parallel=1, max_failures=0), all_targets=True
+    )
+    admin.apply_strategy(store, sid)
+    c = Conductor(store, drivers={"sim": SimDriver()}, config=EngineConfig())
+    final = asyncio.run(asyncio.wait_for(c.run(strategy_ids=[sid]), 30))[sid]
+    states = sorted(s["state"] for s in queries.list_steps(store, sid))
+    verdict = check(store, sid)
+    assert verdict.ok, verdict.violations
+    assert final == "failed"
+    assert states == ["aborted", "aborted", "aborted", "failed"]
+
+
+class Quick(StateAction):
+    async def run(self, ctx: ActionContext) -> Outcome:
+        return Advance()
+
+    async def recover(self, ctx: ActionContext) -> Outcome:
+        return Advance()
+
+
+def test_a_callback_whose_move_was_refused_still_moves_the_step(store: Store) -> None:
+    """The step waits for a callback; its row's fence is bumped by someone else and the
+    callback arrives. The move it causes was refused while its mark 'applied: moved the
+    step on' was written; the taken-over step waited for a callback again, never offered,
+    and timed out. The move is now applied again: the mark is true."""
+    wf = register_workflow(
+        WorkflowDef(
+            "hunt-c",
+            (StateDef("w", Quick(), timeout_s=5, mode="wait-for-callback"), StateDef("b", Quick())),
+        ),
+        replace=True,
+    )
+    add_sim_targets(store, 1)
+    sid = admin.create_strategy(store, wf, StrategyOptions(max_parallel=1), all_targets=True)
+    admin.apply_strategy(store, sid)
+    c = Conductor(store, drivers={"sim": SimDriver()}, config=EngineConfig(tick_s=0.2))
+
+    async def go() -> dict[int, str]:
+        task = asyncio.create_task(c.run(strategy_ids=[sid]))
+        while True:
+            await asyncio.sleep(0.01)
+            fls = [fl for run in c.runs.values() for fl in run.inflight.values()]
+            if fls and fls[0].waiter is not None:
+                break
+        (fl,) = fls
+        with store.write() as conn:
+            conn.exec_driver_sql(
+                "UPDATE steps SET fence = fence + 1 WHERE id = ?", (fl.rec.step_id,)
+            )
+        c.receive_callback(fl.rec.step_id, "w", "done", "all good")
+        return await asyncio.wait_for(task, 30)
+
+    final = asyncio.run(go())[sid]
+    steps = queries.list_steps(store, sid)
+    with store.read() as conn:
+        cbs = conn.exec_driver_sql("SELECT outcome, reason FROM callbacks").all()
+    assert final == "complete", (final, [(s["state"], s["details"]) for s in steps], cbs)
+    assert [tuple(c) for c in cbs] == [("applied", "moved the step on from w")]
+
+
+class BumpFirstOnce(StateAction):
+    """Someone bumps the fence of the first step's row while its action runs."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.first: int | None = None
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        await asyncio.sleep(0.05)
+        if self.first is None:
+            self.first = ctx.step_id
+            with self.store.write() as conn:
+                conn.exec_driver_sql(
+                    "UPDATE steps SET fence = fence + 1 WHERE id = ?", (ctx.step_id,)
+                )
+        return Advance()
+
+    async def recover(self, ctx: ActionContext) -> Outcome:
+        return Advance()
+
+
+@pytest.mark.parametrize("stages", [True, False])
+def test_an_unsettled_end_keeps_its_stage_and_group_slot(
+    store: Store, monkeypatch: pytest.MonkeyPatch, stages: bool
+) -> None:
+    """A step's move to its end is refused (row edited) and the first takeovers miss it
+    (the row keeps changing). While it is unsettled its stage stays open and its group
+    slot taken: they were released when the end was decided (the next stage started, the
+    group exceeded its cap)."""
+    action = BumpFirstOnce(store)
+    wf = register_workflow(
+        WorkflowDef("hunt-d", (StateDef("a", action, timeout_s=60),)), replace=True
+    )
+    admin.add_group(store, Group("g0", max_parallel=1))
+    admin.add_group(store, Group("g1", max_parallel=5))
+    add_sim_targets(store, 3, prefix="a", group="g0")
+    add_sim_targets(store, 3, prefix="b", group="g1")
+    sid = admin.create_strategy(
+        store, wf, StrategyOptions(max_parallel=10, stages_by_group=stages), all_targets=True
+    )
+    admin.apply_strategy(store, sid)
+    misses = {"n": 0}
+    real = rt.take_over_steps
+
+    def take_over(st: Store, recs: list[rt.StepRecord], *a: Any, **kw: Any) -> Any:
+        if kw.get("held") is not None and misses["n"] < 2:
+            misses["n"] += 1  # the row "changed again" before this takeover
+            return real(st, [r for r in recs if r.step_id != action.first], *a, **kw)
+        return real(st, recs, *a, **kw)
+
+    monkeypatch.setattr(rt, "take_over_steps", take_over)
+    c = Conductor(store, drivers={"sim": SimDriver()}, config=EngineConfig(tick_s=0.2))
+    final = asyncio.run(asyncio.wait_for(c.run(strategy_ids=[sid]), 30))[sid]
+    verdict = check(store, sid)
+    assert verdict.ok, verdict.violations
+    assert final == "complete"
+
+
+def test_a_step_missed_by_a_takeover_keeps_its_group_slot(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At adoption a started step moved between the read and the takeover (someone edited
+    its row): a group-mate was admitted into its group's only slot in the same pass,
+    before the step was settled and taken over: two of a cap-1 group in flight."""
+    wf = register_workflow(
+        WorkflowDef("hunt-e", (StateDef("a", Quick(), timeout_s=60),)), replace=True
+    )
+    admin.add_group(store, Group("g0", max_parallel=1))
+    add_sim_targets(store, 3, prefix="a", group="g0")
+    sid = admin.create_strategy(store, wf, StrategyOptions(max_parallel=10), all_targets=True)
+    admin.apply_strategy(store, sid)
+    # A conductor that died with the first step in 'a' (its row and journal as it left them).
+    with store.write() as conn:
+        (first,) = conn.exec_driver_sql("SELECT min(id) FROM steps").one()
+        conn.exec_driver_sql(
+            "UPDATE steps SET state='a', fence=1, owner='dead', started_at=1 WHERE id=?", (first,)
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO journal (strategy_id, step_id, at, conductor, from_state, to_state, "
+            "fence, details) VALUES (?, ?, 1, 'dead', 'initial', 'a', 1, '')",
+            (sid, first),
+        )
+    real = rt.take_over_steps
+
+    def take_over(st: Store, recs: list[rt.StepRecord], *a: Any, **kw: Any) -> Any:
+        if kw.get("held") is None and recs:
+            with st.write() as conn:  # the row is edited just before the takeover
+                conn.exec_driver_sql("UPDATE steps SET fence = fence + 1 WHERE id = ?", (first,))
+        return real(st, recs, *a, **kw)
+
+    monkeypatch.setattr(rt, "take_over_steps", take_over)
+    c = Conductor(store, drivers={"sim": SimDriver()}, config=EngineConfig(tick_s=0.2))
+    final = asyncio.run(asyncio.wait_for(c.run(strategy_ids=[sid]), 30))[sid]
+    verdict = check(store, sid)
+    assert verdict.ok, verdict.violations
+    assert final == "complete"
