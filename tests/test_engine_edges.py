@@ -618,7 +618,9 @@ def test_a_refused_transition_is_settled_from_the_row_not_left_to_nobody(store: 
         settled = conn.exec_driver_sql(
             "SELECT details FROM events WHERE kind = 'step-settled'"
         ).all()
-    assert [r[0] for r in settled] == ["transition refused; row unchanged: updating-patches"]
+    assert [r[0] for r in settled] == [
+        "transition refused; row unchanged but for its fence; applied again: updating-patches"
+    ]
     ops = [p[1] for p in driver.performed if p[0] == names[0]]
     assert len(ops) == len(set(ops)) == 5  # each state's action once
     moves = [(h["from"], h["to"]) for h in queries.history(store, sid, target=names[0])]

@@ -553,7 +553,8 @@ class Conductor:
                 self._replaced_at_turn(t)
             if result.deferred:
                 self._wait_again(result.deferred)
-            self._apply(batch, result.rejected)
+            applied_by = {m.step_id: m for m in marks if m.step_id is not None}
+            self._apply(batch, result.rejected, applied_by)
             for sid in result.lost:
                 self._drop_run(sid)
         for fl in recover:
@@ -587,9 +588,10 @@ class Conductor:
         run.settle_due = False
         ids = sorted(run.unsettled)
         now = self.clock.now()
-        found, started_ever = await self._io(rt.load_steps, self.store, run.id, ids)
+        found, entered = await self._io(rt.load_steps, self.store, run.id, ids)
         rows = {r.step_id: r for r in found}
         events: list[rt.Event] = []
+        marks: list[rt.CallbackMark] = []
         batch: list[rt.Transition] = []
         again: dict[int, rt.StepRecord] = {}  # step -> its row, for transitions applied again
         to_take: list[rt.StepRecord] = []
@@ -606,7 +608,7 @@ class Conductor:
             )
             log.warning("step %s of strategy %s: transition refused; row %s", step_id, run.id, what)
 
-        def end(row: rt.StepRecord, to_state: str, why: str, *, fence: int | None = None) -> None:
+        def end(row: rt.StepRecord, to_state: str, why: str, what: str, **kw: Any) -> None:
             batch.append(
                 self._move(
                     run,
@@ -615,50 +617,75 @@ class Conductor:
                     row.fence,
                     to_state,
                     why,
-                    row.attempt,
+                    kw.get("attempt", row.attempt),
                     now,
-                    fence=fence,
+                    fence=kw.get("fence"),
                 )
             )
             # Written with the transition (if that is refused too, the rejection's event
             # follows it, and the step is read again).
             events.append(
-                rt.Event(
-                    "step-settled",
-                    f"transition refused; row {why or 'unchanged'}: {to_state}",
-                    run.id,
-                    row.step_id,
-                )
+                rt.Event("step-settled", f"transition refused; row {what}", run.id, row.step_id)
             )
 
         for step_id in ids:
             row = rows.get(step_id)
-            refused = run.unsettled[step_id].refused
+            u = run.unsettled[step_id]
+            refused = u.refused
+            # A refused move to failed was counted when decided: it stands only if the row
+            # confirms it (failed) or the failure is applied again; otherwise it is taken
+            # back, and whatever is decided now counts.
+            counted = refused is not None and refused.to_state == STEP_FAILED
+            seen = entered.get(step_id, set())
             if row is None or step_id in run.inflight:
                 done(step_id)  # deleted, or already back in flight
-            elif refused is not None and row.state == refused.from_state != STEP_INITIAL:
+                continue
+            if (
+                refused is not None
+                and row.state == refused.from_state != STEP_INITIAL
+                and refused.to_state not in seen
+            ):
                 # Where this conductor left it: apply the decision again, fencing off
                 # whoever changed the row.
                 again[step_id] = row
                 to_state, why = refused.to_state, refused.details
                 if run.stopping is not None and to_state not in STEP_TERMINAL:
                     to_state, why = STEP_ABORTED, f"stopped after {row.state}: {run.stop_details}"
-                end(row, to_state, why, fence=row.fence + 1)
-            elif row.state in STEP_TERMINAL:
-                failed_here = refused is not None and refused.to_state == STEP_FAILED
-                if row.state == STEP_FAILED and not failed_here:
+                end(
+                    row,
+                    to_state,
+                    why,
+                    f"unchanged but for its fence; applied again: {to_state}",
+                    fence=row.fence + 1,
+                    attempt=refused.attempt,
+                )
+                if u.mark is not None:
+                    marks.append(u.mark)
+                continue
+            if counted and row.state != STEP_FAILED:
+                run.failed -= 1
+            if row.state in STEP_TERMINAL:
+                if row.state == STEP_FAILED and not counted:
                     self._count_failure(run)
                 settled(step_id, f"ended elsewhere: {row.state}")
-            elif row.state == STEP_INITIAL and step_id not in started_ever:
+            elif row.state == STEP_INITIAL and not seen:
                 run.requeue_front([row])
                 settled(step_id, "waiting again")
             elif row.state == STEP_INITIAL:
                 # Its states cannot be entered again (G1): it ends here.
-                end(row, STEP_FAILED, "set back to initial after it started")
+                why = "set back to initial after it started"
+                end(row, STEP_FAILED, why, f"{why}: failed")
             elif row.state not in run.workflow.state_names:
-                end(row, STEP_FAILED, f"{row.state}: not a state of workflow {run.workflow.name}")
+                why = f"{row.state}: not a state of workflow {run.workflow.name}"
+                end(row, STEP_FAILED, why, f"{why}: failed")
+            elif refused is not None and row.state == refused.from_state:
+                # Its decision's next state was entered already (the row was set back):
+                # that state cannot be entered twice (G1).
+                why = f"{row.state}: set back after it had entered {refused.to_state}"
+                end(row, STEP_FAILED, why, f"{why}: failed")
             elif row.not_started and run.stopping is not None:
-                end(row, STEP_ABORTED, f"stopped before {row.state} started: {run.stop_details}")
+                why = f"stopped before {row.state} started: {run.stop_details}"
+                end(row, STEP_ABORTED, why, f"{why}: aborted")
             else:
                 if row.not_started:
                     row.deadline_at = self._deadline_of(run, row.state, now)
@@ -675,6 +702,9 @@ class Conductor:
         for step in taken:
             settled(step.step_id, f"in {step.state}: taken over")
             self._back_in_flight(run, step, step.state, recovering=not step.not_started)
+        if taken:
+            # A callback whose move was refused is still open: offer it again.
+            await self._reoffer_callbacks(run, {step.step_id for step in taken})
         if batch or events:
             result = await self._io(
                 self._writer.commit,
@@ -682,7 +712,7 @@ class Conductor:
                 events,
                 now,
                 self._lease_until(),
-                [],
+                marks,
                 {run.id: run.record.fence},
             )
             refused_now = {id(t) for t in result.rejected}
@@ -692,7 +722,7 @@ class Conductor:
                 done(t.step_id)
                 row = again.get(t.step_id)
                 if t.to_state == STEP_FAILED and row is None:
-                    self._count_failure(run)  # (one applied again was counted when decided)
+                    self._count_failure(run)
                 if row is not None and t.to_state not in STEP_TERMINAL:
                     row.fence, row.state = t.fence, t.to_state
                     self._back_in_flight(run, row, t.to_state, recovering=False)
@@ -704,6 +734,12 @@ class Conductor:
         if run.unsettled and run.settle_timer is None:
             # Changed again in between: look again at the next tick, not in a tight loop.
             run.settle_timer = self._loop.call_later(self.config.tick_s, self._settle_later, run)
+
+    async def _reoffer_callbacks(self, run: StrategyRun, step_ids: set[int]) -> None:
+        for record in await self._io(cbs.open_callbacks, self.store, [run.id], 0):
+            if record.step_id in step_ids:
+                self._callbacks_seen.add(record.id)
+                self.post(CallbackArrived(record))
 
     def _back_in_flight(
         self, run: StrategyRun, step: rt.StepRecord, state: str, *, recovering: bool
@@ -1015,7 +1051,8 @@ class Conductor:
             outcome, why = ("applied", f"moved the step on from {msg.state}")
             if reported is None:
                 outcome, why = ("ignored", "its step had moved on")
-            marks.append(rt.CallbackMark(msg.callback_id, outcome, why, msg.strategy_id))
+            step = msg.step_id if reported is not None else None
+            marks.append(rt.CallbackMark(msg.callback_id, outcome, why, msg.strategy_id, step))
         if reported is None:
             self.stats.stale_outcomes += 1
             events.append(
@@ -1247,8 +1284,14 @@ class Conductor:
             return None
         return now + run.workflow.state(state).timeout_s
 
-    def _apply(self, batch: list[rt.Transition], rejected: list[rt.Transition]) -> None:
-        """After the commit: start the next actions; drop steps whose CAS was rejected."""
+    def _apply(
+        self,
+        batch: list[rt.Transition],
+        rejected: list[rt.Transition],
+        applied_by: dict[int, rt.CallbackMark] | None = None,
+    ) -> None:
+        """After the commit: start the next actions; drop steps whose CAS was rejected
+        (``applied_by``: the callback marks their transitions were to write)."""
         bad = {id(t) for t in rejected}
         for t in rejected:
             self.stats.rejected += 1
@@ -1265,6 +1308,7 @@ class Conductor:
                 fl.rec.stage if fl is not None else None,
                 fl.rec.group_id if fl is not None else None,
                 held=fl is not None,
+                mark=(applied_by or {}).get(t.step_id),
             )
             run.settle_due = True
             self._wake_soon()  # settle it without waiting for a message

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.workflow import WorkflowDef
 from fleetwave.store.callbacks import CallbackRecord
-from fleetwave.store.runtime import StepRecord, StrategyRecord, Transition
+from fleetwave.store.runtime import CallbackMark, StepRecord, StrategyRecord, Transition
 
 UNCAPPED = 1 << 30
 
@@ -50,6 +50,8 @@ class Unsettled:
     #: the group whose slot it holds until settled (``held``)
     group_id: int | None
     held: bool
+    #: the callback that caused the refused transition, marked applied with it
+    mark: CallbackMark | None = None
 
 
 @dataclass

@@ -129,6 +129,8 @@ class CallbackMark:
     outcome: str  # applied | ignored
     reason: str
     strategy_id: int = 0
+    #: for ``applied`` by a transition: its step (the mark is written only with it)
+    step_id: int | None = None
 
 
 @dataclass(slots=True)
@@ -515,21 +517,25 @@ def load_waiting_steps(store: Store, sid: int, after_ordinal: int, limit: int) -
         return _step_records(conn, store, sid, where, (after_ordinal,), limit)
 
 
-def load_steps(store: Store, sid: int, step_ids: list[int]) -> tuple[list[StepRecord], set[int]]:
+def load_steps(
+    store: Store, sid: int, step_ids: list[int]
+) -> tuple[list[StepRecord], dict[int, set[str]]]:
     """These steps of a strategy as their rows are now (to settle a refused transition),
-    and which of them have ever entered one of their workflow's states (journalled)."""
+    and the workflow states each has entered (journalled; a state is entered once)."""
     if not step_ids:
-        return [], set()
+        return [], {}
     ids = tuple(sorted(step_ids))
     marks = store.hooks.placeholders(len(ids))
     with store.read() as conn:
         rows = _step_records(conn, store, sid, f"s.id IN ({marks})", ids)
-        entered = conn.exec_driver_sql(
-            f"SELECT DISTINCT step_id FROM journal WHERE step_id IN ({marks}) "
+        entered: dict[int, set[str]] = {}
+        for step_id, state in conn.exec_driver_sql(
+            f"SELECT step_id, to_state FROM journal WHERE step_id IN ({marks}) "
             f"AND to_state NOT IN ({_DONE})",
             ids,
-        ).all()
-    return rows, {int(r[0]) for r in entered}
+        ).all():
+            entered.setdefault(int(step_id), set()).add(str(state))
+    return rows, entered
 
 
 def take_over_steps(
@@ -951,11 +957,13 @@ class TransitionWriter:
                 )
             if ev:
                 conn.exec_driver_sql(self._event_sql, ev)
-            # callbacks of a lost strategy stay open: its new owner answers them
+            # Callbacks of a lost strategy stay open: its new owner answers them. So does
+            # one whose transition was refused: it is applied when that is settled.
+            refused_steps = {t.step_id for t in rejected} | {t.step_id for t in deferred}
             mk = [
                 (m.outcome, m.reason, now, m.callback_id)
                 for m in marks
-                if m.strategy_id not in lost
+                if m.strategy_id not in lost and m.step_id not in refused_steps
             ]
             if mk:
                 conn.exec_driver_sql(self._mark_sql, mk)
