@@ -758,25 +758,22 @@ def test_a_row_that_keeps_changing_is_read_once_a_tick(
 ) -> None:
     """Found by review: every dispatcher pass settled again and armed one more retry
     timer, so retries piled up with the other steps' traffic (hundreds of reads and
-    writes a second, long after it stopped). A step that cannot be taken over yet keeps
-    its slot and is read again once a tick."""
+    writes a second, long after it stopped). A step whose row keeps changing keeps its
+    slot and is read again once a tick."""
     add_sim_targets(store, 1, prefix="a", settings={"latency_ms": 30})
     add_sim_targets(store, 300, settings={"latency_ms": 10})
     sid = applied(store, "patch", max_parallel=20)
     stuck: set[int] = set()
-    real_take_over = rt.take_over_steps
-
-    def take_over(st: Store, recs: list[rt.StepRecord], *a: Any, **kw: Any) -> Any:
-        # the row "changes again" before each takeover while the step is stuck
-        return real_take_over(st, [r for r in recs if r.step_id not in stuck], *a, **kw)
-
-    monkeypatch.setattr(rt, "take_over_steps", take_over)
     reads: list[float] = []
     real_load = rt.load_steps
 
-    def load_steps(*a: Any, **kw: Any) -> Any:
+    def load_steps(st: Store, strategy: int, ids: list[int]) -> Any:
         reads.append(asyncio.get_running_loop().time())
-        return real_load(*a, **kw)
+        got = real_load(st, strategy, ids)
+        with st.write() as conn:  # the row changes again right after each read
+            for step_id in stuck & set(ids):
+                conn.exec_driver_sql("UPDATE steps SET fence = fence + 1 WHERE id = ?", (step_id,))
+        return got
 
     monkeypatch.setattr(rt, "load_steps", load_steps)
     c = Conductor(store, drivers={"sim": SimDriver()}, config=EngineConfig(tick_s=0.5))
@@ -794,6 +791,7 @@ def test_a_row_that_keeps_changing_is_read_once_a_tick(
         while run.inflight or run.pending_count() or run.more_waiting:
             seen["max_held"] = max(seen.get("max_held", 0), run.held_slots())
             await asyncio.sleep(0.01)
+        seen["unsettled"] = len(run.unsettled)
         t0 = asyncio.get_running_loop().time()
         await asyncio.sleep(2.0)  # only the stuck step is left
         seen["idle_reads"] = len([t for t in reads if t >= t0])
@@ -801,9 +799,13 @@ def test_a_row_that_keeps_changing_is_read_once_a_tick(
         return await asyncio.wait_for(task, 30)
 
     assert asyncio.run(go())[sid] == "complete"
-    assert seen["idle_reads"] <= 2 / 0.5 + 1, seen
+    assert seen["unsettled"] == 1, seen
+    assert 2 <= seen["idle_reads"] <= 2 / 0.5 + 1, seen
     assert seen["max_held"] <= 20  # the stuck step's slot is not handed to another
     assert {s["state"] for s in queries.list_steps(store, sid)} == {"complete"}
+    with store.read() as conn:
+        (journalled,) = conn.exec_driver_sql("SELECT count(*) FROM journal").one()
+    assert c.stats.transitions == journalled  # settling's own commits counted, once
 
 
 def test_entries_beside_a_refused_end_wait(store: Store) -> None:

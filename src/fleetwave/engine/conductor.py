@@ -544,7 +544,7 @@ class Conductor:
             )
             self._committed_at = time.perf_counter()
             self.stats.batches += 1
-            self.stats.transitions += len(batch) - len(result.rejected)
+            self.stats.transitions += len(batch) - len(result.rejected) - len(result.deferred)
             self._crash_point("after-commit")
             # First: entries the commit turned into failed (an unmanaged target) or, after
             # that crossed the failure threshold, aborted, leave the window (_apply then
@@ -719,6 +719,7 @@ class Conductor:
             for t in batch:
                 if id(t) in refused_now or run.id in result.lost:
                     continue
+                self.stats.transitions += 1
                 done(t.step_id)
                 row = again.get(t.step_id)
                 if t.to_state == STEP_FAILED and row is None:
