@@ -232,3 +232,33 @@ def test_a_missing_database_message_says_which_path_and_why(
     assert res.code == 2
     assert "no database at" in _one_line(res.err)
     assert list(here.iterdir()) == [] and not (tmp_path / "typo.db").exists()
+
+
+def test_more_bad_input_found_by_an_acceptance_pass(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    where = tmp_path / "w"
+    where.mkdir()
+    monkeypatch.chdir(where)
+    # an empty --db is not the default path
+    res = cli("target", "add", "a", "--db", "", db=None)
+    assert res.code == 2 and _one_line(res.err) == "error: --db: must not be empty"
+    # the demo refuses a bad event loop before it writes anything
+    monkeypatch.setenv("FLEETWAVE_LOOP", "bogus")
+    res = cli("demo", "--targets", "5", db=where / "dd.db")
+    assert res.code == 2 and "FLEETWAVE_LOOP" in _one_line(res.err)
+    monkeypatch.delenv("FLEETWAVE_LOOP")
+    # sim names its own option
+    res = cli("sim", "--keep-db", str(where / "no" / "k.db"), db=None)
+    assert res.code == 2
+    assert _one_line(res.err).startswith("error: --keep-db: directory ")
+    assert list(where.iterdir()) == []
+
+
+def test_the_demo_leaves_one_database_file(cli: Cli, tmp_path: Path) -> None:
+    here = tmp_path / "d"
+    here.mkdir()
+    db = here / "demo.db"
+    assert cli("demo", "--targets", "20", "--format", "json", db=db).code == 0
+    assert sorted(p.name for p in here.iterdir()) == ["demo.db"]  # no WAL left over
+    assert cli("check", db=db).code == 0

@@ -267,6 +267,13 @@ def test_apply_without_wait_says_when_no_conductor_will_drive_it(
     assert res.code == 0
     warning = f"warning: no conductor serves {db_path}: strategy {sid} waits until"
     assert (warning in res.err) is warned, res.err
+    said = res.out.strip()  # stdout agrees with the warning (found by an acceptance pass)
+    if warned:
+        assert said == f"strategy {sid} applying; nothing drives it yet", said
+    else:
+        assert (
+            said == f"strategy {sid} applying; conductor c-serve serves this database and claims it"
+        ), said
     shown = cli("strategy", "show", str(sid), "--format", "json").json()
     assert shown["driven_by"].startswith(driven_by), shown["driven_by"]
 
@@ -833,3 +840,19 @@ def test_demo_unknown_workflow_creates_no_database(cli: Cli, tmp_path: Path) -> 
     res = cli("demo", "--workflow", "nosuch", "--targets", "5", "--db", str(demo_db), db=None)
     assert_rejected(res, "nosuch")
     assert not demo_db.exists()
+
+
+def test_apply_after_an_abort_says_it_does_not_undo_it(cli: Cli) -> None:
+    add(cli, "a")
+    sid = create(cli, "--all")
+    assert cli("strategy", "apply", str(sid)).code == 0
+    assert cli("strategy", "abort", str(sid)).code == 0
+    res = cli("strategy", "apply", str(sid))
+    assert res.code == 0
+    assert " ".join(res.out.split()) == (
+        f"strategy {sid} abort-requested (apply does not undo an abort: a conductor "
+        "finishes it); nothing drives it yet"
+    )
+    assert cli("strategy", "show", str(sid), "--format", "json").json()["state"] == (
+        "abort-requested"
+    )

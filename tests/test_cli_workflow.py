@@ -419,3 +419,29 @@ def test_stored_workflow_with_a_python_action(cli: Cli, tmp_path: Path) -> None:
     assert "t1: custom action says nothing to do" in step["details"]
     hist = cli("history", "--strategy", str(sid), "--format", "json").json()
     assert [h["to"] for h in hist] == ["ask", "complete"]  # 'never' was never entered
+
+
+def test_validate_says_what_add_would_refuse_and_errors_are_one_line(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """Found by an acceptance pass: validate passed a file that add then refused (a
+    built-in's name), printed a YAML syntax error over five lines, and called a
+    directory missing."""
+    builtin = write(tmp_path, GOOD.replace("name: site-patch", "name: patch"), "p.yaml")
+    for cmd, db in (("validate", None), ("add", tmp_path / "fleet.db")):
+        res = cli("workflow", cmd, str(builtin), db=db)
+        assert res.code == 2
+        assert (
+            res.err.strip() == f"error: {builtin}: name: 'patch' is a built-in workflow; "
+            "choose another name"
+        )
+    broken = write(tmp_path, "name: x\nstates: [\n", "broken.yaml")
+    res = cli("workflow", "validate", str(broken), db=None)
+    assert res.code == 2
+    lines = res.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: {broken}: not valid YAML at line 3, column 1: "
+    ), lines
+    res = cli("workflow", "validate", str(tmp_path), db=None)
+    assert res.code == 2
+    assert res.err.strip() == f"error: FILE: {tmp_path} is a directory, not a workflow file"

@@ -35,6 +35,8 @@ def store_for(db: str | None, *, create: bool = True) -> Store:
     mistyped ``--db`` or ``FLEETWAVE_DB`` then gets an error, instead of a new empty
     database that shows an empty fleet (and no strategies) as if that were the truth.
     """
+    if db is not None and not db.strip():
+        raise InputError("--db: must not be empty")
     target = db or default_db_path()
     path = check_db_path(target)
     fresh = not path.exists()

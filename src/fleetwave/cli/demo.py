@@ -21,6 +21,7 @@ from fleetwave.cli.drive import drive_strategy
 from fleetwave.cli.output import Format, console, print_json
 from fleetwave.domain.errors import InputError
 from fleetwave.domain.models import StrategyOptions, Target
+from fleetwave.engine import loop as event_loop
 from fleetwave.store import admin, queries
 from fleetwave.store.db import open_store
 from fleetwave.testing.invariants import check
@@ -70,6 +71,7 @@ def demo_command(
     if latency_ms < 0:
         raise InputError(f"--latency-ms: must not be negative, got {latency_ms}")
     wf = resolve_workflow(None, workflow)  # built-ins and plug-ins: checked before any write
+    event_loop.loop_kind()  # a bad FLEETWAVE_LOOP too
     if db is None:
         db = str(Path(tempfile.mkdtemp(prefix="fleetwave-demo-")) / "demo.db")
     elif Path(db).exists():
@@ -117,6 +119,7 @@ def demo_command(
         print_json(summary)
     else:
         _print_summary(summary, reasons)
+    store.dispose()  # the last connection closes: the WAL is folded into the file
     if not verdict.ok:
         raise typer.Exit(1)
 

@@ -33,6 +33,7 @@ from fleetwave.cli.parsing import check_target, parse_pairs, targets_from_file
 from fleetwave.cli.simcmd import sim_command
 from fleetwave.domain.errors import InputError
 from fleetwave.domain.models import ApplyType, Group, StrategyOptions, Target
+from fleetwave.domain.registry import get_workflow
 from fleetwave.domain.workflow import WorkflowError
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.engine import loop as event_loop
@@ -219,17 +220,30 @@ def workflow_show(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) ->
 @workflow_app.command("validate")
 def workflow_validate(file: Path) -> None:
     """Check a YAML workflow file; errors name the state and field."""
+    _check_file(file)
+    wf = parse_workflow_yaml(file.read_text(encoding="utf-8"), source=str(file))
+    _not_builtin(file, wf.name)
+    console.print(f"{file}: workflow {wf.name} v{wf.version} is valid ({len(wf.states)} states)")
+
+
+def _check_file(file: Path) -> None:
+    if file.is_dir():
+        raise InputError(f"FILE: {file} is a directory, not a workflow file")
     if not file.is_file():
         raise InputError(f"FILE: {file} does not exist")
-    wf = parse_workflow_yaml(file.read_text(encoding="utf-8"), source=str(file))
-    console.print(f"{file}: workflow {wf.name} v{wf.version} is valid ({len(wf.states)} states)")
+
+
+def _not_builtin(file: Path, name: str) -> None:
+    """``workflow add`` refuses a built-in's (or a plug-in's) name; validate says so too."""
+    known = get_workflow(name)
+    if known is not None and known.source != "yaml":
+        raise InputError(f"{file}: name: '{name}' is a built-in workflow; choose another name")
 
 
 @workflow_app.command("add")
 def workflow_add(file: Path, db: DbOpt = None) -> None:
     """Validate a YAML workflow and store it, so strategies can use it."""
-    if not file.is_file():
-        raise InputError(f"FILE: {file} does not exist")
+    _check_file(file)
     text = file.read_text(encoding="utf-8")
     wf = parse_workflow_yaml(text, source=str(file))
     store = store_for(db)
@@ -313,11 +327,19 @@ def strategy_apply(
     store = existing_store(db)
     if wait:
         event_loop.loop_kind()  # a bad FLEETWAVE_LOOP is refused before anything changes
-    admin.apply_strategy(store, strategy_id)
+    before = admin.apply_strategy(store, strategy_id)
     if not wait:
-        console.print(f"strategy {strategy_id} applying; a running 'fleetwave serve' drives it")
         who = queries.driven_by(store, strategy_id) or ""
-        if who.startswith("nobody:"):
+        now = "applying" if before in ("initial", "paused", "applying") else before
+        if now != "applying":
+            now += " (apply does not undo an abort: a conductor finishes it)"
+        if who.startswith("conductor "):
+            console.print(f"strategy {strategy_id} {now}; driven by {who}")
+        elif who.startswith("nobody yet:"):
+            claimer = who.removeprefix("nobody yet: ").split("; ")[-1]
+            console.print(f"strategy {strategy_id} {now}; {claimer}")
+        else:
+            console.print(f"strategy {strategy_id} {now}; nothing drives it yet")
             err_console.print(
                 f"warning: no conductor serves {store.url}: strategy {strategy_id} waits until "
                 f"'fleetwave serve' runs (or drive it here: 'fleetwave strategy apply "

@@ -41,6 +41,10 @@ def sim_command(
         raise InputError(f"--workflow: unknown workflow '{workflow}'")
     if keep_db is not None and (runs > 1 or keep_db.exists()):
         raise InputError("--keep-db: needs a single run and a path that does not exist yet")
+    if keep_db is not None and not keep_db.expanduser().resolve().parent.is_dir():
+        raise InputError(
+            f"--keep-db: directory {keep_db.expanduser().resolve().parent} does not exist"
+        )
     try:
         chosen = parse_faults(faults)
     except ValueError as exc:

@@ -106,7 +106,11 @@ def parse_workflow_yaml(text: str, *, source: str = "<yaml>") -> WorkflowDef:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise WorkflowError(f"{source}: not valid YAML: {exc}") from exc
+        # One line: where it broke, as the parser says it (line and column).
+        where = getattr(exc, "problem_mark", None)
+        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+        raise WorkflowError(f"{source}: not valid YAML{at}: {what}") from exc
     if not isinstance(data, dict):
         raise WorkflowError(f"{source}: expected a mapping with name and states")
     try:
