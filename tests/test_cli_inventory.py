@@ -230,7 +230,8 @@ def test_group_add_and_list(cli: Cli) -> None:
 
     assert groups(cli) == {
         "east": {"name": "east", "max_parallel": 5, "apply_type": "parallel", "targets": 2},
-        "west": {"name": "west", "max_parallel": 3, "apply_type": "serial", "targets": 0},
+        # serial: one at a time, whatever --max-parallel said (the list shows what runs)
+        "west": {"name": "west", "max_parallel": 1, "apply_type": "serial", "targets": 0},
     }
     assert sorted(targets(cli, "--group", "east")) == ["e1", "e2"]
     assert targets(cli, "--group", "west") == {}

@@ -33,7 +33,8 @@ def list_groups(store: Store) -> list[dict[str, Any]]:
         return [
             {
                 "name": g.name,
-                "max_parallel": g.max_parallel,
+                # what runs: a serial group has one target in flight, whatever was set
+                "max_parallel": 1 if g.apply_type == "serial" else g.max_parallel,
                 "apply_type": g.apply_type,
                 "targets": counts.get(g.id, 0),
             }
