@@ -76,36 +76,49 @@ class Quick(StateAction):
         return Advance()
 
 
-def test_a_callback_whose_move_was_refused_still_moves_the_step(store: Store) -> None:
-    """The step waits for a callback; its row's fence is bumped by someone else and the
-    callback arrives. The move it causes was refused while its mark 'applied: moved the
-    step on' was written; the taken-over step waited for a callback again, never offered,
-    and timed out. The move is now applied again: the mark is true."""
+def _waiting_for_a_callback(store: Store, name: str, timeout_s: float) -> int:
+    """One target, a workflow whose first state waits for a callback: the strategy."""
     wf = register_workflow(
         WorkflowDef(
-            "hunt-c",
-            (StateDef("w", Quick(), timeout_s=5, mode="wait-for-callback"), StateDef("b", Quick())),
+            name,
+            (
+                StateDef("w", Quick(), timeout_s=timeout_s, mode="wait-for-callback"),
+                StateDef("b", Quick()),
+            ),
         ),
         replace=True,
     )
     add_sim_targets(store, 1)
     sid = admin.create_strategy(store, wf, StrategyOptions(max_parallel=1), all_targets=True)
     admin.apply_strategy(store, sid)
+    return sid
+
+
+async def _edit_row_then_call_back(c: Conductor, store: Store) -> None:
+    """Once the step waits for its callback, bump its row's fence (someone else writes
+    it), then the target calls back: the move the callback causes is refused."""
+    while True:
+        await asyncio.sleep(0.01)
+        fls = [fl for run in c.runs.values() for fl in run.inflight.values()]
+        if fls and fls[0].waiter is not None:
+            break
+    (fl,) = fls
+    with store.write() as conn:
+        conn.exec_driver_sql("UPDATE steps SET fence = fence + 1 WHERE id = ?", (fl.rec.step_id,))
+    c.receive_callback(fl.rec.step_id, "w", "done", "all good")
+
+
+def test_a_callback_whose_move_was_refused_still_moves_the_step(store: Store) -> None:
+    """The step waits for a callback; its row's fence is bumped by someone else and the
+    callback arrives. The move it causes was refused while its mark 'applied: moved the
+    step on' was written; the taken-over step waited for a callback again, never offered,
+    and timed out. The move is now applied again: the mark is true."""
+    sid = _waiting_for_a_callback(store, "hunt-c", 5)
     c = Conductor(store, drivers={"sim": SimDriver()}, config=EngineConfig(tick_s=0.2))
 
     async def go() -> dict[int, str]:
         task = asyncio.create_task(c.run(strategy_ids=[sid]))
-        while True:
-            await asyncio.sleep(0.01)
-            fls = [fl for run in c.runs.values() for fl in run.inflight.values()]
-            if fls and fls[0].waiter is not None:
-                break
-        (fl,) = fls
-        with store.write() as conn:
-            conn.exec_driver_sql(
-                "UPDATE steps SET fence = fence + 1 WHERE id = ?", (fl.rec.step_id,)
-            )
-        c.receive_callback(fl.rec.step_id, "w", "done", "all good")
+        await _edit_row_then_call_back(c, store)
         return await asyncio.wait_for(task, 30)
 
     final = asyncio.run(go())[sid]
@@ -255,32 +268,13 @@ def test_the_callback_of_a_move_refused_during_a_clean_stop_stays_open(store: St
     """Its 'applied' mark was written with the refused move; the next owner took the step
     over in the wait state, waited for a callback no longer open, and timed out. The mark
     is now written only with its transition: the next owner offers the callback again."""
-    wf = register_workflow(
-        WorkflowDef(
-            "drain-cb",
-            (StateDef("w", Quick(), timeout_s=2, mode="wait-for-callback"), StateDef("b", Quick())),
-        ),
-        replace=True,
-    )
-    add_sim_targets(store, 1)
-    sid = admin.create_strategy(store, wf, StrategyOptions(max_parallel=1), all_targets=True)
-    admin.apply_strategy(store, sid)
+    sid = _waiting_for_a_callback(store, "drain-cb", 2)
     first = Conductor(store, drivers={"sim": SimDriver()}, config=EngineConfig(tick_s=0.2))
 
     async def go() -> dict[int, str]:
         stop = asyncio.Event()
         task = asyncio.create_task(first.run(stop=stop))
-        while True:
-            await asyncio.sleep(0.01)
-            fls = [fl for run in first.runs.values() for fl in run.inflight.values()]
-            if fls and fls[0].waiter is not None:
-                break
-        (fl,) = fls
-        with store.write() as conn:
-            conn.exec_driver_sql(
-                "UPDATE steps SET fence = fence + 1 WHERE id = ?", (fl.rec.step_id,)
-            )
-        first.receive_callback(fl.rec.step_id, "w", "done", "all good")
+        await _edit_row_then_call_back(first, store)
         stop.set()  # a clean stop (serve got SIGTERM)
         await asyncio.wait_for(task, 10)
         second = Conductor(store, drivers={"sim": SimDriver()}, config=EngineConfig(tick_s=0.2))
