@@ -553,8 +553,7 @@ class Conductor:
                 self._replaced_at_turn(t)
             if result.deferred:
                 self._wait_again(result.deferred)
-            applied_by = {m.step_id: m for m in marks if m.step_id is not None}
-            self._apply(batch, result.rejected, applied_by)
+            self._apply(batch, result.rejected, marks)
             for sid in result.lost:
                 self._drop_run(sid)
         for fl in recover:
@@ -608,18 +607,19 @@ class Conductor:
             )
             log.warning("step %s of strategy %s: transition refused; row %s", step_id, run.id, what)
 
-        def end(row: rt.StepRecord, to_state: str, why: str, what: str, **kw: Any) -> None:
+        def end(
+            row: rt.StepRecord,
+            to_state: str,
+            why: str,
+            what: str,
+            *,
+            fence: int | None = None,
+            attempt: int | None = None,
+        ) -> None:
+            attempt = row.attempt if attempt is None else attempt
             batch.append(
                 self._move(
-                    run,
-                    row.step_id,
-                    row.state,
-                    row.fence,
-                    to_state,
-                    why,
-                    kw.get("attempt", row.attempt),
-                    now,
-                    fence=kw.get("fence"),
+                    run, row.step_id, row.state, row.fence, to_state, why, attempt, now, fence=fence
                 )
             )
             # Written with the transition (if that is refused too, the rejection's event
@@ -745,11 +745,7 @@ class Conductor:
     def _back_in_flight(
         self, run: StrategyRun, step: rt.StepRecord, state: str, *, recovering: bool
     ) -> None:
-        fl = InFlight(step, state, step.fence, recovering=recovering)
-        fl.stopped = run.stopping is not None
-        run.inflight[step.step_id] = fl
-        run.group_load[step.group_id] += 1
-        self._release(fl)
+        self._release(_put_in_flight(run, step, state, recovering=recovering))
 
     def _settle_later(self, run: StrategyRun) -> None:
         run.settle_timer = None
@@ -929,10 +925,7 @@ class Conductor:
                 continue
             # A clean stop records the states it entered but never started: those start
             # afresh; any other may have started, so its recover hook looks first.
-            fl = InFlight(step, step.state, step.fence, recovering=not step.not_started)
-            fl.stopped = run.stopping is not None
-            run.inflight[step.step_id] = fl
-            run.group_load[step.group_id] += 1
+            fl = _put_in_flight(run, step, step.state, recovering=not step.not_started)
             out.append(fl)
             log.debug(
                 "step %s (%s): taken over in %s; %s",
@@ -1289,11 +1282,14 @@ class Conductor:
         self,
         batch: list[rt.Transition],
         rejected: list[rt.Transition],
-        applied_by: dict[int, rt.CallbackMark] | None = None,
+        marks: list[rt.CallbackMark] | None = None,
     ) -> None:
         """After the commit: start the next actions; drop steps whose CAS was rejected
-        (``applied_by``: the callback marks their transitions were to write)."""
+        (``marks``: the batch's callback marks; a refused transition keeps its own)."""
         bad = {id(t) for t in rejected}
+        applied_by = (
+            {m.step_id: m for m in marks or () if m.step_id is not None} if rejected else {}
+        )
         for t in rejected:
             self.stats.rejected += 1
             run = self.runs.get(t.strategy_id)
@@ -1309,7 +1305,7 @@ class Conductor:
                 fl.rec.stage if fl is not None else None,
                 fl.rec.group_id if fl is not None else None,
                 held=fl is not None,
-                mark=(applied_by or {}).get(t.step_id),
+                mark=applied_by.get(t.step_id),
             )
             run.settle_due = True
             self._wake_soon()  # settle it without waiting for a message
@@ -1548,6 +1544,18 @@ class Conductor:
                 decision = failure(state, str(exc) or type(exc).__name__)
             break
         return ActionFinished(run.id, rec.step_id, state, fence, decision, attempts, callback_id)
+
+
+def _put_in_flight(
+    run: StrategyRun, step: rt.StepRecord, state: str, *, recovering: bool
+) -> InFlight:
+    """A step taken over (a claim, or settling a refused transition) holds a slot again;
+    once the strategy stops, it starts no new attempt."""
+    fl = InFlight(step, state, step.fence, recovering=recovering)
+    fl.stopped = run.stopping is not None
+    run.inflight[step.step_id] = fl
+    run.group_load[step.group_id] += 1
+    return fl
 
 
 def _free_slot(run: StrategyRun, step_id: int) -> InFlight | None:
