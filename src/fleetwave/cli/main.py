@@ -246,11 +246,8 @@ def workflow_add(file: Path, db: DbOpt = None) -> None:
     _check_file(file)
     text = file.read_text(encoding="utf-8")
     wf = parse_workflow_yaml(text, source=str(file))
-    store = store_for(db)
-    existing = {w.name: w for w in list_workflows(store)}
-    if wf.name in existing and existing[wf.name].source != "yaml":
-        raise InputError(f"{file}: name: '{wf.name}' is a built-in workflow; choose another name")
-    admin.save_workflow(store, wf, text)
+    _not_builtin(file, wf.name)
+    admin.save_workflow(store_for(db), wf, text)
     console.print(f"workflow {wf.name} v{wf.version} stored")
 
 

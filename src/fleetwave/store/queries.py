@@ -10,7 +10,7 @@ from sqlalchemy import func, select
 
 from fleetwave.domain.errors import NotFound
 from fleetwave.store.db import Store
-from fleetwave.store.runtime import DRIVEN_STATES, HOSTNAME, pid_alive
+from fleetwave.store.runtime import DRIVEN_STATES, conductor_gone
 from fleetwave.store.schema import (
     conductors,
     events,
@@ -147,7 +147,7 @@ def serving_conductors(store: Store, now: float | None = None) -> list[dict[str,
     return [
         {"id": r.id, "hostname": r.hostname, "pid": r.pid}
         for r in rows
-        if r.hostname != HOSTNAME or pid_alive(r.pid)
+        if not conductor_gone(r.hostname, r.pid, None)
     ]
 
 
@@ -159,9 +159,7 @@ def _owner_gone(store: Store, owner: str) -> bool:
                 conductors.c.id == owner
             )
         ).first()
-    if c is None or c.stopped_at is not None:
-        return True
-    return c.hostname == HOSTNAME and not pid_alive(c.pid)
+    return c is None or conductor_gone(c.hostname, c.pid, c.stopped_at)
 
 
 def driven_by(store: Store, sid: int, now: float | None = None) -> str | None:

@@ -191,7 +191,7 @@ def _register(conn: Connection, store: Store, cid: str, now: float, serves_all: 
     )
 
 
-def pid_alive(pid: int) -> bool:
+def _pid_alive(pid: int) -> bool:
     """Whether a process of this host is still there."""
     try:
         os.kill(pid, 0)
@@ -202,16 +202,17 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def conductor_gone(hostname: str, pid: int, stopped_at: float | None) -> bool:
+    """A conductor known to be gone: stopped cleanly, or a dead process on this host."""
+    return stopped_at is not None or (hostname == HOSTNAME and not _pid_alive(pid))
+
+
 def dead_conductors(conn: Connection, self_id: str) -> set[str]:
-    """Conductors known to be gone: stopped cleanly, or a dead process on this host."""
-    dead: set[str] = set()
+    """Conductors known to be gone (:func:`conductor_gone`), other than ``self_id``."""
     rows = conn.exec_driver_sql("SELECT id, hostname, pid, stopped_at FROM conductors")
-    for r in rows:
-        if r.id == self_id:
-            continue
-        if r.stopped_at is not None or (r.hostname == HOSTNAME and not pid_alive(r.pid)):
-            dead.add(r.id)
-    return dead
+    return {
+        r.id for r in rows if r.id != self_id and conductor_gone(r.hostname, r.pid, r.stopped_at)
+    }
 
 
 def _update_steps_by_id(
