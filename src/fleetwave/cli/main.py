@@ -326,15 +326,17 @@ def strategy_apply(
         event_loop.loop_kind()  # a bad FLEETWAVE_LOOP is refused before anything changes
     before = admin.apply_strategy(store, strategy_id)
     if not wait:
-        who = queries.driven_by(store, strategy_id) or ""
+        who = queries.driving(store, strategy_id)
         now = "applying" if before in ("initial", "paused", "applying") else before
         if now != "applying":
             now += " (apply does not undo an abort: a conductor finishes it)"
-        if who.startswith("conductor "):
-            console.print(f"strategy {strategy_id} {now}; driven by {who}")
-        elif who.startswith("nobody yet:"):
-            claimer = who.removeprefix("nobody yet: ").split("; ")[-1]
-            console.print(f"strategy {strategy_id} {now}; {claimer}")
+        if who.owner is not None:
+            console.print(f"strategy {strategy_id} {now}; driven by conductor {who.owner}")
+        elif who.claimer is not None:
+            console.print(
+                f"strategy {strategy_id} {now}; conductor {who.claimer} serves this database "
+                "and claims it"
+            )
         else:
             console.print(f"strategy {strategy_id} {now}; nothing drives it yet")
             err_console.print(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import func, select
@@ -162,24 +163,34 @@ def _owner_gone(store: Store, owner: str) -> bool:
     return c is None or conductor_gone(c.hostname, c.pid, c.stopped_at)
 
 
-def driven_by(store: Store, sid: int, now: float | None = None) -> str | None:
-    """Who drives a strategy that should be driven (applying, aborting), in words an
-    operator can act on; None for a strategy in any other state. ``"nobody: ..."``
-    means nothing will drive it until a conductor starts."""
+@dataclass(frozen=True)
+class Driving:
+    """Who drives a strategy that should be driven (applying, aborting)."""
+
+    #: the conductor holding it with a live lease
+    owner: str | None
+    #: else, a serving conductor that will claim it
+    claimer: str | None
+    #: ``driven_by``: the same, in words an operator can act on (None when neither
+    #: driven nor to be driven)
+    text: str | None
+
+
+def driving(store: Store, sid: int, now: float | None = None) -> Driving:
     now = time.time() if now is None else now
     with store.read() as conn:
         r = conn.execute(select(strategies).where(strategies.c.id == sid)).first()
     if r is None:
         raise NotFound(f"strategy {sid} not found")
-    return _driven_by(store, r, now)
+    return _driving(store, r, now)
 
 
-def _driven_by(store: Store, r: Any, now: float) -> str | None:
+def _driving(store: Store, r: Any, now: float) -> Driving:
     if r.state not in DRIVEN_STATES:
-        return None
+        return Driving(None, None, None)
     expired = r.lease_expires_at is None or r.lease_expires_at < now
     if r.owner is not None and not expired and not _owner_gone(store, r.owner):
-        return f"conductor {r.owner}"
+        return Driving(r.owner, None, f"conductor {r.owner}")
     serving = [c["id"] for c in serving_conductors(store, now) if c["id"] != r.owner]
     if r.owner is None:
         lapsed = ""
@@ -189,10 +200,13 @@ def _driven_by(store: Store, r: Any, now: float) -> str | None:
     else:
         lapsed = f"conductor {r.owner} is gone; "
     if serving:
-        return f"nobody yet: {lapsed}conductor {serving[0]} serves this database and claims it"
-    return (
+        text = f"nobody yet: {lapsed}conductor {serving[0]} serves this database and claims it"
+        return Driving(None, serving[0], text)
+    return Driving(
+        None,
+        None,
         f"nobody: {lapsed}no conductor serves this database "
-        f"(start 'fleetwave serve', or 'fleetwave strategy apply {r.id} --wait')"
+        f"(start 'fleetwave serve', or 'fleetwave strategy apply {r.id} --wait')",
     )
 
 
@@ -205,7 +219,7 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
         out = _strategy_dict(r)
         out["states"] = json.loads(r.states)
         out["options"] = json.loads(r.options)
-    out["driven_by"] = _driven_by(store, r, now)
+    out["driven_by"] = _driving(store, r, now).text
     out["step_states"] = step_counts(store, sid)
     return out
 
