@@ -191,13 +191,19 @@ def test_fleetwave_db_naming_no_database_is_named(
     assert not (tmp_path / "nope.db").exists()
 
 
-def test_builtin_workflows_are_listed_without_a_database(
-    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    here = tmp_path / "fresh-dir"
+@pytest.fixture
+def empty_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh, empty working directory and no FLEETWAVE_DB: the default path
+    (./fleetwave.db) holds no database."""
+    here = tmp_path / "cwd"
     here.mkdir()
     monkeypatch.chdir(here)
     monkeypatch.delenv("FLEETWAVE_DB", raising=False)
+    return here
+
+
+def test_builtin_workflows_are_listed_without_a_database(cli: Cli, empty_cwd: Path) -> None:
+    here = empty_cwd
     names = [w["name"] for w in cli("workflow", "list", "--format", "json", db=None).json()]
     assert {"patch", "sw-deploy", "firmware", "kube-upgrade"} <= set(names)
     shown = cli("workflow", "show", "patch", "--format", "json", db=None).json()
@@ -210,12 +216,9 @@ def test_builtin_workflows_are_listed_without_a_database(
 
 
 def test_a_missing_database_message_says_which_path_and_why(
-    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    cli: Cli, tmp_path: Path, empty_cwd: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    here = tmp_path / "cwd"
-    here.mkdir()
-    monkeypatch.chdir(here)
-    monkeypatch.delenv("FLEETWAVE_DB", raising=False)
+    here = empty_cwd
     line = _one_line(cli("target", "list", db=None).err)
     assert line.startswith("error: --db: no database at fleetwave.db (the default when neither")
     # set but empty counts as not set
@@ -235,11 +238,9 @@ def test_a_missing_database_message_says_which_path_and_why(
 
 
 def test_more_bad_input_found_by_an_acceptance_pass(
-    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    cli: Cli, empty_cwd: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    where = tmp_path / "w"
-    where.mkdir()
-    monkeypatch.chdir(where)
+    where = empty_cwd
     # an empty --db is not the default path
     res = cli("target", "add", "a", "--db", "", db=None)
     assert res.code == 2 and _one_line(res.err) == "error: --db: must not be empty"
