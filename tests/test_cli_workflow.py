@@ -87,8 +87,8 @@ def test_workflow_show_patch_lists_its_states_in_order(cli: Cli) -> None:
     assert first["attempts"] == 3
     assert all(s["timeout_s"] > 0 for s in wf["states"])
     assert all(s["mode"] == "run" for s in wf["states"])
-    # what a takeover does, and how long retries may back off
-    assert all(s["recover"] == "hook" for s in wf["states"])
+    # what a takeover does (built-ins observe the target), how long retries back off
+    assert all(s["recover"] == "observe" for s in wf["states"])
     assert all(s["backoff_max_s"] >= s["backoff_s"] for s in wf["states"])
 
 
@@ -101,8 +101,52 @@ def test_workflow_show_says_which_states_have_no_recover_hook(cli: Cli, tmp_path
     )
     assert cli("workflow", "add", str(f)).code == 0
     wf = cli("workflow", "show", "two", "--format", "json").json()
-    assert [s["recover"] for s in wf["states"]] == ["hook", "none"]
+    assert [s["recover"] for s in wf["states"]] == ["observe", "none"]
     assert wf["source"] == "yaml"
+
+
+class Observed(StateAction):
+    async def run(self, ctx: ActionContext) -> Outcome:
+        return Skip("nothing to do")
+
+    async def recover(self, ctx: ActionContext) -> Outcome:
+        return Skip("looked: nothing to do")
+
+
+def test_workflow_show_names_how_each_state_recovers(cli: Cli) -> None:
+    """observe (a driver operation looks at the target), hook (the action's own code),
+    none (the step fails after a takeover)."""
+    register_workflow(
+        WorkflowDef(
+            "three-ways",
+            (
+                StateDef("looks", DriverOperation("op")),
+                StateDef("own-code", Observed()),
+                StateDef("fails", AlwaysDone()),
+            ),
+        ),
+        replace=True,
+    )
+    wf = cli("workflow", "show", "three-ways", "--format", "json").json()
+    assert [s["recover"] for s in wf["states"]] == ["observe", "hook", "none"]
+
+
+def test_workflow_show_as_a_table_reads_at_a_glance(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    res = cli("workflow", "show", "patch")
+    assert res.code == 0, res.text
+    out = res.text
+    for state in PATCH_STATES:
+        assert state in out  # whole names, never cut short
+    assert "…" not in out
+    assert "2h" in out and "10m" in out  # timeouts as durations, not seconds
+    assert "3 (backoff 10s..5m)" in out
+    assert "driver (skip when done)" in out  # the operation named like its state
+    monkeypatch.setenv("COLUMNS", "80")  # a pipe, or a small terminal: folded, not cut
+    narrow = cli("workflow", "show", "patch").text
+    assert "…" not in narrow
+    assert "observe" in narrow
 
 
 def test_a_workflow_registered_by_code_is_not_called_builtin(cli: Cli) -> None:
@@ -262,7 +306,7 @@ def test_workflow_add_stores_it_for_list_and_show(cli: Cli, tmp_path: Path) -> N
             "backoff_s": 0.01,
             "backoff_max_s": 0.02,
             "mode": "run",
-            "recover": "hook",
+            "recover": "observe",
         },
         {
             "state": "apply",
@@ -282,7 +326,7 @@ def test_workflow_add_stores_it_for_list_and_show(cli: Cli, tmp_path: Path) -> N
             "backoff_s": 1.0,
             "backoff_max_s": 300.0,
             "mode": "poll",
-            "recover": "hook",
+            "recover": "observe",
         },
     ]
 

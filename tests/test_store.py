@@ -14,7 +14,13 @@ from fleetwave.domain.models import StrategyOptions, Target
 from fleetwave.domain.registry import get_workflow
 from fleetwave.store import admin
 from fleetwave.store import runtime as rt
-from fleetwave.store.db import HEAD_REVISION, MIGRATIONS_DIR, current_revision, open_store
+from fleetwave.store.db import (
+    HEAD_REVISION,
+    MIGRATIONS_DIR,
+    Store,
+    current_revision,
+    open_store,
+)
 from fleetwave.store.schema import metadata
 
 
@@ -66,6 +72,53 @@ def test_upgrade_from_the_first_revision_keeps_the_data(tmp_path: Path) -> None:
         assert count.scalar_one() == 1
         row = conn.exec_driver_sql("SELECT not_started FROM steps").one()
         assert row[0] == 0  # the new column, filled for existing rows
+
+
+def _patch_strategy(store: Store, target: str) -> int:
+    wf = get_workflow("patch")
+    assert wf is not None
+    return admin.create_strategy(store, wf, StrategyOptions(), target_names=[target])
+
+
+def test_a_deleted_strategys_id_is_never_given_again(tmp_path: Path) -> None:
+    store = open_store(str(tmp_path / "f.db"))
+    admin.add_targets(store, [Target(name=f"t{i}") for i in range(5)])
+    first = _patch_strategy(store, "t0")
+    second = _patch_strategy(store, "t1")
+    assert second == first + 1
+    admin.delete_strategy(store, second)  # the newest: SQLite alone would give its id again
+    third = _patch_strategy(store, "t2")
+    assert third == second + 1
+    admin.delete_strategy(store, third)
+    admin.delete_strategy(store, first)  # no strategy left at all
+    assert _patch_strategy(store, "t3") == third + 1
+    store.dispose()
+    reopened = open_store(str(tmp_path / "f.db"))  # the counter is in the database
+    assert _patch_strategy(reopened, "t4") == third + 2
+
+
+def test_upgrading_starts_the_id_counter_at_the_highest_strategy(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    engine = sa.create_engine(f"sqlite:///{path}")
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0006")
+        conn.exec_driver_sql(
+            "INSERT INTO targets (id, name, driver, settings, managed, labels, created_at) "
+            "VALUES (1, 't0', 'sim', '{}', 1, '{}', 0)"
+        )
+        for sid in (3, 7):
+            conn.exec_driver_sql(
+                "INSERT INTO strategies (id, workflow, workflow_version, states, state, "
+                "options, group_caps, step_count, details, created_at, updated_at, fence) "
+                f"VALUES ({sid}, 'patch', 1, '[]', 'complete', '{{}}', '{{}}', 0, '', 0, 0, 0)"
+            )
+    engine.dispose()
+    store = open_store(str(path))  # migrates to head
+    admin.delete_strategy(store, 7)
+    assert _patch_strategy(store, "t0") == 8
 
 
 def test_taking_a_step_over_clears_its_not_started_mark(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, cast
 
 import typer
 
@@ -188,12 +188,50 @@ def _workflow_dict(name: str, db: str | None) -> dict[str, object]:
                 "backoff_s": s.backoff_s,
                 "backoff_max_s": s.backoff_max_s,
                 "mode": s.mode,
-                # after a takeover: the hook decides, or (none) the step fails
-                "recover": "hook" if s.action.has_recover_hook() else "none",
+                # after a takeover: observe the target, the action's own hook, or none
+                # (the step fails)
+                "recover": s.action.describe_recover(),
             }
             for s in wf.states
         ],
     }
+
+
+def _duration(seconds: float) -> str:
+    """600 -> 10m, 5400 -> 1h30m, 0.25 -> 0.25s: timeouts read at a glance."""
+    if seconds < 60 or seconds != int(seconds):
+        return f"{seconds:g}s"
+    total = int(seconds)
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    parts = [
+        f"{hours}h" if hours else "",
+        f"{minutes}m" if minutes else "",
+        f"{secs}s" if secs else "",
+    ]
+    return "".join(parts)
+
+
+def _states_table(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The states as an operator reads them in a terminal of 80 columns."""
+    rows = []
+    for s in states:
+        attempts = str(s["attempts"])
+        if s["attempts"] > 1:
+            attempts += f" (backoff {_duration(s['backoff_s'])}..{_duration(s['backoff_max_s'])})"
+        # "driver:pre-check" in state pre-check: the driver operation named like the state
+        action = str(s["action"]).replace(f"driver:{s['state']}", "driver", 1)
+        rows.append(
+            {
+                "state": s["state"],
+                "action": action,
+                "timeout": _duration(s["timeout_s"]),
+                "attempts": attempts,
+                "mode": s["mode"],
+                "recover": s["recover"],
+            }
+        )
+    return rows
 
 
 @workflow_app.command("list")
@@ -214,7 +252,13 @@ def workflow_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
 @workflow_app.command("show")
 def workflow_show(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Show a workflow's states, actions, timeouts and retries."""
-    emit_one(_workflow_dict(name, db), fmt)
+    wf = _workflow_dict(name, db)
+    if fmt is Format.json:
+        emit_one(wf, fmt)
+        return
+    states = _states_table(cast(list[dict[str, Any]], wf.pop("states")))
+    emit_one(wf, fmt)
+    emit_rows(states, list(states[0]), fmt, title="states")
 
 
 @workflow_app.command("validate")

@@ -48,7 +48,9 @@ def emit_rows(
         return
     table = Table(title=title, show_lines=False)
     for col in columns:
-        table.add_column(col)
+        # A narrow terminal folds a long value onto the next line instead of cutting it
+        # to "creating-remo…": an operator copies names from here.
+        table.add_column(col, overflow="fold")
     for row in rows:
         table.add_row(*(_cell(c, row.get(c)) for c in columns))
     console.print(table)

@@ -117,6 +117,12 @@ class StateAction:
     def describe(self) -> str:
         return type(self).__name__
 
+    def describe_recover(self) -> str:
+        """What a takeover does in this state, as ``workflow show`` says it: ``hook``
+        (the action's own recover code), ``observe`` (look at the target) or ``none``
+        (the step fails: "conductor lost during <state>")."""
+        return "hook" if self.has_recover_hook() else "none"
+
 
 class DriverOperation(StateAction):
     """Run the driver operation named like the state; the built-in workflows use this.
@@ -151,6 +157,9 @@ class DriverOperation(StateAction):
     def describe(self) -> str:
         suffix = " (skip when done)" if self.skip_when_done else ""
         return f"driver:{self.operation}{suffix}"
+
+    def describe_recover(self) -> str:
+        return "observe"
 
 
 WaitMode = Literal["run", "wait-for-callback", "poll"]

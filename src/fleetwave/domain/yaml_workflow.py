@@ -78,6 +78,9 @@ class _NoRecover(StateAction):
     def has_recover_hook(self) -> bool:
         return False
 
+    def describe_recover(self) -> str:
+        return "none"
+
     def describe(self) -> str:
         return f"{self.inner.describe()} (no recover)"
 

@@ -26,7 +26,16 @@ from fleetwave.domain.models import (
 )
 from fleetwave.domain.workflow import WorkflowDef
 from fleetwave.store.db import Store
-from fleetwave.store.schema import events, groups, journal, steps, strategies, targets, workflows
+from fleetwave.store.schema import (
+    events,
+    groups,
+    id_counters,
+    journal,
+    steps,
+    strategies,
+    targets,
+    workflows,
+)
 
 _ACTIVE = [s.value for s in STRATEGY_ACTIVE]
 
@@ -253,8 +262,10 @@ def create_strategy(
         if opts.stages_by_group:
             for r in rows:
                 stage_of.setdefault(r.group_id, len(stage_of) + 1)
-        res = conn.execute(
+        sid = _next_strategy_id(conn)
+        conn.execute(
             insert(strategies).values(
+                id=sid,
                 workflow=wf.name,
                 workflow_version=wf.version,
                 states=json.dumps(list(wf.state_names)),
@@ -269,7 +280,6 @@ def create_strategy(
                 fence=0,
             )
         )
-        sid = int(res.inserted_primary_key[0])  # type: ignore[index]
         conn.execute(
             insert(steps),
             [
@@ -371,6 +381,23 @@ def request_abort(store: Store, sid: int) -> None:
             .where(strategies.c.id == sid, strategies.c.state == state)
             .values(state=StrategyState.ABORT_REQUESTED.value, updated_at=_now())
         )
+
+
+def _next_strategy_id(conn: Connection) -> int:
+    """A strategy id never given before, also after deletes (in the caller's write
+    transaction, which holds the write lock: two creations cannot get the same id)."""
+    last = conn.execute(
+        select(id_counters.c.last_id).where(id_counters.c.name == "strategies")
+    ).scalar_one_or_none()
+    highest = conn.execute(select(func.coalesce(func.max(strategies.c.id), 0))).scalar_one()
+    sid = max(int(last or 0), int(highest)) + 1
+    if last is None:
+        conn.execute(insert(id_counters).values(name="strategies", last_id=sid))
+    else:
+        conn.execute(
+            update(id_counters).where(id_counters.c.name == "strategies").values(last_id=sid)
+        )
+    return sid
 
 
 def delete_strategy(store: Store, sid: int) -> None:

@@ -19,7 +19,7 @@ from sqlalchemy.exc import DatabaseError
 from sqlalchemy.pool import QueuePool
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
-HEAD_REVISION = "0006"
+HEAD_REVISION = "0007"
 
 
 class StoreError(Exception):

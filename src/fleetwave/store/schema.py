@@ -156,3 +156,13 @@ callbacks = Table(
     Column("processed_at", Float),
     Index("ix_callbacks_open", "strategy_id", "outcome", "id"),
 )
+
+#: the last id handed out per table whose ids must never come back (SQLite gives a new
+#: row the highest id plus one, so deleting the newest strategy would free its id for
+#: the next: logs and tickets that name "strategy 12" would then mean two rollouts)
+id_counters = Table(
+    "id_counters",
+    metadata,
+    Column("name", String(64), primary_key=True),
+    Column("last_id", Integer, nullable=False),
+)
