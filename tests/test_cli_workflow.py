@@ -143,10 +143,12 @@ def test_workflow_show_as_a_table_reads_at_a_glance(
     assert "2h" in out and "10m" in out  # timeouts as durations, not seconds
     assert "3 (backoff 10s..5m)" in out
     assert "driver (skip when done)" in out  # the operation named like its state
-    monkeypatch.setenv("COLUMNS", "80")  # a pipe, or a small terminal: folded, not cut
+    clean = cli("workflow", "show", "clean").text
+    assert "driver; then waits for the target's callback" in clean  # its mode, in words
+    monkeypatch.setenv("COLUMNS", "80")  # a pipe, or a small terminal: whole state names
     narrow = cli("workflow", "show", "patch").text
     assert "…" not in narrow
-    assert "observe" in narrow
+    assert "creating-remote-patch-strategy" in narrow and "observe" in narrow
 
 
 def test_a_workflow_registered_by_code_is_not_called_builtin(cli: Cli) -> None:

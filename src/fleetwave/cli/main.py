@@ -212,8 +212,11 @@ def _duration(seconds: float) -> str:
     return "".join(parts)
 
 
+_MODE_NOTE = {"wait-for-callback": "then waits for the target's callback", "poll": "polls"}
+
+
 def _states_table(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The states as an operator reads them in a terminal of 80 columns."""
+    """The states as an operator reads them, whole, in a terminal of 80 columns."""
     rows = []
     for s in states:
         attempts = str(s["attempts"])
@@ -221,13 +224,14 @@ def _states_table(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
             attempts += f" (backoff {_duration(s['backoff_s'])}..{_duration(s['backoff_max_s'])})"
         # "driver:pre-check" in state pre-check: the driver operation named like the state
         action = str(s["action"]).replace(f"driver:{s['state']}", "driver", 1)
+        if s["mode"] in _MODE_NOTE:
+            action += f"; {_MODE_NOTE[s['mode']]}"
         rows.append(
             {
                 "state": s["state"],
                 "action": action,
                 "timeout": _duration(s["timeout_s"]),
                 "attempts": attempts,
-                "mode": s["mode"],
                 "recover": s["recover"],
             }
         )
@@ -258,7 +262,7 @@ def workflow_show(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) ->
         return
     states = _states_table(cast(list[dict[str, Any]], wf.pop("states")))
     emit_one(wf, fmt)
-    emit_rows(states, list(states[0]), fmt, title="states")
+    emit_rows(states, list(states[0]), fmt, title="states", whole_first=True)
 
 
 @workflow_app.command("validate")

@@ -41,16 +41,20 @@ def print_json(data: Any) -> None:
 
 
 def emit_rows(
-    rows: list[dict[str, Any]], columns: list[str], fmt: Format, title: str | None = None
+    rows: list[dict[str, Any]],
+    columns: list[str],
+    fmt: Format,
+    title: str | None = None,
+    *,
+    whole_first: bool = False,
 ) -> None:
+    """``whole_first``: the first column is never wrapped or cut (short names only)."""
     if fmt is Format.json:
         print_json(rows)
         return
     table = Table(title=title, show_lines=False)
-    for col in columns:
-        # A narrow terminal folds a long value onto the next line instead of cutting it
-        # to "creating-remo…": an operator copies names from here.
-        table.add_column(col, overflow="fold")
+    for i, col in enumerate(columns):
+        table.add_column(col, no_wrap=whole_first and i == 0)
     for row in rows:
         table.add_row(*(_cell(c, row.get(c)) for c in columns))
     console.print(table)
