@@ -836,3 +836,31 @@ def test_entries_beside_a_refused_end_wait(store: Store) -> None:
     states = {s["target"]: s["state"] for s in queries.list_steps(store, sid)}
     assert states == {"t00000": "pre-check", "t00001": "initial", "t00002": "initial"}
     assert [s["state"] for s in queries.list_steps(store, other)] == ["pre-check"]
+
+
+def test_a_periodic_pass_that_dies_stops_the_conductor_with_its_error(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lease renewal lives in the periodic pass: a conductor whose pass died would act on
+    while its leases lapse. It stops instead, with the pass's error, and hands nothing
+    back (its leases expire; the next conductor takes over and recovers)."""
+    add_sim_targets(store, 3, settings={"latency_ms": 200})
+    sid = applied(store, "patch", max_parallel=3)
+
+    def broken(*_a: Any, **_kw: Any) -> Any:
+        raise RuntimeError("a bug in the periodic pass")
+
+    monkeypatch.setattr(rt, "strategy_states", broken)
+    short = EngineConfig(tick_s=0.05, lease_ttl_s=0.5)
+    c = Conductor(store, drivers={"sim": SimDriver()}, config=short)
+    with pytest.raises(RuntimeError, match="a bug in the periodic pass"):
+        asyncio.run(asyncio.wait_for(c.run(strategy_ids=[sid]), 10))
+    strategy = queries.get_strategy(store, sid)
+    assert strategy["state"] == "applying"
+    assert strategy["owner"] == c.id  # not released: a dead conductor's lease expires
+    monkeypatch.undo()
+    # This process lives on, so the dead conductor is presumed alive until its lease runs out.
+    nxt = Conductor(store, drivers={"sim": SimDriver()}, config=short)
+    final = asyncio.run(asyncio.wait_for(nxt.run(strategy_ids=[sid], patient=True), 30))[sid]
+    assert final == "complete"
+    assert check(store, sid).ok

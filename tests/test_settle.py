@@ -19,7 +19,7 @@ from fleetwave.store import admin, queries
 from fleetwave.store import runtime as rt
 from fleetwave.store.db import Store
 from fleetwave.testing.invariants import check
-from test_engine_edges import _edit_row_during_its_action
+from test_engine_edges import _edit_row_during_its_action, _recorded_run
 
 
 class FailsOnceAfterEdit(StateAction):
@@ -326,3 +326,120 @@ def test_a_move_into_a_state_already_entered_is_not_applied_again_forever(
     steps = [(s["state"], s["details"]) for s in queries.list_steps(store, sid)]
     assert final == "failed"
     assert steps == [("failed", "a: set back after it had entered b"), ("complete", "")]
+
+
+# -- branches of settling that no test reached (found by a coverage run) -------------------
+
+
+def _settled_events(store: Store) -> list[str]:
+    with store.read() as conn:
+        rows = conn.exec_driver_sql(
+            "SELECT details FROM events WHERE kind = 'step-settled' ORDER BY id"
+        ).all()
+    return [str(r[0]) for r in rows]
+
+
+def test_a_waiting_step_whose_entry_was_refused_waits_again_and_runs(store: Store) -> None:
+    """A step not started yet (loaded, waiting its turn) has its row's fence bumped by
+    someone else: its entry is refused. The row says it never started, so it waits
+    again and starts at its next turn; every step completes, each state once."""
+    names = add_sim_targets(store, 3, settings={"latency_ms": 20})
+    sid = applied(store, "patch", max_parallel=1)
+
+    def bump_the_last(c: Conductor) -> None:
+        with store.write() as conn:
+            conn.exec_driver_sql(
+                "UPDATE steps SET fence = fence + 1 WHERE strategy_id = ? AND target_id = "
+                "(SELECT id FROM targets WHERE name = ?)",
+                (sid, names[2]),
+            )
+
+    final, driver = _recorded_run(store, sid, bump_the_last)
+    assert final == "complete"
+    assert {s["state"] for s in queries.list_steps(store, sid)} == {"complete"}
+    assert _settled_events(store) == ["transition refused; row waiting again"]
+    ops = [p[1] for p in driver.performed if p[0] == names[2]]
+    assert len(ops) == len(set(ops)) == 5  # started once it was its turn again
+    assert check(store, sid).ok
+
+
+def test_a_step_moved_by_hand_to_a_later_state_not_started_starts_there_afresh(
+    store: Store,
+) -> None:
+    """Someone moves a running step's row to a later state marked not started: its move
+    is refused, the row is taken over there and that state's action runs afresh (not its
+    recover hook), with a deadline of its own."""
+    names = add_sim_targets(store, 2, settings={"latency_ms": 20})
+    sid = applied(store, "patch", max_parallel=1)
+    final, driver = _edit_row_during_its_action(
+        store,
+        sid,
+        "UPDATE steps SET state = 'applying-remote-patch-strategy', not_started = 1, "
+        "deadline_at = NULL WHERE id = ?",
+    )
+    assert final == "complete"
+    assert _settled_events(store) == [
+        "transition refused; row in applying-remote-patch-strategy: taken over"
+    ]
+    ops = [p[1] for p in driver.performed if p[0] == names[0]]
+    # pre-check ran (its move refused), then the state the row was set to, afresh
+    assert ops == ["pre-check", "applying-remote-patch-strategy", "finishing"]
+
+
+def test_a_step_deleted_by_hand_mid_action_does_not_hold_the_strategy(store: Store) -> None:
+    """The row of a running step is deleted behind the conductor's back: its move is
+    refused, settling finds no row, and the strategy goes on and ends (it held the
+    step's slot until then, and does not wait for it forever)."""
+    names = add_sim_targets(store, 3, settings={"latency_ms": 20})
+    sid = applied(store, "patch", max_parallel=1)
+    final, _ = _edit_row_during_its_action(store, sid, "DELETE FROM steps WHERE id = ?")
+    assert final == "complete"
+    steps = {s["target"]: s["state"] for s in queries.list_steps(store, sid)}
+    assert steps == {names[1]: "complete", names[2]: "complete"}
+
+
+def test_a_target_whose_driver_this_conductor_lacks_fails_with_the_reason(store: Store) -> None:
+    """A serve started without the plug-in that provides a target's driver: its steps
+    fail with a reason an operator can act on, and the strategy ends."""
+    add_sim_targets(store, 2)
+    sid = applied(store, "patch", max_parallel=2)
+    c = Conductor(store, drivers={}, config=EngineConfig())
+    final = asyncio.run(asyncio.wait_for(c.run(strategy_ids=[sid]), 30))[sid]
+    assert final == "failed"
+    details = {s["details"] for s in queries.list_steps(store, sid)}
+    assert details == {"pre-check: no driver named 'sim' on this conductor"}
+
+
+def test_a_step_moved_by_hand_while_its_strategy_stops_ends_aborted_not_started(
+    store: Store,
+) -> None:
+    """As above, but the strategy is being aborted when the row is read: the state the
+    row was set to never starts; the step ends aborted, and says why."""
+    # the first in line (by name); its action outlasts a tick of the periodic pass
+    names = add_sim_targets(store, 1, prefix="a", settings={"latency_ms": 1500})
+    add_sim_targets(store, 1, prefix="b", settings={"latency_ms": 20})
+    sid = applied(store, "patch", max_parallel=1)
+
+    def edit_and_abort(c: Conductor) -> None:
+        (run,) = c.runs.values()
+        (step_id,) = run.inflight
+        with store.write() as conn:
+            conn.exec_driver_sql(
+                "UPDATE steps SET state = 'applying-remote-patch-strategy', not_started = 1 "
+                "WHERE id = ?",
+                (step_id,),
+            )
+        admin.request_abort(store, sid)  # the periodic pass sees it while pre-check runs
+
+    final, driver = _recorded_run(store, sid, edit_and_abort)
+    assert final == "aborted"
+    steps = {s["target"]: (s["state"], s["details"]) for s in queries.list_steps(store, sid)}
+    state, details = steps[names[0]]
+    assert state == "aborted"
+    assert details.startswith("stopped before applying-remote-patch-strategy started: ")
+    assert [p[1] for p in driver.performed if p[0] == names[0]] == ["pre-check"]
+    assert _settled_events(store) == [
+        "transition refused; row stopped before applying-remote-patch-strategy started: "
+        + details.split(" started: ", 1)[1]
+        + ": aborted"
+    ]

@@ -1,0 +1,176 @@
+"""``fleetwave check`` finds each kind of violation in a journal (forged here by hand, as a
+broken engine, a bug elsewhere or a hand edit would leave it), and only those."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from conftest import add_sim_targets
+from fleetwave.domain.models import Group, StrategyOptions
+from fleetwave.domain.registry import get_workflow
+from fleetwave.store import admin
+from fleetwave.store.db import Store
+from fleetwave.testing import invariants
+from fleetwave.testing.invariants import check
+
+FIRST, SECOND = "pre-check", "updating-patches"
+
+
+def _strategy(store: Store, n: int = 2, **options: Any) -> tuple[int, list[int]]:
+    """A patch strategy over ``n`` targets (t00000...), and its step ids in target order."""
+    wf = get_workflow("patch")
+    assert wf is not None
+    sid = admin.create_strategy(store, wf, StrategyOptions(**options), all_targets=True)
+    with store.read() as conn:
+        ids = conn.exec_driver_sql(
+            "SELECT s.id FROM steps s JOIN targets t ON t.id = s.target_id "
+            "WHERE s.strategy_id = ? ORDER BY t.name",
+            (sid,),
+        ).all()
+    return sid, [int(r[0]) for r in ids]
+
+
+def _journal(
+    store: Store, sid: int, moves: list[tuple[int, str, str, int] | tuple[int, str, str, int, str]]
+) -> None:
+    """Write the moves (step, from, to, fence[, details]) to the journal, in order, and
+    each step's row where its last move left it (so only the journal is in question)."""
+    with store.write() as conn:
+        for i, move in enumerate(moves):
+            step, frm, to, fence = move[:4]
+            details = move[4] if len(move) == 5 else ""
+            conn.exec_driver_sql(
+                "INSERT INTO journal (strategy_id, step_id, at, conductor, from_state, "
+                "to_state, fence, details) VALUES (?, ?, ?, 'c-test', ?, ?, ?, ?)",
+                (sid, step, float(i), frm, to, fence, details),
+            )
+            conn.exec_driver_sql(
+                "UPDATE steps SET state = ?, fence = ? WHERE id = ?", (to, fence, step)
+            )
+
+
+def _end(store: Store, sid: int, state: str) -> None:
+    with store.write() as conn:
+        conn.exec_driver_sql("UPDATE strategies SET state = ? WHERE id = ?", (state, sid))
+
+
+def _violations(store: Store, sid: int) -> list[str]:
+    return check(store, sid).violations
+
+
+def test_a_clean_forged_journal_passes(store: Store) -> None:
+    """The forging itself is sound: a run as the engine writes it has no violation."""
+    add_sim_targets(store, 2)
+    sid, (a, b) = _strategy(store, max_parallel=2)
+    _journal(store, sid, [(a, "initial", FIRST, 1), (b, "initial", FIRST, 1)])
+    _journal(store, sid, [(a, FIRST, "complete", 1), (b, FIRST, "failed", 1, "boom")])
+    _end(store, sid, "failed")
+    verdict = check(store, sid)
+    assert verdict.ok, verdict.violations
+    assert (verdict.steps, verdict.transitions) == (2, 4)
+
+
+def test_a_fence_that_goes_back_is_a_g3_violation(store: Store) -> None:
+    add_sim_targets(store, 1)
+    sid, (a,) = _strategy(store)
+    _journal(store, sid, [(a, "initial", FIRST, 3), (a, FIRST, SECOND, 2)])
+    assert _violations(store, sid) == [
+        f"G3: strategy {sid} step {a} (t00000) fence went back from 3 to 2"
+    ]
+
+
+def test_a_move_the_workflow_does_not_allow_is_a_g3_violation(store: Store) -> None:
+    add_sim_targets(store, 1)
+    sid, (a,) = _strategy(store)
+    _journal(store, sid, [(a, "initial", SECOND, 1)])  # skipped the first state
+    assert _violations(store, sid) == [
+        f"G3: strategy {sid} step {a} (t00000) made a move the workflow does not allow: "
+        f"initial -> {SECOND}"
+    ]
+
+
+def test_a_group_over_its_cap_is_a_g7_violation(store: Store) -> None:
+    admin.add_group(store, Group("racks", max_parallel=1))
+    add_sim_targets(store, 2, group="racks")
+    sid, (a, b) = _strategy(store, max_parallel=10)
+    _journal(store, sid, [(a, "initial", FIRST, 1), (b, "initial", FIRST, 1)])
+    (violation,) = _violations(store, sid)
+    assert violation.startswith(f"G7: strategy {sid} group ")
+    assert violation.endswith(" had 2 in flight (cap 1)")
+
+
+def test_a_step_started_after_the_failure_threshold_is_reported(store: Store) -> None:
+    add_sim_targets(store, 2)
+    sid, (a, b) = _strategy(store, max_parallel=2, max_failures=0)
+    _journal(
+        store,
+        sid,
+        [(a, "initial", FIRST, 1), (a, FIRST, "failed", 1, "boom"), (b, "initial", FIRST, 1)],
+    )
+    assert _violations(store, sid) == [
+        f"threshold: strategy {sid} step {b} (t00001) started after the failure threshold "
+        "(0) was exceeded"
+    ]
+
+
+def test_a_stop_without_enough_failures_is_reported(store: Store) -> None:
+    """Steps ended 'not started' for a threshold that was never crossed (the failure
+    counted was not written, say): the journal does not explain the stop."""
+    add_sim_targets(store, 2)
+    sid, (a, b) = _strategy(store, max_parallel=1, max_failures=1)
+    _journal(
+        store,
+        sid,
+        [
+            (a, "initial", FIRST, 1),
+            (a, FIRST, "failed", 1, "boom"),
+            (b, "initial", "aborted", 0, "not started: 2 steps failed (threshold 1)"),
+        ],
+    )
+    _end(store, sid, "failed")
+    assert _violations(store, sid) == [
+        f"threshold: strategy {sid} step {b} (t00001) was stopped although only 1 steps "
+        "failed (threshold 1)"
+    ]
+
+
+def test_an_ended_strategy_with_a_step_mid_state_is_reported(store: Store) -> None:
+    add_sim_targets(store, 2)
+    sid, (a, b) = _strategy(store, max_parallel=2)
+    _journal(
+        store, sid, [(a, "initial", FIRST, 1), (a, FIRST, "complete", 1), (b, "initial", FIRST, 1)]
+    )
+    _end(store, sid, "complete")
+    assert _violations(store, sid) == [
+        f"terminal: strategy {sid} is complete but strategy {sid} step {b} (t00001) is '{FIRST}'"
+    ]
+
+
+def test_leases_left_on_ended_work_are_reported(store: Store) -> None:
+    """A terminal step, or an ended strategy, still owned: nobody would free them."""
+    add_sim_targets(store, 1)
+    sid, (a,) = _strategy(store)
+    _journal(store, sid, [(a, "initial", FIRST, 1), (a, FIRST, "complete", 1)])
+    _end(store, sid, "complete")
+    with store.write() as conn:
+        conn.exec_driver_sql("UPDATE steps SET owner = 'c-gone' WHERE id = ?", (a,))
+        conn.exec_driver_sql("UPDATE strategies SET owner = 'c-gone' WHERE id = ?", (sid,))
+    assert _violations(store, sid) == [
+        f"lease: strategy {sid} step {a} (t00000) is terminal but still owned by c-gone",
+        f"lease: strategy {sid} is terminal but still owned by c-gone",
+    ]
+
+
+def test_past_the_reporting_limit_violations_are_counted_not_listed(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(invariants, "MAX_REPORTED", 2)
+    add_sim_targets(store, 5)
+    sid, ids = _strategy(store, max_parallel=5)
+    _journal(store, sid, [(step, "initial", SECOND, 1) for step in ids])  # 5 bad moves
+    verdict = check(store, sid)
+    assert len(verdict.violations) == 2
+    assert verdict.truncated == 3
+    assert verdict.to_json()["violations_not_shown"] == 3
