@@ -554,6 +554,89 @@ def test_delete_strategy_removes_it_with_its_steps_and_journal(cli: Cli, db_path
     create(cli, "--targets", "a")
 
 
+def _rows_of(db_path: Path, sid: int) -> dict[str, int]:
+    with sqlite3.connect(db_path) as conn:
+        return {
+            table: conn.execute(
+                f"SELECT count(*) FROM {table} WHERE strategy_id = ?", (sid,)
+            ).fetchone()[0]
+            for table in ("journal", "events", "callbacks", "steps")
+        }
+
+
+def test_delete_goes_in_chunks_and_takes_the_callbacks_too(
+    cli: Cli, db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A big strategy's rows go a chunk per transaction (the write lock is held for
+    milliseconds at a time, not seconds), callbacks included (they were left behind)."""
+    add(cli, *(f"t{i}" for i in range(12)))
+    gone = create(cli, "--all")
+    assert apply_wait(cli, gone).code == 0
+    with sqlite3.connect(db_path) as conn:  # a late callback, answered "strategy ended"
+        conn.execute(
+            "INSERT INTO callbacks (strategy_id, step_id, state, kind, details, received_at, "
+            "outcome, reason, processed_at) VALUES (?, 1, 'finishing', 'done', '', 0, "
+            "'ignored', 'late', 0)",
+            (gone,),
+        )
+    before = _rows_of(db_path, gone)
+    assert before["journal"] == 12 * 6 and before["steps"] == 12 and before["callbacks"] == 1
+    from fleetwave.store import admin
+
+    monkeypatch.setattr(admin, "DELETE_CHUNK", 10)
+    writes = {"n": 0}
+    real_write = admin.Store.write
+
+    def counting_write(self: Any) -> Any:
+        writes["n"] += 1
+        return real_write(self)
+
+    monkeypatch.setattr(admin.Store, "write", counting_write)
+    res = cli("strategy", "delete", str(gone))
+    assert res.code == 0, res.text
+    assert _rows_of(db_path, gone) == dict.fromkeys(before, 0)
+    # mark, 8 chunks of the journal (72 rows), events, 1 callback chunk, 2 of steps, the row
+    assert writes["n"] >= 1 + 8 + 2 + 1
+
+
+def test_an_interrupted_delete_is_finished_by_deleting_again(
+    cli: Cli, db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C (or a crash) half-way: the strategy stays 'deleting', check does not judge
+    its half-gone journal, apply and abort refuse it, and delete finishes it."""
+    add(cli, "a", "b", "c")
+    sid = create(cli, "--all")
+    assert apply_wait(cli, sid).code == 0
+    from fleetwave.store import admin
+
+    monkeypatch.setattr(admin, "DELETE_CHUNK", 5)
+    real_delete = admin.delete
+
+    def interrupted(table: Any) -> Any:
+        if table.name == "events":
+            raise KeyboardInterrupt  # after the journal's chunks were committed
+        return real_delete(table)
+
+    monkeypatch.setattr(admin, "delete", interrupted)
+    res = cli("strategy", "delete", str(sid))
+    assert res.code == 130, res.text  # interrupted
+    monkeypatch.undo()
+    assert [s["state"] for s in strategies(cli)] == ["deleting"]
+    assert _rows_of(db_path, sid)["journal"] == 0 and _rows_of(db_path, sid)["steps"] == 3
+
+    res = cli("check")
+    assert res.code == 0, res.text  # the half-gone journal is not judged
+    assert f"not checked: strategy {sid} is being deleted" in res.text
+    assert cli("check", "--format", "json").json()["not_checked_being_deleted"] == [sid]
+    assert_rejected(cli("check", "--strategy", str(sid)), f"strategy {sid}", "being deleted")
+    assert_rejected(cli("strategy", "apply", str(sid)), f"strategy {sid}", "being deleted")
+    assert_rejected(cli("strategy", "abort", str(sid)), f"strategy {sid}", "deleting")
+
+    assert cli("strategy", "delete", str(sid)).code == 0
+    assert strategies(cli) == []
+    assert _rows_of(db_path, sid) == {"journal": 0, "events": 0, "callbacks": 0, "steps": 0}
+
+
 def test_delete_of_applying_strategy_is_rejected(cli: Cli) -> None:
     add(cli, "a")
     sid = create(cli, "--all")

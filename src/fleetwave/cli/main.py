@@ -31,7 +31,7 @@ from fleetwave.cli.drive import drive_strategy
 from fleetwave.cli.output import Format, console, emit_one, emit_rows, err_console, print_json
 from fleetwave.cli.parsing import check_target, parse_pairs, targets_from_file
 from fleetwave.cli.simcmd import sim_command
-from fleetwave.domain.errors import InputError
+from fleetwave.domain.errors import Conflict, InputError
 from fleetwave.domain.models import ApplyType, Group, StrategyOptions, Target
 from fleetwave.domain.registry import get_workflow
 from fleetwave.domain.workflow import WorkflowError
@@ -480,6 +480,11 @@ def check(
     if strategy is not None:
         queries.strategy_exists(store, strategy)
     result = check_invariants(store, strategy)
+    if strategy is not None and result.deleting:
+        raise Conflict(
+            f"strategy {strategy}: is being deleted (part of its journal is gone already); "
+            f"'fleetwave strategy delete {strategy}' finishes it"
+        )
     if fmt is Format.json:
         print_json(result.to_json())
     else:
@@ -487,6 +492,11 @@ def check(
             f"checked {result.strategies} strategies, {result.steps} steps, "
             f"{result.transitions} transitions"
         )
+        for sid in result.deleting:
+            console.print(
+                f"not checked: strategy {sid} is being deleted "
+                f"('fleetwave strategy delete {sid}' finishes it)"
+            )
         for v in result.violations:
             console.print(f"[red]violation[/red] {v}")
         if result.truncated:
