@@ -485,3 +485,27 @@ def test_console_script_turns_bad_input_into_one_error_line_and_exit_2(
     assert dup.stdout == ""
     assert dup.stderr == "error: target s1: already exists\n"
     assert targets(cli) == before
+
+
+def test_a_long_list_prints_as_plain_columns_at_once(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rich measured and wrapped every cell (12,000 journal rows took 16 s): past a few
+    hundred rows a table is plain aligned columns, every row, one line each."""
+    from fleetwave.cli import output
+
+    for name in ("alpha", "beta", "gamma-with-a-long-name"):
+        assert cli("target", "add", name).code == 0
+    small = cli("target", "list")
+    assert "┃" in small.out  # a few rows: a Rich table
+    monkeypatch.setattr(output, "PLAIN_ABOVE", 2)
+    res = cli("target", "list")
+    assert res.code == 0
+    lines = res.out.splitlines()
+    assert lines[0].split() == ["name", "group", "driver", "managed", "settings", "labels"]
+    assert set(lines[1]) <= {"-", " "}
+    assert [line.split()[0] for line in lines[2:]] == ["alpha", "beta", "gamma-with-a-long-name"]
+    # aligned: every row's second column starts where the header's does
+    col = lines[0].index("group")
+    assert all(line[col - 2 : col] == "  " for line in lines[2:])
+    assert "┃" not in res.out
