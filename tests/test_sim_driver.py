@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import add_sim_targets, applied
 from fleetwave.domain.models import Target
+from fleetwave.domain.workflow import ActionContext, RemoteResult, StepFailed
 from fleetwave.drivers.sim import SimDriver, _Sleeps
+from fleetwave.engine.conductor import Conductor
+from fleetwave.store.db import Store
 
 
 @settings(max_examples=40, deadline=None)
@@ -70,3 +75,53 @@ def test_profiles_are_shared_by_settings_not_kept_per_target() -> None:
     assert a is b is c and d is not a
     assert d.latency_s == 0.007 and a.latency_s == 0.005
     assert len(sim._by_settings) == 2  # one per combination, nothing per target
+
+
+def _ctx(driver: SimDriver, target: Target, state: str, *, step_id: int = 7) -> ActionContext:
+    return ActionContext(
+        target=target, state=state, attempt=1, strategy_id=1, step_id=step_id, driver=driver
+    )
+
+
+def test_a_target_remembers_its_last_operation_for_a_recover_hook() -> None:
+    """What a recover hook asks after a takeover: the operation of the state the step is
+    in. The target answers for the last one it ran for that step (done, failed, running,
+    or never started); earlier ones are behind the step and not kept."""
+    driver = SimDriver()
+    ok = Target(name="ok", settings={"latency": "uniform", "latency_ms": 1})
+    bad = Target(name="bad", settings={"latency": "uniform", "latency_ms": 1, "fail_at": "apply"})
+
+    async def main() -> None:
+        assert (
+            await driver.observe(ok, "check", _ctx(driver, ok, "check")) is RemoteResult.NOT_STARTED
+        )
+        running = asyncio.create_task(driver.perform(ok, "check", _ctx(driver, ok, "check")))
+        await asyncio.sleep(0)
+        assert (
+            await driver.observe(ok, "check", _ctx(driver, ok, "check")) is RemoteResult.IN_PROGRESS
+        )
+        assert await running is RemoteResult.DONE
+        assert await driver.observe(ok, "check", _ctx(driver, ok, "check")) is RemoteResult.DONE
+        await driver.perform(ok, "apply", _ctx(driver, ok, "apply"))
+        assert await driver.observe(ok, "apply", _ctx(driver, ok, "apply")) is RemoteResult.DONE
+        # the step went on: 'check' is behind it
+        assert (
+            await driver.observe(ok, "check", _ctx(driver, ok, "check")) is RemoteResult.NOT_STARTED
+        )
+        with pytest.raises(StepFailed):
+            await driver.perform(bad, "apply", _ctx(driver, bad, "apply", step_id=8))
+        with pytest.raises(StepFailed, match="failed on target while its conductor was lost"):
+            await driver.observe(bad, "apply", _ctx(driver, bad, "apply", step_id=8))
+
+    asyncio.run(main())
+
+
+def test_a_driver_keeps_nothing_of_a_strategy_once_it_ended(store: Store) -> None:
+    """Every finished operation's record (a future each) was kept for the driver's life:
+    a third slower at 100,000 targets, and a serve using the sim grew without end."""
+    add_sim_targets(store, 20, settings={"latency": "uniform", "latency_ms": 2})
+    sid = applied(store, "patch", max_parallel=5)
+    driver = SimDriver()
+    final = asyncio.run(Conductor(store, drivers={"sim": driver}).run(strategy_ids=[sid]))
+    assert final[sid] == "complete"
+    assert driver._remote == {} and driver._finished == {}

@@ -66,7 +66,11 @@ class RemoteResult(StrEnum):
 
 
 class TargetDriver(Protocol):
-    """The seam between actions and the outside world (see ``fleetwave.drivers``)."""
+    """The seam between actions and the outside world (see ``fleetwave.drivers``).
+
+    A driver may also define ``strategy_ended(strategy_id)``: the conductor calls it
+    when it ends a strategy, so state kept per strategy can be dropped.
+    """
 
     name: str
 

@@ -1404,6 +1404,11 @@ class Conductor:
             )
             del self.runs[run.id]
             self.finished[run.id] = final.value if ok else "lost"
+            for driver in self.drivers.values() if ok else ():
+                # optional: a driver that keeps what its targets did per strategy forgets it
+                ended = getattr(driver, "strategy_ended", None)
+                if ended is not None:
+                    ended(run.id)
             log.info("strategy %s: %s %s", run.id, final.value if ok else "lost", details)
 
     # -- workers -------------------------------------------------------------------------
