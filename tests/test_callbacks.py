@@ -31,6 +31,16 @@ def test_clean_workflow_waits_for_agent_callbacks(store: Store) -> None:
     assert check(store, sid).ok
 
 
+def test_a_conductor_keeps_no_callback_ids_of_a_strategy_that_ended(store: Store) -> None:
+    """Each callback's id was kept for the conductor's life (a set it never pruned): a
+    serve rolling 'clean' over 100,000 nodes kept 200,000 ids per rollout."""
+    add_sim_targets(store, 10, settings={"latency_ms": 2})
+    sid, final, c = rollout(store, "clean", max_parallel=5)
+    assert final == "complete"
+    assert len(callback_outcomes(store, sid)) == 20  # it did hear them
+    assert c._callbacks_seen == {}
+
+
 def test_duplicate_late_and_failed_callbacks(store: Store) -> None:
     add_sim_targets(
         store,

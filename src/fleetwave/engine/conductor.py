@@ -162,7 +162,9 @@ class Conductor:
         self._committed_at = 0.0
         self._wanted: set[int] | None = None
         self._patient = False
-        self._callbacks_seen: set[int] = set()
+        #: callbacks already posted to the dispatcher, by strategy (each is posted once,
+        #: however it is heard of); dropped when the strategy ends here
+        self._callbacks_seen: dict[int, set[int]] = {}
         self._fatal: BaseException | None = None
         self._draining = False
         # Action deadlines: one heap and one loop timer for all of them (a timer per action
@@ -222,9 +224,17 @@ class Conductor:
         The dispatcher applies it (or records why it was ignored) on its next turn.
         """
         record = cbs.accept_callback(self.store, step_id, state, kind, details, self.clock.now())
-        self._callbacks_seen.add(record.id)
+        self._first_sight(record)
         self.post(CallbackArrived(record))
         return record
+
+    def _first_sight(self, record: cbs.CallbackRecord) -> bool:
+        """Whether this conductor has not posted this callback yet (and now has)."""
+        seen = self._callbacks_seen.setdefault(record.strategy_id, set())
+        if record.id in seen:
+            return False
+        seen.add(record.id)
+        return True
 
     def _sink(self, step_id: int, state: str, kind: str, details: str) -> None:
         self.receive_callback(step_id, state, kind, details)
@@ -376,8 +386,7 @@ class Conductor:
     async def _poll_callbacks(self, strategy_ids: list[int]) -> None:
         """Pick up callbacks stored by other processes (an API server, an agent endpoint)."""
         for record in await self._io(cbs.open_callbacks, self.store, strategy_ids, 0):
-            if record.id not in self._callbacks_seen:
-                self._callbacks_seen.add(record.id)
+            if self._first_sight(record):
                 self.post(CallbackArrived(record))
 
     async def _claim(self, *, register: bool = False) -> None:
@@ -497,8 +506,7 @@ class Conductor:
                 self._claiming.discard(msg.record.id)
                 recover += await self._adopt(msg.record, events, batch, now)
                 for record in await self._io(cbs.open_callbacks, self.store, [msg.record.id], 0):
-                    if record.id not in self._callbacks_seen:
-                        self._callbacks_seen.add(record.id)
+                    if self._first_sight(record):
                         claimed_callbacks.append(record)
             elif isinstance(msg, StopRequested):
                 self._request_stop(msg.strategy_id, events)
@@ -739,7 +747,7 @@ class Conductor:
     async def _reoffer_callbacks(self, run: StrategyRun, step_ids: set[int]) -> None:
         for record in await self._io(cbs.open_callbacks, self.store, [run.id], 0):
             if record.step_id in step_ids:
-                self._callbacks_seen.add(record.id)
+                self._first_sight(record)
                 self.post(CallbackArrived(record))
 
     def _back_in_flight(
@@ -779,7 +787,11 @@ class Conductor:
         run = self.runs.get(cb.strategy_id)
         if run is None:
             # Not ours (yet): its owner answers it, perhaps us once we claim the strategy.
-            self._callbacks_seen.discard(cb.id)
+            seen = self._callbacks_seen.get(cb.strategy_id)
+            if seen is not None:
+                seen.discard(cb.id)
+                if not seen and cb.strategy_id not in self._claiming:
+                    del self._callbacks_seen[cb.strategy_id]
             return
         fl = run.inflight.get(cb.step_id)
 
@@ -816,6 +828,7 @@ class Conductor:
         run = self.runs.pop(sid, None)
         if run is None:
             return
+        self._callbacks_seen.pop(sid, None)
         for fl in run.inflight.values():
             if fl.task is not None:
                 fl.task.cancel()
@@ -1403,6 +1416,7 @@ class Conductor:
                 rt.end_strategy, self.store, run.id, self.id, final.value, details, self.clock.now()
             )
             del self.runs[run.id]
+            self._callbacks_seen.pop(run.id, None)
             self.finished[run.id] = final.value if ok else "lost"
             for driver in self.drivers.values() if ok else ():
                 # optional: a driver that keeps what its targets did per strategy forgets it
