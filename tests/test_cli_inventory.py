@@ -7,6 +7,7 @@ and checks the database through the CLI's own ``--format json`` output.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -509,3 +510,30 @@ def test_a_long_list_prints_as_plain_columns_at_once(
     col = lines[0].index("group")
     assert all(line[col - 2 : col] == "  " for line in lines[2:])
     assert "┃" not in res.out
+
+
+def test_lists_stream_as_json_one_row_per_line_and_refuse_bad_names_first(
+    cli: Cli,
+) -> None:
+    """A fleet-sized list (a 100,000-target rollout's journal is 600,000 rows) is read
+    and written a row at a time: one JSON row per line (a 600,000-row history held
+    1.5 GB before). An unknown strategy or target is refused before anything is
+    written, as before."""
+    for name in ("alpha", "beta"):
+        assert cli("target", "add", name).code == 0
+    res = cli("target", "list", "--format", "json")
+    lines = res.out.splitlines()
+    assert lines[0] == "[" and lines[-1] == "]"
+    assert [json.loads(line.rstrip(","))["name"] for line in lines[1:-1]] == ["alpha", "beta"]
+    assert cli("target", "list", "--group", "none-such", "--format", "json").json() == []
+    for args in (
+        ("history", "--strategy", "99"),
+        ("step", "list", "--strategy", "99"),
+    ):
+        res = cli(*args, "--format", "json")
+        assert res.code == 2 and res.out == "", res.text
+        assert_rejected(res, "strategy 99")
+    assert cli("strategy", "create", "--workflow", "patch", "--all").code == 0
+    res = cli("history", "--strategy", "1", "--target", "nobody", "--format", "json")
+    assert res.code == 2 and res.out == ""
+    assert_rejected(res, "--target", "nobody")

@@ -113,7 +113,7 @@ def target_list(
     db: DbOpt = None,
 ) -> None:
     """List targets."""
-    rows = queries.list_targets(existing_store(db), group)
+    rows = queries.iter_targets(existing_store(db), group)
     emit_rows(rows, ["name", "group", "driver", "managed", "settings", "labels"], fmt)
 
 
@@ -447,7 +447,7 @@ def step_list(
     db: DbOpt = None,
 ) -> None:
     """List the steps of a strategy."""
-    rows = queries.list_steps(existing_store(db), strategy, state)
+    rows = queries.iter_steps(existing_store(db), strategy, state)
     emit_rows(rows, ["target", "stage", "state", "details", "started_at", "finished_at"], fmt)
 
 
@@ -465,7 +465,7 @@ def history(
     db: DbOpt = None,
 ) -> None:
     """The journal: every transition with time, conductor, from, to and details."""
-    rows = queries.history(existing_store(db), strategy, target)
+    rows = queries.iter_history(existing_store(db), strategy, target)
     emit_rows(rows, ["at", "conductor", "target", "from", "to", "details"], fmt)
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from enum import StrEnum
+from itertools import chain, islice
 from typing import Any
 
 from rich.console import Console
@@ -41,20 +43,26 @@ def print_json(data: Any) -> None:
 
 
 def emit_rows(
-    rows: list[dict[str, Any]],
+    rows: Iterable[dict[str, Any]],
     columns: list[str],
     fmt: Format,
     title: str | None = None,
     *,
     whole_first: bool = False,
 ) -> None:
-    """``whole_first``: the first column is never wrapped or cut (short names only)."""
+    """Print rows (a list, or an iterator read as it goes) as a table or JSON.
+
+    ``whole_first``: the first column is never wrapped or cut (short names only).
+    """
+    it = iter(rows)
     if fmt is Format.json:
-        print_json(rows)
+        _json_rows(it)
         return
-    if len(rows) > PLAIN_ABOVE:
-        _plain_rows(rows, columns, title)
+    head = list(islice(it, PLAIN_ABOVE + 1))
+    if len(head) > PLAIN_ABOVE:
+        _plain_rows(chain(head, it), columns, title)
         return
+    rows = head
     table = Table(title=title, show_lines=False)
     for i, col in enumerate(columns):
         table.add_column(col, no_wrap=whole_first and i == 0)
@@ -71,12 +79,25 @@ def emit_rows(
 PLAIN_ABOVE = 500
 
 
-def _plain_rows(rows: list[dict[str, Any]], columns: list[str], title: str | None) -> None:
-    """Columns padded to their widest value, two spaces apart, one line per row."""
-    cells = [[_cell(c, row.get(c)).replace("\n", " ") for c in columns] for row in rows]
+def _json_rows(rows: Iterator[dict[str, Any]]) -> None:
+    """A JSON array written a row at a time, one row per line (memory stays flat)."""
+    write = sys.stdout.write
+    sep = "[\n"
+    for row in rows:
+        write(sep + "  " + json.dumps(row, sort_keys=True, default=str))
+        sep = ",\n"
+    write("[]\n" if sep == "[\n" else "\n]\n")
+
+
+def _plain_rows(rows: Iterable[dict[str, Any]], columns: list[str], title: str | None) -> None:
+    """Columns padded to their widest value, two spaces apart, one line per row.
+
+    Only the cells are kept (the widths need them all), not the rows they came from.
+    """
+    cells = [tuple(_cell(c, row.get(c)).replace("\n", " ") for c in columns) for row in rows]
     widths = [max(len(col), *(len(r[i]) for r in cells)) for i, col in enumerate(columns)]
 
-    def line(values: list[str]) -> str:
+    def line(values: Iterable[str]) -> str:
         return "  ".join(v.ljust(w) for v, w in zip(values, widths, strict=True)).rstrip()
 
     out = [title] if title else []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,11 +67,17 @@ def _target_query() -> Any:
 
 
 def list_targets(store: Store, group: str | None = None) -> list[dict[str, Any]]:
+    return list(iter_targets(store, group))
+
+
+def iter_targets(store: Store, group: str | None = None) -> Iterator[dict[str, Any]]:
+    """The targets one at a time, as read (a fleet of 100,000 is not held in memory)."""
     q = _target_query()
     if group is not None:
         q = q.where(groups.c.name == group)
     with store.read() as conn:
-        return [_target_dict(r) for r in conn.execute(q.order_by(targets.c.name))]
+        for r in conn.execute(q.order_by(targets.c.name)):
+            yield _target_dict(r)
 
 
 def get_target(store: Store, name: str) -> dict[str, Any]:
@@ -233,7 +240,21 @@ def strategy_exists(store: Store, sid: int) -> None:
 def list_steps(
     store: Store, sid: int, state: str | None = None, limit: int | None = None
 ) -> list[dict[str, Any]]:
+    return list(iter_steps(store, sid, state, limit))
+
+
+def iter_steps(
+    store: Store, sid: int, state: str | None = None, limit: int | None = None
+) -> Iterator[dict[str, Any]]:
+    """A strategy's steps one at a time, as read; an unknown strategy is refused at
+    once, before the first row is asked for."""
     strategy_exists(store, sid)
+    return _iter_steps(store, sid, state, limit)
+
+
+def _iter_steps(
+    store: Store, sid: int, state: str | None, limit: int | None
+) -> Iterator[dict[str, Any]]:
     q = (
         select(
             steps.c.id,
@@ -255,8 +276,8 @@ def list_steps(
     if limit is not None:
         q = q.limit(limit)
     with store.read() as conn:
-        return [
-            {
+        for r in conn.execute(q):
+            yield {
                 "step": r.id,
                 "target": r.name,
                 "stage": r.stage,
@@ -267,8 +288,6 @@ def list_steps(
                 "attempt": r.attempt,
                 "owner": r.owner,
             }
-            for r in conn.execute(q)
-        ]
 
 
 def get_step(store: Store, step_id: int) -> dict[str, Any]:
@@ -306,6 +325,14 @@ def get_step(store: Store, step_id: int) -> dict[str, Any]:
 def history(
     store: Store, sid: int, target: str | None = None, step_id: int | None = None
 ) -> list[dict[str, Any]]:
+    return list(iter_history(store, sid, target, step_id))
+
+
+def iter_history(
+    store: Store, sid: int, target: str | None = None, step_id: int | None = None
+) -> Iterator[dict[str, Any]]:
+    """A strategy's journal one transition at a time, as read (600,000 rows for a
+    rollout of 100,000 targets); unknown names are refused before the first row."""
     strategy_exists(store, sid)
     q = (
         select(journal, targets.c.name.label("target"))
@@ -321,9 +348,13 @@ def history(
         q = q.where(targets.c.name == target)
     if step_id is not None:
         q = q.where(journal.c.step_id == step_id)
+    return _iter_history(store, q)
+
+
+def _iter_history(store: Store, q: Any) -> Iterator[dict[str, Any]]:
     with store.read() as conn:
-        return [
-            {
+        for r in conn.execute(q):
+            yield {
                 "at": r.at,
                 "conductor": r.conductor,
                 "target": r.target,
@@ -333,8 +364,6 @@ def history(
                 "fence": r.fence,
                 "details": r.details,
             }
-            for r in conn.execute(q)
-        ]
 
 
 def step_events(store: Store, step_id: int) -> list[dict[str, Any]]:
