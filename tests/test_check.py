@@ -3,15 +3,18 @@ broken engine, a bug elsewhere or a hand edit would leave it), and only those.""
 
 from __future__ import annotations
 
+from collections import namedtuple
 from typing import Any
 
 import pytest
+from sqlalchemy import select
 
 from conftest import add_sim_targets
 from fleetwave.domain.models import Group, StrategyOptions
 from fleetwave.domain.registry import get_workflow
 from fleetwave.store import admin
 from fleetwave.store.db import Store
+from fleetwave.store.schema import steps, strategies, targets
 from fleetwave.testing import invariants
 from fleetwave.testing.invariants import check
 
@@ -174,3 +177,31 @@ def test_past_the_reporting_limit_violations_are_counted_not_listed(
     assert len(verdict.violations) == 2
     assert verdict.truncated == 3
     assert verdict.to_json()["violations_not_shown"] == 3
+
+
+def test_a_state_entered_twice_is_a_g1_violation(store: Store) -> None:
+    """The journal's unique key refuses a second entry in SQLite, so the check is shown
+    a journal as one without that key would hold it (a restore that lost its indexes)."""
+    add_sim_targets(store, 1)
+    sid, (a,) = _strategy(store)
+    _journal(store, sid, [(a, "initial", FIRST, 1), (a, FIRST, SECOND, 1)])
+    with store.read() as conn:
+        strat = conn.execute(select(strategies).where(strategies.c.id == sid)).one()
+        step_rows = conn.execute(
+            select(steps.c.id, steps.c.state, steps.c.group_id, steps.c.stage, steps.c.owner)
+            .add_columns(targets.c.name)
+            .join(targets, targets.c.id == steps.c.target_id)
+            .where(steps.c.strategy_id == sid)
+        ).all()
+    Move = namedtuple("Move", "step_id from_state to_state fence details")
+    jrows = [
+        Move(a, "initial", FIRST, 1, ""),
+        Move(a, FIRST, SECOND, 1, ""),
+        Move(a, SECOND, FIRST, 1, ""),  # back into pre-check: entered twice, and backwards
+    ]
+    result = invariants.CheckResult()
+    invariants._check_strategy(result, strat, step_rows, jrows)
+    assert f"G1: strategy {sid} step {a} (t00000) entered '{FIRST}' more than once" in (
+        result.violations
+    )
+    assert result.transitions == 3

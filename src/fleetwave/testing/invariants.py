@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,13 +106,13 @@ def check(store: Store, strategy_id: int | None = None) -> CheckResult:
                 )
                 .where(journal.c.strategy_id == strat.id)
                 .order_by(journal.c.id)
-            ).all()
+            )  # read as checked: 600,000 rows of a 100,000-target rollout are not held
             _check_strategy(result, strat, step_rows, jrows)
     return result
 
 
 def _check_strategy(
-    result: CheckResult, strat: Row[Any], step_rows: Sequence[Row[Any]], jrows: Sequence[Row[Any]]
+    result: CheckResult, strat: Row[Any], step_rows: Sequence[Row[Any]], jrows: Iterable[Row[Any]]
 ) -> None:
     sid = strat.id
     states = tuple(json.loads(strat.states))
@@ -125,11 +125,14 @@ def _check_strategy(
     stage = {r.id: r.stage for r in step_rows}
     open_in_stage: Counter[int] = Counter(stage.values())  # steps not yet terminal
     result.steps += len(step_rows)
-    result.transitions += len(jrows)
 
     last: dict[int, str] = {}
     fence: dict[int, int] = {}
-    entered: Counter[tuple[int, str]] = Counter()
+    # the states each step entered, as bits (one int per step, not a key per entry)
+    bit: dict[str, int] = {}
+    entered: dict[int, int] = {}
+    # the first step stopped for the failure threshold (checked once the journal is read)
+    stopped_for_threshold: int | None = None
     inflight: set[int] = set()
     group_load: Counter[int | None] = Counter()
     failures = 0
@@ -138,10 +141,19 @@ def _check_strategy(
     def who(step_id: int) -> str:
         return f"strategy {sid} step {step_id} ({name.get(step_id, '?')})"
 
-    for i, (step_id, frm, to, fen, _details) in enumerate(jrows):
-        entered[(step_id, to)] += 1
-        if entered[(step_id, to)] == 2:
+    for i, (step_id, frm, to, fen, details) in enumerate(jrows):
+        result.transitions += 1
+        mask = bit.setdefault(to, 1 << len(bit))
+        seen = entered.get(step_id, 0)
+        if seen & mask:
             result.add(f"G1: {who(step_id)} entered '{to}' more than once")
+        entered[step_id] = seen | mask
+        if (
+            stopped_for_threshold is None
+            and to == "aborted"
+            and details.startswith(("not started:", "stopped after "))
+        ):
+            stopped_for_threshold = step_id
         prev = last.get(step_id, STEP_INITIAL)
         if prev in STEP_TERMINAL:
             result.add(f"G8: {who(step_id)} moved {frm} -> {to} after terminal '{prev}'")
@@ -188,15 +200,17 @@ def _check_strategy(
                     f"G7: strategy {sid} group {gid} had {group_load[gid]} in flight (cap {gcap})"
                 )
 
-    if limit is not None and stopped_at is None and strat.state != "aborted":
+    if (
+        limit is not None
+        and stopped_at is None
+        and strat.state != "aborted"
+        and stopped_for_threshold is not None
+    ):
         # The threshold was never exceeded, so nothing may have been stopped for it.
-        for step_id, _frm, to, _fen, details in jrows:
-            if to == "aborted" and details.startswith(("not started:", "stopped after ")):
-                result.add(
-                    f"threshold: {who(step_id)} was stopped although only {failures} steps "
-                    f"failed (threshold {limit})"
-                )
-                break
+        result.add(
+            f"threshold: {who(stopped_for_threshold)} was stopped although only {failures} "
+            f"steps failed (threshold {limit})"
+        )
 
     terminal_strategy = strat.state in STRATEGY_TERMINAL
     for r in step_rows:
