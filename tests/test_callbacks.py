@@ -7,17 +7,21 @@ import time
 from collections import Counter
 
 import pytest
+from sqlalchemy import update
 
 from conftest import add_sim_targets, applied, rollout
-from fleetwave import ActionContext, Outcome, StateAction
+from fleetwave import ActionContext, Advance, Outcome, StateAction
 from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.registry import get_workflow, register_workflow
 from fleetwave.domain.workflow import StateDef, StepFailed, WorkflowDef
 from fleetwave.engine.conductor import Conductor
+from fleetwave.engine.messages import LeaseLost, StrategyClaimed
 from fleetwave.store import admin, queries
+from fleetwave.store import runtime as rt
 from fleetwave.store.callbacks import accept_callback, callback_outcomes
 from fleetwave.store.db import Store
+from fleetwave.store.schema import strategies
 from fleetwave.testing.invariants import check
 
 
@@ -39,6 +43,63 @@ def test_a_conductor_keeps_no_callback_ids_of_a_strategy_that_ended(store: Store
     assert final == "complete"
     assert len(callback_outcomes(store, sid)) == 20  # it did hear them
     assert c._callbacks_seen == {}
+
+
+class LostAndRetaken(StateAction):
+    """While its step waits for a callback, the strategy is lost (another conductor took
+    it over and died, its lease already expired) and claimed back at once, in the order
+    the periodic pass does it; meanwhile the target calls back in process."""
+
+    def __init__(self) -> None:
+        self.conductor: Conductor | None = None
+        self.sid = 0
+        self.done = False
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        if not self.done:
+            self.done = True
+            c = self.conductor
+            assert c is not None
+            with c.store.write() as conn:
+                conn.execute(
+                    update(strategies)
+                    .where(strategies.c.id == self.sid)
+                    .values(owner="c-dead", fence=strategies.c.fence + 1, lease_expires_at=1.0)
+                )
+            now = c.clock.now()
+            c.post(LeaseLost(self.sid))
+            for rec in rt.claim_strategies(c.store, c.id, now, now + 60, {self.sid}):
+                c._claiming.add(rec.id)
+                c.post(StrategyClaimed(rec))
+            c.receive_callback(ctx.step_id, ctx.state, "done", "agent done")
+            await asyncio.sleep(5)  # cancelled when the run is dropped
+        return Advance()
+
+    async def recover(self, ctx: ActionContext) -> Outcome:
+        return Advance()
+
+
+def test_a_callback_heard_while_a_strategy_is_lost_and_claimed_back_counts_once(
+    store: Store,
+) -> None:
+    """Found by a review: forgetting a lost strategy's posted callbacks made the one
+    still queued be posted again at the claim: it moved the step on, and was recorded
+    as 'ignored: duplicate'."""
+    add_sim_targets(store, 1)
+    action = LostAndRetaken()
+    wf = register_workflow(
+        WorkflowDef(
+            "lost-retaken", (StateDef("w", action, mode="wait-for-callback", timeout_s=30),)
+        ),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    c = Conductor(store)
+    action.conductor, action.sid = c, sid
+    final = asyncio.run(asyncio.wait_for(c.run(strategy_ids=[sid]), 20))[sid]
+    assert final == "complete"
+    (cb,) = callback_outcomes(store, sid)
+    assert (cb["outcome"], cb["reason"]) == ("applied", "moved the step on from w")
 
 
 def test_duplicate_late_and_failed_callbacks(store: Store) -> None:

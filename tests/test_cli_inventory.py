@@ -510,6 +510,13 @@ def test_a_long_list_prints_as_plain_columns_at_once(
     col = lines[0].index("group")
     assert all(line[col - 2 : col] == "  " for line in lines[2:])
     assert "┃" not in res.out
+    # a name in wide characters takes two terminal cells each: still aligned
+    assert cli("target", "add", "节点一").code == 0
+    from rich.cells import cell_len
+
+    lines = cli("target", "list").out.splitlines()
+    starts = {cell_len(line.split("  sim")[0]) for line in lines[2:]}
+    assert len(starts) == 1, lines
 
 
 def test_lists_stream_as_json_one_row_per_line_and_refuse_bad_names_first(

@@ -8,6 +8,7 @@ checks the outcome through the CLI's own ``--format json`` output.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import time
@@ -613,8 +614,8 @@ def test_an_interrupted_delete_is_finished_by_deleting_again(
     real_delete = admin.delete
 
     def interrupted(table: Any) -> Any:
-        if table.name == "events":
-            raise KeyboardInterrupt  # after the journal's chunks were committed
+        if table.name == "journal":
+            raise KeyboardInterrupt  # after the steps' and callbacks' chunks were committed
         return real_delete(table)
 
     monkeypatch.setattr(admin, "delete", interrupted)
@@ -622,7 +623,7 @@ def test_an_interrupted_delete_is_finished_by_deleting_again(
     assert res.code == 130, res.text  # interrupted
     monkeypatch.undo()
     assert [s["state"] for s in strategies(cli)] == ["deleting"]
-    assert _rows_of(db_path, sid)["journal"] == 0 and _rows_of(db_path, sid)["steps"] == 3
+    assert _rows_of(db_path, sid)["steps"] == 0 and _rows_of(db_path, sid)["journal"] == 18
 
     res = cli("check")
     assert res.code == 0, res.text  # the half-gone journal is not judged
@@ -939,3 +940,41 @@ def test_apply_after_an_abort_says_it_does_not_undo_it(cli: Cli) -> None:
     assert cli("strategy", "show", str(sid), "--format", "json").json()["state"] == (
         "abort-requested"
     )
+
+
+def test_a_callback_stored_while_its_strategy_is_deleted_goes_with_it(
+    cli: Cli, db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: an agent's callback stored between the callbacks' chunks and
+    the steps' stayed behind for good. Steps go first now: after that no callback can
+    be stored for them, and one stored before goes with the callbacks."""
+    import time as _time
+
+    from fleetwave.domain.errors import NotFound
+    from fleetwave.store import admin
+    from fleetwave.store.callbacks import accept_callback
+
+    add(cli, "a", "b")
+    sid = create(cli, "--all")  # never applied: its steps are not terminal
+    step = _step_id(cli, sid, "a")
+    real_write = admin.Store.write
+    writes = {"n": 0}
+
+    @contextlib.contextmanager
+    def write(self: Any) -> Any:
+        with real_write(self) as conn:
+            yield conn
+        if writes["n"] < 0:
+            return  # the callback's own transaction
+        writes["n"] += 1
+        # after each transaction of the delete, an agent calls back for the step
+        writes["n"] = -writes["n"]
+        with contextlib.suppress(NotFound):  # once the step is gone: refused
+            accept_callback(self, step, "pre-check", "done", "", _time.time())
+        writes["n"] = -writes["n"]
+
+    monkeypatch.setattr(admin.Store, "write", write)
+    assert cli("strategy", "delete", str(sid)).code == 0
+    monkeypatch.undo()
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("SELECT count(*) FROM callbacks").fetchone()[0] == 0

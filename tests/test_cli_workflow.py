@@ -491,3 +491,59 @@ def test_validate_says_what_add_would_refuse_and_errors_are_one_line(
     res = cli("workflow", "validate", str(tmp_path), db=None)
     assert res.code == 2
     assert res.err.strip() == f"error: FILE: {tmp_path} is a directory, not a workflow file"
+
+
+class OwnRecover(DriverOperation):
+    async def recover(self, ctx: ActionContext) -> Outcome:
+        return Skip("looked for myself")
+
+
+def test_workflow_show_says_hook_for_a_driver_operation_with_its_own_recover(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """Found by a review: a state named like the start of its operation ('drain' running
+    'drain-node') was shown as 'driver-node'; a DriverOperation subclass with a recover of
+    its own was shown as 'observe'."""
+    register_workflow(
+        WorkflowDef(
+            "review-show",
+            (
+                StateDef("drain", DriverOperation("drain-node")),
+                StateDef("own", OwnRecover("own")),
+            ),
+        ),
+        replace=True,
+    )
+    out = cli("workflow", "show", "review-show").text
+    assert "driver:drain-node" in out and "driver-node" not in out.replace("driver:drain-node", "")
+    wf = cli("workflow", "show", "review-show", "--format", "json").json()
+    assert [s["recover"] for s in wf["states"]] == ["observe", "hook"]
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [
+        (600, "10m"),
+        (5400, "1h30m"),
+        (0.25, "0.25s"),
+        (90, "1m30s"),
+        (100000.25, "27h46m40.25s"),  # was 100000s
+        (1234567.5, "342h56m7.5s"),  # was 1.23457e+06s
+        (59.9999999, "1m"),  # was 60s
+    ],
+)
+def test_durations_read_at_a_glance(seconds: float, shown: str) -> None:
+    from fleetwave.cli.main import _duration
+
+    assert _duration(seconds) == shown
+
+
+@pytest.mark.parametrize("field", ["timeout_s", "backoff_s"])
+def test_a_python_workflow_with_an_infinite_time_is_refused(field: str) -> None:
+    """Every state has a deadline; a YAML file cannot say inf, a Python workflow could."""
+    import math
+
+    from fleetwave.domain.workflow import WorkflowError
+
+    with pytest.raises(WorkflowError, match=f"states\\[0\\] \\(wait\\): {field}: must be"):
+        WorkflowDef("forever", (StateDef("wait", DriverOperation("wait"), **{field: math.inf}),))

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import add_sim_targets, applied
-from fleetwave.domain.models import Target
+from fleetwave.domain.models import StrategyOptions, Target
 from fleetwave.domain.workflow import ActionContext, RemoteResult, StepFailed
 from fleetwave.drivers.sim import SimDriver, _Sleeps
 from fleetwave.engine.conductor import Conductor
@@ -125,3 +125,37 @@ def test_a_driver_keeps_nothing_of_a_strategy_once_it_ended(store: Store) -> Non
     final = asyncio.run(Conductor(store, drivers={"sim": driver}).run(strategy_ids=[sid]))
     assert final[sid] == "complete"
     assert driver._remote == {} and driver._finished == {}
+
+
+def test_an_operation_that_finishes_after_its_strategy_ended_is_not_recorded(
+    store: Store,
+) -> None:
+    """Found by a review: a step that timed out leaves its operation running on the
+    target; when it finished after the strategy ended, its record came back for good."""
+    from fleetwave.domain.registry import register_workflow
+    from fleetwave.domain.workflow import DriverOperation, StateDef, WorkflowDef
+    from fleetwave.engine.clock import LoopClock
+    from fleetwave.store import admin
+    from fleetwave.testing.vloop import VirtualTimeLoop
+
+    add_sim_targets(store, 3, settings={"latency_ms": 2000, "latency": "uniform"})
+    wf = register_workflow(
+        WorkflowDef("slow-op", (StateDef("op", DriverOperation("op"), timeout_s=0.1),)),
+        replace=True,
+    )
+    driver = SimDriver()
+
+    async def main() -> None:
+        for _ in range(2):
+            sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
+            admin.apply_strategy(store, sid)
+            c = Conductor(store, clock=LoopClock(), drivers={"sim": driver})
+            assert (await c.run(strategy_ids=[sid]))[sid] == "failed"  # timed out
+            await asyncio.sleep(10)  # the targets finish what the steps gave up on
+
+    loop = VirtualTimeLoop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert driver._finished == {} and driver._remote == {}

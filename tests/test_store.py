@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 from alembic import command
 from alembic.autogenerate import compare_metadata
@@ -97,7 +98,9 @@ def test_a_deleted_strategys_id_is_never_given_again(tmp_path: Path) -> None:
     assert _patch_strategy(reopened, "t4") == third + 2
 
 
-def test_upgrading_starts_the_id_counter_at_the_highest_strategy(tmp_path: Path) -> None:
+def test_upgrading_starts_the_id_counter_above_every_strategy_id_still_mentioned(
+    tmp_path: Path,
+) -> None:
     path = tmp_path / "old.db"
     engine = sa.create_engine(f"sqlite:///{path}")
     cfg = Config()
@@ -115,10 +118,18 @@ def test_upgrading_starts_the_id_counter_at_the_highest_strategy(tmp_path: Path)
                 "options, group_caps, step_count, details, created_at, updated_at, fence) "
                 f"VALUES ({sid}, 'patch', 1, '[]', 'complete', '{{}}', '{{}}', 0, '', 0, 0, 0)"
             )
+        # strategy 9 was deleted by an earlier version, which left its callbacks behind:
+        # a new strategy 9 would have been handed this one
+        conn.exec_driver_sql(
+            "INSERT INTO callbacks (strategy_id, step_id, state, kind, details, received_at) "
+            "VALUES (9, 1, 'pre-check', 'done', '', 0)"
+        )
     engine.dispose()
     store = open_store(str(path))  # migrates to head
     admin.delete_strategy(store, 7)
-    assert _patch_strategy(store, "t0") == 8
+    assert _patch_strategy(store, "t0") == 10
+    with store.read() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM callbacks").scalar_one() == 0
 
 
 def test_taking_a_step_over_clears_its_not_started_mark(tmp_path: Path) -> None:
@@ -162,3 +173,38 @@ def test_started_steps_of_a_strategy_never_driven_need_no_scan(tmp_path: Path) -
     started, failed = rt.load_started_steps(store, sid)
     assert [s.step_id for s in started] == [first.step_id] and failed == 1
     store.dispose()
+
+
+def test_a_list_read_slowly_holds_no_read_transaction_between_pages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: history streamed into a pager that waits held one read
+    transaction open, so SQLite could not reset its WAL while conductors wrote (65 MB
+    after 3,000 writes). Rows are read a page per transaction: between pages, a
+    checkpoint can empty the WAL."""
+    from fleetwave.store import queries
+
+    monkeypatch.setattr(queries, "PAGE_ROWS", 2)
+    store = open_store(str(tmp_path / "f.db"))
+    admin.add_targets(store, [Target(name=f"t{i}") for i in range(3)])
+    sid = _patch_strategy(store, "t0")
+    with store.write() as conn:
+        for i, to in enumerate(["pre-check", "updating-patches", "creating-remote-patch-strategy"]):
+            conn.exec_driver_sql(
+                "INSERT INTO journal (strategy_id, step_id, at, conductor, from_state, "
+                "to_state, fence, details) SELECT ?, id, ?, 'c', 'x', ?, 1, '' FROM steps "
+                "WHERE strategy_id = ?",
+                (sid, float(i), to, sid),
+            )
+    for reader in (
+        queries.iter_history(store, sid),
+        queries.iter_steps(store, sid),
+        queries.iter_targets(store),
+    ):
+        next(reader)  # the reader pauses after its first row (a pager waiting)
+        with store.write() as conn:
+            conn.exec_driver_sql("UPDATE targets SET labels = labels")
+        with store.engine.connect() as conn:
+            busy, _, _ = conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)").one()
+        assert busy == 0  # no snapshot held: the WAL could be reset
+        assert len(list(reader)) >= 0

@@ -198,17 +198,16 @@ def _workflow_dict(name: str, db: str | None) -> dict[str, object]:
 
 
 def _duration(seconds: float) -> str:
-    """600 -> 10m, 5400 -> 1h30m, 0.25 -> 0.25s: timeouts read at a glance."""
-    if seconds < 60 or seconds != int(seconds):
-        return f"{seconds:g}s"
-    total = int(seconds)
-    hours, rest = divmod(total, 3600)
-    minutes, secs = divmod(rest, 60)
-    parts = [
-        f"{hours}h" if hours else "",
-        f"{minutes}m" if minutes else "",
-        f"{secs}s" if secs else "",
-    ]
+    """600 -> 10m, 5400 -> 1h30m, 0.25 -> 0.25s, 100000.25 -> 27h46m40.25s: read at a
+    glance, to the millisecond."""
+    millis = round(seconds * 1000)
+    if millis < 60_000:
+        return f"{millis / 1000:g}s"
+    hours, rest = divmod(millis, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    parts = [f"{hours}h" if hours else "", f"{minutes}m" if minutes else ""]
+    if rest:
+        parts.append(f"{rest / 1000:g}s")
     return "".join(parts)
 
 
@@ -223,7 +222,10 @@ def _states_table(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if s["attempts"] > 1:
             attempts += f" (backoff {_duration(s['backoff_s'])}..{_duration(s['backoff_max_s'])})"
         # "driver:pre-check" in state pre-check: the driver operation named like the state
-        action = str(s["action"]).replace(f"driver:{s['state']}", "driver", 1)
+        action = str(s["action"])
+        named_like = f"driver:{s['state']}"
+        if action == named_like or action.startswith(named_like + " "):
+            action = "driver" + action[len(named_like) :]
         if s["mode"] in _MODE_NOTE:
             action += f"; {_MODE_NOTE[s['mode']]}"
         rows.append(

@@ -10,6 +10,7 @@ from enum import StrEnum
 from itertools import chain, islice
 from typing import Any
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 
@@ -89,16 +90,26 @@ def _json_rows(rows: Iterator[dict[str, Any]]) -> None:
     write("[]\n" if sep == "[\n" else "\n]\n")
 
 
+def _width(text: str) -> int:
+    """Terminal cells, not characters: a CJK name takes two per character."""
+    return len(text) if text.isascii() else cell_len(text)
+
+
 def _plain_rows(rows: Iterable[dict[str, Any]], columns: list[str], title: str | None) -> None:
     """Columns padded to their widest value, two spaces apart, one line per row.
 
     Only the cells are kept (the widths need them all), not the rows they came from.
     """
-    cells = [tuple(_cell(c, row.get(c)).replace("\n", " ") for c in columns) for row in rows]
-    widths = [max(len(col), *(len(r[i]) for r in cells)) for i, col in enumerate(columns)]
+    cells = [
+        tuple(" ".join(_cell(c, row.get(c)).split("\n")).replace("\t", " ") for c in columns)
+        for row in rows
+    ]
+    widths = [max(_width(col), *(_width(r[i]) for r in cells)) for i, col in enumerate(columns)]
 
     def line(values: Iterable[str]) -> str:
-        return "  ".join(v.ljust(w) for v, w in zip(values, widths, strict=True)).rstrip()
+        return "  ".join(
+            v + " " * (w - _width(v)) for v, w in zip(values, widths, strict=True)
+        ).rstrip()
 
     out = [title] if title else []
     out += [line(columns), line(["-" * w for w in widths])]

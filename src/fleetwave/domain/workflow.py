@@ -13,6 +13,7 @@ Anything else an action raises fails the step with ``"<state>: <message>"``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal, Protocol
@@ -163,7 +164,8 @@ class DriverOperation(StateAction):
         return f"driver:{self.operation}{suffix}"
 
     def describe_recover(self) -> str:
-        return "observe"
+        # a subclass with a recover of its own: that code decides, not the observation
+        return "observe" if type(self).recover is DriverOperation.recover else "hook"
 
 
 WaitMode = Literal["run", "wait-for-callback", "poll"]
@@ -257,9 +259,12 @@ def validate_workflow(wf: WorkflowDef) -> None:
         if s.name in seen:
             raise WorkflowError(f"{where}: name: duplicate state name")
         seen.add(s.name)
-        if not s.timeout_s > 0:
-            raise WorkflowError(f"{where}: timeout_s: must be a positive number of seconds")
+        if not (s.timeout_s > 0 and math.isfinite(s.timeout_s)):
+            raise WorkflowError(
+                f"{where}: timeout_s: must be a positive, finite number of seconds "
+                "(every state has a deadline)"
+            )
         if s.attempts_max < 1:
             raise WorkflowError(f"{where}: attempts: must be at least 1")
-        if s.backoff_s < 0 or s.backoff_max_s < 0:
-            raise WorkflowError(f"{where}: backoff_s: must not be negative")
+        if not (0 <= s.backoff_s < math.inf and 0 <= s.backoff_max_s < math.inf):
+            raise WorkflowError(f"{where}: backoff_s: must be a finite number, not negative")

@@ -263,6 +263,9 @@ class SimDriver:
         #: rollout by a third. Forgotten when the strategy ends.
         self._remote: dict[tuple[int, str, str], _Execution] = {}
         self._finished: dict[int, dict[int, tuple[str, bool]]] = {}
+        #: strategies ended: an operation still running on a target (its step timed out)
+        #: that finishes afterwards is not recorded
+        self._ended: set[int] = set()
         self._work: set[asyncio.Task[None]] = set()
 
     def _profile(self, target: Target) -> _Profile:
@@ -329,11 +332,13 @@ class SimDriver:
         key = (ctx.strategy_id, target.name, operation)
         if self._remote.get(key) is execution:
             del self._remote[key]
-        self._finished.setdefault(ctx.strategy_id, {})[ctx.step_id] = (operation, ok)
+        if ctx.strategy_id not in self._ended:
+            self._finished.setdefault(ctx.strategy_id, {})[ctx.step_id] = (operation, ok)
 
     def strategy_ended(self, strategy_id: int) -> None:
         """The conductor ended the strategy: what its targets did is no longer asked."""
         self._finished.pop(strategy_id, None)
+        self._ended.add(strategy_id)
 
     async def _remote_work(
         self, prof: _Profile, target: Target, operation: str, ctx: ActionContext

@@ -163,7 +163,8 @@ class Conductor:
         self._wanted: set[int] | None = None
         self._patient = False
         #: callbacks already posted to the dispatcher, by strategy (each is posted once,
-        #: however it is heard of); dropped when the strategy ends here
+        #: however it is heard of); dropped when the strategy ends here (a strategy lost
+        #: to another conductor keeps the ids it handled, in case it comes back)
         self._callbacks_seen: dict[int, set[int]] = {}
         self._fatal: BaseException | None = None
         self._draining = False
@@ -828,7 +829,8 @@ class Conductor:
         run = self.runs.pop(sid, None)
         if run is None:
             return
-        self._callbacks_seen.pop(sid, None)
+        # Its seen callbacks are kept: one still queued must not be posted again if the
+        # strategy is claimed back (each queued one is let go as it comes up, not ours).
         for fl in run.inflight.values():
             if fl.task is not None:
                 fl.task.cancel()

@@ -437,7 +437,9 @@ def delete_strategy(store: Store, sid: int, *, chunk: int | None = None) -> None
             .where(strategies.c.id == sid)
             .values(state=StrategyState.DELETING.value, updated_at=_now())
         )
-    for table in (journal, events, callbacks, steps):
+    # Steps first: once a step is gone no callback can be stored for it (one stored
+    # for a step still there is deleted with the callbacks after it).
+    for table in (steps, callbacks, journal, events):
         while True:
             with store.write() as conn:
                 some = select(table.c.id).where(table.c.strategy_id == sid).limit(chunk)

@@ -6,6 +6,7 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 from sqlalchemy import func, select
@@ -70,14 +71,30 @@ def list_targets(store: Store, group: str | None = None) -> list[dict[str, Any]]
     return list(iter_targets(store, group))
 
 
+#: rows read per transaction by the iterators below: a list printed into a pager that
+#: waits must not hold a read transaction open (SQLite could not reset its WAL, and the
+#: conductors' writes would grow it without end)
+PAGE_ROWS = 5000
+
+
+def _pages(store: Store, q: Any, key: Any, after: Any) -> Iterator[Any]:
+    """Rows of ``q`` in ``key`` order (unique), a page per read transaction."""
+    while True:
+        with store.read() as conn:
+            page = conn.execute(q.where(key > after).order_by(key).limit(PAGE_ROWS)).all()
+        yield from page
+        if len(page) < PAGE_ROWS:
+            return
+        after = getattr(page[-1], key.key)
+
+
 def iter_targets(store: Store, group: str | None = None) -> Iterator[dict[str, Any]]:
-    """The targets one at a time, as read (a fleet of 100,000 is not held in memory)."""
+    """The targets a page at a time, as read (a fleet of 100,000 is not held in memory)."""
     q = _target_query()
     if group is not None:
         q = q.where(groups.c.name == group)
-    with store.read() as conn:
-        for r in conn.execute(q.order_by(targets.c.name)):
-            yield _target_dict(r)
+    for r in _pages(store, q, targets.c.name, ""):
+        yield _target_dict(r)
 
 
 def get_target(store: Store, name: str) -> dict[str, Any]:
@@ -266,28 +283,26 @@ def _iter_steps(
             steps.c.finished_at,
             steps.c.attempt,
             steps.c.owner,
+            steps.c.ordinal,
         )
         .join(targets, targets.c.id == steps.c.target_id)
         .where(steps.c.strategy_id == sid)
-        .order_by(steps.c.ordinal)
     )
     if state is not None:
         q = q.where(steps.c.state == state)
-    if limit is not None:
-        q = q.limit(limit)
-    with store.read() as conn:
-        for r in conn.execute(q):
-            yield {
-                "step": r.id,
-                "target": r.name,
-                "stage": r.stage,
-                "state": r.state,
-                "details": r.details,
-                "started_at": r.started_at,
-                "finished_at": r.finished_at,
-                "attempt": r.attempt,
-                "owner": r.owner,
-            }
+    rows = _pages(store, q, steps.c.ordinal, -1)
+    for r in rows if limit is None else islice(rows, limit):
+        yield {
+            "step": r.id,
+            "target": r.name,
+            "stage": r.stage,
+            "state": r.state,
+            "details": r.details,
+            "started_at": r.started_at,
+            "finished_at": r.finished_at,
+            "attempt": r.attempt,
+            "owner": r.owner,
+        }
 
 
 def get_step(store: Store, step_id: int) -> dict[str, Any]:
@@ -339,7 +354,6 @@ def iter_history(
         .join(steps, steps.c.id == journal.c.step_id)
         .join(targets, targets.c.id == steps.c.target_id)
         .where(journal.c.strategy_id == sid)
-        .order_by(journal.c.id)
     )
     if target is not None:
         with store.read() as conn:
@@ -352,18 +366,17 @@ def iter_history(
 
 
 def _iter_history(store: Store, q: Any) -> Iterator[dict[str, Any]]:
-    with store.read() as conn:
-        for r in conn.execute(q):
-            yield {
-                "at": r.at,
-                "conductor": r.conductor,
-                "target": r.target,
-                "step": r.step_id,
-                "from": r.from_state,
-                "to": r.to_state,
-                "fence": r.fence,
-                "details": r.details,
-            }
+    for r in _pages(store, q, journal.c.id, 0):
+        yield {
+            "at": r.at,
+            "conductor": r.conductor,
+            "target": r.target,
+            "step": r.step_id,
+            "from": r.from_state,
+            "to": r.to_state,
+            "fence": r.fence,
+            "details": r.details,
+        }
 
 
 def step_events(store: Store, step_id: int) -> list[dict[str, Any]]:
