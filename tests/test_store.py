@@ -11,10 +11,12 @@ from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.migration import MigrationContext
 
+from fleetwave.domain.errors import NotFound
 from fleetwave.domain.models import StrategyOptions, Target
 from fleetwave.domain.registry import get_workflow
 from fleetwave.store import admin
 from fleetwave.store import runtime as rt
+from fleetwave.store.callbacks import accept_callback
 from fleetwave.store.db import (
     HEAD_REVISION,
     MIGRATIONS_DIR,
@@ -98,6 +100,29 @@ def test_a_deleted_strategys_id_is_never_given_again(tmp_path: Path) -> None:
     assert _patch_strategy(reopened, "t4") == third + 2
 
 
+def _step_ids(store: Store, sid: int) -> list[int]:
+    with store.read() as conn:
+        rows = conn.exec_driver_sql("SELECT id FROM steps WHERE strategy_id = ?", (sid,))
+        return sorted(int(r[0]) for r in rows)
+
+
+def test_a_deleted_strategys_step_ids_are_never_given_again(tmp_path: Path) -> None:
+    """SQLite alone gave the next strategy's steps the ids of the deleted newest
+    strategy's steps: a late callback for one of those moved the new step that got its
+    id. Now no step has that id any more, and the callback is refused."""
+    store = open_store(str(tmp_path / "f.db"))
+    admin.add_targets(store, [Target(name=f"t{i}") for i in range(4)])
+    wf = get_workflow("patch")
+    assert wf is not None
+    gone = admin.create_strategy(store, wf, StrategyOptions(), target_names=["t0", "t1"])
+    old_steps = _step_ids(store, gone)
+    admin.delete_strategy(store, gone)
+    new = admin.create_strategy(store, wf, StrategyOptions(), target_names=["t2", "t3"])
+    assert min(_step_ids(store, new)) > max(old_steps)
+    with pytest.raises(NotFound, match=f"step {old_steps[0]} not found"):
+        accept_callback(store, old_steps[0], "pre-check", "done", "late agent", 0.0)
+
+
 def test_upgrading_starts_the_id_counter_above_every_strategy_id_still_mentioned(
     tmp_path: Path,
 ) -> None:
@@ -127,7 +152,9 @@ def test_upgrading_starts_the_id_counter_above_every_strategy_id_still_mentioned
     engine.dispose()
     store = open_store(str(path))  # migrates to head
     admin.delete_strategy(store, 7)
-    assert _patch_strategy(store, "t0") == 10
+    sid = _patch_strategy(store, "t0")
+    assert sid == 10
+    assert min(_step_ids(store, sid)) > 1  # step 1 is named by the leftover callback
     with store.read() as conn:
         assert conn.exec_driver_sql("SELECT count(*) FROM callbacks").scalar_one() == 0
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from sqlalchemy import Connection, delete, func, insert, select, update
+from sqlalchemy import Connection, Table, delete, func, insert, select, update
 
 from fleetwave.domain.errors import Conflict, InputError, NotFound
 from fleetwave.domain.models import (
@@ -263,7 +263,8 @@ def create_strategy(
         if opts.stages_by_group:
             for r in rows:
                 stage_of.setdefault(r.group_id, len(stage_of) + 1)
-        sid = _next_strategy_id(conn)
+        sid = _take_ids(conn, strategies)
+        first_step = _take_ids(conn, steps, len(rows))
         conn.execute(
             insert(strategies).values(
                 id=sid,
@@ -285,6 +286,7 @@ def create_strategy(
             insert(steps),
             [
                 {
+                    "id": first_step + i,
                     "strategy_id": sid,
                     "target_id": r.id,
                     "ordinal": i,
@@ -388,21 +390,25 @@ def request_abort(store: Store, sid: int) -> None:
         )
 
 
-def _next_strategy_id(conn: Connection) -> int:
-    """A strategy id never given before, also after deletes (in the caller's write
-    transaction, which holds the write lock: two creations cannot get the same id)."""
+def _take_ids(conn: Connection, table: Table, count: int = 1) -> int:
+    """The first of ``count`` ids of ``table`` never given before, also after deletes
+    (in the caller's write transaction, which holds the write lock: two creations
+    cannot get the same ids). Strategy and step ids are never reused: a ticket or a log
+    line names one rollout, and a late callback for a deleted strategy's step finds no
+    step rather than a new strategy's step that got its id."""
     last = conn.execute(
-        select(id_counters.c.last_id).where(id_counters.c.name == "strategies")
+        select(id_counters.c.last_id).where(id_counters.c.name == table.name)
     ).scalar_one_or_none()
-    highest = conn.execute(select(func.coalesce(func.max(strategies.c.id), 0))).scalar_one()
-    sid = max(int(last or 0), int(highest)) + 1
+    highest = conn.execute(select(func.coalesce(func.max(table.c.id), 0))).scalar_one()
+    first = max(int(last or 0), int(highest)) + 1
+    end = first + count - 1
     if last is None:
-        conn.execute(insert(id_counters).values(name="strategies", last_id=sid))
+        conn.execute(insert(id_counters).values(name=table.name, last_id=end))
     else:
         conn.execute(
-            update(id_counters).where(id_counters.c.name == "strategies").values(last_id=sid)
+            update(id_counters).where(id_counters.c.name == table.name).values(last_id=end)
         )
-    return sid
+    return first
 
 
 #: rows removed per transaction when a strategy is deleted: each holds the write lock

@@ -158,8 +158,9 @@ callbacks = Table(
 )
 
 #: the last id handed out per table whose ids must never come back (SQLite gives a new
-#: row the highest id plus one, so deleting the newest strategy would free its id for
-#: the next: logs and tickets that name "strategy 12" would then mean two rollouts)
+#: row the highest id plus one, so deleting the newest strategy would free its id and
+#: its steps' for the next: "strategy 12" would mean two rollouts, and a late callback
+#: for a deleted step would move another strategy's step)
 id_counters = Table(
     "id_counters",
     metadata,

@@ -1,11 +1,11 @@
-"""Strategy ids are never given twice: a counter of the last id handed out.
+"""Strategy and step ids are never given twice: a counter of the last id handed out.
 
 SQLite gives a new row the highest id plus one, so deleting the newest strategy
-freed its id for the next one created. The counter starts above every strategy id
-the database still mentions: earlier versions deleted a strategy but left its
-callbacks, and a new strategy under that id would have been handed them (ids freed
-before the upgrade and mentioned nowhere may have been reused already). Those
-leftover callbacks are removed.
+freed its id, and its steps' ids, for the next one created: a late callback for a
+deleted step would have moved the new strategy's step that got its id. The counters
+start above every id the database still mentions: earlier versions deleted a
+strategy but left its callbacks (ids freed before the upgrade and mentioned nowhere
+may have been reused already). Those leftover callbacks are removed.
 
 Revision ID: 0007
 Revises: 0006
@@ -31,6 +31,12 @@ def upgrade() -> None:
         "FROM (SELECT id FROM strategies UNION ALL SELECT strategy_id FROM callbacks "
         "UNION ALL SELECT strategy_id FROM journal UNION ALL SELECT strategy_id FROM events "
         "WHERE strategy_id IS NOT NULL)"
+    )
+    op.execute(
+        "INSERT INTO id_counters (name, last_id) SELECT 'steps', COALESCE(MAX(id), 0) "
+        "FROM (SELECT id FROM steps UNION ALL SELECT step_id FROM callbacks "
+        "UNION ALL SELECT step_id FROM journal UNION ALL SELECT step_id FROM events "
+        "WHERE step_id IS NOT NULL)"
     )
     op.execute("DELETE FROM callbacks WHERE strategy_id NOT IN (SELECT id FROM strategies)")
 
