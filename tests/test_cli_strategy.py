@@ -704,6 +704,26 @@ def test_history_lists_each_steps_transitions_in_order(cli: Cli) -> None:
     assert history(cli, sid, "--target", "s3") != history(cli, sid, "--target", "s2")
 
 
+def test_history_last_shows_the_latest_transitions_oldest_first(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At 3 a.m. the end of the journal is what matters: --last N, in order, also over
+    page boundaries and with --target; nothing is read before the start."""
+    from fleetwave.store import queries
+
+    monkeypatch.setattr(queries, "PAGE_ROWS", 4)  # the last N span several pages
+    add(cli, "s1", "s2", "s3")
+    sid = create(cli, "--all", "--max-parallel", "1")
+    assert apply_wait(cli, sid).code == 0
+    rows = history(cli, sid)
+    assert history(cli, sid, "--last", "7") == rows[-7:]
+    assert history(cli, sid, "--last", "1") == rows[-1:]
+    assert history(cli, sid, "--last", "1000") == rows
+    mine = [r for r in rows if r["target"] == "s2"]
+    assert history(cli, sid, "--target", "s2", "--last", "2") == mine[-2:]
+    assert_rejected(cli("history", "--strategy", str(sid), "--last", "0"), "--last", "at least 1")
+
+
 def test_history_of_a_target_outside_the_strategy_is_empty(cli: Cli) -> None:
     add(cli, "in", "out")
     sid = create(cli, "--targets", "in")

@@ -463,11 +463,14 @@ def step_show(step_id: int, fmt: FormatOpt = Format.table, db: DbOpt = None) -> 
 def history(
     strategy: Annotated[int, typer.Option(help="strategy id")],
     target: Annotated[str | None, typer.Option(help="only this target")] = None,
+    last: Annotated[
+        int | None, typer.Option(help="only the last N transitions (oldest first)")
+    ] = None,
     fmt: FormatOpt = Format.table,
     db: DbOpt = None,
 ) -> None:
     """The journal: every transition with time, conductor, from, to and details."""
-    rows = queries.iter_history(existing_store(db), strategy, target)
+    rows = queries.iter_history(existing_store(db), strategy, target, last=last)
     emit_rows(rows, ["at", "conductor", "target", "from", "to", "details"], fmt)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from sqlalchemy import func, select
 
-from fleetwave.domain.errors import NotFound
+from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.store.db import Store
 from fleetwave.store.runtime import DRIVEN_STATES, conductor_gone
 from fleetwave.store.schema import (
@@ -344,10 +344,17 @@ def history(
 
 
 def iter_history(
-    store: Store, sid: int, target: str | None = None, step_id: int | None = None
+    store: Store,
+    sid: int,
+    target: str | None = None,
+    step_id: int | None = None,
+    last: int | None = None,
 ) -> Iterator[dict[str, Any]]:
     """A strategy's journal one transition at a time, as read (600,000 rows for a
-    rollout of 100,000 targets); unknown names are refused before the first row."""
+    rollout of 100,000 targets), or only its ``last`` transitions, oldest first;
+    unknown names are refused before the first row."""
+    if last is not None and last < 1:
+        raise InputError(f"--last: must be at least 1, got {last}")
     strategy_exists(store, sid)
     q = (
         select(journal, targets.c.name.label("target"))
@@ -362,6 +369,16 @@ def iter_history(
         q = q.where(targets.c.name == target)
     if step_id is not None:
         q = q.where(journal.c.step_id == step_id)
+    if last is not None:
+        with store.read() as conn:  # where the last N begin: one index walk back
+            start = conn.execute(
+                q.with_only_columns(journal.c.id)
+                .order_by(journal.c.id.desc())
+                .offset(last - 1)
+                .limit(1)
+            ).scalar_one_or_none()
+        if start is not None:
+            q = q.where(journal.c.id >= start)
     return _iter_history(store, q)
 
 
