@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, cast
 
@@ -113,8 +114,12 @@ def target_list(
     db: DbOpt = None,
 ) -> None:
     """List targets."""
-    rows = queries.iter_targets(existing_store(db), group)
-    emit_rows(rows, ["name", "group", "driver", "managed", "settings", "labels"], fmt)
+    store = existing_store(db)
+    emit_rows(
+        lambda: queries.iter_targets(store, group),
+        ["name", "group", "driver", "managed", "settings", "labels"],
+        fmt,
+    )
 
 
 @target_app.command("show")
@@ -449,14 +454,32 @@ def step_list(
     db: DbOpt = None,
 ) -> None:
     """List the steps of a strategy."""
-    rows = queries.iter_steps(existing_store(db), strategy, state)
-    emit_rows(rows, ["target", "stage", "state", "details", "started_at", "finished_at"], fmt)
+    store = existing_store(db)
+    rows = queries.iter_steps(store, strategy, state)  # refuses an unknown strategy now
+    emit_rows(
+        _first_then(rows, lambda: queries.iter_steps(store, strategy, state)),
+        ["target", "stage", "state", "details", "started_at", "finished_at"],
+        fmt,
+    )
 
 
 @step_app.command("show")
 def step_show(step_id: int, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Show one step with its journal and events."""
     emit_one(queries.get_step(existing_store(db), step_id), fmt)
+
+
+def _first_then(
+    first: Iterator[dict[str, Any]], again: Callable[[], Iterator[dict[str, Any]]]
+) -> Callable[[], Iterator[dict[str, Any]]]:
+    """Rows for :func:`emit_rows` to read twice: the reader already made (its checks
+    done before anything is printed), then fresh ones."""
+    made = [first]
+
+    def read() -> Iterator[dict[str, Any]]:
+        return made.pop() if made else again()
+
+    return read
 
 
 @app.command()
@@ -470,8 +493,13 @@ def history(
     db: DbOpt = None,
 ) -> None:
     """The journal: every transition with time, conductor, from, to and details."""
-    rows = queries.iter_history(existing_store(db), strategy, target, last=last)
-    emit_rows(rows, ["at", "conductor", "target", "from", "to", "details"], fmt)
+    store = existing_store(db)
+    rows = queries.iter_history(store, strategy, target, last=last)  # refuses bad names now
+    emit_rows(
+        _first_then(rows, lambda: queries.iter_history(store, strategy, target, last=last)),
+        ["at", "conductor", "target", "from", "to", "details"],
+        fmt,
+    )
 
 
 @app.command()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from enum import StrEnum
 from itertools import chain, islice
@@ -44,24 +44,30 @@ def print_json(data: Any) -> None:
 
 
 def emit_rows(
-    rows: Iterable[dict[str, Any]],
+    rows: Iterable[dict[str, Any]] | Callable[[], Iterable[dict[str, Any]]],
     columns: list[str],
     fmt: Format,
     title: str | None = None,
     *,
     whole_first: bool = False,
 ) -> None:
-    """Print rows (a list, or an iterator read as it goes) as a table or JSON.
+    """Print rows as a table or JSON: a list, or a function that reads them afresh
+    each time it is called (a long table is then read twice, once for its column
+    widths and once to print, instead of being held whole).
 
     ``whole_first``: the first column is never wrapped or cut (short names only).
     """
-    it = iter(rows)
+    again = rows if callable(rows) else None
+    it = iter(rows() if callable(rows) else rows)
     if fmt is Format.json:
         _json_rows(it)
         return
     head = list(islice(it, PLAIN_ABOVE + 1))
     if len(head) > PLAIN_ABOVE:
-        _plain_rows(chain(head, it), columns, title)
+        if again is not None:
+            _plain_rows_twice(chain(head, it), again, columns, title)
+        else:
+            _plain_rows(chain(head, it), columns, title)
         return
     rows = head
     table = Table(title=title, show_lines=False)
@@ -95,25 +101,48 @@ def _width(text: str) -> int:
     return len(text) if text.isascii() else cell_len(text)
 
 
+def _plain_cells(row: dict[str, Any], columns: list[str]) -> tuple[str, ...]:
+    return tuple(" ".join(_cell(c, row.get(c)).split("\n")).replace("\t", " ") for c in columns)
+
+
+def _plain_rows_twice(
+    first: Iterable[dict[str, Any]],
+    again: Callable[[], Iterable[dict[str, Any]]],
+    columns: list[str],
+    title: str | None,
+) -> None:
+    """As :func:`_plain_rows`, memory flat: the widths from one read, the lines from a
+    second (rows added in between are printed; a longer value only shifts its line)."""
+    widths = [_width(col) for col in columns]
+    for row in first:
+        for i, v in enumerate(_plain_cells(row, columns)):
+            w = _width(v)
+            if w > widths[i]:
+                widths[i] = w
+    write = sys.stdout.write
+    if title:
+        write(title + "\n")
+    write(_line(columns, widths) + "\n" + _line(["-" * w for w in widths], widths) + "\n")
+    for row in again():
+        write(_line(_plain_cells(row, columns), widths) + "\n")
+
+
+def _line(values: Iterable[str], widths: list[int]) -> str:
+    return "  ".join(
+        v + " " * max(0, w - _width(v)) for v, w in zip(values, widths, strict=True)
+    ).rstrip()
+
+
 def _plain_rows(rows: Iterable[dict[str, Any]], columns: list[str], title: str | None) -> None:
     """Columns padded to their widest value, two spaces apart, one line per row.
 
     Only the cells are kept (the widths need them all), not the rows they came from.
     """
-    cells = [
-        tuple(" ".join(_cell(c, row.get(c)).split("\n")).replace("\t", " ") for c in columns)
-        for row in rows
-    ]
+    cells = [_plain_cells(row, columns) for row in rows]
     widths = [max(_width(col), *(_width(r[i]) for r in cells)) for i, col in enumerate(columns)]
-
-    def line(values: Iterable[str]) -> str:
-        return "  ".join(
-            v + " " * (w - _width(v)) for v, w in zip(values, widths, strict=True)
-        ).rstrip()
-
     out = [title] if title else []
-    out += [line(columns), line(["-" * w for w in widths])]
-    out += [line(r) for r in cells]
+    out += [_line(columns, widths), _line(["-" * w for w in widths], widths)]
+    out += [_line(r, widths) for r in cells]
     sys.stdout.write("\n".join(out) + "\n")
 
 
