@@ -57,26 +57,22 @@ def emit_rows(
 
     ``whole_first``: the first column is never wrapped or cut (short names only).
     """
-    again = rows if callable(rows) else None
-    it = iter(rows() if callable(rows) else rows)
+    read = rows if callable(rows) else _held(rows)
+    it = iter(read())
     if fmt is Format.json:
         _json_rows(it)
         return
     head = list(islice(it, PLAIN_ABOVE + 1))
     if len(head) > PLAIN_ABOVE:
-        if again is not None:
-            _plain_rows_twice(chain(head, it), again, columns, title)
-        else:
-            _plain_rows(chain(head, it), columns, title)
+        _plain_rows(chain(head, it), read, columns, title)
         return
-    rows = head
     table = Table(title=title, show_lines=False)
     for i, col in enumerate(columns):
         table.add_column(col, no_wrap=whole_first and i == 0)
-    for row in rows:
+    for row in head:
         table.add_row(*(_cell(c, row.get(c)) for c in columns))
     console.print(table)
-    if not rows:
+    if not head:
         console.print("(none)")
 
 
@@ -84,6 +80,12 @@ def emit_rows(
 #: wraps every cell (12,000 journal rows took 16 s; a 100,000-target strategy's
 #: history would take many minutes), plain columns print at once
 PLAIN_ABOVE = 500
+
+
+def _held(rows: Iterable[dict[str, Any]]) -> Callable[[], Iterable[dict[str, Any]]]:
+    """Rows already in memory, to be read as often as asked."""
+    held = rows if isinstance(rows, list) else list(rows)
+    return lambda: held
 
 
 def _json_rows(rows: Iterator[dict[str, Any]]) -> None:
@@ -102,17 +104,18 @@ def _width(text: str) -> int:
 
 
 def _plain_cells(row: dict[str, Any], columns: list[str]) -> tuple[str, ...]:
-    return tuple(" ".join(_cell(c, row.get(c)).split("\n")).replace("\t", " ") for c in columns)
+    return tuple(_cell(c, row.get(c)).replace("\n", " ").replace("\t", " ") for c in columns)
 
 
-def _plain_rows_twice(
+def _plain_rows(
     first: Iterable[dict[str, Any]],
     again: Callable[[], Iterable[dict[str, Any]]],
     columns: list[str],
     title: str | None,
 ) -> None:
-    """As :func:`_plain_rows`, memory flat: the widths from one read, the lines from a
-    second (rows added in between are printed; a longer value only shifts its line)."""
+    """Columns padded to their widest value, two spaces apart, one line per row. The
+    widths come from one read, the lines from a second, so memory stays flat (rows
+    added in between are printed; a longer value only shifts its line)."""
     widths = [_width(col) for col in columns]
     for row in first:
         for i, v in enumerate(_plain_cells(row, columns)):
@@ -131,19 +134,6 @@ def _line(values: Iterable[str], widths: list[int]) -> str:
     return "  ".join(
         v + " " * max(0, w - _width(v)) for v, w in zip(values, widths, strict=True)
     ).rstrip()
-
-
-def _plain_rows(rows: Iterable[dict[str, Any]], columns: list[str], title: str | None) -> None:
-    """Columns padded to their widest value, two spaces apart, one line per row.
-
-    Only the cells are kept (the widths need them all), not the rows they came from.
-    """
-    cells = [_plain_cells(row, columns) for row in rows]
-    widths = [max(_width(col), *(_width(r[i]) for r in cells)) for i, col in enumerate(columns)]
-    out = [title] if title else []
-    out += [_line(columns, widths), _line(["-" * w for w in widths], widths)]
-    out += [_line(r, widths) for r in cells]
-    sys.stdout.write("\n".join(out) + "\n")
 
 
 def emit_one(obj: dict[str, Any], fmt: Format) -> None:

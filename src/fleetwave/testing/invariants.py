@@ -143,7 +143,9 @@ def _check_strategy(
 
     for i, (step_id, frm, to, fen, details) in enumerate(jrows):
         result.transitions += 1
-        mask = bit.setdefault(to, 1 << len(bit))
+        mask = bit.get(to)
+        if mask is None:
+            mask = bit[to] = 1 << len(bit)
         seen = entered.get(step_id, 0)
         if seen & mask:
             result.add(f"G1: {who(step_id)} entered '{to}' more than once")
