@@ -22,23 +22,27 @@ from fleetwave.testing.invariants import check
 from test_engine_edges import _edit_row_during_its_action, _recorded_run
 
 
-class FailsOnceAfterEdit(StateAction):
-    """The first step's action: someone bumps its row's fence while it runs, then the
-    action fails. Its recover hook (after the takeover) finds the target fine."""
+class BumpFirstOnce(StateAction):
+    """Someone bumps the fence of the first step's row while its action runs; then the
+    action advances, or with ``then_fail`` fails. Its recover hook (after a takeover)
+    finds the target fine."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, *, delay: float = 0.05, then_fail: bool = False) -> None:
         self.store = store
+        self.delay = delay
+        self.then_fail = then_fail
         self.first: int | None = None
 
     async def run(self, ctx: ActionContext) -> Outcome:
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(self.delay)
         if self.first is None:
             self.first = ctx.step_id
             with self.store.write() as conn:
                 conn.exec_driver_sql(
                     "UPDATE steps SET fence = fence + 1 WHERE id = ?", (ctx.step_id,)
                 )
-            raise StepFailed("boom")
+            if self.then_fail:
+                raise StepFailed("boom")
         return Advance()
 
     async def recover(self, ctx: ActionContext) -> Outcome:
@@ -50,7 +54,7 @@ def test_a_refused_failure_is_applied_again_and_explains_the_stop(store: Store) 
     row's fence: the failure was refused, yet the stop and the other steps' aborts were
     written, and the strategy ended 'complete' (the failure uncounted). The failure is
     now applied again at a new fence: the journal explains the stop."""
-    action = FailsOnceAfterEdit(store)
+    action = BumpFirstOnce(store, delay=0.01, then_fail=True)
     wf = register_workflow(
         WorkflowDef("hunt-b", (StateDef("a", action, timeout_s=60),)), replace=True
     )
@@ -127,27 +131,6 @@ def test_a_callback_whose_move_was_refused_still_moves_the_step(store: Store) ->
         cbs = conn.exec_driver_sql("SELECT outcome, reason FROM callbacks").all()
     assert final == "complete", (final, [(s["state"], s["details"]) for s in steps], cbs)
     assert [tuple(c) for c in cbs] == [("applied", "moved the step on from w")]
-
-
-class BumpFirstOnce(StateAction):
-    """Someone bumps the fence of the first step's row while its action runs."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self.first: int | None = None
-
-    async def run(self, ctx: ActionContext) -> Outcome:
-        await asyncio.sleep(0.05)
-        if self.first is None:
-            self.first = ctx.step_id
-            with self.store.write() as conn:
-                conn.exec_driver_sql(
-                    "UPDATE steps SET fence = fence + 1 WHERE id = ?", (ctx.step_id,)
-                )
-        return Advance()
-
-    async def recover(self, ctx: ActionContext) -> Outcome:
-        return Advance()
 
 
 @pytest.mark.parametrize("stages", [True, False])

@@ -39,14 +39,20 @@ def test_migrated_schema_matches_the_declared_one(tmp_path: Path) -> None:
     assert current_revision(store) == HEAD_REVISION
 
 
-def test_upgrade_from_the_first_revision_keeps_the_data(tmp_path: Path) -> None:
-    path = tmp_path / "old.db"
+def _database_at(path: Path, revision: str) -> sa.Engine:
+    """A database file as a fleetwave of that schema revision left it."""
     engine = sa.create_engine(f"sqlite:///{path}")
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     with engine.begin() as conn:
         cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "0001")
+        command.upgrade(cfg, revision)
+    return engine
+
+
+def test_upgrade_from_the_first_revision_keeps_the_data(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    engine = _database_at(path, "0001")
     assert "ix_steps_strategy_state" in _indexes(engine, "steps")
     with engine.begin() as conn:  # rows as fleetwave 0001 wrote them
         conn.exec_driver_sql(
@@ -127,12 +133,8 @@ def test_upgrading_starts_the_id_counter_above_every_strategy_id_still_mentioned
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "old.db"
-    engine = sa.create_engine(f"sqlite:///{path}")
-    cfg = Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
-    with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "0006")
+    engine = _database_at(path, "0006")
+    with engine.begin() as conn:  # rows as fleetwave 0006 wrote them
         conn.exec_driver_sql(
             "INSERT INTO targets (id, name, driver, settings, managed, labels, created_at) "
             "VALUES (1, 't0', 'sim', '{}', 1, '{}', 0)"
