@@ -505,6 +505,34 @@ def test_abort_of_an_initial_strategy_aborts_every_step(cli: Cli) -> None:
     create(cli, "--all")
 
 
+def test_pause_and_resume(cli: Cli) -> None:
+    add(cli, "a", "b")
+    sid = create(cli, "--all")
+    # only an applying strategy can be paused; only a paused one resumed
+    assert_rejected(cli("strategy", "pause", str(sid)), f"strategy {sid}", "initial", "apply")
+    assert_rejected(cli("strategy", "resume", str(sid)), f"strategy {sid}", "initial")
+    assert_rejected(cli("strategy", "pause", "99"), "strategy 99 not found")
+    assert cli("strategy", "apply", str(sid)).code == 0
+    res = cli("strategy", "pause", str(sid))
+    assert res.code == 0, res.text
+    assert "paused" in res.out and f"fleetwave strategy resume {sid}" in res.out
+    assert "already paused" in cli("strategy", "pause", str(sid)).out
+    shown = cli("strategy", "show", str(sid), "--format", "json").json()
+    assert shown["state"] == "paused"
+    # a paused strategy keeps its targets, and cannot be deleted
+    assert_rejected(cli("strategy", "create", "--workflow", "patch", "--all"), "a")
+    assert_rejected(cli("strategy", "delete", str(sid)), f"strategy {sid}")
+    res = cli("strategy", "resume", str(sid))
+    assert res.code == 0 and "resumed" in res.out, res.text
+    assert "not paused" in cli("strategy", "resume", str(sid)).out
+    assert cli("strategy", "pause", str(sid)).code == 0
+    # apply resumes a paused strategy too, and --wait drives it to the end
+    res = apply_wait(cli, sid)
+    assert res.code == 0, res.text
+    assert res.json()["state"] == "complete"
+    assert_rejected(cli("strategy", "pause", str(sid)), "complete")
+
+
 def test_abort_of_an_applying_strategy_then_drive_ends_aborted(cli: Cli) -> None:
     add(cli, "a", "b")
     sid = create(cli, "--all")

@@ -70,6 +70,7 @@ def test_faults_are_really_injected() -> None:
     assert sum(r.aborted_by_operator for r in results) > 0
     assert sum(r.unmanaged_by_operator for r in results) > 0
     assert sum(r.meddled for r in results) > 0
+    assert sum(r.paused_by_operator for r in results) > 0
     assert set(FAULTS) == {
         "errors",
         "hangs",
@@ -80,6 +81,7 @@ def test_faults_are_really_injected() -> None:
         "stall",
         "stop",
         "abort",
+        "pause",
         "unmanage",
         "meddle",
     }
@@ -100,9 +102,9 @@ def test_ci_sweep_all_faults() -> None:
     PINNED or [pytest.param(0, "", 0, marks=pytest.mark.skip(reason="no seed has failed yet"))],
 )
 def test_pinned_regression_seeds(seed: int, workflow: str, targets: int) -> None:
-    # Without clean stops, aborts, unmanages and outside writes (added later): each seed
-    # replays the run that found its bug.
-    faults = frozenset(FAULTS) - {"stop", "abort", "unmanage", "meddle"}
+    # Without clean stops, aborts, pauses, unmanages and outside writes (added later):
+    # each seed replays the run that found its bug.
+    faults = frozenset(FAULTS) - {"stop", "abort", "pause", "unmanage", "meddle"}
     res = run_simulation(SimConfig(seed=seed, targets=targets, workflow=workflow, faults=faults))
     assert res.ok, res.violations
 

@@ -36,8 +36,12 @@ async def _watch(
             counts = queries.step_counts(store, sid)
             finished = sum(counts.get(s, 0) for s in ("complete", "failed", "aborted"))
             failed = counts.get("failed", 0)
+            state, _owner = strategy_state(store, sid)
+            paused = ", paused: 'fleetwave strategy resume' to go on" if state == "paused" else ""
             progress.update(
-                task, completed=finished, description=f"strategy {sid} ({failed} failed)"
+                task,
+                completed=finished,
+                description=f"strategy {sid} ({failed} failed{paused})",
             )
         if done.is_set():
             return

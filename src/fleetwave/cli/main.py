@@ -413,6 +413,29 @@ def strategy_apply(
         raise typer.Exit(1)
 
 
+@strategy_app.command("pause")
+def strategy_pause(strategy_id: int, db: DbOpt = None) -> None:
+    """Pause: no new step starts; steps in flight go on to their end. Undo with resume."""
+    before = admin.pause_strategy(existing_store(db), strategy_id)
+    if before == "paused":
+        console.print(f"strategy {strategy_id}: already paused")
+    else:
+        console.print(
+            f"strategy {strategy_id}: paused; no new step starts, steps in flight go on to "
+            f"their end ('fleetwave strategy resume {strategy_id}' to go on)"
+        )
+
+
+@strategy_app.command("resume")
+def strategy_resume(strategy_id: int, db: DbOpt = None) -> None:
+    """Resume a paused strategy: its waiting steps start again."""
+    before = admin.resume_strategy(existing_store(db), strategy_id)
+    if before == "applying":
+        console.print(f"strategy {strategy_id}: not paused (applying)")
+    else:
+        console.print(f"strategy {strategy_id}: resumed")
+
+
 @strategy_app.command("abort")
 def strategy_abort(strategy_id: int, db: DbOpt = None) -> None:
     """Abort: nothing new starts; in-flight steps finish their current state."""

@@ -67,6 +67,7 @@ from fleetwave.engine.messages import (
     CallbackArrived,
     LeaseLost,
     Message,
+    PauseChanged,
     StopRequested,
     StrategyClaimed,
 )
@@ -376,6 +377,8 @@ class Conductor:
                     self.post(LeaseLost(sid))
                 elif state == StrategyState.ABORT_REQUESTED:
                     self.post(StopRequested(sid))
+                elif (state == StrategyState.PAUSED) != self.runs[sid].paused:
+                    self.post(PauseChanged(sid, state == StrategyState.PAUSED))
             waiting = [sid for sid, run in self.runs.items() if run.waits_for_callbacks]
             if waiting:
                 await self._poll_callbacks(waiting)
@@ -511,6 +514,8 @@ class Conductor:
                         claimed_callbacks.append(record)
             elif isinstance(msg, StopRequested):
                 self._request_stop(msg.strategy_id, events)
+            elif isinstance(msg, PauseChanged):
+                self._set_paused(msg.strategy_id, msg.paused, events)
             elif isinstance(msg, LeaseLost):
                 self._drop_run(msg.strategy_id)
             else:
@@ -520,6 +525,8 @@ class Conductor:
         # delays no one's dispatch, and a whole first wave starts together.
         limit = self.config.batch_max * (1 if self._workers else 2)
         for run in list(self.runs.values()):
+            if run.paused and run.stopping is None:
+                continue  # nothing starts: nothing to load or admit
             if run.more_waiting and (
                 run.stopping is not None
                 or run.starved
@@ -562,6 +569,13 @@ class Conductor:
                 self._replaced_at_turn(t)
             if result.deferred:
                 self._wait_again(result.deferred)
+            for sid, state in result.held_back.items():
+                # The operator's pause or abort was committed before this dispatcher saw
+                # it: the steps it was starting wait again, until resumed (or aborted).
+                if state == StrategyState.PAUSED:
+                    self.post(PauseChanged(sid, True))
+                else:
+                    self.post(StopRequested(sid))
             self._apply(batch, result.rejected, marks)
             for sid in result.lost:
                 self._drop_run(sid)
@@ -839,6 +853,19 @@ class Conductor:
             self._wake.set()  # the dispatcher re-checks whether anything is left to drive
         log.error("strategy %s: lease lost to another conductor; stopped driving it", sid)
 
+    def _set_paused(self, sid: int, paused: bool, events: list[rt.Event]) -> None:
+        run = self.runs.get(sid)
+        if run is None or run.paused == paused:
+            return
+        run.paused = paused
+        if paused:
+            events.append(rt.Event("pause-seen", "paused by operator: no new step starts", sid))
+            log.info("strategy %s: paused; steps in flight go on to their end", sid)
+        else:
+            events.append(rt.Event("resume-seen", "resumed by operator", sid))
+            log.info("strategy %s: resumed", sid)
+            self._wake_soon()
+
     def _request_stop(self, sid: int, events: list[rt.Event]) -> None:
         run = self.runs.get(sid)
         if run is None or run.stopping == "abort":
@@ -879,6 +906,9 @@ class Conductor:
             await self._fail_undrivable(rec, f"cannot drive it: {exc}")
             return []
         run = StrategyRun(rec, wf, opts, db_state=rec.state, lease_from=lease_from)
+        if rec.state == StrategyState.PAUSED:
+            run.paused = True
+            events.append(rt.Event("pause-seen", "paused by operator (on takeover)", rec.id))
         lost, run.failed = await self._io(rt.load_started_steps, self.store, rec.id)
         # A staged strategy is loaded whole: which stage comes next is then decided on
         # every waiting step, not on the assumption that pages come in stage order.
@@ -1196,7 +1226,7 @@ class Conductor:
         room: int,
     ) -> None:
         """Fill free slots (sliding window); once stopping, end every waiting step instead."""
-        if self._draining and run.stopping is None:
+        if (self._draining or run.paused) and run.stopping is None:
             return
         first = run.workflow.first_state
         while room > 0 and run.stopping is None:

@@ -51,6 +51,14 @@ class StopRequested:
 
 
 @dataclass(slots=True)
+class PauseChanged:
+    """The operator paused the strategy (no new step starts) or resumed it."""
+
+    strategy_id: int
+    paused: bool
+
+
+@dataclass(slots=True)
 class LeaseLost:
     """Another conductor now owns the strategy: stop driving it."""
 
@@ -65,5 +73,11 @@ class CallbackArrived:
 
 
 Message = (
-    ActionFinished | AttemptStarted | StrategyClaimed | StopRequested | LeaseLost | CallbackArrived
+    ActionFinished
+    | AttemptStarted
+    | StrategyClaimed
+    | StopRequested
+    | PauseChanged
+    | LeaseLost
+    | CallbackArrived
 )

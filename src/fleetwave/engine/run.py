@@ -67,6 +67,8 @@ class StrategyRun:
     #: why nothing new starts: None while running, else "abort" or "failure"
     stopping: str | None = None
     stop_details: str = ""
+    #: the operator paused it: no new step starts (steps in flight go on to their end)
+    paused: bool = False
     db_state: str = "applying"
     #: callbacks that arrived before their step began waiting, by step
     early_callbacks: dict[int, list[CallbackRecord]] = field(default_factory=dict)

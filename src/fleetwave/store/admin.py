@@ -336,6 +336,43 @@ def apply_strategy(store: Store, sid: int) -> str:
         return state
 
 
+def pause_strategy(store: Store, sid: int) -> str:
+    """applying -> paused: no new step starts; steps in flight go on to their end.
+
+    Returns the state it was in (``paused`` again is not an error). The conductor's
+    commit that would start a step reads this state, so nothing starts once this returns.
+    """
+    with store.write() as conn:
+        state = _strategy_state(conn, sid)
+        if state == StrategyState.APPLYING:
+            conn.execute(
+                update(strategies)
+                .where(strategies.c.id == sid, strategies.c.state == state)
+                .values(state=StrategyState.PAUSED.value, updated_at=_now())
+            )
+        elif state != StrategyState.PAUSED:
+            raise Conflict(
+                f"strategy {sid}: is {state}; only an applying strategy can be paused"
+                + (" (apply it first)" if state == StrategyState.INITIAL else "")
+            )
+        return state
+
+
+def resume_strategy(store: Store, sid: int) -> str:
+    """paused -> applying; returns the state it was in (``applying`` again is not an error)."""
+    with store.write() as conn:
+        state = _strategy_state(conn, sid)
+        if state == StrategyState.PAUSED:
+            conn.execute(
+                update(strategies)
+                .where(strategies.c.id == sid, strategies.c.state == state)
+                .values(state=StrategyState.APPLYING.value, updated_at=_now())
+            )
+        elif state != StrategyState.APPLYING:
+            raise Conflict(f"strategy {sid}: is {state}; only a paused strategy can be resumed")
+        return state
+
+
 def request_abort(store: Store, sid: int) -> None:
     with store.write() as conn:
         state = _strategy_state(conn, sid)

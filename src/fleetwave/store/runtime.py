@@ -49,9 +49,15 @@ def _host_identity() -> str:
 
 HOSTNAME = _host_identity()
 
+#: Strategy states in which no step of the strategy starts: the commit that would start
+#: one reads the strategy's state, so once an operator's pause or abort is committed,
+#: nothing new starts (steps started before go on).
+HOLD_ENTRIES = frozenset({StrategyState.PAUSED.value, StrategyState.ABORT_REQUESTED.value})
+
 #: Strategy states a conductor drives.
 DRIVEN_STATES = (
     StrategyState.APPLYING.value,
+    StrategyState.PAUSED.value,
     StrategyState.ABORT_REQUESTED.value,
     StrategyState.ABORTING.value,
 )
@@ -96,8 +102,12 @@ class CommitResult:
     #: aborted, that failure having stopped the strategy (see :class:`StopRule`)
     replaced: list[Transition] = field(default_factory=list)
     #: entries not written (the steps still wait): a move of their strategy to an end
-    #: was refused, so that step still holds its slot (and its stage)
+    #: was refused, so that step still holds its slot (and its stage); or the strategy
+    #: is paused or its abort requested (:data:`HOLD_ENTRIES`)
     deferred: list[Transition] = field(default_factory=list)
+    #: strategies whose entries were held back, and the state that held them: the
+    #: operator's pause or abort reached the database before the dispatcher knew of it
+    held_back: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -738,18 +748,25 @@ class TransitionWriter:
             stops,
         )
 
-    def _lost(self, cur: Any, fences: dict[int, int]) -> set[int]:
-        """Strategies no longer held by this conductor at the fence it claimed them with."""
+    def _held(self, cur: Any, fences: dict[int, int]) -> tuple[set[int], dict[int, str]]:
+        """Strategies no longer held by this conductor at the fence it claimed them with;
+        and, of those still held, the ones whose steps may not start now (by state)."""
         if not fences:
-            return set()
+            return set(), {}
         ids = sorted(fences)
         cur.execute(
-            "SELECT id, owner, fence FROM strategies "
+            "SELECT id, owner, fence, state FROM strategies "
             f"WHERE id IN ({self.store.hooks.placeholders(len(ids))})",
             ids,
         )
-        held = {int(r[0]) for r in cur.fetchall() if r[1] == self.cid and r[2] == fences[r[0]]}
-        return set(ids) - held
+        held: set[int] = set()
+        hold: dict[int, str] = {}
+        for sid, owner, fence, state in cur.fetchall():
+            if owner == self.cid and fence == fences[sid]:
+                held.add(int(sid))
+                if state in HOLD_ENTRIES:
+                    hold[int(sid)] = str(state)
+        return set(ids) - held, hold
 
     def _end_unmanaged(
         self,
@@ -848,8 +865,9 @@ class TransitionWriter:
             cur.execute(self.store.hooks.begin_write_sql)
             if self.store.write_fault is not None:
                 self.store.write_fault()
-            if self._lost(cur, fences):
-                raw.rollback()
+            lost, hold = self._held(cur, fences)
+            if lost or (hold and any(_is_entry(t) and t.strategy_id in hold for t in batch)):
+                raw.rollback()  # the row-by-row path says what was not written, and why
                 return False
             replaced += self._end_unmanaged(cur, batch, lease_until, ups, jrs, stops)
             by_sql: dict[str, list[tuple[Any, ...]]] = {}
@@ -897,9 +915,22 @@ class TransitionWriter:
     ) -> CommitResult:
         rejected: list[Transition] = []
         deferred: list[Transition] = []
+        held_back: dict[int, str] = {}
         with self.store.write() as conn:
             raw: Any = conn.connection.driver_connection
-            lost = self._lost(raw.cursor(), fences)
+            lost, hold = self._held(raw.cursor(), fences)
+            if hold:
+                # Paused, or its abort requested: none of its steps starts. Its entries
+                # are not written (they wait again); its other moves are.
+                keep = [
+                    i for i, t in enumerate(batch) if not (_is_entry(t) and t.strategy_id in hold)
+                ]
+                for i in sorted(set(range(len(batch))) - set(keep)):
+                    deferred.append(batch[i])
+                    held_back[batch[i].strategy_id] = hold[batch[i].strategy_id]
+                batch = [batch[i] for i in keep]
+                ups = [ups[i] for i in keep]
+                jrs = [jrs[i] for i in keep]
             replaced = self._end_unmanaged(raw.cursor(), batch, lease_until, ups, jrs, stops)
             rows = list(zip(batch, ups, jrs, strict=True))
             held: Counter[int] = Counter()
@@ -976,7 +1007,9 @@ class TransitionWriter:
             if dl:
                 conn.exec_driver_sql(self._deadline_sql, dl)
         refused = {id(t) for t in rejected} | {id(t) for t in deferred}
-        return CommitResult(rejected, lost, [t for t in replaced if id(t) not in refused], deferred)
+        return CommitResult(
+            rejected, lost, [t for t in replaced if id(t) not in refused], deferred, held_back
+        )
 
     def close(self) -> None:
         if self._raw is not None:

@@ -10,10 +10,10 @@ One run, for one seed:
    before or after it) and restart with a new identity, taking over by lease expiry;
    conductors that stall (run on without renewing their leases) while a rival takes
    over, and must be fenced off; conductors stopped cleanly; transient database errors
-   inside write transactions; an operator who aborts the strategy mid-run, or who
-   unmanages a few targets while it runs; an outside writer that changes the rows of
-   steps in flight (a hand edit, a rogue tool), so the conductor's next transitions
-   for them are refused;
+   inside write transactions; an operator who aborts the strategy mid-run, who pauses
+   it and resumes it later, or who unmanages a few targets while it runs; an outside
+   writer that changes the rows of steps in flight (a hand edit, a rogue tool), so the
+   conductor's next transitions for them are refused;
 4. then every guarantee is checked from the journal and final rows, and the journal's
    digest is printed: the same seed gives the same journal, byte for byte.
 
@@ -70,6 +70,7 @@ FAULTS = (
     "stall",
     "stop",
     "abort",
+    "pause",
     "unmanage",
     "meddle",
 )
@@ -129,6 +130,8 @@ class SimResult:
     aborted_by_operator: bool = False
     #: targets the operator unmanaged while the strategy ran
     unmanaged_by_operator: int = 0
+    #: the operator paused the strategy (and resumed it, unless it ended while paused)
+    paused_by_operator: bool = False
     #: rows of steps in flight an outside writer changed (their fence bumped)
     meddled: int = 0
 
@@ -321,6 +324,83 @@ class _OperatorUnmanage:
                     loop.call_later(5.0, self._unmanage, names[i:], tries + 1)
                 return
             self.done.setdefault(name, self.clock.now())
+
+
+class _OperatorPause:
+    """``fleetwave strategy pause``, then ``resume`` a while later, typed while the
+    strategy runs (40 % of seeds, own generator). Retried after an (injected) database
+    error; refused once the strategy is no longer applying (ended, or aborted)."""
+
+    def __init__(
+        self, store: Store, sid: int, clock: LoopClock, rng: random.Random, on: bool
+    ) -> None:
+        self.store = store
+        self.sid = sid
+        self.clock = clock
+        #: (virtual time of the pause, how long it lasts)
+        self.plan: tuple[float, float] | None = None
+        if on and rng.random() < 0.4:
+            self.plan = (rng.uniform(1, 400), rng.uniform(30, 1800))
+        #: when the pause, and the resume, were committed (the conductors' clock)
+        self.paused_at: float | None = None
+        self.resumed_at: float | None = None
+
+    def schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.plan is not None:
+            loop.call_at(self.plan[0], self._pause, 0)
+
+    def window(self, end: float) -> tuple[float, float] | None:
+        """From the pause to the resume (or ``end``: the strategy ended while paused)."""
+        if self.paused_at is None:
+            return None
+        return (self.paused_at, end if self.resumed_at is None else self.resumed_at)
+
+    def _pause(self, tries: int) -> None:
+        assert self.plan is not None
+        loop = asyncio.get_running_loop()
+        try:
+            admin.pause_strategy(self.store, self.sid)
+        except Conflict:
+            return  # not applying any more: nothing to pause
+        except OperationalError:
+            if tries < 5:
+                loop.call_later(5.0, self._pause, tries + 1)
+            return
+        self.paused_at = self.clock.now()
+        loop.call_later(self.plan[1], self._resume, 0)
+
+    def _resume(self, tries: int) -> None:
+        try:
+            admin.resume_strategy(self.store, self.sid)
+        except Conflict:
+            pass  # aborted while paused: nothing starts either way
+        except OperationalError:
+            if tries < 50:
+                asyncio.get_running_loop().call_later(5.0, self._resume, tries + 1)
+                return
+        self.resumed_at = self.clock.now()
+
+
+def _pause_checks(store: Store, sid: int, window: tuple[float, float] | None) -> list[str]:
+    """While paused (from the commit of the pause to that of the resume), no step starts."""
+    if window is None:
+        return []
+    paused, resumed = window
+    with store.read() as conn:
+        started = conn.execute(
+            select(journal.c.step_id, journal.c.at).where(
+                journal.c.strategy_id == sid,
+                journal.c.from_state == "initial",
+                journal.c.to_state.not_in(sorted(STEP_TERMINAL)),
+                journal.c.at > paused,
+                journal.c.at < resumed,
+            )
+        ).all()
+    return [
+        f"pause: step {r.step_id} started {r.at - paused:.1f} s after the operator's pause "
+        f"(resumed {resumed - paused:.1f} s after it)"
+        for r in started
+    ]
 
 
 class _OutsideWriter:
@@ -546,6 +626,10 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
         "unmanage" in cfg.faults,
     )
     unmanage.schedule(loop)
+    pause = _OperatorPause(
+        store, sid, clock, random.Random(cfg.seed * 7919 + 8), "pause" in cfg.faults
+    )
+    pause.schedule(loop)
     outsider = _OutsideWriter(store, random.Random(cfg.seed * 7919 + 7), "meddle" in cfg.faults)
     outsider.schedule(loop)
     while loop.time() < VIRTUAL_LIMIT_S:
@@ -626,6 +710,7 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
     if operator_abort.accepted:
         violations += _abort_checks(store, sid, sim.retried_at, clock.epoch)
     violations += _unmanage_checks(store, sid, unmanage.done)
+    violations += _pause_checks(store, sid, pause.window(clock.now()))
     violations += _target_checks(sim) + stuck
     with store.read() as conn:
         n_callbacks = len(conn.execute(select(callbacks.c.id)).all())
@@ -644,6 +729,7 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
         stops=stops,
         aborted_by_operator=operator_abort.accepted,
         unmanaged_by_operator=len(unmanage.done),
+        paused_by_operator=pause.paused_at is not None,
         meddled=outsider.meddled,
         store_retries=retries,
         callbacks=n_callbacks,
