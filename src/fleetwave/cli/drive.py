@@ -1,7 +1,8 @@
 """Driving a strategy in the foreground with a live progress bar.
 
-If another live conductor (``fleetwave serve``) owns the strategy, this only
-watches the database until the strategy ends; it never drives it twice.
+If another live conductor (``fleetwave serve``) owns the strategy, this waits for
+it to end, and takes it over if that conductor dies (once its lease has run out,
+with a new fence): it never drives it while another does.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from dataclasses import dataclass
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fleetwave.cli.output import err_console
-from fleetwave.domain.models import STRATEGY_TERMINAL
 from fleetwave.engine import loop as event_loop
 from fleetwave.engine.conductor import Conductor, EngineConfig
 from fleetwave.store import queries
@@ -69,14 +69,14 @@ async def _drive(store: Store, sid: int, show_progress: bool, config: EngineConf
         progress.start()
     watcher = asyncio.create_task(_watch(store, sid, total, progress, done))
     try:
-        result = await conductor.run(strategy_ids=[sid])
+        # Patient: while another live conductor drives it, this one waits for the end,
+        # and takes over if that conductor dies (its lease runs out). Fenced off by
+        # another ("lost"), it goes on waiting the same way.
+        result = await conductor.run(strategy_ids=[sid], patient=True)
         state = result.get(sid, "unknown")
-        while state == "owned":  # someone else drives it: wait for the end
-            await asyncio.sleep(0.5)
-            state, _owner = strategy_state(store, sid)
-            if state in STRATEGY_TERMINAL:
-                break
-            state = "owned"
+        while state == "lost":
+            conductor = Conductor(store, config=config)
+            state = (await conductor.run(strategy_ids=[sid], patient=True)).get(sid, "unknown")
         done.set()
         await watcher
     finally:

@@ -39,6 +39,11 @@ STEP_TERMINAL = frozenset({STEP_COMPLETE, STEP_FAILED, STEP_ABORTED})
 RESERVED_STATE_NAMES = STEP_TERMINAL | {STEP_INITIAL}
 
 
+#: Why a conductor ended a strategy it cannot drive (its workflow gone or changed): its
+#: waiting steps end aborted, "not started: cannot drive it: ...", no failure limit involved
+UNDRIVABLE = "cannot drive it"
+
+
 def unmanaged_reason(target_name: str) -> str:
     """Why a step of an unmanaged target failed when its turn came (its details)."""
     return f"Target {target_name} is unmanaged."

@@ -43,6 +43,7 @@ from fleetwave.domain.models import (
     STEP_FAILED,
     STEP_INITIAL,
     STEP_TERMINAL,
+    UNDRIVABLE,
     StrategyOptions,
     StrategyState,
     unmanaged_reason,
@@ -81,6 +82,11 @@ log = logging.getLogger("fleetwave.engine")
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+class _StateDeadline(TimeoutError):
+    """The state's deadline ran out (the action was cancelled for it); an action's own
+    TimeoutError (its client gave up) is not this."""
 
 
 class SimulatedCrash(BaseException):
@@ -317,7 +323,8 @@ class Conductor:
                 ", ".join(map(str, lapsing)),
             )
             for sid in lapsing:
-                self.post(LeaseLost(sid))  # the dispatcher drops it (and stops its workers)
+                # the dispatcher drops it (and stops its workers); claimed anew later
+                self.post(LeaseLost(sid, lapsed=True))
 
     def _periodic_ended(self, task: asyncio.Task[None]) -> None:
         """The periodic pass must live as long as the dispatcher: its death is fatal."""
@@ -496,7 +503,7 @@ class Conductor:
         deadlines: list[rt.AttemptDeadline] = []
         recover: list[InFlight] = []
         claimed_callbacks: list[cbs.CallbackRecord] = []
-        for msg in msgs:
+        for i, msg in enumerate(msgs):
             if isinstance(msg, AttemptStarted):
                 if self._reported(msg) is not None:
                     deadlines.append(
@@ -517,7 +524,7 @@ class Conductor:
             elif isinstance(msg, PauseChanged):
                 self._set_paused(msg.strategy_id, msg.paused, events)
             elif isinstance(msg, LeaseLost):
-                self._drop_run(msg.strategy_id)
+                self._drop_run(msg.strategy_id, lapsed=msg.lapsed, later=msgs[i + 1 :])
             else:
                 self._on_finished(msg, now, batch, events, marks)
         self._stop_moves_before_the_stop(batch, now)
@@ -838,20 +845,42 @@ class Conductor:
         else:
             fl.waiter.set_result(cb)
 
-    def _drop_run(self, sid: int) -> None:
-        """Another conductor fenced us off this strategy: stop its workers, forget it."""
+    def _drop_run(
+        self, sid: int, *, lapsed: bool = False, later: list[Message] | None = None
+    ) -> None:
+        """Stop driving a strategy: stop its workers, forget it.
+
+        Fenced off by another conductor, it is ``lost`` here (unless this conductor is
+        patient: it waits for that owner's end, or takes over when its lease expires).
+        ``lapsed`` (this conductor's own renewals failing): nobody else may hold it, so
+        the next periodic pass claims it anew, once the database answers. ``later``: the
+        messages of the batch being handled that come after this drop.
+        """
         run = self.runs.pop(sid, None)
         if run is None:
             return
-        # Its seen callbacks are kept: one still queued must not be posted again if the
-        # strategy is claimed back (each queued one is let go as it comes up, not ours).
+        # Callbacks still queued for it stay seen (each is let go as it comes up, not
+        # ours: posting it again on a claim back would apply it twice). The others were
+        # handed to a wait, kept as early, or answered in a commit that may not happen:
+        # still open in the database, a claim back must offer them again.
+        queued = {
+            m.record.id
+            for m in (*(later or ()), *self._inbox)
+            if isinstance(m, CallbackArrived) and m.record.strategy_id == sid
+        }
+        if sid in self._callbacks_seen:
+            self._callbacks_seen[sid] &= queued
         for fl in run.inflight.values():
             if fl.task is not None:
                 fl.task.cancel()
-        self.finished[sid] = "lost"
+        if not lapsed and not (self._patient and self._wanted is not None):
+            self.finished[sid] = "lost"
         if self._wake is not None:
             self._wake.set()  # the dispatcher re-checks whether anything is left to drive
-        log.error("strategy %s: lease lost to another conductor; stopped driving it", sid)
+        if lapsed:
+            log.error("strategy %s: stopped driving it until its lease is renewed", sid)
+        else:
+            log.error("strategy %s: lease lost to another conductor; stopped driving it", sid)
 
     def _set_paused(self, sid: int, paused: bool, events: list[rt.Event]) -> None:
         run = self.runs.get(sid)
@@ -903,7 +932,7 @@ class Conductor:
             opts = options_from_json(rec.options)
             wf = wf.with_timeouts(opts.timeouts_s)
         except Exception as exc:  # one broken strategy must not take the conductor down
-            await self._fail_undrivable(rec, f"cannot drive it: {exc}")
+            await self._fail_undrivable(rec, f"{UNDRIVABLE}: {exc}")
             return []
         run = StrategyRun(rec, wf, opts, db_state=rec.state, lease_from=lease_from)
         if rec.state == StrategyState.PAUSED:
@@ -1165,9 +1194,9 @@ class Conductor:
             )
 
     def _replaced_at_turn(self, t: rt.Transition) -> None:
-        """A step admitted in this batch was ended in the commit instead: its target is
-        unmanaged (failed), or such a failure stopped the strategy before its turn
-        (aborted). Free its slot; count the failure."""
+        """A step admitted or moved on in this batch was ended in the commit instead:
+        its target is unmanaged (failed), or such a failure stopped the strategy before
+        its turn or its next state (aborted). Free its slot; count the failure."""
         run = self.runs.get(t.strategy_id)
         if run is None:
             return
@@ -1526,14 +1555,14 @@ class Conductor:
                     if waiter is not None and isinstance(outcome, Advance):
                         answered = await asyncio.shield(waiter)
                         callback_id = answered.id
-                        outcome = _callback_outcome(answered)
+                        outcome = _callback_outcome(answered, outcome)
                 except asyncio.CancelledError:
                     task = asyncio.current_task()
                     assert task is not None
                     if fl.timed_out == attempt:
                         fl.timed_out = 0
                         if task.uncancel() == 0:
-                            raise TimeoutError from None
+                            raise _StateDeadline from None
                         raise  # also stopped by the conductor (lease lost): that wins
                     if task.cancelling() == 0:
                         # Nobody cancelled this worker: the action let a CancelledError
@@ -1555,7 +1584,7 @@ class Conductor:
             except StepFailed as exc:
                 decision = failure(state, str(exc) or "failed")
             except (TransientError, TimeoutError) as exc:
-                if isinstance(exc, TimeoutError):
+                if isinstance(exc, _StateDeadline):
                     reason = f"timed out after {st.timeout_s:g}s"
                     if timeout_s < st.timeout_s:
                         reason = (
@@ -1566,6 +1595,8 @@ class Conductor:
                     if waiter is not None:
                         reason += " waiting for the target's callback"
                 else:
+                    # a TransientError, or the action's own TimeoutError (its client gave
+                    # up: not the state's deadline): retried like a transient error
                     reason = str(exc) or type(exc).__name__
                 retry = attempts < st.attempts_max and not recovering and waiter is None
                 if retry and not fl.stopped:
@@ -1593,6 +1624,22 @@ class Conductor:
                 )
                 log.debug("traceback of the action for %s", rec.target.name, exc_info=True)
                 decision = failure(state, str(exc) or type(exc).__name__)
+            except (asyncio.CancelledError, KeyboardInterrupt, SystemExit, SimulatedCrash):
+                raise  # the conductor stops this worker, or the process is going down
+            except BaseException as exc:
+                # Not an Exception, yet raised by the action (a library's own interrupt or
+                # timeout class): the step fails; letting it end the worker would leave
+                # the step holding its slot with nobody to report on it.
+                log.error(
+                    "action for %s in %s raised %s (a BaseException): %s",
+                    rec.target.name,
+                    state,
+                    type(exc).__name__,
+                    exc,
+                )
+                decision = failure(
+                    state, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                )
             break
         return ActionFinished(run.id, rec.step_id, state, fence, decision, attempts, callback_id)
 
@@ -1638,7 +1685,9 @@ def _resolve(fut: asyncio.Future[bool] | None, value: bool) -> None:
         fut.set_result(value)
 
 
-def _callback_outcome(cb: cbs.CallbackRecord) -> Outcome:
+def _callback_outcome(cb: cbs.CallbackRecord, chosen: Advance) -> Outcome:
+    """A wait-for-callback state's outcome: the target's report, and where the action
+    chose to go once it came (a branch the action chose is kept)."""
     if cb.kind == "failed":
         raise StepFailed(f"target reported failure: {cb.details or 'no details'}")
-    return Advance(details=cb.details)
+    return Advance(to=chosen.to, details=cb.details or chosen.details)

@@ -60,9 +60,12 @@ class PauseChanged:
 
 @dataclass(slots=True)
 class LeaseLost:
-    """Another conductor now owns the strategy: stop driving it."""
+    """Stop driving the strategy: another conductor owns it now, or (``lapsed``) this
+    one's lease renewals have been failing for most of the lease (it claims the
+    strategy anew once the database answers)."""
 
     strategy_id: int
+    lapsed: bool = False
 
 
 @dataclass(slots=True)

@@ -417,6 +417,17 @@ def request_abort(store: Store, sid: int) -> None:
                     details="aborted before it started",
                 )
             )
+            # No conductor will ever drive it: callbacks stored for its steps are
+            # answered here (G6), as a conductor's end of a strategy answers its own.
+            conn.execute(
+                update(callbacks)
+                .where(callbacks.c.strategy_id == sid, callbacks.c.outcome.is_(None))
+                .values(
+                    outcome="ignored",
+                    reason="strategy aborted before it started",
+                    processed_at=now,
+                )
+            )
             return
         if state not in (StrategyState.APPLYING, StrategyState.PAUSED):
             raise Conflict(f"strategy {sid}: is {state}; only an applying strategy can be aborted")

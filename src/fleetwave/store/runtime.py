@@ -99,7 +99,8 @@ class CommitResult:
     #: strategies another conductor has claimed since this one did
     lost: set[int]
     #: entries written otherwise: failed, their target unmanaged since it was loaded;
-    #: aborted, that failure having stopped the strategy (see :class:`StopRule`)
+    #: aborted, that failure having stopped the strategy (see :class:`StopRule`), as
+    #: are that strategy's moves to a next state in the same commit
     replaced: list[Transition] = field(default_factory=list)
     #: entries not written (the steps still wait): a move of their strategy to an end
     #: was refused, so that step still holds its slot (and its stage); or the strategy
@@ -782,8 +783,9 @@ class TransitionWriter:
 
         Entries are replaced, in ``batch`` and in the statements' parameters (the
         caller's copies): ``initial -> failed`` with the unmanaged reason, or ``initial
-        -> aborted`` as not started, as the dispatcher would have decided had it known.
-        One query, only for batches that start steps.
+        -> aborted`` as not started, as the dispatcher would have decided had it known;
+        so are that strategy's moves to a next state in the batch (they end aborted
+        after the state they finished). One query, only for batches that start steps.
         """
         at = {
             t.step_id: i
@@ -834,6 +836,26 @@ class TransitionWriter:
             sql, u, j = self._params(ended, lease_until)
             ups[i], jrs[i] = (sql, u), j
             out.append(ended)
+        if stopped:
+            # The stop happened in this commit: a step of that strategy moving on in it
+            # must not start its next state either (the dispatcher, deciding the move,
+            # did not know). It ends aborted after the state it finished.
+            for i, t in enumerate(batch):
+                sid = t.strategy_id
+                if sid not in stopped or t.from_state == STEP_INITIAL:
+                    continue
+                if t.to_state in STEP_TERMINAL:
+                    continue
+                batch[i] = ended = replace(
+                    t,
+                    to_state=STEP_ABORTED,
+                    details=f"stopped after {t.from_state}: {stopped[sid]}",
+                    not_started=False,
+                    deadline_at=None,
+                )
+                sql, u, j = self._params(ended, lease_until)
+                ups[i], jrs[i] = (sql, u), j
+                out.append(ended)
         return out
 
     def _commit_fast(

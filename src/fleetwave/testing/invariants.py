@@ -30,6 +30,7 @@ from fleetwave.domain.models import (
     STEP_INITIAL,
     STEP_TERMINAL,
     STRATEGY_TERMINAL,
+    UNDRIVABLE,
     StrategyState,
 )
 from fleetwave.domain.rules import is_allowed_move
@@ -154,6 +155,7 @@ def _check_strategy(
             stopped_for_threshold is None
             and to == "aborted"
             and details.startswith(("not started:", "stopped after "))
+            and not details.startswith(f"not started: {UNDRIVABLE}")
         ):
             stopped_for_threshold = step_id
         prev = last.get(step_id, STEP_INITIAL)

@@ -1,0 +1,363 @@
+"""Paths a review found broken, each with the scenario that showed it.
+
+Claiming a strategy back after this conductor's own renewals lapsed (a callback
+already handed to a wait must be offered again; ``apply --wait`` must not give up),
+``apply --wait`` taking over from an owner that died, a failure limit crossed inside
+the commit (a step moving on in it must not start its next state), an action's own
+BaseException or TimeoutError, a branch chosen by a wait-for-callback state, the
+callbacks of a strategy aborted before it started, and ``check`` on a strategy no
+conductor could drive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from sqlalchemy.exc import OperationalError
+
+from conftest import add_sim_targets, applied, on_virtual_time
+from fleetwave import ActionContext, Advance, Outcome, StateAction
+from fleetwave.cli.drive import _drive
+from fleetwave.domain.models import StrategyOptions
+from fleetwave.domain.registry import get_workflow, register_workflow
+from fleetwave.domain.workflow import DriverOperation, Skip, StateDef, WorkflowDef
+from fleetwave.engine.clock import LoopClock
+from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.store import admin, queries
+from fleetwave.store import runtime as rt
+from fleetwave.store.callbacks import accept_callback, callback_outcomes
+from fleetwave.store.db import Store
+from fleetwave.testing.invariants import check
+
+
+class StartsThenWaits(StateAction):
+    """Starts a long operation on the target (the agent reports while it still runs);
+    the recover hook sees it still running and goes on waiting for the callback."""
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        await asyncio.sleep(60)
+        return Advance()
+
+    async def recover(self, ctx: ActionContext) -> Outcome:
+        return Advance()
+
+
+def test_callback_handed_to_a_wait_is_lost_when_the_strategy_is_self_fenced_and_reclaimed(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A callback handed to a step's wait, then the conductor self-fences (renewal
+    overdue) and claims the strategy back: the callback is still open in the database,
+    but its id is in _callbacks_seen, so neither the claim nor the periodic poll offers
+    it again. The recover hook waits for a callback that was already stored: the step
+    times out and fails although the target reported done."""
+    add_sim_targets(store, 1)
+    wf = register_workflow(
+        WorkflowDef(
+            "rv-selffence-cb",
+            (StateDef("w", StartsThenWaits(), mode="wait-for-callback", timeout_s=600),),
+        ),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    real = rt.heartbeat
+    calls = {"n": 0}
+
+    def flaky_heartbeat(*a: Any, **kw: Any) -> int:
+        calls["n"] += 1
+        if 2 <= calls["n"] <= 8:  # second renewal retried ~11 s: the watchdog self-fences
+            raise OperationalError("UPDATE", None, Exception("database is locked"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(rt, "heartbeat", flaky_heartbeat)
+    c = Conductor(store, clock=LoopClock(), config=EngineConfig(lease_ttl_s=12, tick_s=1))
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(3000, stop.set)
+        task = asyncio.create_task(c.run(stop=stop))
+        await asyncio.sleep(2)
+        (step,) = queries.list_steps(store, sid)
+        c.receive_callback(step["step"], "w", "done", "agent: done")
+        await task
+
+    on_virtual_time(serve())
+    final = queries.get_strategy(store, sid)["state"]
+    outcomes = [(o["outcome"], o["reason"]) for o in callback_outcomes(store, sid)]
+    steps = [(s["state"], s["details"]) for s in queries.list_steps(store, sid)]
+    assert final == "complete", (final, steps, outcomes)
+    assert outcomes == [("applied", "moved the step on from w")]
+
+
+class AdvanceOrSkipAtOne(StateAction):
+    """Every target's action ends at t=1.0 (one dispatcher batch): t00000 advances to
+    the next state, t00001 is already done (skip: its step ends, freeing a slot)."""
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(1.0 - loop.time())
+        if ctx.target.name.endswith("1"):
+            return Skip("already done")
+        return Advance()
+
+
+class RecordsStarts(StateAction):
+    def __init__(self) -> None:
+        self.started: list[str] = []
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        self.started.append(ctx.target.name)
+        return Advance()
+
+
+def test_a_move_committed_with_an_unmanaged_entry_that_stops_the_strategy_starts_no_next_state(
+    store: Store,
+) -> None:
+    """Stop on failure. In one batch: t0 moves a -> b, t1 ends (skip) and frees a slot,
+    t2 is admitted into it. The commit finds t2's target unmanaged and writes it failed
+    instead: the strategy stops in that very commit. _replaced_at_turn sets stopping,
+    but _apply then releases t0 into b anyway, so b's action starts after the strategy
+    stopped (the mirror of test_outcome_and_a_failure_in_one_batch_under_stop_on_failure,
+    with the failure found in the commit instead of decided before it)."""
+    names = add_sim_targets(store, 3)
+    b = RecordsStarts()
+    wf = register_workflow(
+        WorkflowDef(
+            "rv-unmanaged-stop-race",
+            (StateDef("a", AdvanceOrSkipAtOne(), timeout_s=60), StateDef("b", b, timeout_s=60)),
+        ),
+        replace=True,
+    )
+    sid = applied(store, wf.name, max_parallel=2, stop_on_failure=True)
+    c = Conductor(store, clock=LoopClock(), config=EngineConfig(tick_s=1.0))
+
+    async def go() -> dict[int, str]:
+        asyncio.get_running_loop().call_at(0.5, admin.set_managed, store, names[2], False)
+        return await asyncio.wait_for(c.run(strategy_ids=[sid]), 30)
+
+    result = on_virtual_time(go())
+    moves = {
+        s["target"]: [h["to"] for h in queries.history(store, sid, target=s["target"])]
+        for s in queries.list_steps(store, sid)
+    }
+    assert result[sid] == "failed", moves
+    assert moves[names[2]] == ["failed"], moves  # the scenario happened as described
+    assert b.started == [], f"b started after the strategy stopped on failure: {moves}"
+
+
+class Sleeps60(StateAction):
+    async def run(self, ctx: ActionContext) -> Outcome:
+        await asyncio.sleep(60)
+        return Advance()
+
+    async def recover(self, ctx: ActionContext) -> Outcome:
+        return Advance()
+
+
+def test_a_driving_conductor_that_fenced_itself_off_gives_up_although_nobody_took_over(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`strategy apply --wait` (run(strategy_ids=...)): a heartbeat that needs a few
+    'database is locked' retries makes the lease watchdog drop the strategy
+    (_watch_leases -> LeaseLost -> _drop_run marks it finished 'lost'); _should_exit then
+    holds, so run() returns 'lost' and hands its leases back although no other conductor
+    exists and the database answers again seconds later. The strategy is left 'applying'
+    with nobody driving it, and apply --wait exits 1. (_watch_leases' docstring: once
+    the database answers again, the strategy is claimed anew; only serve does that.)"""
+    add_sim_targets(store, 1)
+    wf = register_workflow(
+        WorkflowDef("rv-selffence-wait", (StateDef("a", Sleeps60(), timeout_s=600),)),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    real = rt.heartbeat
+    calls = {"n": 0}
+
+    def flaky_heartbeat(*a: Any, **kw: Any) -> int:
+        calls["n"] += 1
+        if 2 <= calls["n"] <= 8:
+            raise OperationalError("UPDATE", None, Exception("database is locked"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(rt, "heartbeat", flaky_heartbeat)
+    c = Conductor(store, clock=LoopClock(), config=EngineConfig(lease_ttl_s=12, tick_s=1))
+    result = on_virtual_time(asyncio.wait_for(c.run(strategy_ids=[sid], patient=True), 3600))
+    st = queries.get_strategy(store, sid)["state"]
+    assert (result[sid], st) == ("complete", "complete"), (result, st)
+
+
+class BranchesToC(StateAction):
+    async def run(self, ctx: ActionContext) -> Outcome:
+        return Advance(to="c", details="nothing to do in b")
+
+
+def test_a_branch_chosen_by_a_wait_for_callback_state_is_kept_after_the_callback(
+    store: Store,
+) -> None:
+    """A wait-for-callback state whose action branches (Advance(to='c')): after the
+    target's callback, _run_state replaces the action's outcome with
+    _callback_outcome(answered), a plain Advance(): the branch is dropped and the step
+    runs b, which the action said to skip."""
+    add_sim_targets(store, 1)
+    b = RecordsStarts()
+    c_ = RecordsStarts()
+    wf = register_workflow(
+        WorkflowDef(
+            "rv-branch-wait",
+            (
+                StateDef("w", BranchesToC(), mode="wait-for-callback", timeout_s=60),
+                StateDef("b", b, timeout_s=60),
+                StateDef("c", c_, timeout_s=60),
+            ),
+        ),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    cond = Conductor(store, clock=LoopClock())
+
+    async def go() -> dict[int, str]:
+        task = asyncio.create_task(cond.run(strategy_ids=[sid]))
+        await asyncio.sleep(1)
+        (step,) = queries.list_steps(store, sid)
+        cond.receive_callback(step["step"], "w", "done", "agent: done")
+        return await asyncio.wait_for(task, 60)
+
+    assert on_virtual_time(go())[sid] == "complete"
+    moves = [h["to"] for h in queries.history(store, sid)]
+    assert moves == ["w", "c", "complete"], moves
+
+
+def test_a_callback_for_a_strategy_aborted_before_it_started_is_answered(store: Store) -> None:
+    """G6: every callback is recorded applied or ignored with a reason. A callback
+    stored for a step of a strategy not applied yet stays open; request_abort on the
+    initial strategy aborts every step in its own transaction (admin.py request_abort,
+    INITIAL branch) but, unlike end_strategy, leaves its open callbacks unanswered for
+    ever (no conductor will ever drive the strategy)."""
+    add_sim_targets(store, 1)
+
+    wf = get_workflow("clean")
+    assert wf is not None
+    sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
+    (step,) = queries.list_steps(store, sid)
+    accept_callback(store, step["step"], "wait-for-agent", "done", "agent up", 1.0)
+    admin.request_abort(store, sid)
+    assert queries.get_strategy(store, sid)["state"] == "aborted"
+    outcomes = [(o["outcome"], o["reason"]) for o in callback_outcomes(store, sid)]
+    assert all(o is not None and r for o, r in outcomes), outcomes
+
+
+class OddBaseException(BaseException):
+    """Like gevent's Timeout or a library's own cancellation: not an Exception."""
+
+
+class RaisesBaseException(StateAction):
+    async def run(self, ctx: ActionContext) -> Outcome:
+        await asyncio.sleep(1)
+        raise OddBaseException("library-internal interrupt")
+
+
+def test_an_action_raising_a_base_exception_does_not_strand_its_step(store: Store) -> None:
+    """_run_state catches CancelledError and Exception, not other BaseException
+    subclasses: the worker task dies with it (_worker_ended only discards it), no
+    ActionFinished is ever posted, the deadline timer sees a finished task and does
+    nothing. The step keeps its slot in state 'a' for ever and run() never returns."""
+    add_sim_targets(store, 1)
+    wf = register_workflow(
+        WorkflowDef("rv-baseexc", (StateDef("a", RaisesBaseException(), timeout_s=10),)),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    c = Conductor(store, clock=LoopClock())
+
+    async def go() -> dict[int, str]:
+        return await asyncio.wait_for(c.run(strategy_ids=[sid]), 3600)
+
+    try:
+        result = on_virtual_time(go())
+    except TimeoutError:
+        result = {sid: "still running after an hour"}
+    steps = [(s["state"], s["details"]) for s in queries.list_steps(store, sid)]
+    assert result[sid] == "failed", (result, steps)
+
+
+def test_check_does_not_flag_an_undrivable_strategy_with_a_failure_limit(store: Store) -> None:
+    """A strategy this conductor cannot drive (its workflow is not registered here) is
+    ended by _fail_undrivable: waiting steps 'aborted', details 'not started: cannot
+    drive it: ...'. check() takes any 'not started:' abort as a stop for the failure
+    threshold; with max_failures (or stop on failure) set and no step failed, `fleetwave
+    check` then reports a violation on a database the engine handled as designed."""
+
+    add_sim_targets(store, 2)
+    one = (StateDef("a", DriverOperation("a")),)
+    sid = admin.create_strategy(
+        store,
+        WorkflowDef("rv-never-registered", one),
+        StrategyOptions(max_failures=0),
+        all_targets=True,
+    )
+    admin.apply_strategy(store, sid)
+    result = asyncio.run(Conductor(store).run(strategy_ids=[sid]))
+    assert result == {sid: "failed"}
+    verdict = check(store, sid)
+    assert verdict.ok, verdict.violations
+
+
+def test_apply_wait_watching_another_owner_takes_over_once_that_owner_dies(
+    store: Store,
+) -> None:
+    """`strategy apply --wait` while another conductor drives the strategy: _drive runs
+    a conductor without patient=True, gets 'owned', and from then on only polls the
+    strategy's state until it is terminal. If that owner then dies (kill -9), its lease
+    expires but the waiting process never takes over (G5: another conductor takes over
+    without anyone typing a command); apply --wait hangs for ever with a conductor of
+    its own right there."""
+
+    add_sim_targets(store, 3, settings={"latency_ms": 300})
+    sid = applied(store, "patch", max_parallel=3)
+    cfg = EngineConfig(lease_ttl_s=1.0, tick_s=0.1)
+    first = Conductor(store, config=cfg)
+
+    async def go() -> str:
+        owner = asyncio.create_task(first.run(strategy_ids=[sid]))
+        await asyncio.sleep(0.2)
+        waiting = asyncio.create_task(_drive(store, sid, False, cfg))
+        await asyncio.sleep(0.2)
+        owner.cancel()  # the owner dies without handing its leases back
+        await asyncio.gather(owner, return_exceptions=True)
+        try:
+            return (await asyncio.wait_for(waiting, 15)).state
+        except TimeoutError:
+            st = queries.get_strategy(store, sid)["state"]
+            return f"still waiting 15 s after the owner died; strategy {st}"
+
+    state = asyncio.run(go())
+    assert state == "complete", state
+
+
+class ClientTimesOut(StateAction):
+    """The action's own client gives up after 2 s (httpx, asyncssh and asyncio.timeout
+    all raise the builtin TimeoutError)."""
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        await asyncio.sleep(2)
+        raise TimeoutError("connect to bmc: timed out")
+
+
+def test_an_actions_own_timeout_error_is_not_reported_as_the_state_deadline(
+    store: Store,
+) -> None:
+    """_run_state catches the action's own TimeoutError in the same clause as the
+    state's deadline and writes 'timed out after 600s' (the state's timeout): the
+    record says the state ran for 10 minutes when the action failed after 2 s, and the
+    client's message is dropped."""
+    add_sim_targets(store, 1)
+    wf = register_workflow(
+        WorkflowDef("rv-client-timeout", (StateDef("a", ClientTimesOut(), timeout_s=600),)),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    c = Conductor(store, clock=LoopClock())
+    assert on_virtual_time(asyncio.wait_for(c.run(strategy_ids=[sid]), 60))[sid] == "failed"
+    ((_, details),) = [(s["state"], s["details"]) for s in queries.list_steps(store, sid)]
+    assert "600" not in details and "connect to bmc" in details, details
