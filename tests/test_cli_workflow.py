@@ -328,6 +328,7 @@ def test_workflow_add_stores_it_for_list_and_show(cli: Cli, tmp_path: Path) -> N
             "backoff_s": 1.0,
             "backoff_max_s": 300.0,
             "mode": "poll",
+            "poll_interval_s": 10.0,
             "recover": "observe",
         },
     ]

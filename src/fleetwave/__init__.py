@@ -7,6 +7,7 @@ from fleetwave.domain.registry import register_action, register_workflow
 from fleetwave.domain.workflow import (
     ActionContext,
     Advance,
+    NotYet,
     Outcome,
     Skip,
     StateAction,
@@ -19,6 +20,7 @@ from fleetwave.domain.workflow import (
 __all__ = [
     "ActionContext",
     "Advance",
+    "NotYet",
     "Outcome",
     "Skip",
     "StateAction",

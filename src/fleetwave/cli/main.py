@@ -193,6 +193,7 @@ def _workflow_dict(name: str, db: str | None) -> dict[str, object]:
                 "backoff_s": s.backoff_s,
                 "backoff_max_s": s.backoff_max_s,
                 "mode": s.mode,
+                **({"poll_interval_s": s.poll_interval_s} if s.mode == "poll" else {}),
                 # after a takeover: observe the target, the action's own hook, or none
                 # (the step fails)
                 "recover": s.action.describe_recover(),
@@ -216,7 +217,7 @@ def _duration(seconds: float) -> str:
     return "".join(parts)
 
 
-_MODE_NOTE = {"wait-for-callback": "then waits for the target's callback", "poll": "polls"}
+_MODE_NOTE = {"wait-for-callback": "then waits for the target's callback"}
 
 
 def _states_table(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -233,6 +234,8 @@ def _states_table(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
             action = "driver" + action[len(named_like) :]
         if s["mode"] in _MODE_NOTE:
             action += f"; {_MODE_NOTE[s['mode']]}"
+        elif s["mode"] == "poll":
+            action += f"; polls every {_duration(s['poll_interval_s'])}"
         rows.append(
             {
                 "state": s["state"],

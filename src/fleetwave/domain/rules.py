@@ -15,7 +15,7 @@ from fleetwave.domain.models import (
     STEP_INITIAL,
     STEP_TERMINAL,
 )
-from fleetwave.domain.workflow import Outcome, Skip
+from fleetwave.domain.workflow import NotYet, Outcome, Skip
 
 
 class Decision(NamedTuple):
@@ -29,6 +29,8 @@ def decide(states: tuple[str, ...], current: str, outcome: Outcome) -> Decision:
     """The next state of a step at ``current`` given its action's outcome."""
     if isinstance(outcome, Skip):
         return Decision(STEP_COMPLETE, f"skipped at {current}: {outcome.reason}")
+    if isinstance(outcome, NotYet):  # the engine polls again; it never gets here
+        return Decision(STEP_FAILED, f"{current}: the action answered 'not yet' too late")
     idx = states.index(current)
     if outcome.to is None:
         nxt = states[idx + 1] if idx + 1 < len(states) else STEP_COMPLETE

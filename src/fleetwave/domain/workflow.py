@@ -5,6 +5,8 @@ the target through its driver and returns an :class:`Outcome`:
 
 * :class:`Advance` to the next state in order (or to a named later state: a branch),
 * :class:`Skip` to finish the step as complete, with a reason,
+* :class:`NotYet` in a ``poll`` state: the work goes on on the target, ask again
+  after the state's poll interval (until its timeout),
 * or raises :class:`StepFailed` (fails the step) or :class:`TransientError`
   (retried under the state's retry policy, then fails).
 
@@ -14,7 +16,7 @@ Anything else an action raises fails the step with ``"<state>: <message>"``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Literal, Protocol
 
@@ -52,7 +54,18 @@ class Skip:
     reason: str
 
 
-Outcome = Advance | Skip
+@dataclass(frozen=True)
+class NotYet:
+    """Not finished on the target yet (a ``poll`` state): the action is called again
+    after ``after_s`` seconds, or the state's ``poll_interval_s``; the state's timeout
+    bounds the whole wait. ``details`` say how far it got (kept for the timeout's
+    message)."""
+
+    details: str = ""
+    after_s: float | None = None
+
+
+Outcome = Advance | Skip | NotYet
 #: outcomes are immutable: the plain "next state" is shared
 _ADVANCE = Advance()
 
@@ -99,6 +112,11 @@ class ActionContext:
     callback_expected: bool = False
     #: called from a recover hook, after the conductor running this state was lost
     recovering: bool = False
+    #: the state polls (``mode: poll``): the action may answer :class:`NotYet`
+    polling: bool = False
+    #: how many times the action answered :class:`NotYet` in this attempt (0: its
+    #: first call, which starts the work; later calls look at how far it got)
+    poll: int = 0
 
 
 class StateAction:
@@ -141,11 +159,33 @@ class DriverOperation(StateAction):
         self.skip_when_done = skip_when_done
 
     async def run(self, ctx: ActionContext) -> Outcome:
+        if ctx.polling:
+            return await self._poll(ctx)
         result = await ctx.driver.perform(ctx.target, self.operation, ctx)
+        return self._outcome(result, ctx)
+
+    async def _poll(self, ctx: ActionContext) -> Outcome:
+        """A ``poll`` state: start the operation without waiting for it (the driver's
+        ``start``), then look at it (``observe``) each time the engine asks again."""
+        start = getattr(ctx.driver, "start", None)
+        if start is None:  # a driver that cannot start without waiting: wait for it
+            return self._outcome(await ctx.driver.perform(ctx.target, self.operation, ctx), ctx)
+        if ctx.poll == 0:
+            result = await start(ctx.target, self.operation, ctx)
+        else:
+            result = await ctx.driver.observe(ctx.target, self.operation, ctx)
+            if result is RemoteResult.NOT_STARTED:  # the target lost it: start it again
+                result = await start(ctx.target, self.operation, ctx)
+        if result in (RemoteResult.NOT_STARTED, RemoteResult.IN_PROGRESS):
+            return NotYet(f"{self.operation} in progress")
         return self._outcome(result, ctx)
 
     async def recover(self, ctx: ActionContext) -> Outcome:
         result = await ctx.driver.observe(ctx.target, self.operation, ctx)
+        if ctx.polling and result is RemoteResult.IN_PROGRESS:
+            return NotYet(f"{self.operation} in progress")
+        if ctx.polling and result is RemoteResult.NOT_STARTED:
+            return await self._poll(ctx)  # poll 0: starts it
         if result in (RemoteResult.NOT_STARTED, RemoteResult.IN_PROGRESS):
             # Never reached the target (lost between commit and dispatch), or still running:
             # the operation is idempotent, so perform it: it starts, or waits for, the one run.
@@ -180,6 +220,9 @@ class StateDef:
     backoff_s: float = 1.0
     backoff_max_s: float = 300.0
     mode: WaitMode = "run"
+    #: a ``poll`` state: seconds between two calls of its action while it answers
+    #: :class:`NotYet`
+    poll_interval_s: float = 10.0
 
     def backoff_for(self, failed_attempt: int) -> float:
         """Delay before the attempt after ``failed_attempt`` (1-based): exponential, capped."""
@@ -228,16 +271,7 @@ class WorkflowDef:
                 f"workflow {self.name}: timeout given for unknown state(s) {sorted(unknown)}"
             )
         states = tuple(
-            StateDef(
-                name=s.name,
-                action=s.action,
-                timeout_s=timeouts_s.get(s.name, s.timeout_s),
-                attempts_max=s.attempts_max,
-                backoff_s=s.backoff_s,
-                backoff_max_s=s.backoff_max_s,
-                mode=s.mode,
-            )
-            for s in self.states
+            replace(s, timeout_s=timeouts_s.get(s.name, s.timeout_s)) for s in self.states
         )
         return WorkflowDef(
             self.name, states, self.version, self.description, self.source, self.yaml_text
@@ -268,3 +302,7 @@ def validate_workflow(wf: WorkflowDef) -> None:
             raise WorkflowError(f"{where}: attempts: must be at least 1")
         if not (0 <= s.backoff_s < math.inf and 0 <= s.backoff_max_s < math.inf):
             raise WorkflowError(f"{where}: backoff_s: must be a finite number, not negative")
+        if not (s.poll_interval_s > 0 and math.isfinite(s.poll_interval_s)):
+            raise WorkflowError(
+                f"{where}: poll_interval_s: must be a positive, finite number of seconds"
+            )

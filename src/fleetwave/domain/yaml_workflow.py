@@ -53,6 +53,8 @@ class _State(BaseModel):
     skip_when_done: bool = False
     recover: Literal["observe", "none"] = "observe"
     mode: Literal["run", "wait-for-callback", "poll"] = "run"
+    #: seconds between two looks at the target in a ``poll`` state
+    poll_interval_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
 class _Workflow(BaseModel):
@@ -123,6 +125,11 @@ def parse_workflow_yaml(text: str, *, source: str = "<yaml>") -> WorkflowDef:
         raise WorkflowError(f"{source}: {_where(err['loc'], data)}: {err['msg']}") from exc
     states: list[StateDef] = []
     for i, st in enumerate(model.states):
+        if st.poll_interval_s is not None and st.mode != "poll":
+            raise WorkflowError(
+                f"{source}: states[{i}] ({st.name}): poll_interval_s: only for mode: poll "
+                f"(this state's mode is {st.mode})"
+            )
         action: StateAction
         spec = st.action or st.name
         if spec.startswith("python:"):
@@ -143,6 +150,7 @@ def parse_workflow_yaml(text: str, *, source: str = "<yaml>") -> WorkflowDef:
                 backoff_s=st.retry.backoff_s,
                 backoff_max_s=st.retry.backoff_max_s,
                 mode=st.mode,
+                **({} if st.poll_interval_s is None else {"poll_interval_s": st.poll_interval_s}),
             )
         )
     try:

@@ -257,12 +257,13 @@ class SimDriver:
         self._agents: set[asyncio.Task[None]] = set()
         #: the targets' own view of each operation; remote work outlives a lost conductor:
         #: the operations running now, and per strategy and step the last one finished
-        #: and whether it succeeded (a step starts an operation only once the one before
-        #: is behind it, so that is all a recover hook can ask about). Kept small: the
+        #: and how (None: it succeeded; else its error and whether that was transient; a
+        #: step starts an operation only once the one before is behind it, so that is
+        #: all a recover hook or a poll can ask about). Kept small: the
         #: futures of every finished operation, kept before, slowed a 100,000-target
         #: rollout by a third. Forgotten when the strategy ends.
         self._remote: dict[tuple[int, str, str], _Execution] = {}
-        self._finished: dict[int, dict[int, tuple[str, bool]]] = {}
+        self._finished: dict[int, dict[int, tuple[str, tuple[str, bool] | None]]] = {}
         #: strategies ended: an operation still running on a target (its step timed out)
         #: that finishes afterwards is not recorded
         self._ended: set[int] = set()
@@ -320,20 +321,20 @@ class SimDriver:
         execution: _Execution,
     ) -> None:
         """The remote side's work: runs on even if the conductor that asked is lost."""
-        ok = False
+        error: tuple[str, bool] | None = None
         try:
             result = await self._remote_work(prof, target, operation, ctx)
         except Exception as exc:
             execution.future.set_exception(exc)
             execution.future.exception()  # retrieved: the step may have stopped waiting
+            error = (str(exc) or type(exc).__name__, isinstance(exc, TransientError))
         else:
             execution.future.set_result(result)
-            ok = True
         key = (ctx.strategy_id, target.name, operation)
         if self._remote.get(key) is execution:
             del self._remote[key]
         if ctx.strategy_id not in self._ended:
-            self._finished.setdefault(ctx.strategy_id, {})[ctx.step_id] = (operation, ok)
+            self._finished.setdefault(ctx.strategy_id, {})[ctx.step_id] = (operation, error)
 
     def strategy_ended(self, strategy_id: int) -> None:
         """The conductor ended the strategy: what its targets did is no longer asked."""
@@ -431,9 +432,35 @@ class SimDriver:
         last = self._finished.get(ctx.strategy_id, {}).get(ctx.step_id)
         if last is None or last[0] != operation:
             return RemoteResult.NOT_STARTED
-        if not last[1]:
-            raise StepFailed(f"{operation} failed on target while its conductor was lost")
+        if last[1] is not None:
+            message, transient = last[1]
+            if transient:  # a poll's next attempt starts it again
+                raise TransientError(f"{operation} failed on target: {message}")
+            raise StepFailed(f"{operation} failed on target: {message}")
         return RemoteResult.ALREADY_DONE if prof.already_done else RemoteResult.DONE
+
+    async def start(self, target: Target, operation: str, ctx: ActionContext) -> RemoteResult:
+        """Start the operation on the target and return at once (a ``poll`` state looks
+        at it with :meth:`observe`): ``in-progress``, or ``done`` if this step's last run
+        of it succeeded (idempotent: a run going on is joined, a finished one kept)."""
+        prof = self._profile(target)
+        key = (ctx.strategy_id, target.name, operation)
+        running = self._remote.get(key)
+        if running is not None and not running.future.done():
+            return RemoteResult.IN_PROGRESS
+        last = self._finished.get(ctx.strategy_id, {}).get(ctx.step_id)
+        if last is not None and last[0] == operation and last[1] is None:
+            return RemoteResult.ALREADY_DONE if prof.already_done else RemoteResult.DONE
+        if self.count_starts:
+            self.starts[(target.name, operation, ctx.attempt)] += 1
+        if self.record:
+            self.performed.append((target.name, operation, ctx.attempt))
+        execution = _Execution(asyncio.get_running_loop().create_future())
+        self._remote[key] = execution
+        task = asyncio.create_task(self._execute(prof, target, operation, ctx, execution))
+        self._work.add(task)
+        task.add_done_callback(self._work.discard)
+        return RemoteResult.IN_PROGRESS
 
     @staticmethod
     def _latency(prof: _Profile, rng: random.Random) -> float:

@@ -29,10 +29,11 @@ import contextlib
 import gc
 import heapq
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy.exc import OperationalError
@@ -53,7 +54,9 @@ from fleetwave.domain.workflow import (
     ActionContext,
     Advance,
     NoRecoverHook,
+    NotYet,
     Outcome,
+    StateDef,
     StepFailed,
     TargetDriver,
     TransientError,
@@ -1520,6 +1523,8 @@ class Conductor:
         attempts = 0
         callback_id: int | None = None
         decision: Decision
+        #: a poll state's last "not yet" (its details): said when the state times out
+        last_poll: str | None = None
         while True:
             attempts += 1
             try:
@@ -1534,6 +1539,7 @@ class Conductor:
                     driver=driver,
                     callback_expected=waiter is not None,
                     recovering=recovering,
+                    polling=st.mode == "poll",
                 )
                 self._attempts += 1
                 attempt = fl.running = self._attempts
@@ -1551,6 +1557,11 @@ class Conductor:
                     if recovering:
                         outcome = await st.action.recover(ctx)
                     else:
+                        outcome = await st.action.run(ctx)
+                    while isinstance(outcome, NotYet):
+                        last_poll = outcome.details
+                        await self._poll_again(st, ctx, outcome)
+                        ctx = replace(ctx, poll=ctx.poll + 1, recovering=False)
                         outcome = await st.action.run(ctx)
                     if waiter is not None and isinstance(outcome, Advance):
                         answered = await asyncio.shield(waiter)
@@ -1586,6 +1597,8 @@ class Conductor:
             except (TransientError, TimeoutError) as exc:
                 if isinstance(exc, _StateDeadline):
                     reason = f"timed out after {st.timeout_s:g}s"
+                    if last_poll is not None:
+                        reason += f" polling (last answer: {last_poll or 'not yet'})"
                     if timeout_s < st.timeout_s:
                         reason = (
                             f"timed out: the state's {st.timeout_s:g}s deadline, recorded "
@@ -1642,6 +1655,18 @@ class Conductor:
                 )
             break
         return ActionFinished(run.id, rec.step_id, state, fence, decision, attempts, callback_id)
+
+    @staticmethod
+    async def _poll_again(st: StateDef, ctx: ActionContext, answer: NotYet) -> None:
+        """A poll state's action answered "not yet": wait before asking again."""
+        if not ctx.polling:
+            raise StepFailed(
+                f"the action answered 'not yet', but the state does not poll (mode: {st.mode})"
+            )
+        delay = st.poll_interval_s if answer.after_s is None else answer.after_s
+        if not (0 <= delay < math.inf):
+            raise StepFailed(f"the action asked to be called again after {delay!r} s")
+        await asyncio.sleep(delay)
 
 
 def _put_in_flight(

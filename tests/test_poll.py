@@ -1,0 +1,214 @@
+"""States that poll (``mode: poll``), on virtual time and a real SQLite file.
+
+The action starts the work and answers :class:`NotYet` while it goes on; the engine
+calls it again every ``poll_interval_s`` (or the ``after_s`` it asked for) until it
+advances, fails, or the state's timeout runs out. A driver operation in a poll state
+starts the operation (``start``) and then looks at it (``observe``): it is started
+once, also across a takeover.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+
+import pytest
+
+from conftest import add_sim_targets, applied, on_virtual_time
+from fleetwave import ActionContext, Advance, NotYet, Outcome, StateAction
+from fleetwave.domain.registry import register_workflow
+from fleetwave.domain.workflow import StateDef, WorkflowDef, WorkflowError
+from fleetwave.domain.yaml_workflow import parse_workflow_yaml
+from fleetwave.drivers.sim import SimDriver
+from fleetwave.engine.clock import LoopClock
+from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.store import queries
+from fleetwave.store.db import Store
+from fleetwave.testing.invariants import check
+
+
+class ReadyAfter(StateAction):
+    """Answers "not yet" ``polls`` times (with how far it got), then advances."""
+
+    def __init__(self, polls: int, after_s: float | None = None) -> None:
+        self.polls = polls
+        self.after_s = after_s
+        self.calls: list[tuple[int, float]] = []
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        self.calls.append((ctx.poll, asyncio.get_running_loop().time()))
+        if ctx.poll < self.polls:
+            return NotYet(f"{25 * (ctx.poll + 1)}% done", after_s=self.after_s)
+        return Advance()
+
+
+def _one_state(name: str, action: StateAction, **state: object) -> str:
+    wf = register_workflow(WorkflowDef(name, (StateDef("s", action, **state),)), replace=True)  # type: ignore[arg-type]
+    return wf.name
+
+
+def _drive(store: Store, sid: int, conductor: Conductor | None = None) -> str:
+    c = conductor or Conductor(store, clock=LoopClock())
+    result = on_virtual_time(asyncio.wait_for(c.run(strategy_ids=[sid]), 100_000))
+    return str(result[sid])
+
+
+def _details(store: Store, sid: int) -> list[str]:
+    return [s["details"] for s in queries.list_steps(store, sid)]
+
+
+def test_a_poll_state_is_asked_again_every_interval_until_it_advances(store: Store) -> None:
+    add_sim_targets(store, 1)
+    action = ReadyAfter(3)
+    sid = applied(store, _one_state("poll-ok", action, mode="poll", poll_interval_s=20))
+    assert _drive(store, sid) == "complete"
+    assert [p for p, _ in action.calls] == [0, 1, 2, 3]
+    gaps = [b - a for (_, a), (_, b) in zip(action.calls, action.calls[1:], strict=False)]
+    assert gaps == pytest.approx([20, 20, 20], abs=0.01)
+    # polling writes nothing: one journal row into the state, one out of it
+    assert [(h["from"], h["to"]) for h in queries.history(store, sid)] == [
+        ("initial", "s"),
+        ("s", "complete"),
+    ]
+    assert check(store, sid).ok
+
+
+def test_the_action_may_ask_for_its_own_delay(store: Store) -> None:
+    add_sim_targets(store, 1)
+    action = ReadyAfter(2, after_s=1.5)
+    sid = applied(store, _one_state("poll-after", action, mode="poll", poll_interval_s=600))
+    assert _drive(store, sid) == "complete"
+    times = [t for _, t in action.calls]
+    assert times[-1] - times[0] == pytest.approx(3.0, abs=0.01)
+
+
+def test_a_poll_state_times_out_with_the_last_answer(store: Store) -> None:
+    add_sim_targets(store, 1)
+    sid = applied(
+        store,
+        _one_state("poll-slow", ReadyAfter(1000), mode="poll", poll_interval_s=10, timeout_s=35),
+    )
+    assert _drive(store, sid) == "failed"
+    assert _details(store, sid) == [
+        "s: timed out after 35s polling (last answer: 100% done) (attempt 1 of 1)"
+    ]
+
+
+def test_not_yet_from_a_state_that_does_not_poll_fails_the_step(store: Store) -> None:
+    add_sim_targets(store, 1)
+    sid = applied(store, _one_state("not-polling", ReadyAfter(1)))
+    assert _drive(store, sid) == "failed"
+    assert _details(store, sid) == [
+        "s: the action answered 'not yet', but the state does not poll (mode: run)"
+    ]
+
+
+POLL_YAML = textwrap.dedent(
+    """
+    name: polled
+    states:
+      - name: apply
+        mode: poll
+        poll_interval_s: 5
+        timeout_s: 3600
+        retry: {attempts: 3, backoff_s: 1}
+      - name: finish
+    """
+)
+
+
+def _sim_conductor(store: Store) -> tuple[Conductor, SimDriver]:
+    sim = SimDriver(seed=1)
+    sim.count_starts = True
+    return Conductor(store, clock=LoopClock(), drivers={"sim": sim}), sim
+
+
+def _applied_yaml(store: Store, text: str, **options: object) -> int:
+    wf = register_workflow(parse_workflow_yaml(text), replace=True)
+    return applied(store, wf.name, **options)
+
+
+async def _timed(c: Conductor, sid: int) -> float:
+    """Drive ``sid``; how long it took (virtual seconds)."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await asyncio.wait_for(c.run(strategy_ids=[sid]), 100_000)
+    return loop.time() - t0
+
+
+def _starts(sim: SimDriver, operation: str) -> dict[tuple[str, str, int], int]:
+    return {k: v for k, v in sim.starts.items() if k[1] == operation}
+
+
+def test_a_driver_operation_that_polls_is_started_once_and_observed(store: Store) -> None:
+    add_sim_targets(store, 3, settings={"latency_ms": 42_000})
+    sid = _applied_yaml(store, POLL_YAML)
+    c, sim = _sim_conductor(store)
+    elapsed = on_virtual_time(_timed(c, sid))
+    assert queries.get_strategy(store, sid)["state"] == "complete"
+    # each target's operation started once, seen done at the first look after 42 s
+    # (45 s: a look every 5 s), then the 42 s of `finish`
+    assert _starts(sim, "apply") == {(f"t{i:05d}", "apply", 1): 1 for i in range(3)}
+    assert elapsed == pytest.approx(45 + 42, abs=0.5)
+    assert check(store, sid).ok
+
+
+def test_a_polled_operation_that_fails_on_the_target_fails_the_step(store: Store) -> None:
+    add_sim_targets(store, 1, settings={"latency_ms": 12_000, "fail_at": "apply"})
+    sid = _applied_yaml(store, POLL_YAML)
+    c, _sim = _sim_conductor(store)
+    on_virtual_time(_timed(c, sid))
+    assert _details(store, sid) == [
+        "apply: apply failed on target: failed on target (fail_at=apply)"
+    ]
+
+
+def test_a_polled_operation_failing_transiently_is_started_again_per_attempt(
+    store: Store,
+) -> None:
+    add_sim_targets(store, 1, settings={"latency_ms": 3_000, "flaky_rate": 1.0})
+    sid = _applied_yaml(store, POLL_YAML)
+    c, sim = _sim_conductor(store)
+    on_virtual_time(_timed(c, sid))
+    assert _starts(sim, "apply") == {("t00000", "apply", n): 1 for n in (1, 2, 3)}
+    assert _details(store, sid) == [
+        "apply: apply failed on target: target busy (simulated) (attempt 3 of 3)"
+    ]
+
+
+def test_a_takeover_in_a_poll_state_observes_and_does_not_start_it_again(
+    store: Store,
+) -> None:
+    """The conductor dies mid-poll (its leases are not handed back); the next one takes
+    over when they expire: its recover hook sees the operation still running on the
+    target and polls on, and the target never sees it started twice."""
+    add_sim_targets(store, 2, settings={"latency_ms": 300_000})
+    sid = _applied_yaml(store, POLL_YAML)
+    sim = SimDriver(seed=1)
+    sim.count_starts = True
+    cfg = EngineConfig(lease_ttl_s=30, tick_s=1)
+
+    async def crash_then_take_over() -> str:
+        first = Conductor(store, clock=LoopClock(), drivers={"sim": sim}, config=cfg)
+        task = asyncio.create_task(first.run(strategy_ids=[sid]))
+        await asyncio.sleep(60)
+        task.cancel()  # killed: no clean stop, leases left to expire
+        await asyncio.gather(task, return_exceptions=True)
+        second = Conductor(store, clock=LoopClock(), drivers={"sim": sim}, config=cfg)
+        result = await second.run(strategy_ids=[sid], patient=True)
+        return result[sid]
+
+    assert on_virtual_time(crash_then_take_over()) == "complete"
+    assert _starts(sim, "apply") == {(f"t{i:05d}", "apply", 1): 1 for i in range(2)}
+    taken = [e for e in queries.strategy_events(store, sid) if e["kind"] == "step-taken-over"]
+    assert len(taken) == 2
+    assert check(store, sid).ok
+
+
+def test_poll_settings_are_checked(store: Store) -> None:
+    with pytest.raises(WorkflowError, match=r"states\[0\] \(a\): poll_interval_s: only for"):
+        parse_workflow_yaml("name: w\nstates:\n  - {name: a, poll_interval_s: 5}\n")
+    with pytest.raises(WorkflowError, match="poll_interval_s"):
+        parse_workflow_yaml("name: w\nstates:\n  - {name: a, mode: poll, poll_interval_s: 0}\n")
+    with pytest.raises(WorkflowError, match="poll_interval_s: must be a positive, finite"):
+        WorkflowDef("w", (StateDef("a", ReadyAfter(1), mode="poll", poll_interval_s=0),))
