@@ -12,6 +12,7 @@ conductor could drive.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
@@ -361,3 +362,75 @@ def test_an_actions_own_timeout_error_is_not_reported_as_the_state_deadline(
     assert on_virtual_time(asyncio.wait_for(c.run(strategy_ids=[sid]), 60))[sid] == "failed"
     ((_, details),) = [(s["state"], s["details"]) for s in queries.list_steps(store, sid)]
     assert "600" not in details and "connect to bmc" in details, details
+
+
+class SwallowsCancel(StateAction):
+    """An action that swallows its cancellation and reports anyway (a library that
+    catches too much): the report arrives after its strategy was dropped."""
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[Any] | None = None
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        self.task = asyncio.current_task()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(60)
+        return Advance()
+
+
+def test_the_worker_of_a_stale_report_ends(store: Store) -> None:
+    """Its report is stale (the strategy is no longer driven here): the worker is told
+    there is nothing more to do, instead of waiting until the conductor stops."""
+    from sqlalchemy import update
+
+    from fleetwave.engine.messages import LeaseLost
+    from fleetwave.store.schema import strategies
+
+    add_sim_targets(store, 1)
+    action = SwallowsCancel()
+    wf = register_workflow(WorkflowDef("swallows", (StateDef("a", action),)), replace=True)
+    sid = applied(store, wf.name)
+    c = Conductor(store, clock=LoopClock())
+    seen: dict[str, bool] = {}
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(c.run(stop=stop))
+        await asyncio.sleep(1)
+        with store.write() as conn:  # another conductor took it over
+            conn.execute(
+                update(strategies)
+                .where(strategies.c.id == sid)
+                .values(owner="c-other", fence=strategies.c.fence + 1)
+            )
+        c.post(LeaseLost(sid))
+        await asyncio.sleep(1)
+        assert action.task is not None
+        seen["worker_done"] = action.task.done()
+        stop.set()
+        await task
+
+    on_virtual_time(serve())
+    assert c.stats.stale_outcomes == 1
+    assert seen["worker_done"]
+
+
+def test_a_wait_for_a_callback_says_it_is_not_retried(store: Store) -> None:
+    add_sim_targets(store, 1, settings={"callback_lost_rate": 1.0})
+    clean = get_workflow("clean")
+    assert clean is not None
+    states = tuple(
+        StateDef(s.name, s.action, timeout_s=5, mode=s.mode, attempts_max=3)
+        if s.name == "wait-for-agent"
+        else s
+        for s in clean.states
+    )
+    register_workflow(WorkflowDef("clean-3", states), replace=True)
+    sid = applied(store, "clean-3")
+    c = Conductor(store, clock=LoopClock())
+    assert on_virtual_time(asyncio.wait_for(c.run(strategy_ids=[sid]), 3600))[sid] == "failed"
+    (step,) = queries.list_steps(store, sid)
+    assert step["details"] == (
+        "wait-for-agent: timed out after 5s waiting for the target's callback "
+        "(attempt 1 of 3; a wait for a callback is not retried)"
+    )

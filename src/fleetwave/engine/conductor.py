@@ -1125,6 +1125,7 @@ class Conductor:
             step = msg.step_id if reported is not None else None
             marks.append(rt.CallbackMark(msg.callback_id, outcome, why, msg.strategy_id, step))
         if reported is None:
+            _resolve(msg.go, False)  # its worker has nothing more to do
             self.stats.stale_outcomes += 1
             events.append(
                 rt.Event(
@@ -1504,7 +1505,7 @@ class Conductor:
                 self.stats.dispatch_latency_s.append(time.perf_counter() - self._committed_at)
             msg = await self._run_state(run, fl, recovering)
             recovering = False
-            go = fl.go = loop.create_future()
+            go = fl.go = msg.go = loop.create_future()
             self.post(msg)
             if not await go:
                 return
@@ -1624,7 +1625,14 @@ class Conductor:
                         "not retried: the strategy is stopping",
                     )
                 else:
-                    decision = failure(state, f"{reason} (attempt {attempts} of {st.attempts_max})")
+                    why = f"{reason} (attempt {attempts} of {st.attempts_max}"
+                    if attempts < st.attempts_max:
+                        # Not retried here: a recover hook decides once (the state may have
+                        # run on the target), and a callback wait is not started again (the
+                        # target's agent was started once).
+                        why += "; not retried after a takeover" if recovering else ""
+                        why += "; a wait for a callback is not retried" if waiter else ""
+                    decision = failure(state, why + ")")
             except Exception as exc:  # an action bug must fail the step, never strand it
                 # One line per step (a bug in an action may fail thousands of them); the
                 # traceback at debug level.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from fleetwave.domain.rules import Decision
@@ -21,6 +22,9 @@ class ActionFinished:
     attempts: int
     #: the stored callback whose report decided it (wait-for-callback states)
     callback_id: int | None = None
+    #: what the worker waits on next: resolved False if the report is stale (the step
+    #: moved on, or the strategy is no longer driven here), so the worker ends
+    go: asyncio.Future[bool] | None = None
 
 
 @dataclass(slots=True)
