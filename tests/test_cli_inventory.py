@@ -532,7 +532,10 @@ def test_lists_stream_as_json_one_row_per_line_and_refuse_bad_names_first(
     lines = res.out.splitlines()
     assert lines[0] == "[" and lines[-1] == "]"
     assert [json.loads(line.rstrip(","))["name"] for line in lines[1:-1]] == ["alpha", "beta"]
-    assert cli("target", "list", "--group", "none-such", "--format", "json").json() == []
+    assert_rejected(
+        cli("target", "list", "--group", "none-such", "--format", "json"),
+        "--group: no group named 'none-such'",
+    )
     for args in (
         ("history", "--strategy", "99"),
         ("step", "list", "--strategy", "99"),

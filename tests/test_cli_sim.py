@@ -35,8 +35,11 @@ def test_sim_rejects_bad_input() -> None:
     for args, needle in [
         (("--faults", "gremlins"), "--faults: unknown fault 'gremlins'"),
         (("--workflow", "nope"), "--workflow: unknown workflow 'nope'"),
-        (("--targets", "0"), "--targets: must be at least 1"),
-        (("--runs", "0"), "--runs: must be at least 1"),
+        (("--targets", "0"), "--targets: must be 1 to 1000000, got 0"),
+        (("--targets", "99999999999"), "--targets: must be 1 to 1000000"),
+        (("--runs", "0"), "--runs: must be 1 to 1000000, got 0"),
+        (("--faults", ""), "--faults: must not be empty"),
+        (("--faults", "none,crash"), "--faults: 'all' and 'none' stand alone"),
     ]:
         res = _sim(*args)
         assert res.returncode == 2, (args, res.stderr)

@@ -283,20 +283,23 @@ def test_an_action_raising_a_base_exception_does_not_strand_its_step(store: Stor
 
 
 def test_check_does_not_flag_an_undrivable_strategy_with_a_failure_limit(store: Store) -> None:
-    """A strategy this conductor cannot drive (its workflow is not registered here) is
-    ended by _fail_undrivable: waiting steps 'aborted', details 'not started: cannot
-    drive it: ...'. check() takes any 'not started:' abort as a stop for the failure
+    """A strategy no conductor can drive (its Python workflow changed its states since)
+    is ended by _fail_undrivable: waiting steps 'aborted', details 'not started: cannot
+    drive it: ...'. check() took any 'not started:' abort as a stop for the failure
     threshold; with max_failures (or stop on failure) set and no step failed, `fleetwave
-    check` then reports a violation on a database the engine handled as designed."""
+    check` then reported a violation on a database the engine handled as designed."""
 
     add_sim_targets(store, 2)
     one = (StateDef("a", DriverOperation("a")),)
+    register_workflow(WorkflowDef("rv-reshaped", one), replace=True)
     sid = admin.create_strategy(
         store,
-        WorkflowDef("rv-never-registered", one),
+        WorkflowDef("rv-reshaped", one),
         StrategyOptions(max_failures=0),
         all_targets=True,
     )
+    other = (StateDef("b", DriverOperation("b")),)
+    register_workflow(WorkflowDef("rv-reshaped", other), replace=True)
     admin.apply_strategy(store, sid)
     result = asyncio.run(Conductor(store).run(strategy_ids=[sid]))
     assert result == {sid: "failed"}

@@ -22,6 +22,14 @@ DbOpt = Annotated[
 ]
 FormatOpt = Annotated[Format, typer.Option("--format", help="table or json")]
 
+#: the largest integer the database holds (SQLite's INTEGER, PostgreSQL's bigint): a
+#: larger id or count is refused as bad input, not a traceback
+SQL_INT_MAX = 2**63 - 1
+#: the most targets a demo or a simulation makes
+MAX_SIM_TARGETS = 1_000_000
+StrategyId = Annotated[int, typer.Argument(max=SQL_INT_MAX, help="strategy id")]
+StepId = Annotated[int, typer.Argument(max=SQL_INT_MAX, help="step id")]
+
 
 #: databases this command created (the file did not exist): removed again if the
 #: command then fails on bad input, so that bad input writes nothing, not even a file
@@ -42,6 +50,10 @@ def store_for(db: str | None, *, create: bool = True) -> Store:
     fresh = not path.exists()
     if fresh and not create:
         raise InputError(f"{_named(db)}: no database at {target}{_hint(db)}")
+    if not create and path.is_file() and path.stat().st_size == 0:
+        # An empty file (a typo'd `touch`, a failed copy): opening it would make it a
+        # new, empty database, shown as if it were the fleet.
+        raise InputError(f"{_named(db)}: {target} is an empty file, not a database{_hint(db)}")
     store = open_store(target)
     if fresh:
         _created.append((path, store))

@@ -17,12 +17,15 @@ from typing import Annotated, Any
 import typer
 
 from fleetwave.catalog import resolve_workflow
+from fleetwave.cli.common import MAX_SIM_TARGETS
 from fleetwave.cli.drive import drive_strategy
 from fleetwave.cli.output import Format, console, print_json
 from fleetwave.domain.errors import InputError
-from fleetwave.domain.models import StrategyOptions, Target
+from fleetwave.domain.models import StrategyOptions, Target, plural
+from fleetwave.drivers.sim import MAX_LATENCY_MS
 from fleetwave.engine import loop as event_loop
 from fleetwave.store import admin, queries
+from fleetwave.store.admin import MAX_PARALLEL
 from fleetwave.store.db import open_store
 from fleetwave.testing.invariants import check
 
@@ -62,12 +65,14 @@ def demo_command(
     fmt: Annotated[Format, typer.Option("--format", help="table or json")] = Format.table,
 ) -> None:
     """Roll a workflow over a simulated fleet, print a summary, verify the invariants."""
-    if targets < 1:
-        raise InputError(f"--targets: must be at least 1, got {targets}")
-    if max_parallel < 1:
-        raise InputError(f"--max-parallel: must be at least 1, got {max_parallel}")
+    if not 1 <= targets <= MAX_SIM_TARGETS:
+        raise InputError(f"--targets: must be 1 to {MAX_SIM_TARGETS}, got {targets}")
+    if not 1 <= max_parallel <= MAX_PARALLEL:
+        raise InputError(f"--max-parallel: must be 1 to {MAX_PARALLEL}, got {max_parallel}")
     if not 0 <= failure_rate <= 1:
         raise InputError(f"--failure-rate: must be between 0 and 1, got {failure_rate}")
+    if not 0 <= latency_ms <= MAX_LATENCY_MS:
+        raise InputError(f"--latency-ms: must be 0 to {MAX_LATENCY_MS}, got {latency_ms:g}")
     if latency_ms < 0:
         raise InputError(f"--latency-ms: must not be negative, got {latency_ms}")
     wf = resolve_workflow(None, workflow)  # built-ins and plug-ins: checked before any write
@@ -84,7 +89,7 @@ def demo_command(
     admin.apply_strategy(store, sid)
     if fmt is Format.table:
         console.print(
-            f"rolling [bold]{wf.name}[/bold] over {targets} simulated subclouds, "
+            f"rolling [bold]{wf.name}[/bold] over {plural(targets, 'simulated subcloud')}, "
             f"max parallel {max_parallel} (db {db})"
         )
     from fleetwave.engine.conductor import EngineConfig
@@ -147,7 +152,9 @@ def _print_summary(s: dict[str, Any], reasons: Counter[str]) -> None:
             ft.add_row(f["target"], f["details"])
         if len(s["failures"]) > 15:
             ft.add_row(
-                "...", f"{len(s['failures']) - 15} more (fleetwave step list --state failed)"
+                "...",
+                f"{len(s['failures']) - 15} more: fleetwave step list --strategy "
+                f"{s['strategy']} --state failed --db {s['db']}",
             )
         console.print(ft)
     console.print(
@@ -160,4 +167,7 @@ def _print_summary(s: dict[str, Any], reasons: Counter[str]) -> None:
         console.print("[red]fleetwave check: FAILED[/red]")
         for v in s["check"]["violations"]:
             console.print(f"  {v}")
-    console.print(f"inspect it: fleetwave step list --strategy {s['strategy']} --db {s['db']}")
+    console.print(
+        f"inspect it: fleetwave step list --strategy {s['strategy']} --db {s['db']}",
+        soft_wrap=True,  # one line, to copy whole
+    )

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 from dataclasses import dataclass
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fleetwave.cli.output import err_console
+from fleetwave.domain.models import STRATEGY_TERMINAL
 from fleetwave.engine import loop as event_loop
 from fleetwave.engine.conductor import Conductor, EngineConfig
 from fleetwave.store import queries
@@ -23,8 +25,33 @@ from fleetwave.store.runtime import strategy_state
 
 @dataclass
 class DriveResult:
+    #: the strategy's final state; ``interrupted`` when Ctrl-C stopped this conductor
     state: str
     conductor: Conductor | None
+
+
+def stop_on_signals(stop: asyncio.Event, grace_s: float) -> None:
+    """Ctrl-C (or SIGTERM) stops the conductor cleanly: nothing new starts, running
+    actions finish for up to ``grace_s``, leases are handed back. A second one stops
+    at once (the leases then run out by themselves)."""
+    loop = asyncio.get_running_loop()
+
+    def first(sig: signal.Signals) -> None:
+        if stop.is_set():  # again: stop now
+            loop.remove_signal_handler(sig)
+            signal.raise_signal(sig)
+            return
+        stop.set()
+        err_console.print(
+            f"stopping: running actions finish (up to {grace_s:g} s), then the leases are "
+            "handed back; Ctrl-C again to stop now",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, first, sig)
 
 
 async def _watch(
@@ -35,14 +62,15 @@ async def _watch(
         if progress is not None and task is not None:
             counts = queries.step_counts(store, sid)
             finished = sum(counts.get(s, 0) for s in ("complete", "failed", "aborted"))
-            failed = counts.get("failed", 0)
             state, _owner = strategy_state(store, sid)
-            paused = ", paused: 'fleetwave strategy resume' to go on" if state == "paused" else ""
-            progress.update(
-                task,
-                completed=finished,
-                description=f"strategy {sid} ({failed} failed{paused})",
-            )
+            ended = f"{counts.get('failed', 0)} failed"
+            if counts.get("aborted"):
+                ended += f", {counts['aborted']} aborted"
+            if state == "paused":
+                ended += ", paused: 'fleetwave strategy resume' to go on"
+            elif state in ("abort-requested", "aborting"):
+                ended += ", aborting"
+            progress.update(task, completed=finished, description=f"strategy {sid} ({ended})")
         if done.is_set():
             return
         with contextlib.suppress(TimeoutError):
@@ -68,15 +96,21 @@ async def _drive(store: Store, sid: int, show_progress: bool, config: EngineConf
     if progress is not None:
         progress.start()
     watcher = asyncio.create_task(_watch(store, sid, total, progress, done))
+    stop = asyncio.Event()
+    with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
+        stop_on_signals(stop, config.shutdown_grace_s)
     try:
         # Patient: while another live conductor drives it, this one waits for the end,
         # and takes over if that conductor dies (its lease runs out). Fenced off by
         # another ("lost"), it goes on waiting the same way.
-        result = await conductor.run(strategy_ids=[sid], patient=True)
+        result = await conductor.run(strategy_ids=[sid], patient=True, stop=stop)
         state = result.get(sid, "unknown")
-        while state == "lost":
+        while state == "lost" and not stop.is_set():
             conductor = Conductor(store, config=config)
-            state = (await conductor.run(strategy_ids=[sid], patient=True)).get(sid, "unknown")
+            result = await conductor.run(strategy_ids=[sid], patient=True, stop=stop)
+            state = result.get(sid, "unknown")
+        if stop.is_set() and state not in STRATEGY_TERMINAL:
+            state = "interrupted"
         done.set()
         await watcher
     finally:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,8 +18,11 @@ import typer
 from fleetwave.catalog import list_workflows, resolve_workflow
 from fleetwave.cli import output
 from fleetwave.cli.common import (
+    SQL_INT_MAX,
     DbOpt,
     FormatOpt,
+    StepId,
+    StrategyId,
     discard_created,
     existing_store,
     forget_created,
@@ -28,18 +30,19 @@ from fleetwave.cli.common import (
     store_if_any,
 )
 from fleetwave.cli.demo import demo_command
-from fleetwave.cli.drive import drive_strategy
+from fleetwave.cli.drive import drive_strategy, stop_on_signals
 from fleetwave.cli.output import Format, console, emit_one, emit_rows, err_console, print_json
-from fleetwave.cli.parsing import check_target, parse_pairs, targets_from_file
+from fleetwave.cli.parsing import check_target, parse_pairs, read_text_file, targets_from_file
 from fleetwave.cli.simcmd import sim_command
 from fleetwave.domain.errors import Conflict, InputError
-from fleetwave.domain.models import ApplyType, Group, StrategyOptions, Target
-from fleetwave.domain.registry import get_workflow
+from fleetwave.domain.models import ApplyType, Group, StrategyOptions, Target, plural
+from fleetwave.domain.registry import get_workflow, load_plugins
 from fleetwave.domain.workflow import WorkflowError
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.engine import loop as event_loop
 from fleetwave.engine.conductor import Conductor
 from fleetwave.store import admin, queries
+from fleetwave.store.admin import MAX_PARALLEL
 from fleetwave.store.db import StoreError
 from fleetwave.testing.invariants import check as check_invariants
 
@@ -155,7 +158,9 @@ def target_delete(name: str, db: DbOpt = None) -> None:
 @group_app.command("add")
 def group_add(
     name: str,
-    max_parallel: Annotated[int, typer.Option(help="targets of this group in flight at once")] = 20,
+    max_parallel: Annotated[
+        int, typer.Option(max=MAX_PARALLEL, help="targets of this group in flight at once")
+    ] = 20,
     apply_type: Annotated[ApplyType, typer.Option(help="parallel or serial")] = ApplyType.PARALLEL,
     db: DbOpt = None,
 ) -> None:
@@ -256,7 +261,8 @@ def workflow_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
             "name": wf.name,
             "version": wf.version,
             "source": wf.source,
-            "states": " -> ".join(wf.state_names),
+            # JSON: the states as a list; a table: in order, with arrows
+            "states": list(wf.state_names) if fmt is Format.json else " -> ".join(wf.state_names),
         }
         for wf in list_workflows(store_if_any(db))
     ]
@@ -279,7 +285,7 @@ def workflow_show(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) ->
 def workflow_validate(file: Path) -> None:
     """Check a YAML workflow file; errors name the state and field."""
     _check_file(file)
-    wf = parse_workflow_yaml(file.read_text(encoding="utf-8"), source=str(file))
+    wf = parse_workflow_yaml(read_text_file(file), source=str(file), strict=True)
     _not_builtin(file, wf.name)
     console.print(f"{file}: workflow {wf.name} v{wf.version} is valid ({len(wf.states)} states)")
 
@@ -302,8 +308,8 @@ def _not_builtin(file: Path, name: str) -> None:
 def workflow_add(file: Path, db: DbOpt = None) -> None:
     """Validate a YAML workflow and store it, so strategies can use it."""
     _check_file(file)
-    text = file.read_text(encoding="utf-8")
-    wf = parse_workflow_yaml(text, source=str(file))
+    text = read_text_file(file)
+    wf = parse_workflow_yaml(text, source=str(file), strict=True)
     _not_builtin(file, wf.name)
     admin.save_workflow(store_for(db), wf, text)
     console.print(f"workflow {wf.name} v{wf.version} stored")
@@ -331,11 +337,14 @@ def strategy_create(
     targets: Annotated[str | None, typer.Option(help="comma-separated target names")] = None,
     group: Annotated[str | None, typer.Option(help="every target of this group")] = None,
     all_: Annotated[bool, typer.Option("--all", help="every target")] = False,
-    max_parallel: Annotated[int, typer.Option(help="steps in flight at once")] = 20,
+    max_parallel: Annotated[
+        int, typer.Option(max=MAX_PARALLEL, help="steps in flight at once")
+    ] = 20,
     apply_type: Annotated[ApplyType, typer.Option(help="parallel or serial")] = ApplyType.PARALLEL,
     stop_on_failure: Annotated[bool, typer.Option(help="stop at the first failure")] = False,
     max_failures: Annotated[
-        int | None, typer.Option(help="stop once more than this many steps failed")
+        int | None,
+        typer.Option(max=SQL_INT_MAX, help="stop once more than this many steps failed"),
     ] = None,
     stages_by_group: Annotated[
         bool, typer.Option(help="one stage per group, run one after another")
@@ -373,7 +382,7 @@ def strategy_create(
 
 @strategy_app.command("apply")
 def strategy_apply(
-    strategy_id: int,
+    strategy_id: StrategyId,
     wait: Annotated[bool, typer.Option(help="drive it here and wait for the end")] = False,
     fmt: FormatOpt = Format.table,
     db: DbOpt = None,
@@ -382,6 +391,10 @@ def strategy_apply(
     store = existing_store(db)
     if wait:
         event_loop.loop_kind()  # a bad FLEETWAVE_LOOP is refused before anything changes
+        # Driving it here needs its workflow here (a Python one: its plug-in imported).
+        name, own_copy = queries.strategy_workflow(store, strategy_id)
+        if not own_copy:
+            resolve_workflow(store, name, what=f"strategy {strategy_id}: workflow")
     before = admin.apply_strategy(store, strategy_id)
     if not wait:
         who = queries.driving(store, strategy_id)
@@ -407,6 +420,17 @@ def strategy_apply(
             )
         return
     result = drive_strategy(store, strategy_id, show_progress=fmt is Format.table)
+    if result.state == "interrupted":
+        now = queries.get_strategy(store, strategy_id)["state"]
+        err_console.print(
+            f"stopped: strategy {strategy_id} is still {now}"
+            f"; leases handed back. Go on with 'fleetwave strategy apply {strategy_id} --wait' "
+            "or 'fleetwave serve'",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(130)
     summary = queries.get_strategy(store, strategy_id)
     if fmt is Format.json:
         print_json(summary)
@@ -417,7 +441,7 @@ def strategy_apply(
 
 
 @strategy_app.command("pause")
-def strategy_pause(strategy_id: int, db: DbOpt = None) -> None:
+def strategy_pause(strategy_id: StrategyId, db: DbOpt = None) -> None:
     """Pause: no new step starts; steps in flight go on to their end. Undo with resume."""
     before = admin.pause_strategy(existing_store(db), strategy_id)
     if before == "paused":
@@ -430,7 +454,7 @@ def strategy_pause(strategy_id: int, db: DbOpt = None) -> None:
 
 
 @strategy_app.command("resume")
-def strategy_resume(strategy_id: int, db: DbOpt = None) -> None:
+def strategy_resume(strategy_id: StrategyId, db: DbOpt = None) -> None:
     """Resume a paused strategy: its waiting steps start again."""
     before = admin.resume_strategy(existing_store(db), strategy_id)
     if before == "applying":
@@ -440,14 +464,14 @@ def strategy_resume(strategy_id: int, db: DbOpt = None) -> None:
 
 
 @strategy_app.command("abort")
-def strategy_abort(strategy_id: int, db: DbOpt = None) -> None:
+def strategy_abort(strategy_id: StrategyId, db: DbOpt = None) -> None:
     """Abort: nothing new starts; in-flight steps finish their current state."""
     admin.request_abort(existing_store(db), strategy_id)
     console.print(f"strategy {strategy_id}: abort requested")
 
 
 @strategy_app.command("show")
-def strategy_show(strategy_id: int, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
+def strategy_show(strategy_id: StrategyId, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Show a strategy with its step counts per state."""
     emit_one(queries.get_strategy(existing_store(db), strategy_id), fmt)
 
@@ -463,7 +487,7 @@ def strategy_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
 
 
 @strategy_app.command("delete")
-def strategy_delete(strategy_id: int, db: DbOpt = None) -> None:
+def strategy_delete(strategy_id: StrategyId, db: DbOpt = None) -> None:
     """Delete a strategy that is not running, with its steps and journal."""
     admin.delete_strategy(existing_store(db), strategy_id)
     console.print(f"strategy {strategy_id} deleted")
@@ -474,7 +498,7 @@ def strategy_delete(strategy_id: int, db: DbOpt = None) -> None:
 
 @step_app.command("list")
 def step_list(
-    strategy: Annotated[int, typer.Option(help="strategy id")],
+    strategy: Annotated[int, typer.Option(max=SQL_INT_MAX, help="strategy id")],
     state: Annotated[str | None, typer.Option(help="only steps in this state")] = None,
     fmt: FormatOpt = Format.table,
     db: DbOpt = None,
@@ -484,13 +508,14 @@ def step_list(
     rows = queries.iter_steps(store, strategy, state)  # refuses an unknown strategy now
     emit_rows(
         _first_then(rows, lambda: queries.iter_steps(store, strategy, state)),
-        ["target", "stage", "state", "details", "started_at", "finished_at"],
+        # the step id last: what `step show` takes
+        ["target", "stage", "state", "details", "started_at", "finished_at", "step"],
         fmt,
     )
 
 
 @step_app.command("show")
-def step_show(step_id: int, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
+def step_show(step_id: StepId, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Show one step with its journal and events."""
     emit_one(queries.get_step(existing_store(db), step_id), fmt)
 
@@ -510,10 +535,11 @@ def _first_then(
 
 @app.command()
 def history(
-    strategy: Annotated[int, typer.Option(help="strategy id")],
+    strategy: Annotated[int, typer.Option(max=SQL_INT_MAX, help="strategy id")],
     target: Annotated[str | None, typer.Option(help="only this target")] = None,
     last: Annotated[
-        int | None, typer.Option(help="only the last N transitions (oldest first)")
+        int | None,
+        typer.Option(max=SQL_INT_MAX, help="only the last N transitions (oldest first)"),
     ] = None,
     fmt: FormatOpt = Format.table,
     db: DbOpt = None,
@@ -530,7 +556,9 @@ def history(
 
 @app.command()
 def check(
-    strategy: Annotated[int | None, typer.Option(help="only this strategy")] = None,
+    strategy: Annotated[
+        int | None, typer.Option(max=SQL_INT_MAX, help="only this strategy")
+    ] = None,
     fmt: FormatOpt = Format.table,
     db: DbOpt = None,
 ) -> None:
@@ -548,8 +576,8 @@ def check(
         print_json(result.to_json())
     else:
         console.print(
-            f"checked {result.strategies} strategies, {result.steps} steps, "
-            f"{result.transitions} transitions"
+            f"checked {plural(result.strategies, 'strategy', 'strategies')}, "
+            f"{plural(result.steps, 'step')}, {plural(result.transitions, 'transition')}"
         )
         for sid in result.deleting:
             console.print(
@@ -568,15 +596,14 @@ def check(
 @app.command()
 def serve(db: DbOpt = None) -> None:
     """Run a conductor: drive every applying strategy until interrupted (Ctrl-C)."""
-    store = store_for(db)
     event_loop.loop_kind()  # refuse a bad FLEETWAVE_LOOP before announcing anything
+    load_plugins()  # and a plug-in that cannot be imported, before taking anything on
+    store = store_for(db)
 
     async def _serve() -> None:
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
         conductor = Conductor(store)
+        stop_on_signals(stop, conductor.config.shutdown_grace_s)
         err_console.print(f"conductor {conductor.id} serving {store.url}; Ctrl-C to stop")
         await conductor.run(stop=stop)
         err_console.print(f"conductor {conductor.id} stopped; leases handed back")
@@ -592,7 +619,9 @@ def main() -> None:
     if level not in LOG_LEVELS:
         _fail(f"FLEETWAVE_LOG: unknown level '{level}' (choose one of {', '.join(LOG_LEVELS)})", 2)
     logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        handlers=[output.ConsoleLogHandler()],
     )
     forget_created()
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
@@ -16,6 +17,17 @@ from rich.table import Table
 
 console = Console()
 err_console = Console(stderr=True)
+
+
+class ConsoleLogHandler(logging.Handler):
+    """Log lines go through the same console as the live progress bar, which Rich
+    then keeps below them (a plain stream handler wrote into the bar's line)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            err_console.print(self.format(record), markup=False, highlight=False, soft_wrap=True)
+        except Exception:
+            self.handleError(record)
 
 
 class Format(StrEnum):

@@ -4,25 +4,41 @@ from __future__ import annotations
 
 import csv
 import io
+import math
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from fleetwave.domain.errors import InputError
-from fleetwave.domain.models import Target
+from fleetwave.domain.models import Target, name_problem, shown
+from fleetwave.domain.yaml_workflow import UniqueKeyLoader, yaml_problem
 from fleetwave.drivers.sim import SimSettingError, validate_settings
+from fleetwave.store.admin import TargetBatch
 
 TARGET_COLUMNS = {"name", "group", "driver", "managed"}
 
+#: Numbers as an operator types them: decimal, no leading zeros ("010" stays text), with
+#: an optional fraction and exponent ("1e3", "1.5e3"). Not YAML 1.1's octal, hex,
+#: sexagesimal ("1:30") or yes/no/on/off.
+_INT = re.compile(r"0|-?[1-9][0-9]*")
+_FLOAT = re.compile(r"[-+]?(?:(?:0|[1-9][0-9]*)(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+_BOOL = {"true": True, "false": False}
+
 
 def scalar(text: str) -> Any:
-    """'20' -> 20, '0.5' -> 0.5, 'true' -> True, anything else stays text."""
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-    return value if isinstance(value, int | float | bool | str) else text
+    """'20' -> 20, '0.5' -> 0.5, '1e3' -> 1000.0, 'true'/'FALSE' -> a bool; anything
+    else ('yes', 'on', '0x10', '1:30', '010') stays the text typed."""
+    if _INT.fullmatch(text):
+        try:
+            return int(text)
+        except ValueError:  # more digits than Python turns into an int
+            return text
+    if _FLOAT.fullmatch(text):
+        value = float(text)
+        return value if math.isfinite(value) else text
+    return _BOOL.get(text.lower(), text)
 
 
 def parse_pairs(items: list[str] | None, option: str, *, typed: bool = True) -> dict[str, Any]:
@@ -31,12 +47,17 @@ def parse_pairs(items: list[str] | None, option: str, *, typed: bool = True) -> 
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise InputError(f"{option}: expected key=value, got '{item}'")
+            raise InputError(f"{option}: expected key=value, got {shown(item)}")
         out[key.strip()] = scalar(value.strip()) if typed else value.strip()
     return out
 
 
 def check_target(t: Target, where: str) -> None:
+    """The target's name (by the name rule) and its driver settings; ``where`` names it
+    in the settings' errors."""
+    problem = name_problem(t.name)
+    if problem:
+        raise InputError(f"target name: {problem}")
     if t.driver == "sim":
         try:
             validate_settings(t.settings)
@@ -44,58 +65,174 @@ def check_target(t: Target, where: str) -> None:
             raise InputError(f"{where}: {exc}") from None
 
 
+def _check_row(t: Target, where: str) -> None:
+    """A target read from a file: its name's errors name the file and line too."""
+    problem = name_problem(t.name)
+    if problem:
+        raise InputError(f"{where}: name: {problem}")
+    check_target(t, where)
+
+
 def _truthy(raw: Any, where: str) -> bool:
     text = str(raw).strip().lower()
-    if text in {"", "1", "true", "yes", "managed"}:
+    if text in {"", "1", "true", "yes", "on", "managed"}:
         return True
-    if text in {"0", "false", "no", "unmanaged"}:
+    if text in {"0", "false", "no", "off", "unmanaged"}:
         return False
-    raise InputError(f"{where}: managed: expected true or false, got '{raw}'")
+    raise InputError(f"{where}: managed: expected true or false, got {shown(str(raw))}")
 
 
-def targets_from_csv(text: str, source: str) -> list[Target]:
-    reader = csv.DictReader(io.StringIO(text))
-    if reader.fieldnames is None or "name" not in reader.fieldnames:
-        raise InputError(f"{source}: the first line must name the columns, including 'name'")
-    out: list[Target] = []
-    first_seen: dict[str, int] = {}
-    for row in reader:
-        where = f"{source} line {reader.line_num}"
-        name = (row.get("name") or "").strip()
-        if not name:
-            raise InputError(f"{where}: name: must not be empty")
-        if name in first_seen:
-            raise InputError(
-                f"{where}: name: {name} appears twice in the file (also line {first_seen[name]})"
+# -- files ----------------------------------------------------------------------------------
+
+
+def read_text_file(path: Path) -> str:
+    """The text of a UTF-8 file (a leading byte-order mark, as Excel's "CSV UTF-8"
+    writes, is dropped); anything else is one clear error."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise InputError(
+            f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at line {line}, "
+            f"column {column}); save it as UTF-8 (Excel: 'CSV UTF-8')"
+        ) from None
+
+
+def targets_from_csv(text: str, source: str) -> TargetBatch:
+    reader = csv.DictReader(io.StringIO(text.removeprefix("\ufeff")))
+    out = TargetBatch()
+    try:
+        header = reader.fieldnames
+        if header is None or "name" not in [h.strip() for h in header]:
+            raise InputError(f"{source}: the first line must name the columns, including 'name'")
+        header = reader.fieldnames = [h.strip() for h in header]
+        for column in header:
+            if column and header.count(column) > 1:
+                raise InputError(f"{source} line 1: column '{column}' appears twice")
+        first_seen: dict[str, int] = {}
+        for row in reader:
+            where = f"{source} line {reader.line_num}"
+            extra = row.pop(None, None)
+            if extra and any(str(v).strip() for v in extra):
+                columns = f"{len(header)} column{'' if len(header) == 1 else 's'}"
+                raise InputError(
+                    f"{where}: {len(header) + len(extra)} fields, but the first line names "
+                    f"{columns}"
+                )
+            name = (row.get("name") or "").strip()
+            if not name:
+                raise InputError(f"{where}: name: must not be empty")
+            if name in first_seen:
+                raise InputError(
+                    f"{where}: name: {name} appears twice in the file "
+                    f"(also line {first_seen[name]})"
+                )
+            first_seen[name] = reader.line_num
+            settings = {
+                k: scalar(v.strip())
+                for k, v in row.items()
+                if k not in TARGET_COLUMNS and v not in (None, "")
+            }
+            t = Target(
+                name=name,
+                group=(row.get("group") or "").strip() or None,
+                driver=(row.get("driver") or "").strip() or "sim",
+                settings=settings,
+                managed=_truthy(row.get("managed", ""), where),
             )
-        first_seen[name] = reader.line_num
-        settings = {
-            k.strip(): scalar(v.strip())
-            for k, v in row.items()
-            if k is not None and k.strip() not in TARGET_COLUMNS and v not in (None, "")
-        }
-        t = Target(
-            name=name,
-            group=(row.get("group") or "").strip() or None,
-            driver=(row.get("driver") or "").strip() or "sim",
-            settings=settings,
-            managed=_truthy(row.get("managed", ""), where),
-        )
-        check_target(t, where)
-        out.append(t)
+            _check_row(t, where)
+            out.append(t)
+            out.origins.append(where)
+    except csv.Error as exc:
+        # the record that failed starts on the line after the last one read whole
+        raise InputError(f"{source} line {reader.line_num + 1}: not valid CSV: {exc}") from None
+    if not out:
+        raise InputError(f"{source}: no targets (the file has only its header line)")
     return out
 
 
-def targets_from_yaml(text: str, source: str) -> list[Target]:
+class _TargetsLoader(UniqueKeyLoader):
+    """YAML for target files, typed as YAML 1.2 (and ``--set``) type it: true/false are
+    the only booleans ('yes', 'no', 'on', 'off' stay text: a sim state may be called
+    'on'), numbers are decimal ('010', '0x10' and '1:30' stay text), no dates."""
+
+    yaml_implicit_resolvers = {
+        first: [
+            (tag, rx)
+            for tag, rx in resolvers
+            if tag.rsplit(":", 1)[-1] not in {"bool", "int", "float", "timestamp"}
+        ]
+        for first, resolvers in UniqueKeyLoader.yaml_implicit_resolvers.items()
+    }
+
+
+def _yaml_int(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
+    text = str(loader.construct_scalar(node))  # type: ignore[arg-type]
+    if _INT.fullmatch(text):
+        return int(text)
+    raise yaml.constructor.ConstructorError(
+        None, None, f"'{text}' is not a decimal integer", node.start_mark
+    )
+
+
+def _yaml_float(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
+    text = str(loader.construct_scalar(node))  # type: ignore[arg-type]
+    return scalar(text) if _FLOAT.fullmatch(text) else text
+
+
+_TargetsLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?i:true|false)$"), list("tTfF")
+)
+_TargetsLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(rf"^(?:{_INT.pattern})$"), list("-0123456789")
+)
+_TargetsLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(rf"^(?:{_FLOAT.pattern})$"), list("-+.0123456789")
+)
+_TargetsLoader.add_constructor("tag:yaml.org,2002:int", _yaml_int)
+_TargetsLoader.add_constructor("tag:yaml.org,2002:float", _yaml_float)
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return f"{shown(str(value))} ({type(value).__name__}; quote it)"
+
+
+def _text(item: dict[Any, Any], key: str, where: str) -> str | None:
+    """name, group or driver: text (a whole number is taken as its digits: group 5 is
+    group '5'); a list, mapping, true/false or fraction is refused."""
+    value = item.get(key)
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, str):
+        raise InputError(f"{where}: {key}: expected text, got {_kind(value)}")
+    return value.strip()
+
+
+def targets_from_yaml(text: str, source: str) -> TargetBatch:
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_TargetsLoader)
     except yaml.YAMLError as exc:
-        raise InputError(f"{source}: not valid YAML: {exc}") from None
+        raise InputError(f"{source}: {yaml_problem(exc)}") from None
     if isinstance(data, dict) and "targets" in data:
         data = data["targets"]
     if not isinstance(data, list):
         raise InputError(f"{source}: expected a list of targets (or a 'targets:' list)")
-    out: list[Target] = []
+    if not data:
+        raise InputError(f"{source}: no targets (the list is empty)")
+    out = TargetBatch()
     first_seen: dict[str, int] = {}
     for i, item in enumerate(data):
         where = f"{source} targets[{i}]"
@@ -104,40 +241,52 @@ def targets_from_yaml(text: str, source: str) -> list[Target]:
         unknown = set(item) - {"name", "group", "driver", "settings", "labels", "managed"}
         if unknown:
             raise InputError(
-                f"{where}: {sorted(unknown)[0]}: unknown field (fields: name, group, driver, "
-                "managed, labels, settings; driver settings go under 'settings:')"
+                f"{where}: {sorted(map(str, unknown))[0]}: unknown field (fields: name, group, "
+                "driver, managed, labels, settings; driver settings go under 'settings:')"
             )
-        name = str(item.get("name") or "").strip()
+        name = _text(item, "name", where) or ""
         if not name:
             raise InputError(f"{where}: name: must not be empty")
+        problem = name_problem(name)
+        if problem:
+            raise InputError(f"{where}: name: {problem}")
         if name in first_seen:
             raise InputError(
                 f"{where}: name: {name} appears twice in the file "
                 f"(also targets[{first_seen[name]}])"
             )
         first_seen[name] = i
+        named = f"{where} ({name})"
         for key in ("settings", "labels"):
-            if not isinstance(item.get(key, {}), dict):
-                raise InputError(f"{where} ({name}): {key}: expected a mapping")
+            if item.get(key) is not None and not isinstance(item[key], dict):
+                raise InputError(f"{named}: {key}: expected a mapping")
+        labels = item.get("labels") or {}
+        for k, v in labels.items():
+            if isinstance(v, list | dict):
+                raise InputError(f"{named}: labels: {k}: expected text, got {_kind(v)}")
         t = Target(
             name=name,
-            group=item.get("group"),
-            driver=str(item.get("driver") or "sim"),
+            group=_text(item, "group", named) or None,
+            driver=_text(item, "driver", named) or "sim",
             settings=dict(item.get("settings") or {}),
-            labels={str(k): str(v) for k, v in (item.get("labels") or {}).items()},
-            managed=_truthy(item.get("managed", True), f"{where} ({name})"),
+            labels={str(k): str(v) for k, v in labels.items()},
+            managed=_truthy(item.get("managed", True), named),
         )
-        check_target(t, f"{where} ({name})")
+        _check_row(t, named)
         out.append(t)
+        out.origins.append(where)
     return out
 
 
-def targets_from_file(path: Path) -> list[Target]:
+def targets_from_file(path: Path) -> TargetBatch:
+    if path.is_dir():
+        raise InputError(f"FILE: {path} is a directory, not a .csv or .yaml file")
     if not path.is_file():
         raise InputError(f"FILE: {path} does not exist")
-    text = path.read_text(encoding="utf-8")
-    if path.suffix.lower() in {".yaml", ".yml"}:
-        return targets_from_yaml(text, str(path))
-    if path.suffix.lower() == ".csv":
+    suffix = path.suffix.lower()
+    if suffix not in {".csv", ".yaml", ".yml"}:
+        raise InputError(f"FILE: {path}: expected a .csv, .yaml or .yml file")
+    text = read_text_file(path)
+    if suffix == ".csv":
         return targets_from_csv(text, str(path))
-    raise InputError(f"FILE: {path}: expected a .csv, .yaml or .yml file")
+    return targets_from_yaml(text, str(path))

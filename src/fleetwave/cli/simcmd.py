@@ -8,8 +8,10 @@ from typing import Annotated
 
 import typer
 
+from fleetwave.cli.common import MAX_SIM_TARGETS
 from fleetwave.cli.output import Format, console, print_json
 from fleetwave.domain.errors import InputError
+from fleetwave.domain.models import plural
 from fleetwave.domain.registry import get_workflow
 from fleetwave.testing.simulate import FAULTS, SimConfig, parse_faults, run_simulation
 
@@ -33,10 +35,10 @@ def sim_command(
 
     Exit 1 if any run violates a guarantee; replay it with --seed.
     """
-    if targets < 1:
-        raise InputError(f"--targets: must be at least 1, got {targets}")
-    if runs < 1:
-        raise InputError(f"--runs: must be at least 1, got {runs}")
+    if not 1 <= targets <= MAX_SIM_TARGETS:
+        raise InputError(f"--targets: must be 1 to {MAX_SIM_TARGETS}, got {targets}")
+    if not 1 <= runs <= MAX_SIM_TARGETS:
+        raise InputError(f"--runs: must be 1 to {MAX_SIM_TARGETS}, got {runs}")
     if get_workflow(workflow) is None:
         raise InputError(f"--workflow: unknown workflow '{workflow}'")
     if keep_db is not None and (runs > 1 or keep_db.exists()):
@@ -73,6 +75,6 @@ def sim_command(
             markup=False,
         )
     else:
-        console.print(f"{runs} runs ok", markup=False)
+        console.print(f"{plural(runs, 'run')} ok", markup=False)
     if failed:
         raise typer.Exit(1)

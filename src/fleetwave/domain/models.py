@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -39,9 +40,47 @@ STEP_TERMINAL = frozenset({STEP_COMPLETE, STEP_FAILED, STEP_ABORTED})
 RESERVED_STATE_NAMES = STEP_TERMINAL | {STEP_INITIAL}
 
 
+#: The rule for a target's or a group's name: one word an operator can type, list with
+#: commas (``--targets a,b``) and find in a log line. Names stored before the rule was
+#: enforced are left alone (they can still be shown, managed and deleted).
+NAME_MAX = 255
+NAME_RULE = (
+    f"1-{NAME_MAX} characters: letters and digits (of any script) and _ . - : @, starting "
+    "with a letter or digit (no spaces, commas or control characters)"
+)
+#: \w: a letter or digit of any script, or _ (str patterns match Unicode)
+_NAME = re.compile(r"[^\W_][\w.:@-]*")
+#: what a workflow state may be called (YAML workflows; the sim's fail_at, hang_at and
+#: unexpected_at settings name states by the same rule); at most STATE_NAME_MAX characters
+STATE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+STATE_NAME_MAX = 64
+
+
+def shown(text: str, limit: int = 40) -> str:
+    """``text`` as an error message quotes it: on one line (control characters escaped)
+    and cut after ``limit`` characters."""
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
+def name_problem(name: str) -> str | None:
+    """What is wrong with ``name`` as a target or group name, or None if it is fine."""
+    if not name:
+        return "must not be empty"
+    if len(name) > NAME_MAX:
+        return f"{shown(name)} is {len(name)} characters long; use {NAME_RULE}"
+    if not _NAME.fullmatch(name):
+        return f"{shown(name)} is not allowed; use {NAME_RULE}"
+    return None
+
+
 #: Why a conductor ended a strategy it cannot drive (its workflow gone or changed): its
 #: waiting steps end aborted, "not started: cannot drive it: ...", no failure limit involved
 UNDRIVABLE = "cannot drive it"
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """``1 step``, ``2 steps`` (``nouns`` where adding an s is wrong)."""
+    return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
 
 
 def unmanaged_reason(target_name: str) -> str:

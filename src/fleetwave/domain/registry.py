@@ -18,6 +18,12 @@ from fleetwave.domain.workflow import StateAction, WorkflowDef, WorkflowError
 
 A = TypeVar("A", bound=type[StateAction])
 
+
+class PluginError(WorkflowError):
+    """A module named in ``FLEETWAVE_PLUGINS`` cannot be imported (it is missing, or
+    raised): a problem of this process's environment, not of any workflow."""
+
+
 _workflows: dict[str, WorkflowDef] = {}
 _actions: dict[str, type[StateAction]] = {}
 
@@ -65,11 +71,22 @@ def all_workflows() -> list[WorkflowDef]:
 
 
 _loaded = False
+#: why the plug-ins could not be loaded: every lookup says so, not only the first
+_load_error: PluginError | None = None
+
+
+def load_plugins() -> None:
+    """Register the built-ins and import the plug-ins (once); raise :class:`PluginError`
+    (every time) if one cannot be imported. Commands that drive strategies call it
+    first, so a typo in ``FLEETWAVE_PLUGINS`` stops them before they take anything on."""
+    _ensure_loaded()
 
 
 def _ensure_loaded() -> None:
-    global _loaded
+    global _loaded, _load_error
     if _loaded:
+        if _load_error is not None:
+            raise _load_error
         return
     _loaded = True
     for wf in builtin_workflows():
@@ -79,5 +96,7 @@ def _ensure_loaded() -> None:
     ):
         try:
             importlib.import_module(mod)
-        except ImportError as exc:
-            raise WorkflowError(f"FLEETWAVE_PLUGINS: cannot import '{mod}': {exc}") from None
+        except Exception as exc:  # a missing module, or one that raises when imported
+            why = str(exc) if isinstance(exc, ImportError) else f"{type(exc).__name__}: {exc}"
+            _load_error = PluginError(f"FLEETWAVE_PLUGINS: cannot import '{mod}': {why}")
+            raise _load_error from None

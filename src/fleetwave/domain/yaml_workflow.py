@@ -19,11 +19,22 @@ Errors name the state and the field: ``states[1] (apply): timeout_s: must be > 0
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Hashable
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 
+from fleetwave.domain.models import STATE_NAME, STATE_NAME_MAX, shown
 from fleetwave.domain.registry import action_class
 from fleetwave.domain.workflow import (
     ActionContext,
@@ -36,31 +47,116 @@ from fleetwave.domain.workflow import (
     WorkflowError,
 )
 
+#: the longest timeout, backoff or poll interval a new workflow may give: 30 days
+MAX_SECONDS = 2_592_000
+#: the highest version (the database keeps it in a 32-bit integer column)
+MAX_VERSION = 2**31 - 1
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is refused
+    (the safe loader keeps the last one silently). A key given by a merge (``<<:``)
+    may still be overridden."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
+        first: dict[tuple[str, str], int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                continue
+            key = (key_node.tag, key_node.value)
+            if key in first:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"duplicate key '{key_node.value}' (also on line {first[key]})",
+                    key_node.start_mark,
+                )
+            first[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error on one line: where it broke, as the parser says it (line and column)."""
+    where = getattr(exc, "problem_mark", None)
+    what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+    return f"not valid YAML{at}: {what}"
+
+
+def _strict(info: ValidationInfo) -> bool:
+    return bool(isinstance(info.context, dict) and info.context.get("strict"))
+
+
+def _not_bool(value: Any, info: ValidationInfo) -> Any:
+    """YAML's true/false are not numbers (pydantic would take true as 1)."""
+    if isinstance(value, bool) and _strict(info):
+        raise ValueError(f"expected a number, got {str(value).lower()}")
+    return value
+
+
+def _seconds_cap(value: float, info: ValidationInfo) -> float:
+    if _strict(info) and value > MAX_SECONDS:
+        raise ValueError(f"at most {MAX_SECONDS} seconds (30 days), got {value:.15g}")
+    return value
+
+
+def _version_cap(value: int) -> int:
+    if value > MAX_VERSION:
+        raise ValueError(f"at most {MAX_VERSION}, got {value}")
+    return value
+
+
+def _state_name(value: str, info: ValidationInfo) -> str:
+    if not _strict(info):
+        return value
+    if len(value) > STATE_NAME_MAX:
+        raise ValueError(f"at most {STATE_NAME_MAX} characters, got {len(value)}")
+    if not STATE_NAME.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is not allowed; use letters, digits and _ . -, starting with a "
+            "letter or digit (the sim's fail_at and hang_at name states this way)"
+        )
+    return value
+
+
+_Seconds = Annotated[float, BeforeValidator(_not_bool), AfterValidator(_seconds_cap)]
+_Count = Annotated[int, BeforeValidator(_not_bool)]
+
 
 class _Retry(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    attempts: int = Field(default=1, ge=1, le=100)
-    backoff_s: float = Field(default=1.0, ge=0, allow_inf_nan=False)
-    backoff_max_s: float = Field(default=300.0, ge=0, allow_inf_nan=False)
+    attempts: _Count = Field(default=1, ge=1, le=100)
+    backoff_s: _Seconds = Field(default=1.0, ge=0, allow_inf_nan=False)
+    backoff_max_s: _Seconds = Field(default=300.0, ge=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _backoff_in_order(self, info: ValidationInfo) -> _Retry:
+        if _strict(info) and self.backoff_s > self.backoff_max_s:
+            default = "" if "backoff_max_s" in self.model_fields_set else ", the default"
+            raise ValueError(
+                f"backoff_s ({self.backoff_s:.15g}) must not exceed backoff_max_s "
+                f"({self.backoff_max_s:.15g}{default})"
+            )
+        return self
 
 
 class _State(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(min_length=1)
+    name: Annotated[str, AfterValidator(_state_name)] = Field(min_length=1)
     action: str | None = None
-    timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
+    timeout_s: _Seconds = Field(default=600.0, gt=0, allow_inf_nan=False)
     retry: _Retry = Field(default_factory=_Retry)
     skip_when_done: bool = False
     recover: Literal["observe", "none"] = "observe"
     mode: Literal["run", "wait-for-callback", "poll"] = "run"
     #: seconds between two looks at the target in a ``poll`` state
-    poll_interval_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    poll_interval_s: _Seconds | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
 class _Workflow(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    version: int = Field(default=1, ge=1)
+    version: Annotated[_Count, AfterValidator(_version_cap)] = Field(default=1, ge=1)
     description: str = ""
     states: list[_State] = Field(min_length=1)
 
@@ -98,6 +194,8 @@ def _where(loc: tuple[int | str, ...], data: Any) -> str:
             states = data.get("states") if isinstance(data, dict) else None
             if isinstance(states, list) and idx < len(states) and isinstance(states[idx], dict):
                 name = str(states[idx].get("name", "?"))
+                if not name.isprintable() or len(name) > 40:
+                    name = shown(name)  # the error stays one line
             parts.append(f"states[{idx}] ({name})")
             i += 2
             continue
@@ -106,23 +204,29 @@ def _where(loc: tuple[int | str, ...], data: Any) -> str:
     return ": ".join(parts) if parts else "workflow"
 
 
-def parse_workflow_yaml(text: str, *, source: str = "<yaml>") -> WorkflowDef:
-    """Parse and validate; raise :class:`WorkflowError` naming the state and field."""
+def parse_workflow_yaml(text: str, *, source: str = "<yaml>", strict: bool = False) -> WorkflowDef:
+    """Parse and validate; raise :class:`WorkflowError` naming the state and field.
+
+    ``strict`` (a new workflow: ``workflow validate`` and ``workflow add``) also refuses
+    what earlier versions let through: a key given twice, true/false for a number, a
+    state name the sim's fail_at cannot name, backoff_s above backoff_max_s, and a
+    timeout, backoff or poll interval above 30 days. Workflows stored and strategies
+    created before are read without it, so they still load.
+    """
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=UniqueKeyLoader if strict else yaml.SafeLoader)
     except yaml.YAMLError as exc:
-        # One line: where it broke, as the parser says it (line and column).
-        where = getattr(exc, "problem_mark", None)
-        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
-        raise WorkflowError(f"{source}: not valid YAML{at}: {what}") from exc
+        raise WorkflowError(f"{source}: {yaml_problem(exc)}") from exc
     if not isinstance(data, dict):
         raise WorkflowError(f"{source}: expected a mapping with name and states")
     try:
-        model = _Workflow.model_validate(data)
+        model = _Workflow.model_validate(data, context={"strict": strict})
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise WorkflowError(f"{source}: {_where(err['loc'], data)}: {err['msg']}") from exc
+        msg = err["msg"]
+        if err["type"] == "value_error" and "error" in err.get("ctx", {}):
+            msg = str(err["ctx"]["error"])  # our own message, without "Value error, "
+        raise WorkflowError(f"{source}: {_where(err['loc'], data)}: {msg}") from exc
     states: list[StateDef] = []
     for i, st in enumerate(model.states):
         if st.poll_interval_s is not None and st.mode != "poll":

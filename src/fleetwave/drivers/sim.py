@@ -44,6 +44,9 @@ from typing import Any
 from fleetwave.domain.models import Target
 from fleetwave.domain.workflow import ActionContext, RemoteResult, StepFailed, TransientError
 
+#: the longest simulated operation: a day
+MAX_LATENCY_MS = 86_400_000
+
 SETTINGS = (
     "latency_ms",
     "latency",
@@ -104,7 +107,7 @@ def _state(settings: dict[str, Any], key: str) -> str | None:
     raw = settings.get(key)
     if raw is None:
         return None
-    if not isinstance(raw, str) or not _STATE_NAME.match(raw):
+    if not isinstance(raw, str) or not _STATE_NAME.fullmatch(raw):
         raise SimSettingError(f"sim setting {key}: '{raw}' is not a state name")
     return raw
 
@@ -144,7 +147,7 @@ class _Profile:
             raise SimSettingError(
                 f"sim setting latency: '{settings['latency']}' is not fixed, uniform or lognormal"
             )
-        self.latency_s = _float(settings, "latency_ms", 0, 0, 86_400_000) / 1000.0
+        self.latency_s = _float(settings, "latency_ms", 0, 0, MAX_LATENCY_MS) / 1000.0
         self.kind = str(settings.get("latency", "fixed"))
         self.sigma = _float(settings, "latency_sigma", 0.5, 0, 5)
         self.failure = _float(settings, "failure_rate", 0, 0, 1)

@@ -39,6 +39,7 @@ from typing import Any, ParamSpec, TypeVar
 from sqlalchemy.exc import OperationalError
 
 from fleetwave.catalog import resolve_workflow
+from fleetwave.domain.errors import NotFound
 from fleetwave.domain.models import (
     STEP_ABORTED,
     STEP_FAILED,
@@ -47,8 +48,10 @@ from fleetwave.domain.models import (
     UNDRIVABLE,
     StrategyOptions,
     StrategyState,
+    plural,
     unmanaged_reason,
 )
+from fleetwave.domain.registry import PluginError
 from fleetwave.domain.rules import Decision, decide, failure
 from fleetwave.domain.workflow import (
     ActionContext,
@@ -85,6 +88,10 @@ log = logging.getLogger("fleetwave.engine")
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+#: what :meth:`Conductor.run` says of a strategy whose workflow this process lacks
+NOT_DRIVABLE_HERE = "not-drivable-here"
 
 
 class _StateDeadline(TimeoutError):
@@ -188,6 +195,8 @@ class Conductor:
         self._attempts = 0
         #: claimed, not yet adopted (its StrategyClaimed message waits in the inbox)
         self._claiming: set[int] = set()
+        #: strategies whose workflow this process lacks: left to other conductors
+        self._not_here: set[int] = set()
         #: loop time each claim in progress started (its lease runs from then)
         self._claimed_at: dict[int, float] = {}
         #: steps freed in the batch being built (their end decided, not yet committed)
@@ -428,6 +437,7 @@ class Conductor:
             register=register,
             driving=set(self.runs) | self._claiming,
             serves_all=self._wanted is None,
+            skip=set(self._not_here),
         )
         for rec in claimed:
             self._claiming.add(rec.id)
@@ -926,7 +936,13 @@ class Conductor:
                     rec.workflow_yaml, source=f"workflow {rec.workflow} as of strategy {rec.id}"
                 )
             else:
-                wf = resolve_workflow(self.store, rec.workflow)
+                try:
+                    wf = resolve_workflow(self.store, rec.workflow, what="workflow")
+                except (NotFound, PluginError) as exc:
+                    # This process lacks it (a plug-in not imported here): another
+                    # conductor may have it. The strategy is not at fault: leave it.
+                    await self._cannot_drive_here(rec, str(exc))
+                    return []
             if rec.states and list(wf.state_names) != rec.states:
                 raise WorkflowError(
                     f"workflow {rec.workflow} changed since the strategy was created: "
@@ -1063,6 +1079,21 @@ class Conductor:
             run.starved = False
             if not (everything and run.more_waiting):
                 return
+
+    async def _cannot_drive_here(self, rec: rt.StrategyRecord, reason: str) -> None:
+        """Hand a claimed strategy back untouched, and claim it no more: its Python
+        workflow is not registered in this process (``FLEETWAVE_PLUGINS``)."""
+        self._not_here.add(rec.id)
+        await self._io(rt.release_strategy, self.store, rec.id, self.id, rec.fence)
+        log.error(
+            "strategy %s: not driven by this conductor: %s; left %s for a conductor that has "
+            "its workflow (FLEETWAVE_PLUGINS names the modules that register Python workflows)",
+            rec.id,
+            reason,
+            rec.state,
+        )
+        if self._wanted is not None and rec.id in self._wanted:
+            self.finished[rec.id] = NOT_DRIVABLE_HERE
 
     async def _fail_undrivable(self, rec: rt.StrategyRecord, reason: str) -> None:
         """End a strategy this conductor cannot drive (its workflow is gone or invalid)."""
@@ -1474,7 +1505,7 @@ class Conductor:
                 final, details = StrategyState.ABORTED, run.stop_details
             elif run.failed:
                 final = StrategyState.FAILED
-                details = run.stop_details or f"{run.failed} steps failed"
+                details = run.stop_details or f"{plural(run.failed, 'step')} failed"
             else:
                 final, details = StrategyState.COMPLETE, ""
             ok = await self._io(

@@ -23,6 +23,8 @@ from fleetwave.domain.models import (
     StrategyOptions,
     StrategyState,
     Target,
+    name_problem,
+    shown,
 )
 from fleetwave.domain.workflow import WorkflowDef
 from fleetwave.store.db import Store
@@ -49,6 +51,9 @@ def _now() -> float:
 
 
 def add_group(store: Store, group: Group) -> int:
+    problem = name_problem(group.name)
+    if problem:
+        raise InputError(f"group name: {problem}")
     if group.max_parallel < 1:
         raise InputError(f"--max-parallel: must be at least 1, got {group.max_parallel}")
     with store.write() as conn:
@@ -71,33 +76,54 @@ def _group_ids(conn: Connection) -> dict[str, int]:
 # -- targets ----------------------------------------------------------------
 
 
-def add_targets(store: Store, items: Sequence[Target]) -> int:
-    """Add many targets in one transaction; all or nothing."""
+class TargetBatch(list[Target]):
+    """Targets read from a file, with where each one came from ("fleet.csv line 3",
+    "fleet.yaml targets[2]"): :func:`add_targets` names it in the errors it finds at
+    the database (an unknown group, a name already taken)."""
+
+    def __init__(self, items: Iterable[Target] = (), origins: Iterable[str] = ()) -> None:
+        super().__init__(items)
+        self.origins = list(origins)
+
+
+def add_targets(store: Store, items: Sequence[Target], *, origins: Sequence[str] = ()) -> int:
+    """Add many targets in one transaction; all or nothing.
+
+    ``origins`` (or a :class:`TargetBatch`'s own): where each item came from, for the
+    errors. New names must follow the name rule (:data:`~fleetwave.domain.models.NAME_RULE`).
+    """
     if not items:
         raise InputError("no targets given")
+    if not origins and isinstance(items, TargetBatch):
+        origins = items.origins
+
+    def at(i: int) -> str:
+        return f"{origins[i]}: " if i < len(origins) else ""
+
     seen: set[str] = set()
     for i, t in enumerate(items):
-        if not t.name or not t.name.strip():
-            raise InputError(f"target #{i + 1}: name: must not be empty")
+        problem = name_problem(t.name)
+        if problem:
+            raise InputError(f"{at(i)}target name: {problem}")
         if t.name in seen:
-            raise InputError(f"target {t.name}: name: appears twice in the input")
+            raise InputError(f"{at(i)}target {t.name}: name: appears twice in the input")
         seen.add(t.name)
         if not t.driver:
-            raise InputError(f"target {t.name}: driver: must not be empty")
+            raise InputError(f"{at(i)}target {t.name}: driver: must not be empty")
     from fleetwave.drivers import known_drivers
 
-    for t in items:
+    for i, t in enumerate(items):
         if t.driver not in known_drivers():
             raise InputError(
-                f"target {t.name}: driver: unknown driver '{t.driver}' "
+                f"{at(i)}target {t.name}: driver: unknown driver {shown(t.driver)} "
                 f"(known: {', '.join(sorted(known_drivers()))})"
             )
     now = _now()
     with store.write() as conn:
         gids = _group_ids(conn)
-        for t in items:
+        for i, t in enumerate(items):
             if t.group is not None and t.group not in gids:
-                raise NotFound(f"target {t.name}: group: no group named '{t.group}'")
+                raise NotFound(f"{at(i)}target {t.name}: group: no group named {shown(t.group)}")
         names = [t.name for t in items]
         existing: list[str] = []
         for chunk_start in range(0, len(names), 500):
@@ -107,7 +133,9 @@ def add_targets(store: Store, items: Sequence[Target]) -> int:
             ]
         if existing:
             more = f" and {len(existing) - 1} more" if len(existing) > 1 else ""
-            raise Conflict(f"target {existing[0]}: already exists{more}")
+            pos = {n: i for i, n in enumerate(names)}
+            first = min(pos[n] for n in existing)  # the first in the input's order
+            raise Conflict(f"{at(first)}target {names[first]}: already exists{more}")
         conn.execute(
             insert(targets),
             [
@@ -198,10 +226,18 @@ def options_to_json(opts: StrategyOptions) -> str:
     return json.dumps(data, sort_keys=True)
 
 
+#: the most steps a strategy (or a group) may have in flight: far above any fleet's
+#: need, and below what the database's integers and LIMITs can hold
+MAX_PARALLEL = 1_000_000
+
+
 def options_from_json(raw: str) -> StrategyOptions:
     data = json.loads(raw)
     data["apply_type"] = ApplyType(data["apply_type"])
-    return StrategyOptions(**data)
+    opts = StrategyOptions(**data)
+    if not 1 <= opts.max_parallel <= MAX_PARALLEL:  # written by an earlier version
+        raise InputError(f"max_parallel: must be 1 to {MAX_PARALLEL}, got {opts.max_parallel}")
+    return opts
 
 
 def create_strategy(
@@ -215,6 +251,8 @@ def create_strategy(
 ) -> int:
     if opts.max_parallel < 1:
         raise InputError(f"--max-parallel: must be at least 1, got {opts.max_parallel}")
+    if opts.max_parallel > MAX_PARALLEL:
+        raise InputError(f"--max-parallel: must be at most {MAX_PARALLEL}, got {opts.max_parallel}")
     if opts.max_failures is not None and opts.max_failures < 0:
         raise InputError(f"--max-failures: must not be negative, got {opts.max_failures}")
     chosen = sum([target_names is not None, group is not None, all_targets])

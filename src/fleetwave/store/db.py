@@ -177,6 +177,16 @@ def migrate(store: Store) -> None:
     rev = current_revision(store)
     if rev == HEAD_REVISION:
         return
+    if rev is None:
+        with store.read() as conn:
+            tables = inspect(conn).get_table_names()
+        if tables:
+            # Another program's database: adding fleetwave's tables to it would change
+            # a file that is not ours, and show an empty fleet as if it were the truth.
+            raise StoreError(
+                f"--db: {store.url} is an SQLite database of something else "
+                f"(tables: {', '.join(sorted(tables)[:5])}), not fleetwave's"
+            )
     from alembic import command
     from alembic.config import Config
     from alembic.script import ScriptDirectory

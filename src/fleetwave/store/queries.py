@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import func, select
 
 from fleetwave.domain.errors import InputError, NotFound
+from fleetwave.domain.models import STEP_INITIAL, STEP_TERMINAL, shown
 from fleetwave.store.db import Store
 from fleetwave.store.runtime import DRIVEN_STATES, conductor_gone
 from fleetwave.store.schema import (
@@ -92,6 +93,9 @@ def iter_targets(store: Store, group: str | None = None) -> Iterator[dict[str, A
     """The targets a page at a time, as read (a fleet of 100,000 is not held in memory)."""
     q = _target_query()
     if group is not None:
+        with store.read() as conn:
+            if conn.execute(select(groups.c.id).where(groups.c.name == group)).first() is None:
+                raise NotFound(f"--group: no group named {shown(group)}")
         q = q.where(groups.c.name == group)
     for r in _pages(store, q, targets.c.name, ""):
         yield _target_dict(r)
@@ -248,6 +252,18 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
     return out
 
 
+def strategy_workflow(store: Store, sid: int) -> tuple[str, bool]:
+    """The strategy's workflow name, and whether it keeps its own copy (YAML): without
+    one, the process that drives it must have the workflow registered (a plug-in)."""
+    with store.read() as conn:
+        r = conn.execute(
+            select(strategies.c.workflow, strategies.c.workflow_yaml).where(strategies.c.id == sid)
+        ).first()
+    if r is None:
+        raise NotFound(f"strategy {sid} not found")
+    return str(r.workflow), r.workflow_yaml is not None
+
+
 def strategy_exists(store: Store, sid: int) -> None:
     with store.read() as conn:
         if conn.execute(select(strategies.c.id).where(strategies.c.id == sid)).first() is None:
@@ -264,8 +280,17 @@ def iter_steps(
     store: Store, sid: int, state: str | None = None, limit: int | None = None
 ) -> Iterator[dict[str, Any]]:
     """A strategy's steps one at a time, as read; an unknown strategy is refused at
-    once, before the first row is asked for."""
+    once, before the first row is asked for, and so is a state it has no step can be in."""
     strategy_exists(store, sid)
+    if state is not None:
+        with store.read() as conn:
+            raw = conn.execute(select(strategies.c.states).where(strategies.c.id == sid)).scalar()
+        own = json.loads(raw or "[]")  # empty for a strategy of an early version
+        known = [STEP_INITIAL, *own, *sorted(STEP_TERMINAL)]
+        if own and state not in known:
+            raise InputError(
+                f"--state: '{state}' is not a state of strategy {sid} ({', '.join(known)})"
+            )
     return _iter_steps(store, sid, state, limit)
 
 
@@ -364,8 +389,14 @@ def iter_history(
     )
     if target is not None:
         with store.read() as conn:
-            if conn.execute(select(targets.c.id).where(targets.c.name == target)).first() is None:
+            tid = conn.execute(select(targets.c.id).where(targets.c.name == target)).scalar()
+            if tid is None:
                 raise NotFound(f"--target: no target named '{target}'")
+            in_it = conn.execute(
+                select(steps.c.id).where(steps.c.strategy_id == sid, steps.c.target_id == tid)
+            ).first()
+            if in_it is None:
+                raise NotFound(f"--target: target '{target}' is not in strategy {sid}")
         q = q.where(targets.c.name == target)
     if step_id is not None:
         q = q.where(journal.c.step_id == step_id)

@@ -282,6 +282,19 @@ def release_conductor(store: Store, cid: str, now: float, step_ids: list[int]) -
         )
 
 
+def release_strategy(store: Store, sid: int, cid: str, fence: int) -> bool:
+    """Hand one claimed strategy back at once (this conductor cannot drive it: another
+    may). False when it is no longer this conductor's at that fence."""
+    p = store.hooks.placeholder
+    with store.write() as conn:
+        res = conn.exec_driver_sql(
+            "UPDATE strategies SET owner = NULL, lease_expires_at = NULL "
+            f"WHERE id = {p} AND owner = {p} AND fence = {p}",
+            (sid, cid, fence),
+        )
+        return bool(res.rowcount == 1)
+
+
 def _strategy_record(r: Any) -> StrategyRecord:
     return StrategyRecord(
         id=r.id,
@@ -308,13 +321,15 @@ def claim_strategies(
     register: bool = False,
     driving: set[int] | None = None,
     serves_all: bool = False,
+    skip: set[int] | None = None,
 ) -> list[StrategyRecord]:
     """Claim every driven strategy that is free, expired, or held by a dead conductor.
 
     ``register``: a starting conductor registers itself in the same transaction (one
     commit, so one fsync, before its first action can start). A strategy this
     conductor owns but is not ``driving`` (it stopped acting on it when its lease
-    renewal lapsed) is claimed again, with a new fence, as if from another.
+    renewal lapsed) is claimed again, with a new fence, as if from another. Those in
+    ``skip`` (this conductor cannot drive them) are left to others.
     """
     p = store.hooks.placeholder
     claimed: list[StrategyRecord] = []
@@ -333,7 +348,7 @@ def claim_strategies(
         dead = dead_conductors(conn, cid)
         for r in conn.exec_driver_sql(sql + " ORDER BY id", tuple(params)).all():
             mine = r.owner == cid
-            if mine and r.id in (driving or ()):
+            if (mine and r.id in (driving or ())) or r.id in (skip or ()):
                 continue
             free = (
                 r.owner is None

@@ -80,11 +80,15 @@ VIRTUAL_LIMIT_S = 7 * 24 * 3600.0
 
 
 def parse_faults(text: str) -> frozenset[str]:
-    if text in ("all", ""):
+    if text == "all":
         return frozenset(FAULTS)
     if text == "none":
         return frozenset()
     chosen = frozenset(x.strip() for x in text.split(",") if x.strip())
+    if not chosen:
+        raise ValueError("--faults: must not be empty (all, none, or a list of faults)")
+    if chosen & {"all", "none"}:
+        raise ValueError("--faults: 'all' and 'none' stand alone, not in a list of faults")
     unknown = chosen - set(FAULTS)
     if unknown:
         raise ValueError(

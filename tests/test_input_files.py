@@ -1,0 +1,424 @@
+"""Import and workflow files, and typed values, as an input audit found them.
+
+A file that is not UTF-8 was a traceback, a UTF-8 BOM hid the header; a YAML syntax error
+in ``target import`` took several lines; a CSV row's extra fields were dropped; errors
+found at the database lost the file and line; ``--set`` and CSV cells were read as YAML
+1.1 (yes -> true, 1:30 -> 90, 0x10 -> 16, but 1e3 stayed text); a YAML workflow took
+``timeout_s: true`` as 1 s, a state name the sim cannot name, a backoff above its cap, a
+key given twice, a version the database cannot keep and a timeout of centuries.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cli_harness import Cli, Result
+from fleetwave.cli.parsing import read_text_file, scalar
+from fleetwave.domain.errors import InputError
+from fleetwave.domain.workflow import WorkflowError
+from fleetwave.domain.yaml_workflow import parse_workflow_yaml
+
+
+def one_line(res: Result) -> str:
+    """The refusal: exit 2, nothing on stdout, exactly one ``error:`` line on stderr."""
+    assert res.code == 2, res.text
+    assert res.out == "", res.out
+    lines = res.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.err
+    return lines[0]
+
+
+def targets(cli: Cli) -> dict[str, dict[str, Any]]:
+    res = cli("target", "list", "--format", "json")
+    assert res.code == 0, res.text
+    return {t["name"]: t for t in res.json()}
+
+
+def workflow_names(cli: Cli) -> set[str]:
+    res = cli("workflow", "list", "--format", "json")
+    assert res.code == 0, res.text
+    return {w["name"] for w in res.json()}
+
+
+# -- encodings ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".yaml"])
+def test_import_of_a_file_that_is_not_utf8_is_one_line(
+    cli: Cli, tmp_path: Path, suffix: str
+) -> None:
+    f = tmp_path / f"latin{suffix}"
+    body = "name\nok\ncaf\xe9\n" if suffix == ".csv" else "- name: ok\n- name: caf\xe9\n"
+    f.write_bytes(body.encode("latin-1"))
+    line = one_line(cli("target", "import", str(f)))
+    where = "line 3, column 4" if suffix == ".csv" else "line 2, column 12"
+    assert line == (
+        f"error: {f}: not UTF-8 text (byte 0xe9 at {where}); save it as UTF-8 (Excel: 'CSV UTF-8')"
+    )
+    assert targets(cli) == {}
+
+
+@pytest.mark.parametrize(
+    ("suffix", "body"),
+    [
+        (".csv", "name,group,latency_ms\nb1,,5\n"),
+        (".yaml", "- name: b1\n  settings: {latency_ms: 5}\n"),
+    ],
+)
+def test_import_takes_a_utf8_file_with_a_byte_order_mark(
+    cli: Cli, tmp_path: Path, suffix: str, body: str
+) -> None:
+    """Excel's "CSV UTF-8" starts with a BOM: the first column was '\\ufeffname'."""
+    f = tmp_path / f"excel{suffix}"
+    f.write_bytes(b"\xef\xbb\xbf" + body.encode())
+    res = cli("target", "import", str(f))
+    assert res.code == 0, res.text
+    assert targets(cli)["b1"]["settings"] == {"latency_ms": 5}
+
+
+def test_read_text_file_names_the_byte_line_and_column(tmp_path: Path) -> None:
+    f = tmp_path / "w.yaml"
+    f.write_bytes(b"name: w\ndescription: caf\xe9\n")
+    with pytest.raises(InputError, match=r"not UTF-8 text \(byte 0xe9 at line 2, column 17\)"):
+        read_text_file(f)
+    f.write_bytes(b"\xef\xbb\xbfname: w\n")
+    assert read_text_file(f) == "name: w\n"
+
+
+@pytest.mark.parametrize("command", ["validate", "add"])
+def test_workflow_file_that_is_not_utf8_is_one_line(cli: Cli, tmp_path: Path, command: str) -> None:
+    f = tmp_path / "latin.yaml"
+    f.write_bytes("name: w\ndescription: caf\xe9\nstates:\n  - name: a\n".encode("latin-1"))
+    db = {} if command == "add" else {"db": None}
+    line = one_line(cli("workflow", command, str(f), **db))
+    assert line.startswith(f"error: {f}: not UTF-8 text (byte 0xe9 at line 2"), line
+    assert "w" not in workflow_names(cli)
+
+
+# -- YAML syntax, CSV shape -----------------------------------------------------------------
+
+
+def test_yaml_syntax_error_in_target_import_is_one_line_with_line_and_column(
+    cli: Cli, tmp_path: Path
+) -> None:
+    f = tmp_path / "fleet.yaml"
+    f.write_text("- name: a\n- name: [unclosed\n", encoding="utf-8")
+    line = one_line(cli("target", "import", str(f)))
+    assert line.startswith(f"error: {f}: not valid YAML at line 3, column 1: "), line
+    assert targets(cli) == {}
+
+
+def test_yaml_import_refuses_a_key_given_twice(cli: Cli, tmp_path: Path) -> None:
+    f = tmp_path / "fleet.yaml"
+    f.write_text("- name: a\n- name: b\n  name: c\n", encoding="utf-8")
+    line = one_line(cli("target", "import", str(f)))
+    assert line == (
+        f"error: {f}: not valid YAML at line 3, column 3: duplicate key 'name' (also on line 2)"
+    )
+    assert targets(cli) == {}
+
+
+def test_csv_row_with_more_fields_than_the_header_is_refused(cli: Cli, tmp_path: Path) -> None:
+    f = tmp_path / "fleet.csv"
+    f.write_text("name,group\nn1,\nn2,,latency_ms=5\n", encoding="utf-8")
+    line = one_line(cli("target", "import", str(f)))
+    assert line == f"error: {f} line 3: 3 fields, but the first line names 2 columns"
+    assert targets(cli) == {}
+
+
+def test_csv_trailing_empty_fields_lose_nothing_and_are_taken(cli: Cli, tmp_path: Path) -> None:
+    f = tmp_path / "fleet.csv"
+    f.write_text("name,latency_ms\nn1,5,\nn2,6,,\n", encoding="utf-8")
+    res = cli("target", "import", str(f))
+    assert res.code == 0, res.text
+    assert targets(cli)["n2"]["settings"] == {"latency_ms": 6}
+
+
+def test_csv_header_naming_a_column_twice_is_refused(cli: Cli, tmp_path: Path) -> None:
+    f = tmp_path / "fleet.csv"
+    f.write_text("name,latency_ms,latency_ms\nn1,5,6\n", encoding="utf-8")
+    line = one_line(cli("target", "import", str(f)))
+    assert line == f"error: {f} line 1: column 'latency_ms' appears twice"
+    assert targets(cli) == {}
+
+
+def test_csv_the_csv_module_refuses_is_one_line(cli: Cli, tmp_path: Path) -> None:
+    f = tmp_path / "fleet.csv"
+    f.write_text("name,fail_at\nn1,\nn2," + "x" * 200_000 + "\n", encoding="utf-8")
+    line = one_line(cli("target", "import", str(f)))
+    assert line.startswith(f"error: {f} line 3: not valid CSV: field larger than"), line
+    f.write_text("name\nn1\nn\x002\n", encoding="utf-8")
+    line = one_line(cli("target", "import", str(f)))
+    assert line.startswith(f"error: {f} line 3: name: 'n\\x002' is not allowed"), line
+    assert targets(cli) == {}
+
+
+# -- errors found at the database name the file and line ----------------------------------
+
+
+def test_unknown_group_names_the_csv_line(cli: Cli, tmp_path: Path) -> None:
+    f = tmp_path / "fleet.csv"
+    f.write_text("name,group\nn1,\nn2,nosuch\n", encoding="utf-8")
+    line = one_line(cli("target", "import", str(f)))
+    assert line == f"error: {f} line 3: target n2: group: no group named 'nosuch'"
+    assert targets(cli) == {}
+
+
+def test_existing_target_names_the_line_of_the_first_clash(cli: Cli, tmp_path: Path) -> None:
+    for name in ("sc-001", "sc-003"):
+        assert cli("target", "add", name).code == 0
+    before = targets(cli)
+    f = tmp_path / "fleet.csv"
+    f.write_text("name\nnew1\nsc-003\nsc-001\n", encoding="utf-8")
+    line = one_line(cli("target", "import", str(f)))
+    assert line == f"error: {f} line 3: target sc-003: already exists and 1 more"
+    y = tmp_path / "fleet.yaml"
+    y.write_text("- name: new1\n- name: sc-001\n", encoding="utf-8")
+    line = one_line(cli("target", "import", str(y)))
+    assert line == f"error: {y} targets[1]: target sc-001: already exists"
+    assert targets(cli) == before
+    # target add keeps its own message (no file)
+    assert one_line(cli("target", "add", "sc-001")) == "error: target sc-001: already exists"
+
+
+@pytest.mark.parametrize(
+    ("name", "body", "problem"),
+    [
+        ("fleet.csv", "name,group\n", "no targets (the file has only its header line)"),
+        ("fleet.yaml", "[]\n", "no targets (the list is empty)"),
+        ("fleet.yaml", "targets: []\n", "no targets (the list is empty)"),
+    ],
+)
+def test_a_file_with_no_targets_is_named(
+    cli: Cli, tmp_path: Path, name: str, body: str, problem: str
+) -> None:
+    f = tmp_path / name
+    f.write_text(body, encoding="utf-8")
+    assert one_line(cli("target", "import", str(f))) == f"error: {f}: {problem}"
+
+
+def test_a_directory_is_not_called_missing(cli: Cli, tmp_path: Path) -> None:
+    d = tmp_path / "dir.csv"
+    d.mkdir()
+    assert "is a directory" in one_line(cli("target", "import", str(d)))
+
+
+# -- typed values ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("20", 20),
+        ("-3", -3),
+        ("0", 0),
+        ("0.5", 0.5),
+        ("1e3", 1000.0),
+        ("1.5e3", 1500.0),
+        ("true", True),
+        ("FALSE", False),
+        ("True", True),
+        ("yes", "yes"),
+        ("no", "no"),
+        ("on", "on"),
+        ("off", "off"),
+        ("1:30", "1:30"),
+        ("0x10", "0x10"),
+        ("010", "010"),
+        ("1_000", "1_000"),
+        ("null", "null"),
+        (".inf", ".inf"),
+        ("1e999", "1e999"),
+        ("nan", "nan"),
+        ("", ""),
+    ],
+)
+def test_scalar_reads_numbers_and_true_false_strictly(text: str, value: Any) -> None:
+    got = scalar(text)
+    assert got == value and type(got) is type(value)
+
+
+def test_set_values_are_not_yaml_1_1(cli: Cli) -> None:
+    res = cli(
+        "target",
+        "add",
+        "t1",
+        "--set",
+        "remote_state=yes",
+        "--set",
+        "fail_at=on",
+        "--set",
+        "latency_ms=1e3",
+        "--set",
+        "failure_rate=5e-1",
+        "--set",
+        "already_done=off",
+    )
+    assert res.code == 0, res.text
+    assert targets(cli)["t1"]["settings"] == {
+        "remote_state": "yes",
+        "fail_at": "on",
+        "latency_ms": 1000.0,
+        "failure_rate": 0.5,
+        "already_done": "off",
+    }
+
+
+@pytest.mark.parametrize("value", ["1:30", "0x10"])
+def test_set_values_yaml_1_1_would_have_read_as_numbers_are_refused(cli: Cli, value: str) -> None:
+    line = one_line(cli("target", "add", "t1", "--set", f"latency_ms={value}"))
+    assert line == f"error: target t1: sim setting latency_ms: '{value}' is not a number"
+    assert targets(cli) == {}
+
+
+def test_csv_cells_are_read_like_set_values(cli: Cli, tmp_path: Path) -> None:
+    f = tmp_path / "fleet.csv"
+    f.write_text(
+        "name,remote_state,fail_at,latency_ms,already_done\nc1,no,on,1.5e3,yes\n",
+        encoding="utf-8",
+    )
+    assert cli("target", "import", str(f)).code == 0
+    assert targets(cli)["c1"]["settings"] == {
+        "remote_state": "no",
+        "fail_at": "on",
+        "latency_ms": 1500.0,
+        "already_done": "yes",
+    }
+    g = tmp_path / "bad.csv"
+    g.write_text("name,latency_ms\nc2,1:30\n", encoding="utf-8")
+    assert "latency_ms: '1:30' is not a number" in one_line(cli("target", "import", str(g)))
+
+
+def test_yaml_import_keeps_yaml_types_but_yes_no_on_off_are_text(cli: Cli, tmp_path: Path) -> None:
+    """A sim state may be called 'on'; remote_state: no used to be false (and then did
+    nothing at all)."""
+    f = tmp_path / "fleet.yaml"
+    f.write_text(
+        "- name: y1\n"
+        "  settings: {fail_at: on, remote_state: no, already_done: yes, latency_ms: 1e3,"
+        " failure_rate: 0.5}\n"
+        "- name: y2\n"
+        "  managed: no\n"
+        "  settings: {already_done: true, latency_ms: 7}\n"
+        "- name: y3\n"
+        "  managed: off\n",
+        encoding="utf-8",
+    )
+    res = cli("target", "import", str(f))
+    assert res.code == 0, res.text
+    got = targets(cli)
+    assert got["y1"]["settings"] == {
+        "fail_at": "on",
+        "remote_state": "no",
+        "already_done": "yes",
+        "latency_ms": 1000.0,
+        "failure_rate": 0.5,
+    }
+    assert got["y2"]["settings"] == {"already_done": True, "latency_ms": 7}
+    assert got["y2"]["managed"] is False
+    assert got["y3"]["managed"] is False  # 'off' is text now, and still means unmanaged
+
+
+def test_strategy_timeout_takes_an_exponent(cli: Cli) -> None:
+    assert cli("target", "add", "t1").code == 0
+    res = cli(
+        "strategy", "create", "--workflow", "patch", "--all", "--timeout", "finishing=1.5e3",
+        "--format", "json",
+    )  # fmt: skip
+    assert res.code == 0, res.text
+    assert res.json()["options"]["timeouts_s"] == {"finishing": 1500.0}
+
+
+# -- YAML workflows -------------------------------------------------------------------------
+
+STRICT_BAD = {
+    "timeout true": (
+        "name: w\nstates:\n  - name: a\n    timeout_s: true\n",
+        "states[0] (a): timeout_s: expected a number, got true",
+    ),
+    "attempts true": (
+        "name: w\nstates:\n  - name: a\n    retry: {attempts: true}\n",
+        "states[0] (a): retry: attempts: expected a number, got true",
+    ),
+    "state name with a space": (
+        "name: w\nstates:\n  - name: a b\n",
+        "states[0] (a b): name: 'a b' is not allowed; use letters, digits and _ . -",
+    ),
+    "state name with a newline": (
+        'name: w\nstates:\n  - name: "a\\nb"\n',
+        "states[0] ('a\\nb'): name: 'a\\nb' is not allowed",
+    ),
+    "backoff above its cap": (
+        "name: w\nstates:\n  - name: a\n    retry: {backoff_s: 100, backoff_max_s: 5}\n",
+        "states[0] (a): retry: backoff_s (100) must not exceed backoff_max_s (5)",
+    ),
+    "backoff above the default cap": (
+        "name: w\nstates:\n  - name: a\n    retry: {backoff_s: 600}\n",
+        "states[0] (a): retry: backoff_s (600) must not exceed backoff_max_s (300, the default)",
+    ),
+    "key twice": (
+        "name: x\nname: y\nstates:\n  - name: a\n",
+        "not valid YAML at line 2, column 1: duplicate key 'name' (also on line 1)",
+    ),
+    "timeout above 30 days": (
+        "name: w\nstates:\n  - name: a\n    timeout_s: 2592001\n",
+        "states[0] (a): timeout_s: at most 2592000 seconds (30 days), got 2592001",
+    ),
+    "poll interval above 30 days": (
+        "name: w\nstates:\n  - name: a\n    mode: poll\n    poll_interval_s: 1e9\n",
+        "states[0] (a): poll_interval_s: at most 2592000 seconds (30 days)",
+    ),
+}
+
+
+@pytest.mark.parametrize(("text", "problem"), list(STRICT_BAD.values()), ids=list(STRICT_BAD))
+def test_a_new_workflow_is_checked_strictly(text: str, problem: str) -> None:
+    with pytest.raises(WorkflowError) as exc:
+        parse_workflow_yaml(text, source="wf.yaml", strict=True)
+    assert str(exc.value).startswith(f"wf.yaml: {problem}")
+    assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("text", [t for t, _ in STRICT_BAD.values()], ids=list(STRICT_BAD))
+def test_a_stored_workflow_still_loads_as_before(text: str) -> None:
+    """Workflows stored, and strategies created, before these checks must still load: a
+    conductor fails a strategy whose workflow copy no longer parses."""
+    assert parse_workflow_yaml(text, source="stored workflow w").states
+
+
+def test_the_longest_timeout_and_a_merge_key_override_are_fine() -> None:
+    wf = parse_workflow_yaml(
+        "name: w\nstates:\n  - &a {name: a, timeout_s: 2592000}\n  - <<: *a\n    name: b\n",
+        strict=True,
+    )
+    assert [s.timeout_s for s in wf.states] == [2592000.0, 2592000.0]
+
+
+@pytest.mark.parametrize("command", ["validate", "add"])
+def test_a_version_the_database_cannot_keep_is_refused(
+    cli: Cli, tmp_path: Path, command: str
+) -> None:
+    f = tmp_path / "wf.yaml"
+    f.write_text("name: w\nversion: 99999999999999999999\nstates:\n  - name: a\n")
+    db = {} if command == "add" else {"db": None}
+    line = one_line(cli("workflow", command, str(f), **db))
+    assert line == f"error: {f}: version: at most 2147483647, got 99999999999999999999"
+    assert "w" not in workflow_names(cli)
+    f.write_text("name: w\nversion: 2147483647\nstates:\n  - name: a\n")
+    assert cli("workflow", command, str(f), **db).code == 0
+
+
+@pytest.mark.parametrize(("text", "problem"), list(STRICT_BAD.values()), ids=list(STRICT_BAD))
+@pytest.mark.parametrize("command", ["validate", "add"])
+def test_workflow_validate_and_add_refuse_what_strict_refuses(
+    cli: Cli, tmp_path: Path, command: str, text: str, problem: str
+) -> None:
+    f = tmp_path / "wf.yaml"
+    f.write_text(text, encoding="utf-8")
+    db = {} if command == "add" else {"db": None}
+    line = one_line(cli("workflow", command, str(f), **db))
+    assert line.startswith(f"error: {f}: {problem}"), line
+    assert not workflow_names(cli) & {"w", "x", "y"}

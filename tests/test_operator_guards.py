@@ -1,0 +1,248 @@
+"""Guards an operator audit asked for: numbers too large for the database, plug-ins
+that cannot be imported, a strategy whose workflow this process lacks, a database
+path that is an empty file or another program's database, filters that match
+nothing because they name nothing, the progress line, and Ctrl-C on ``apply --wait``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rich.progress import Progress
+from sqlalchemy import update
+
+from cli_harness import Cli, assert_rejected
+from conftest import add_sim_targets
+from fleetwave.cli.drive import _watch
+from fleetwave.domain import registry
+from fleetwave.domain.models import StrategyOptions
+from fleetwave.domain.registry import register_workflow
+from fleetwave.domain.workflow import DriverOperation, StateDef, WorkflowDef
+from fleetwave.engine.conductor import NOT_DRIVABLE_HERE, Conductor
+from fleetwave.store import admin, queries
+from fleetwave.store.db import Store
+from fleetwave.store.schema import strategies
+
+HUGE = "99999999999999999999"  # above 2**63 - 1
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("strategy", "show", HUGE),
+        ("strategy", "apply", HUGE),
+        ("strategy", "abort", HUGE),
+        ("strategy", "delete", HUGE),
+        ("step", "show", HUGE),
+        ("step", "list", "--strategy", HUGE),
+        ("history", "--strategy", HUGE),
+        ("history", "--strategy", "1", "--last", HUGE),
+        ("check", "--strategy", HUGE),
+        ("group", "add", "g0", "--max-parallel", HUGE),
+        ("strategy", "create", "--workflow", "patch", "--all", "--max-parallel", HUGE),
+        ("strategy", "create", "--workflow", "patch", "--all", "--max-failures", HUGE),
+    ],
+)
+def test_a_number_too_large_is_bad_input(cli: Cli, args: tuple[str, ...]) -> None:
+    assert cli("target", "add", "a").code == 0
+    res = cli(*args)
+    assert res.code == 2, res.text
+    assert res.err.startswith("error: ") and len(res.err.strip().splitlines()) == 1, res.err
+    assert "Traceback" not in res.text
+    assert cli("strategy", "list", "--format", "json").json() == []
+    assert cli("group", "list", "--format", "json").json() == []
+
+
+def test_max_parallel_has_a_ceiling(cli: Cli) -> None:
+    assert cli("target", "add", "a").code == 0
+    res = cli("strategy", "create", "--workflow", "patch", "--all", "--max-parallel", "2000000")
+    assert res.code == 2 and "--max-parallel" in res.err and "1000000" in res.err, res.text
+    res = cli("demo", "--targets", "5", "--latency-ms", "inf")
+    assert_rejected(res, "--latency-ms: must be 0 to 86400000")
+
+
+def test_a_strategy_whose_options_cannot_be_driven_fails_alone(store: Store) -> None:
+    """A strategy an earlier version stored with max parallel 10**20: the conductor
+    ends it as undrivable and drives the others (it crashed before)."""
+    add_sim_targets(store, 2)
+    bad = admin.create_strategy(store, _wf("patch"), StrategyOptions(), target_names=["t00000"])
+    good = admin.create_strategy(store, _wf("patch"), StrategyOptions(), target_names=["t00001"])
+    with store.write() as conn:
+        opts = json.loads(
+            conn.execute(strategies.select().where(strategies.c.id == bad)).one().options
+        )
+        opts["max_parallel"] = 10**20
+        conn.execute(
+            update(strategies).where(strategies.c.id == bad).values(options=json.dumps(opts))
+        )
+    admin.apply_strategy(store, bad)
+    admin.apply_strategy(store, good)
+    result = asyncio.run(Conductor(store).run(strategy_ids=[bad, good]))
+    assert result == {bad: "failed", good: "complete"}
+    assert "max_parallel: must be 1 to 1000000" in queries.get_strategy(store, bad)["details"]
+
+
+def _wf(name: str) -> WorkflowDef:
+    wf = registry.get_workflow(name)
+    assert wf is not None
+    return wf
+
+
+def test_a_plugin_that_raises_is_one_line(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "raising_plugin.py").write_text("raise RuntimeError('boom in plugin')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("FLEETWAVE_PLUGINS", "raising_plugin")
+    monkeypatch.setattr(registry, "_loaded", False)
+    monkeypatch.setattr(registry, "_load_error", None)
+    for args in (("workflow", "list"), ("serve",), ("workflow", "show", "patch")):
+        assert_rejected(
+            cli(*args),
+            "FLEETWAVE_PLUGINS: cannot import 'raising_plugin': RuntimeError: boom in plugin",
+        )
+
+
+def test_serve_with_a_plugin_that_is_missing_refuses_to_start(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("FLEETWAVE_PLUGINS", "no_such_module_here")
+    monkeypatch.setattr(registry, "_loaded", False)
+    monkeypatch.setattr(registry, "_load_error", None)
+    db = tmp_path / "new.db"
+    assert_rejected(cli("serve", db=db), "FLEETWAVE_PLUGINS: cannot import 'no_such_module_here'")
+    assert not db.exists()  # nothing written, not even a database
+
+
+def test_apply_wait_without_the_strategys_plugin_refuses_and_changes_nothing(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    register_workflow(
+        WorkflowDef("drain-x", (StateDef("drain", DriverOperation("drain")),)), replace=True
+    )
+    assert cli("target", "add", "a").code == 0
+    sid = cli("strategy", "create", "--workflow", "drain-x", "--all", "--format", "json").json()[
+        "id"
+    ]
+    monkeypatch.delitem(registry._workflows, "drain-x")  # another process: no plug-in
+    res = cli("strategy", "apply", str(sid), "--wait")
+    assert_rejected(res, f"strategy {sid}: workflow: unknown workflow 'drain-x'")
+    assert cli("strategy", "show", str(sid), "--format", "json").json()["state"] == "initial"
+
+
+def test_a_conductor_lacking_a_workflow_leaves_that_strategy_to_others(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not failed (the strategy is not at fault): handed back, still applying, and
+    not claimed again by this conductor; the other strategies are driven."""
+    register_workflow(
+        WorkflowDef("drain-y", (StateDef("drain", DriverOperation("drain")),)), replace=True
+    )
+    add_sim_targets(store, 2)
+    missing = admin.create_strategy(
+        store, _wf("drain-y"), StrategyOptions(), target_names=["t00000"]
+    )
+    there = admin.create_strategy(store, _wf("patch"), StrategyOptions(), target_names=["t00001"])
+    admin.apply_strategy(store, missing)
+    admin.apply_strategy(store, there)
+    monkeypatch.delitem(registry._workflows, "drain-y")
+    c = Conductor(store)
+    result = asyncio.run(c.run(strategy_ids=[missing, there]))
+    assert result == {missing: NOT_DRIVABLE_HERE, there: "complete"}
+    shown = queries.get_strategy(store, missing)
+    assert (shown["state"], shown["owner"], shown["step_states"]) == (
+        "applying",
+        None,
+        {"initial": 1},
+    )
+
+
+def test_an_empty_file_or_another_programs_database_is_not_a_fleet(
+    cli: Cli, tmp_path: Path
+) -> None:
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    assert_rejected(cli("target", "list", db=empty), "is an empty file, not a database")
+    assert empty.stat().st_size == 0
+    other = tmp_path / "other.db"
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE invoices (id INTEGER PRIMARY KEY)")
+    assert_rejected(cli("target", "list", db=other), "SQLite database of something else")
+    with sqlite3.connect(other) as conn:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert tables == {"invoices"}  # nothing of ours added
+
+
+def test_filters_naming_nothing_are_refused(cli: Cli) -> None:
+    for name in ("a", "b"):
+        assert cli("target", "add", name).code == 0
+    sid = cli("strategy", "create", "--workflow", "patch", "--targets", "a", "--format", "json")
+    sid_ = str(sid.json()["id"])
+    assert_rejected(cli("target", "list", "--group", "nosuch"), "--group: no group named")
+    assert_rejected(
+        cli("step", "list", "--strategy", sid_, "--state", "nosuch"),
+        "--state: 'nosuch' is not a state of strategy",
+    )
+    assert cli("step", "list", "--strategy", sid_, "--state", "pre-check").code == 0
+    assert_rejected(
+        cli("history", "--strategy", sid_, "--target", "b"),
+        f"--target: target 'b' is not in strategy {sid_}",
+    )
+
+
+def test_the_progress_line_counts_aborted_steps(store: Store) -> None:
+    add_sim_targets(store, 3)
+    sid = admin.create_strategy(store, _wf("patch"), StrategyOptions(), all_targets=True)
+    admin.request_abort(store, sid)  # initial: every step aborted at once
+    progress = Progress()
+    done = asyncio.Event()
+    done.set()
+    asyncio.run(_watch(store, sid, 3, progress, done))
+    (task,) = progress.tasks
+    assert task.description == f"strategy {sid} (0 failed, 3 aborted)"
+    assert task.completed == 3
+
+
+FLEETWAVE = [sys.executable, "-m", "fleetwave.cli.main"]
+
+
+def test_ctrl_c_on_apply_wait_stops_cleanly_and_hands_leases_back(tmp_path: Path) -> None:
+    db = str(tmp_path / "f.db")
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*FLEETWAVE, *args, "--db", db], capture_output=True, text=True, timeout=60
+        )
+
+    assert run("init").returncode == 0
+    for i in range(4):
+        assert run("target", "add", f"s{i}", "--set", "latency_ms=2000").returncode == 0
+    assert run("strategy", "create", "--workflow", "patch", "--all").returncode == 0
+    proc = subprocess.Popen(
+        [*FLEETWAVE, "strategy", "apply", "1", "--wait", "--db", db],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        shown = json.loads(run("strategy", "show", "1", "--format", "json").stdout)
+        if shown["owner"] is not None:
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "stopping: running actions finish" in err
+    assert "stopped: strategy 1 is still applying; leases handed back" in err
+    shown = json.loads(run("strategy", "show", "1", "--format", "json").stdout)
+    assert (shown["state"], shown["owner"]) == ("applying", None)
+    assert run("check").returncode == 0
