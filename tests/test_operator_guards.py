@@ -246,3 +246,26 @@ def test_ctrl_c_on_apply_wait_stops_cleanly_and_hands_leases_back(tmp_path: Path
     shown = json.loads(run("strategy", "show", "1", "--format", "json").stdout)
     assert (shown["state"], shown["owner"]) == ("applying", None)
     assert run("check").returncode == 0
+
+
+def test_version(cli: Cli) -> None:
+    import fleetwave
+
+    res = cli("--version", db=None)
+    assert (res.code, res.out.strip()) == (0, f"fleetwave {fleetwave.__version__}")
+
+
+def test_a_target_held_by_a_strategy_never_applied_says_how_to_free_it(cli: Cli) -> None:
+    assert cli("target", "add", "a").code == 0
+    first = cli("strategy", "create", "--workflow", "patch", "--all", "--format", "json")
+    sid = first.json()["id"]
+    assert_rejected(
+        cli("strategy", "create", "--workflow", "patch", "--all"),
+        f"already in active strategy {sid} (it was never applied: "
+        f"'fleetwave strategy delete {sid}' frees its targets)",
+    )
+    assert cli("strategy", "apply", str(sid)).code == 0
+    assert_rejected(
+        cli("strategy", "create", "--workflow", "patch", "--all"),
+        f"already in active strategy {sid} (it is applying: it frees its targets when it ends)",
+    )

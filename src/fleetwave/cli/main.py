@@ -15,6 +15,7 @@ from typing import Annotated, Any, cast
 
 import typer
 
+import fleetwave
 from fleetwave.catalog import list_workflows, resolve_workflow
 from fleetwave.cli import output
 from fleetwave.cli.common import (
@@ -64,6 +65,22 @@ app.add_typer(strategy_app, name="strategy")
 app.add_typer(step_app, name="step")
 app.command("demo")(demo_command)
 app.command("sim")(sim_command)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        console.print(f"fleetwave {fleetwave.__version__}", markup=False, highlight=False)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="print the version"),
+    ] = False,
+) -> None:
+    """fleetwave: roll one operation across a fleet, exactly once per state."""
 
 
 @app.command()

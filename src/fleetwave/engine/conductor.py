@@ -863,10 +863,10 @@ class Conductor:
     ) -> None:
         """Stop driving a strategy: stop its workers, forget it.
 
-        Fenced off by another conductor, it is ``lost`` here (unless this conductor is
-        patient: it waits for that owner's end, or takes over when its lease expires).
-        ``lapsed`` (this conductor's own renewals failing): nobody else may hold it, so
-        the next periodic pass claims it anew, once the database answers. ``later``: the
+        Fenced off by another conductor, it is ``lost`` here (``apply --wait`` then
+        waits for that owner's end, or takes over when its lease expires). ``lapsed``
+        (this conductor's own renewals failing): nobody else may hold it, so the next
+        periodic pass claims it anew, once the database answers. ``later``: the
         messages of the batch being handled that come after this drop.
         """
         run = self.runs.pop(sid, None)
@@ -886,7 +886,7 @@ class Conductor:
         for fl in run.inflight.values():
             if fl.task is not None:
                 fl.task.cancel()
-        if not lapsed and not (self._patient and self._wanted is not None):
+        if not lapsed:
             self.finished[sid] = "lost"
         if self._wake is not None:
             self._wake.set()  # the dispatcher re-checks whether anything is left to drive

@@ -289,7 +289,13 @@ def create_strategy(
         busy = _active_strategy_of(conn, [r.id for r in rows])
         if busy:
             tname = next(r.name for r in rows if r.id == busy[0])
-            raise Conflict(f"target {tname}: already in active strategy {busy[1]}")
+            held = _strategy_state(conn, busy[1])
+            how = (
+                f"it was never applied: 'fleetwave strategy delete {busy[1]}' frees its targets"
+                if held == StrategyState.INITIAL
+                else f"it is {held}: it frees its targets when it ends"
+            )
+            raise Conflict(f"target {tname}: already in active strategy {busy[1]} ({how})")
         gcaps: dict[int, int] = {}
         gnames: dict[int, str] = {}
         for g in conn.execute(select(groups)):
