@@ -1,4 +1,5 @@
-"""``fleetwave serve`` drives applied strategies; ``apply --wait`` elsewhere only watches."""
+"""``fleetwave serve`` drives applied strategies; ``apply --wait`` elsewhere waits for
+the end (and takes over only if the owner dies)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def test_serve_drives_apply_and_a_second_process_only_watches(tmp_path: Path) ->
             time.sleep(0.1)
         assert owner is not None, "serve should claim the applied strategy"
         assert json.loads(shown.stdout)["driven_by"] == f"conductor {owner}"
-        # A second process asks to drive it too: it must only watch the live owner.
+        # A second process asks to drive it too: it must only wait on the live owner.
         waited = _cli(db, "strategy", "apply", str(sid), "--wait", "--format", "json")
         assert waited.returncode == 0, waited.stderr
         assert json.loads(waited.stdout)["state"] == "complete"
