@@ -157,7 +157,8 @@ def test_stop_on_failure_finishes_current_state_and_starts_nothing(store: Store)
     assert any(d.startswith("not started") for d in aborted)
     assert all(s in ("complete", "failed", "aborted") for s, _ in st.values())
     strategy = queries.get_strategy(store, sid)
-    assert "stop on failure" in strategy["details"]
+    # the strategy says which target stopped it
+    assert strategy["details"] == "stopped after a00000 failed (stop on failure)"
     assert check(store, sid).ok
 
 
@@ -172,7 +173,9 @@ def test_failure_threshold_stops_exactly_when_exceeded(store: Store) -> None:
     assert st[names[5]][1] == f"Target {names[5]} is unmanaged."
     assert st[names[8]][0] == "aborted"  # never reached: the threshold stopped the rollout
     assert [st[n][0] for n in names[:5] if n != names[2]] == ["complete"] * 4
-    assert "exceed the failure threshold of 1" in queries.get_strategy(store, sid)["details"]
+    assert queries.get_strategy(store, sid)["details"] == (
+        f"stopped: 2 failed steps exceed the failure threshold of 1 (the last: {names[5]})"
+    )
     assert check(store, sid).ok
 
 

@@ -185,7 +185,7 @@ def test_stop_on_failure_by_an_unmanaged_target_found_in_the_commit_starts_nothi
     # admission: test_unmanaged_target_crossing_the_threshold_starts_nothing_more).
     for n in names[1:]:
         assert [h["to"] for h in queries.history(store, sid, target=n)] == ["aborted"]
-        assert steps[n][1] == "not started: stopped after a step failed (stop on failure)"
+        assert steps[n][1] == f"not started: stopped after {names[0]} failed (stop on failure)"
     assert check(store, sid).ok
 
 
@@ -219,7 +219,8 @@ def test_threshold_crossed_by_unmanaged_targets_found_in_the_commit(
         ["aborted"],
     ]
     assert steps[names[5]]["details"] == (
-        "not started: stopped: 3 failed steps exceed the failure threshold of 2"
+        "not started: stopped: 3 failed steps exceed the failure threshold of 2 "
+        f"(the last: {names[4]})"
     )
     assert check(store, sid).ok
 

@@ -709,7 +709,7 @@ class Conductor:
                 run.failed -= 1
             if row.state in STEP_TERMINAL:
                 if row.state == STEP_FAILED and not counted:
-                    self._count_failure(run)
+                    self._count_failure(run, row.target.name)
                 settled(step_id, f"ended elsewhere: {row.state}")
             elif row.state == STEP_INITIAL and not seen:
                 run.requeue_front([row])
@@ -1007,7 +1007,7 @@ class Conductor:
         for step in taken:
             if step.not_started and not step.target.managed and run.stopping is None:
                 end(step, STEP_FAILED, unmanaged_reason(step.target.name))
-                self._count_failure(run)
+                self._count_failure(run, step.target.name)
                 failed_now.add(step.step_id)
         for step in taken:
             if step.step_id in failed_now:
@@ -1125,8 +1125,8 @@ class Conductor:
         )
         self.finished[rec.id] = StrategyState.FAILED.value if ok else "lost"
 
-    def _failure_details(self, run: StrategyRun) -> str:
-        return _stop_details(run.options, run.failed)
+    def _failure_details(self, run: StrategyRun, who: str | None = None) -> str:
+        return _stop_details(run.options, run.failed, who)
 
     def _reported(
         self, msg: ActionFinished | AttemptStarted
@@ -1205,7 +1205,7 @@ class Conductor:
             # nothing more for its worker to do (kept for the batch: the end may be refused)
             self._freed[msg.step_id] = _free_slot(run, msg.step_id)
             if decision.to_state == STEP_FAILED:
-                self._count_failure(run)
+                self._count_failure(run, fl.rec.target.name)
         else:
             fl.state = decision.to_state
             fl.waiter = None  # the next state's waiter is made when its action starts
@@ -1235,9 +1235,9 @@ class Conductor:
         run = self.runs.get(t.strategy_id)
         if run is None:
             return
-        _free_slot(run, t.step_id)
+        fl = _free_slot(run, t.step_id)
         if t.to_state == STEP_FAILED:
-            self._count_failure(run)
+            self._count_failure(run, fl.rec.target.name if fl is not None else None)
             log.warning("step %s: %s", t.step_id, t.details)
         self._wake_soon()  # its slot is free: fill it without waiting for another message
 
@@ -1266,15 +1266,18 @@ class Conductor:
             limit = run.options.failure_limit if run is not None else None
             if run is None or limit is None:
                 continue
-            rules[run.id] = rt.StopRule(limit - run.failed, _stop_details(run.options, limit + 1))
+            # the commit names the target whose failure crossed the limit
+            details = _stop_details(run.options, limit + 1, rt.StopRule.TARGET)
+            rules[run.id] = rt.StopRule(limit - run.failed, details)
         return rules
 
-    def _count_failure(self, run: StrategyRun) -> None:
+    def _count_failure(self, run: StrategyRun, who: str | None = None) -> None:
+        """One more failed step (of target ``who``); past the limit the strategy stops."""
         run.failed += 1
         limit = run.options.failure_limit
         if run.stopping is None and limit is not None and run.failed > limit:
             run.stopping = "failure"
-            run.stop_details = self._failure_details(run)
+            run.stop_details = self._failure_details(run, who)
             _stop_flights(run)
             log.warning("strategy %s: %s", run.id, run.stop_details)
 
@@ -1737,11 +1740,16 @@ def _stop_flights(run: StrategyRun) -> None:
         fl.stopped = True
 
 
-def _stop_details(options: StrategyOptions, failed: int) -> str:
-    """Why a strategy stopped starting steps, once ``failed`` steps exceed its limit."""
+def _stop_details(options: StrategyOptions, failed: int, who: str | None = None) -> str:
+    """Why a strategy stopped starting steps, once ``failed`` steps exceed its limit
+    (``who``: the target whose failure did it, if known)."""
     if options.stop_on_failure:
-        return "stopped after a step failed (stop on failure)"
-    return f"stopped: {failed} failed steps exceed the failure threshold of {options.failure_limit}"
+        return f"stopped after {who or 'a step'} failed (stop on failure)"
+    last = f" (the last: {who})" if who else ""
+    return (
+        f"stopped: {failed} failed steps exceed the failure threshold of "
+        f"{options.failure_limit}{last}"
+    )
 
 
 def _resolve(fut: asyncio.Future[bool] | None, value: bool) -> None:

@@ -13,7 +13,7 @@ import os
 import socket
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from sqlalchemy import Connection, insert, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
@@ -117,8 +117,11 @@ class StopRule:
 
     #: failures it still tolerates (its limit minus the failed steps so far)
     tolerated: int
-    #: why it stops once one more has failed (the not-started steps' details)
+    #: why it stops once one more has failed (the not-started steps' details); the
+    #: commit puts the name of the target whose failure crossed the limit for TARGET
     details: str
+
+    TARGET: ClassVar[str] = "{target}"
 
 
 @dataclass(slots=True)
@@ -837,7 +840,8 @@ class TransitionWriter:
                 if sid in tolerated:
                     tolerated[sid] -= 1
                     if tolerated[sid] < 0:
-                        stopped[sid] = stops[sid].details
+                        who = unmanaged[t.step_id]
+                        stopped[sid] = stops[sid].details.replace(StopRule.TARGET, who)
             else:
                 continue
             batch[i] = ended = replace(
