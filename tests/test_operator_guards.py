@@ -269,3 +269,11 @@ def test_a_target_held_by_a_strategy_never_applied_says_how_to_free_it(cli: Cli)
         cli("strategy", "create", "--workflow", "patch", "--all"),
         f"already in active strategy {sid} (it is applying: it frees its targets when it ends)",
     )
+
+
+def test_a_timeout_override_has_the_yaml_ceiling(cli: Cli) -> None:
+    assert cli("target", "add", "a").code == 0
+    res = cli("strategy", "create", "--workflow", "patch", "--all", "--timeout", "pre-check=1e12")
+    assert_rejected(res, "--timeout: pre-check: at most 2592000 seconds (30 days), got 1e+12")
+    ok = cli("strategy", "create", "--workflow", "patch", "--all", "--timeout", "pre-check=1.5e3")
+    assert ok.code == 0, ok.text

@@ -39,7 +39,7 @@ from fleetwave.domain.errors import Conflict, InputError
 from fleetwave.domain.models import ApplyType, Group, StrategyOptions, Target, plural
 from fleetwave.domain.registry import get_workflow, load_plugins
 from fleetwave.domain.workflow import WorkflowError
-from fleetwave.domain.yaml_workflow import parse_workflow_yaml
+from fleetwave.domain.yaml_workflow import MAX_SECONDS, parse_workflow_yaml
 from fleetwave.engine import loop as event_loop
 from fleetwave.engine.conductor import Conductor
 from fleetwave.store import admin, queries
@@ -344,6 +344,10 @@ def _timeouts(items: list[str] | None) -> dict[str, float]:
             or not 0 < value < float("inf")
         ):
             raise InputError(f"--timeout: {key}: expected a positive number of seconds")
+        if value > MAX_SECONDS:
+            raise InputError(
+                f"--timeout: {key}: at most {MAX_SECONDS} seconds (30 days), got {value:g}"
+            )
         out[key] = float(value)
     return out
 
