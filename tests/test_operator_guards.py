@@ -30,6 +30,7 @@ from fleetwave.engine.conductor import NOT_DRIVABLE_HERE, Conductor
 from fleetwave.store import admin, queries
 from fleetwave.store.db import Store
 from fleetwave.store.schema import strategies
+from fleetwave.testing.invariants import check
 
 HUGE = "99999999999999999999"  # above 2**63 - 1
 
@@ -277,3 +278,25 @@ def test_a_timeout_override_has_the_yaml_ceiling(cli: Cli) -> None:
     assert_rejected(res, "--timeout: pre-check: at most 2592000 seconds (30 days), got 1e+12")
     ok = cli("strategy", "create", "--workflow", "patch", "--all", "--timeout", "pre-check=1.5e3")
     assert ok.code == 0, ok.text
+
+
+def test_an_abort_of_a_strategy_no_conductor_can_drive_ends_it(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Left applying by conductors lacking its workflow, it would hold its targets for
+    good: once the operator aborts it, the next conductor ends it (aborted)."""
+    register_workflow(
+        WorkflowDef("drain-z", (StateDef("drain", DriverOperation("drain")),)), replace=True
+    )
+    add_sim_targets(store, 1)
+    sid = admin.create_strategy(store, _wf("drain-z"), StrategyOptions(), all_targets=True)
+    admin.apply_strategy(store, sid)
+    monkeypatch.delitem(registry._workflows, "drain-z")
+    assert asyncio.run(Conductor(store).run(strategy_ids=[sid])) == {sid: NOT_DRIVABLE_HERE}
+    admin.request_abort(store, sid)
+    assert asyncio.run(Conductor(store).run(strategy_ids=[sid])) == {sid: "aborted"}
+    (step,) = queries.list_steps(store, sid)
+    assert step["state"] == "aborted"
+    assert step["details"].startswith("not started: aborted by operator; cannot drive it here")
+    assert check(store, sid).ok
+    admin.create_strategy(store, _wf("patch"), StrategyOptions(), all_targets=True)  # freed

@@ -412,10 +412,13 @@ def strategy_apply(
     store = existing_store(db)
     if wait:
         event_loop.loop_kind()  # a bad FLEETWAVE_LOOP is refused before anything changes
-        # Driving it here needs its workflow here (a Python one: its plug-in imported).
+        # Driving it here needs its workflow here (a Python one, or a YAML one naming a
+        # Python action: its plug-in imported).
         name, own_copy = queries.strategy_workflow(store, strategy_id)
-        if not own_copy:
+        if own_copy is None:
             resolve_workflow(store, name, what=f"strategy {strategy_id}: workflow")
+        else:
+            parse_workflow_yaml(own_copy, source=f"strategy {strategy_id}: workflow {name}")
     before = admin.apply_strategy(store, strategy_id)
     if not wait:
         who = queries.driving(store, strategy_id)

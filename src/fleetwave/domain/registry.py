@@ -19,6 +19,11 @@ from fleetwave.domain.workflow import StateAction, WorkflowDef, WorkflowError
 A = TypeVar("A", bound=type[StateAction])
 
 
+class ActionNotFound(WorkflowError):
+    """A YAML state's ``action: python:NAME`` is not registered or importable in this
+    process (its plug-in is not imported here)."""
+
+
 class PluginError(WorkflowError):
     """A module named in ``FLEETWAVE_PLUGINS`` cannot be imported (it is missing, or
     raised): a problem of this process's environment, not of any workflow."""
@@ -53,11 +58,11 @@ def action_class(name: str) -> type[StateAction]:
         try:
             obj = getattr(importlib.import_module(mod_name), cls_name)
         except (ImportError, AttributeError) as exc:
-            raise WorkflowError(f"action python:{name}: cannot import it ({exc})") from exc
+            raise ActionNotFound(f"action python:{name}: cannot import it ({exc})") from exc
         if not (isinstance(obj, type) and issubclass(obj, StateAction)):
             raise WorkflowError(f"action python:{name}: is not a StateAction subclass")
         return obj
-    raise WorkflowError(f"action python:{name}: no action registered under that name")
+    raise ActionNotFound(f"action python:{name}: no action registered under that name")
 
 
 def get_workflow(name: str) -> WorkflowDef | None:

@@ -174,8 +174,12 @@ class DriverOperation(StateAction):
             result = await start(ctx.target, self.operation, ctx)
         else:
             result = await ctx.driver.observe(ctx.target, self.operation, ctx)
-            if result is RemoteResult.NOT_STARTED:  # the target lost it: start it again
-                result = await start(ctx.target, self.operation, ctx)
+            if result is RemoteResult.NOT_STARTED:
+                # Started, yet the target does not know it: it lost it, or this worker's
+                # step has moved on under another conductor (this one is fenced off and
+                # does not know yet). Never start it again from a look: a retry (a new
+                # attempt) may, under the state's retry policy.
+                raise TransientError(f"{self.operation}: the target reports it not started")
         if result in (RemoteResult.NOT_STARTED, RemoteResult.IN_PROGRESS):
             return NotYet(f"{self.operation} in progress")
         return self._outcome(result, ctx)

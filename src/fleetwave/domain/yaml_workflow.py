@@ -240,7 +240,8 @@ def parse_workflow_yaml(text: str, *, source: str = "<yaml>", strict: bool = Fal
             try:
                 action = action_class(spec.removeprefix("python:"))()
             except WorkflowError as exc:
-                raise WorkflowError(f"{source}: states[{i}] ({st.name}): action: {exc}") from exc
+                # the same kind: an action missing here (ActionNotFound) is not a bad file
+                raise type(exc)(f"{source}: states[{i}] ({st.name}): action: {exc}") from exc
         else:
             action = DriverOperation(spec, skip_when_done=st.skip_when_done)
             if st.recover == "none":

@@ -266,7 +266,8 @@ class SimDriver:
         #: futures of every finished operation, kept before, slowed a 100,000-target
         #: rollout by a third. Forgotten when the strategy ends.
         self._remote: dict[tuple[int, str, str], _Execution] = {}
-        self._finished: dict[int, dict[int, tuple[str, tuple[str, bool] | None]]] = {}
+        #: (state, operation, error): two states may run the same operation
+        self._finished: dict[int, dict[int, tuple[str, str, tuple[str, bool] | None]]] = {}
         #: strategies ended: an operation still running on a target (its step timed out)
         #: that finishes afterwards is not recorded
         self._ended: set[int] = set()
@@ -337,7 +338,11 @@ class SimDriver:
         if self._remote.get(key) is execution:
             del self._remote[key]
         if ctx.strategy_id not in self._ended:
-            self._finished.setdefault(ctx.strategy_id, {})[ctx.step_id] = (operation, error)
+            self._finished.setdefault(ctx.strategy_id, {})[ctx.step_id] = (
+                ctx.state,
+                operation,
+                error,
+            )
 
     def strategy_ended(self, strategy_id: int) -> None:
         """The conductor ended the strategy: what its targets did is no longer asked."""
@@ -433,10 +438,10 @@ class SimDriver:
         if (ctx.strategy_id, target.name, operation) in self._remote:
             return RemoteResult.IN_PROGRESS
         last = self._finished.get(ctx.strategy_id, {}).get(ctx.step_id)
-        if last is None or last[0] != operation:
+        if last is None or last[:2] != (ctx.state, operation):
             return RemoteResult.NOT_STARTED
-        if last[1] is not None:
-            message, transient = last[1]
+        if last[2] is not None:
+            message, transient = last[2]
             if transient:  # a poll's next attempt starts it again
                 raise TransientError(f"{operation} failed on target: {message}")
             raise StepFailed(f"{operation} failed on target: {message}")
@@ -452,7 +457,7 @@ class SimDriver:
         if running is not None and not running.future.done():
             return RemoteResult.IN_PROGRESS
         last = self._finished.get(ctx.strategy_id, {}).get(ctx.step_id)
-        if last is not None and last[0] == operation and last[1] is None:
+        if last is not None and last[:2] == (ctx.state, operation) and last[2] is None:
             return RemoteResult.ALREADY_DONE if prof.already_done else RemoteResult.DONE
         if self.count_starts:
             self.starts[(target.name, operation, ctx.attempt)] += 1

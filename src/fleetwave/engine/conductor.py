@@ -51,7 +51,7 @@ from fleetwave.domain.models import (
     plural,
     unmanaged_reason,
 )
-from fleetwave.domain.registry import PluginError
+from fleetwave.domain.registry import ActionNotFound, PluginError
 from fleetwave.domain.rules import Decision, decide, failure
 from fleetwave.domain.workflow import (
     ActionContext,
@@ -392,12 +392,17 @@ class Conductor:
                     run.lease_from = max(run.lease_from, now_loop)
             states = await self._io(rt.strategy_states, self.store, list(self.runs))
             for sid, (state, owner) in states.items():
+                held = self.runs.get(sid)  # dropped while this read was retried: skip it
+                if held is None:
+                    continue
                 if owner != self.id:
                     self.post(LeaseLost(sid))
                 elif state == StrategyState.ABORT_REQUESTED:
                     self.post(StopRequested(sid))
-                elif (state == StrategyState.PAUSED) != self.runs[sid].paused:
-                    self.post(PauseChanged(sid, state == StrategyState.PAUSED))
+                elif state == StrategyState.PAUSED and not held.paused:
+                    self.post(PauseChanged(sid, True))
+                elif state == StrategyState.APPLYING and held.paused:
+                    self.post(PauseChanged(sid, False))  # resumed (not: aborting)
             waiting = [sid for sid, run in self.runs.items() if run.waits_for_callbacks]
             if waiting:
                 await self._poll_callbacks(waiting)
@@ -932,9 +937,14 @@ class Conductor:
             if rec.workflow_yaml is not None:
                 # The copy taken at creation: a later edit of the stored workflow (or its
                 # deletion) does not change this strategy.
-                wf = parse_workflow_yaml(
-                    rec.workflow_yaml, source=f"workflow {rec.workflow} as of strategy {rec.id}"
-                )
+                try:
+                    wf = parse_workflow_yaml(
+                        rec.workflow_yaml,
+                        source=f"workflow {rec.workflow} as of strategy {rec.id}",
+                    )
+                except (ActionNotFound, PluginError) as exc:
+                    await self._cannot_drive_here(rec, str(exc))  # a plug-in's action
+                    return []
             else:
                 try:
                     wf = resolve_workflow(self.store, rec.workflow, what="workflow")
@@ -1082,7 +1092,14 @@ class Conductor:
 
     async def _cannot_drive_here(self, rec: rt.StrategyRecord, reason: str) -> None:
         """Hand a claimed strategy back untouched, and claim it no more: its Python
-        workflow is not registered in this process (``FLEETWAVE_PLUGINS``)."""
+        workflow is not registered in this process (``FLEETWAVE_PLUGINS``). One whose
+        abort was requested is ended here instead (as aborted): the operator asked for
+        its end, and no conductor may ever have its workflow again."""
+        if rec.state in (StrategyState.ABORT_REQUESTED, StrategyState.ABORTING):
+            await self._fail_undrivable(
+                rec, f"aborted by operator; {UNDRIVABLE} here: {reason}", StrategyState.ABORTED
+            )
+            return
         self._not_here.add(rec.id)
         await self._io(rt.release_strategy, self.store, rec.id, self.id, rec.fence)
         log.error(
@@ -1095,8 +1112,11 @@ class Conductor:
         if self._wanted is not None and rec.id in self._wanted:
             self.finished[rec.id] = NOT_DRIVABLE_HERE
 
-    async def _fail_undrivable(self, rec: rt.StrategyRecord, reason: str) -> None:
-        """End a strategy this conductor cannot drive (its workflow is gone or invalid)."""
+    async def _fail_undrivable(
+        self, rec: rt.StrategyRecord, reason: str, final: StrategyState = StrategyState.FAILED
+    ) -> None:
+        """End a strategy this conductor cannot drive (its workflow is gone or invalid):
+        waiting steps aborted, steps in a state failed (nothing here can observe them)."""
         log.error("strategy %s: %s", rec.id, reason)
         open_steps, _ = await self._io(rt.load_open_steps, self.store, rec.id)
         now = self.clock.now()
@@ -1120,10 +1140,8 @@ class Conductor:
         await self._io(
             self._writer.commit, batch, events, now, self._lease_until(), [], {rec.id: rec.fence}
         )
-        ok = await self._io(
-            rt.end_strategy, self.store, rec.id, self.id, StrategyState.FAILED.value, reason, now
-        )
-        self.finished[rec.id] = StrategyState.FAILED.value if ok else "lost"
+        ok = await self._io(rt.end_strategy, self.store, rec.id, self.id, final.value, reason, now)
+        self.finished[rec.id] = final.value if ok else "lost"
 
     def _failure_details(self, run: StrategyRun, who: str | None = None) -> str:
         return _stop_details(run.options, run.failed, who)

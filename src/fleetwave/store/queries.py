@@ -252,8 +252,8 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
     return out
 
 
-def strategy_workflow(store: Store, sid: int) -> tuple[str, bool]:
-    """The strategy's workflow name, and whether it keeps its own copy (YAML): without
+def strategy_workflow(store: Store, sid: int) -> tuple[str, str | None]:
+    """The strategy's workflow name, and its own copy (YAML) if it keeps one: without
     one, the process that drives it must have the workflow registered (a plug-in)."""
     with store.read() as conn:
         r = conn.execute(
@@ -261,7 +261,7 @@ def strategy_workflow(store: Store, sid: int) -> tuple[str, bool]:
         ).first()
     if r is None:
         raise NotFound(f"strategy {sid} not found")
-    return str(r.workflow), r.workflow_yaml is not None
+    return str(r.workflow), None if r.workflow_yaml is None else str(r.workflow_yaml)
 
 
 def strategy_exists(store: Store, sid: int) -> None:
