@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 
 import pytest
 
@@ -16,6 +17,8 @@ from broken_engines import (
     SelfRemovingWorkerConductor,
     StaleSnapshotConductor,
 )
+from fleetwave.domain.registry import get_workflow, register_workflow
+from fleetwave.domain.workflow import WorkflowDef
 from fleetwave.engine.conductor import Conductor
 from fleetwave.testing.simulate import FAULTS, SimConfig, SimResult, run_simulation
 
@@ -95,6 +98,25 @@ def test_ci_sweep_all_faults() -> None:
     for r in failed:
         print(r.line(), r.violations[:5])
     assert not failed, f"failing seeds: {[(r.seed, r.workflow) for r in failed]}"
+
+
+def test_ci_sweep_with_poll_states() -> None:
+    """`patch` with every other state polling (no built-in workflow polls): the faults
+    include stalled conductors that go on polling after they were fenced off, and
+    takeovers mid-poll (a review's sweep found a fenced-off poller starting a finished
+    operation again). The workflow is registered before the pool forks its workers."""
+    patch = get_workflow("patch")
+    assert patch is not None
+    states = tuple(
+        replace(st, mode="poll", poll_interval_s=3.0) if i % 2 else st
+        for i, st in enumerate(patch.states)
+    )
+    register_workflow(WorkflowDef("patch-poll", states), replace=True)
+    cases = [(s, "patch-poll", 40) for s in range(30000, 30000 + CI_SEEDS // 4)]
+    failed = [r for r in _sweep(cases) if not r.ok]
+    for r in failed:
+        print(r.line(), r.violations[:5])
+    assert not failed, f"failing seeds: {[r.seed for r in failed]}"
 
 
 @pytest.mark.parametrize(
