@@ -43,6 +43,11 @@ def _started(store: Store, sid: int) -> int:
         )
 
 
+def _last_journal_id(store: Store) -> int:
+    with store.read() as conn:
+        return int(conn.execute(select(func.max(journal.c.id))).scalar() or 0)
+
+
 def _in_flight(store: Store, sid: int) -> int:
     with store.read() as conn:
         return int(
@@ -177,10 +182,21 @@ def test_the_commit_holds_an_abort_the_dispatcher_has_not_seen(store: Store) -> 
         await _until(lambda: queries.step_counts(store, sid).get("complete", 0) >= 4)
         admin.request_abort(store, sid)
         seen["started_at_abort"] = _started(store, sid)
+        seen["last_row"] = _last_journal_id(store)
         return await asyncio.wait_for(task, 10.0)
 
     assert asyncio.run(go())[sid] == "aborted"
     assert _started(store, sid) == seen["started_at_abort"] < 40
+    # nor does any step move on to its next state: each in flight ends aborted after
+    # the state it was in
+    with store.read() as conn:
+        later = conn.execute(
+            select(journal.c.to_state, journal.c.details).where(
+                journal.c.strategy_id == sid, journal.c.id > seen["last_row"]
+            )
+        ).all()
+    assert later and {to for to, _ in later} == {"aborted"}, later
+    assert any(d.startswith("stopped after ") for _, d in later)
     assert "abort-seen" in _kinds(store, sid)
     assert check(store, sid).ok
 

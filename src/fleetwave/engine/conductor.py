@@ -594,13 +594,26 @@ class Conductor:
                 self._replaced_at_turn(t)
             if result.deferred:
                 self._wait_again(result.deferred)
+            late: list[rt.Event] = []
             for sid, state in result.held_back.items():
                 # The operator's pause or abort was committed before this dispatcher saw
                 # it: the steps it was starting wait again, until resumed (or aborted).
                 if state == StrategyState.PAUSED:
                     self.post(PauseChanged(sid, True))
                 else:
-                    self.post(StopRequested(sid))
+                    # The commit ended moves as aborted: the strategy stops now, before
+                    # it could end as if nothing had been asked (the abort is on record).
+                    self._request_stop(sid, late)
+            if late:
+                fences_late = {
+                    e.strategy_id: self.runs[e.strategy_id].record.fence
+                    for e in late
+                    if e.strategy_id is not None and e.strategy_id in self.runs
+                }
+                await self._io(
+                    self._writer.commit, [], late, now, self._lease_until(), None, fences_late
+                )
+                self._wake_soon()  # its waiting steps are ended on the next turn
             self._apply(batch, result.rejected, marks)
             for sid in result.lost:
                 self._drop_run(sid)

@@ -639,6 +639,16 @@ def _is_entry(t: Transition) -> bool:
     return t.from_state == STEP_INITIAL and t.to_state not in STEP_TERMINAL
 
 
+def _held_back(t: Transition, hold: dict[int, str]) -> bool:
+    """Whether ``hold`` (strategies by a state that holds steps back) keeps ``t`` from
+    being written as it is: any entry of a paused or aborting strategy, and a move to
+    a next state of one whose abort is requested."""
+    state = hold.get(t.strategy_id)
+    if state is None or t.to_state in STEP_TERMINAL:
+        return False
+    return t.from_state == STEP_INITIAL or state == StrategyState.ABORT_REQUESTED.value
+
+
 class TransitionWriter:
     """Group commit of transitions. Not thread-safe: one conductor owns it."""
 
@@ -907,7 +917,7 @@ class TransitionWriter:
             if self.store.write_fault is not None:
                 self.store.write_fault()
             lost, hold = self._held(cur, fences)
-            if lost or (hold and any(_is_entry(t) and t.strategy_id in hold for t in batch)):
+            if lost or (hold and any(_held_back(t, hold) for t in batch)):
                 raw.rollback()  # the row-by-row path says what was not written, and why
                 return False
             replaced += self._end_unmanaged(cur, batch, lease_until, ups, jrs, stops)
@@ -960,9 +970,12 @@ class TransitionWriter:
         with self.store.write() as conn:
             raw: Any = conn.connection.driver_connection
             lost, hold = self._held(raw.cursor(), fences)
+            stopped_now: list[Transition] = []
             if hold:
                 # Paused, or its abort requested: none of its steps starts. Its entries
-                # are not written (they wait again); its other moves are.
+                # are not written (they wait again); its other moves are, but once its
+                # abort is requested, a move to a next state ends the step instead
+                # (aborted after the state it finished), as the dispatcher would decide.
                 keep = [
                     i for i, t in enumerate(batch) if not (_is_entry(t) and t.strategy_id in hold)
                 ]
@@ -972,7 +985,22 @@ class TransitionWriter:
                 batch = [batch[i] for i in keep]
                 ups = [ups[i] for i in keep]
                 jrs = [jrs[i] for i in keep]
-            replaced = self._end_unmanaged(raw.cursor(), batch, lease_until, ups, jrs, stops)
+                for i, t in enumerate(batch):
+                    if _held_back(t, hold):
+                        batch[i] = ended = replace(
+                            t,
+                            to_state=STEP_ABORTED,
+                            details=f"stopped after {t.from_state}: aborted by operator",
+                            not_started=False,
+                            deadline_at=None,
+                        )
+                        sql, u, j = self._params(ended, lease_until)
+                        ups[i], jrs[i] = (sql, u), j
+                        stopped_now.append(ended)
+                        held_back[t.strategy_id] = hold[t.strategy_id]
+            replaced = stopped_now + self._end_unmanaged(
+                raw.cursor(), batch, lease_until, ups, jrs, stops
+            )
             rows = list(zip(batch, ups, jrs, strict=True))
             held: Counter[int] = Counter()
 
