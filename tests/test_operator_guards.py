@@ -300,3 +300,27 @@ def test_an_abort_of_a_strategy_no_conductor_can_drive_ends_it(
     assert step["details"].startswith("not started: aborted by operator; cannot drive it here")
     assert check(store, sid).ok
     admin.create_strategy(store, _wf("patch"), StrategyOptions(), all_targets=True)  # freed
+
+
+def test_apply_wait_refuses_a_yaml_strategy_naming_an_action_this_process_lacks(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from fleetwave.domain.workflow import Advance, StateAction
+
+    class Probe(StateAction):
+        async def run(self, ctx: object) -> Advance:  # type: ignore[override]
+            return Advance()
+
+    monkeypatch.setitem(registry._actions, "probe-act", Probe)
+    wf = tmp_path / "w.yaml"
+    wf.write_text("name: uses-probe\nstates:\n  - {name: a, action: 'python:probe-act'}\n")
+    assert cli("workflow", "add", str(wf)).code == 0
+    assert cli("target", "add", "t1").code == 0
+    made = cli("strategy", "create", "--workflow", "uses-probe", "--all", "--format", "json")
+    sid = made.json()["id"]
+    monkeypatch.delitem(registry._actions, "probe-act")  # another process: no plug-in
+    assert_rejected(
+        cli("strategy", "apply", str(sid), "--wait"),
+        "action python:probe-act: no action registered under that name",
+    )
+    assert cli("strategy", "show", str(sid), "--format", "json").json()["state"] == "initial"
