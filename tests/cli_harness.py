@@ -91,3 +91,18 @@ def assert_rejected(res: Result, *words: str) -> None:
     assert res.err.startswith("error: "), res.err
     for word in words:
         assert word in res.text, (word, res.text)
+
+
+def one_line(res: Result) -> str:
+    """The refusal: exit 2, nothing on stdout, exactly one ``error:`` line on stderr."""
+    assert res.code == 2, res.text
+    assert res.out == "", res.out
+    lines = res.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.err
+    return lines[0]
+
+
+def targets(cli: Cli) -> dict[str, dict[str, Any]]:
+    res = cli("target", "list", "--format", "json")
+    assert res.code == 0, res.text
+    return {t["name"]: t for t in res.json()}

@@ -45,6 +45,21 @@ class StartsThenWaits(StateAction):
         return Advance()
 
 
+def _lapse_a_renewal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second lease renewal meets 'database is locked' for ~11 s of retries: with a
+    12 s lease the watchdog self-fences, and the database then answers again."""
+    real = rt.heartbeat
+    calls = {"n": 0}
+
+    def flaky_heartbeat(*a: Any, **kw: Any) -> int:
+        calls["n"] += 1
+        if 2 <= calls["n"] <= 8:
+            raise OperationalError("UPDATE", None, Exception("database is locked"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(rt, "heartbeat", flaky_heartbeat)
+
+
 def test_callback_handed_to_a_wait_is_lost_when_the_strategy_is_self_fenced_and_reclaimed(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -62,16 +77,7 @@ def test_callback_handed_to_a_wait_is_lost_when_the_strategy_is_self_fenced_and_
         replace=True,
     )
     sid = applied(store, wf.name)
-    real = rt.heartbeat
-    calls = {"n": 0}
-
-    def flaky_heartbeat(*a: Any, **kw: Any) -> int:
-        calls["n"] += 1
-        if 2 <= calls["n"] <= 8:  # second renewal retried ~11 s: the watchdog self-fences
-            raise OperationalError("UPDATE", None, Exception("database is locked"))
-        return real(*a, **kw)
-
-    monkeypatch.setattr(rt, "heartbeat", flaky_heartbeat)
+    _lapse_a_renewal(monkeypatch)
     c = Conductor(store, clock=LoopClock(), config=EngineConfig(lease_ttl_s=12, tick_s=1))
 
     async def serve() -> None:
@@ -147,15 +153,6 @@ def test_a_move_committed_with_an_unmanaged_entry_that_stops_the_strategy_starts
     assert b.started == [], f"b started after the strategy stopped on failure: {moves}"
 
 
-class Sleeps60(StateAction):
-    async def run(self, ctx: ActionContext) -> Outcome:
-        await asyncio.sleep(60)
-        return Advance()
-
-    async def recover(self, ctx: ActionContext) -> Outcome:
-        return Advance()
-
-
 def test_a_driving_conductor_that_fenced_itself_off_gives_up_although_nobody_took_over(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -168,20 +165,11 @@ def test_a_driving_conductor_that_fenced_itself_off_gives_up_although_nobody_too
     the database answers again, the strategy is claimed anew; only serve does that.)"""
     add_sim_targets(store, 1)
     wf = register_workflow(
-        WorkflowDef("rv-selffence-wait", (StateDef("a", Sleeps60(), timeout_s=600),)),
+        WorkflowDef("rv-selffence-wait", (StateDef("a", StartsThenWaits(), timeout_s=600),)),
         replace=True,
     )
     sid = applied(store, wf.name)
-    real = rt.heartbeat
-    calls = {"n": 0}
-
-    def flaky_heartbeat(*a: Any, **kw: Any) -> int:
-        calls["n"] += 1
-        if 2 <= calls["n"] <= 8:
-            raise OperationalError("UPDATE", None, Exception("database is locked"))
-        return real(*a, **kw)
-
-    monkeypatch.setattr(rt, "heartbeat", flaky_heartbeat)
+    _lapse_a_renewal(monkeypatch)
     c = Conductor(store, clock=LoopClock(), config=EngineConfig(lease_ttl_s=12, tick_s=1))
     result = on_virtual_time(asyncio.wait_for(c.run(strategy_ids=[sid], patient=True), 3600))
     st = queries.get_strategy(store, sid)["state"]

@@ -15,26 +15,11 @@ from typing import Any
 
 import pytest
 
-from cli_harness import Cli, Result
+from cli_harness import Cli, one_line, targets
 from fleetwave.cli.parsing import read_text_file, scalar
 from fleetwave.domain.errors import InputError
 from fleetwave.domain.workflow import WorkflowError
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
-
-
-def one_line(res: Result) -> str:
-    """The refusal: exit 2, nothing on stdout, exactly one ``error:`` line on stderr."""
-    assert res.code == 2, res.text
-    assert res.out == "", res.out
-    lines = res.err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), res.err
-    return lines[0]
-
-
-def targets(cli: Cli) -> dict[str, dict[str, Any]]:
-    res = cli("target", "list", "--format", "json")
-    assert res.code == 0, res.text
-    return {t["name"]: t for t in res.json()}
 
 
 def workflow_names(cli: Cli) -> set[str]:

@@ -15,28 +15,13 @@ from typing import Any
 import pytest
 from sqlalchemy import insert
 
-from cli_harness import Cli, Result, assert_rejected
+from cli_harness import Cli, assert_rejected, one_line, targets
 from fleetwave.domain.models import NAME_MAX, name_problem
 from fleetwave.store.db import open_store
 from fleetwave.store.schema import groups as groups_table
 from fleetwave.store.schema import targets as targets_table
 
 RULE = "letters and digits"
-
-
-def one_line(res: Result) -> str:
-    """The refusal: exit 2, nothing on stdout, exactly one ``error:`` line on stderr."""
-    assert res.code == 2, res.text
-    assert res.out == "", res.out
-    lines = res.err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), res.err
-    return lines[0]
-
-
-def targets(cli: Cli) -> dict[str, dict[str, Any]]:
-    res = cli("target", "list", "--format", "json")
-    assert res.code == 0, res.text
-    return {t["name"]: t for t in res.json()}
 
 
 def groups(cli: Cli) -> dict[str, dict[str, Any]]:

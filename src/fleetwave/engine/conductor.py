@@ -442,7 +442,7 @@ class Conductor:
             register=register,
             driving=set(self.runs) | self._claiming,
             serves_all=self._wanted is None,
-            skip=set(self._not_here),
+            skip=self._not_here,
         )
         for rec in claimed:
             self._claiming.add(rec.id)
@@ -947,25 +947,21 @@ class Conductor:
         """Take over a claimed strategy from the database alone (G4, recovery)."""
         lease_from = self._claimed_at.pop(rec.id, self._loop.time())
         try:
-            if rec.workflow_yaml is not None:
-                # The copy taken at creation: a later edit of the stored workflow (or its
-                # deletion) does not change this strategy.
-                try:
+            try:
+                if rec.workflow_yaml is not None:
+                    # The copy taken at creation: a later edit of the stored workflow (or
+                    # its deletion) does not change this strategy.
                     wf = parse_workflow_yaml(
                         rec.workflow_yaml,
                         source=f"workflow {rec.workflow} as of strategy {rec.id}",
                     )
-                except (ActionNotFound, PluginError) as exc:
-                    await self._cannot_drive_here(rec, str(exc))  # a plug-in's action
-                    return []
-            else:
-                try:
+                else:
                     wf = resolve_workflow(self.store, rec.workflow, what="workflow")
-                except (NotFound, PluginError) as exc:
-                    # This process lacks it (a plug-in not imported here): another
-                    # conductor may have it. The strategy is not at fault: leave it.
-                    await self._cannot_drive_here(rec, str(exc))
-                    return []
+            except (NotFound, ActionNotFound, PluginError) as exc:
+                # This process lacks it, or a YAML state's action (a plug-in not imported
+                # here): another conductor may have it. The strategy is not at fault.
+                await self._cannot_drive_here(rec, str(exc))
+                return []
             if rec.states and list(wf.state_names) != rec.states:
                 raise WorkflowError(
                     f"workflow {rec.workflow} changed since the strategy was created: "

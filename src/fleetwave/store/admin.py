@@ -386,34 +386,43 @@ def pause_strategy(store: Store, sid: int) -> str:
     Returns the state it was in (``paused`` again is not an error). The conductor's
     commit that would start a step reads this state, so nothing starts once this returns.
     """
-    with store.write() as conn:
-        state = _strategy_state(conn, sid)
-        if state == StrategyState.APPLYING:
-            conn.execute(
-                update(strategies)
-                .where(strategies.c.id == sid, strategies.c.state == state)
-                .values(state=StrategyState.PAUSED.value, updated_at=_now())
-            )
-        elif state != StrategyState.PAUSED:
-            raise Conflict(
-                f"strategy {sid}: is {state}; only an applying strategy can be paused"
-                + (" (apply it first)" if state == StrategyState.INITIAL else "")
-            )
-        return state
+    hint = {StrategyState.INITIAL.value: " (apply it first)"}
+    return _switch_state(
+        store, sid, StrategyState.APPLYING, StrategyState.PAUSED, "an applying", "paused", hint
+    )
 
 
 def resume_strategy(store: Store, sid: int) -> str:
     """paused -> applying; returns the state it was in (``applying`` again is not an error)."""
+    return _switch_state(
+        store, sid, StrategyState.PAUSED, StrategyState.APPLYING, "a paused", "resumed", {}
+    )
+
+
+def _switch_state(
+    store: Store,
+    sid: int,
+    src: StrategyState,
+    dst: StrategyState,
+    which: str,
+    done: str,
+    hints: dict[str, str],
+) -> str:
+    """``src`` -> ``dst`` in one transaction; already ``dst`` is not an error; any other
+    state is refused, naming it (``hints``: a word more for some states)."""
     with store.write() as conn:
         state = _strategy_state(conn, sid)
-        if state == StrategyState.PAUSED:
+        if state == src:
             conn.execute(
                 update(strategies)
                 .where(strategies.c.id == sid, strategies.c.state == state)
-                .values(state=StrategyState.APPLYING.value, updated_at=_now())
+                .values(state=dst.value, updated_at=_now())
             )
-        elif state != StrategyState.APPLYING:
-            raise Conflict(f"strategy {sid}: is {state}; only a paused strategy can be resumed")
+        elif state != dst:
+            raise Conflict(
+                f"strategy {sid}: is {state}; only {which} strategy can be {done}"
+                + hints.get(state, "")
+            )
         return state
 
 

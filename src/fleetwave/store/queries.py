@@ -281,11 +281,14 @@ def iter_steps(
 ) -> Iterator[dict[str, Any]]:
     """A strategy's steps one at a time, as read; an unknown strategy is refused at
     once, before the first row is asked for, and so is a state it has no step can be in."""
-    strategy_exists(store, sid)
-    if state is not None:
+    if state is None:
+        strategy_exists(store, sid)
+    else:  # one read: the strategy's states say whether it exists too
         with store.read() as conn:
-            raw = conn.execute(select(strategies.c.states).where(strategies.c.id == sid)).scalar()
-        own = json.loads(raw or "[]")  # empty for a strategy of an early version
+            row = conn.execute(select(strategies.c.states).where(strategies.c.id == sid)).first()
+        if row is None:
+            raise NotFound(f"strategy {sid} not found")
+        own = json.loads(row[0] or "[]")  # empty for a strategy of an early version
         known = [STEP_INITIAL, *own, *sorted(STEP_TERMINAL)]
         if own and state not in known:
             raise InputError(

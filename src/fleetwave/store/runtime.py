@@ -854,17 +854,7 @@ class TransitionWriter:
                         stopped[sid] = stops[sid].details.replace(StopRule.TARGET, who)
             else:
                 continue
-            batch[i] = ended = replace(
-                t,
-                to_state=to_state,
-                fence=t.from_fence,
-                details=details,
-                not_started=False,
-                deadline_at=None,
-            )
-            sql, u, j = self._params(ended, lease_until)
-            ups[i], jrs[i] = (sql, u), j
-            out.append(ended)
+            out.append(self._end_instead(batch, ups, jrs, i, to_state, details, lease_until))
         if stopped:
             # The stop happened in this commit: a step of that strategy moving on in it
             # must not start its next state either (the dispatcher, deciding the move,
@@ -875,17 +865,36 @@ class TransitionWriter:
                     continue
                 if t.to_state in STEP_TERMINAL:
                     continue
-                batch[i] = ended = replace(
-                    t,
-                    to_state=STEP_ABORTED,
-                    details=f"stopped after {t.from_state}: {stopped[sid]}",
-                    not_started=False,
-                    deadline_at=None,
+                details = f"stopped after {t.from_state}: {stopped[sid]}"
+                out.append(
+                    self._end_instead(batch, ups, jrs, i, STEP_ABORTED, details, lease_until)
                 )
-                sql, u, j = self._params(ended, lease_until)
-                ups[i], jrs[i] = (sql, u), j
-                out.append(ended)
         return out
+
+    def _end_instead(
+        self,
+        batch: list[Transition],
+        ups: list[tuple[str, tuple[Any, ...]]],
+        jrs: list[tuple[Any, ...]],
+        i: int,
+        to_state: str,
+        details: str,
+        lease_until: float,
+    ) -> Transition:
+        """Write ``batch[i]`` as an end (``to_state``, at its fence) instead of what the
+        dispatcher decided, in the batch and the statements' parameters (the caller's
+        copies); the transition written."""
+        batch[i] = ended = replace(
+            batch[i],
+            to_state=to_state,
+            fence=batch[i].from_fence,
+            details=details,
+            not_started=False,
+            deadline_at=None,
+        )
+        sql, u, j = self._params(ended, lease_until)
+        ups[i], jrs[i] = (sql, u), j
+        return ended
 
     def _commit_fast(
         self,
@@ -987,16 +996,12 @@ class TransitionWriter:
                 jrs = [jrs[i] for i in keep]
                 for i, t in enumerate(batch):
                     if _held_back(t, hold):
-                        batch[i] = ended = replace(
-                            t,
-                            to_state=STEP_ABORTED,
-                            details=f"stopped after {t.from_state}: aborted by operator",
-                            not_started=False,
-                            deadline_at=None,
+                        details = f"stopped after {t.from_state}: aborted by operator"
+                        stopped_now.append(
+                            self._end_instead(
+                                batch, ups, jrs, i, STEP_ABORTED, details, lease_until
+                            )
                         )
-                        sql, u, j = self._params(ended, lease_until)
-                        ups[i], jrs[i] = (sql, u), j
-                        stopped_now.append(ended)
                         held_back[t.strategy_id] = hold[t.strategy_id]
             replaced = stopped_now + self._end_unmanaged(
                 raw.cursor(), batch, lease_until, ups, jrs, stops
