@@ -282,7 +282,7 @@ def test_a_strategy_keeps_the_yaml_workflow_it_was_created_with(store: Store) ->
     sid = admin.create_strategy(
         store, parse_workflow_yaml(text), StrategyOptions(), all_targets=True
     )
-    edited = text.replace("only", "something-else")
+    edited = text.replace("only", "something-else") + "version: 2\n"
     admin.save_workflow(store, parse_workflow_yaml(edited), edited)
     with store.write() as conn:
         conn.execute(delete(workflows).where(workflows.c.name == "pinned"))

@@ -36,9 +36,17 @@ from fleetwave.cli.output import Format, console, emit_one, emit_rows, err_conso
 from fleetwave.cli.parsing import check_target, parse_pairs, read_text_file, targets_from_file
 from fleetwave.cli.simcmd import sim_command
 from fleetwave.domain.errors import Conflict, InputError
-from fleetwave.domain.models import ApplyType, Group, StrategyOptions, Target, plural
+from fleetwave.domain.models import (
+    STRATEGY_TERMINAL,
+    ApplyType,
+    Group,
+    StrategyOptions,
+    StrategyState,
+    Target,
+    plural,
+)
 from fleetwave.domain.registry import get_workflow, load_plugins
-from fleetwave.domain.workflow import WorkflowError
+from fleetwave.domain.workflow import WorkflowError, describe_workflow
 from fleetwave.domain.yaml_workflow import MAX_SECONDS, parse_workflow_yaml
 from fleetwave.engine import loop as event_loop
 from fleetwave.engine.conductor import Conductor
@@ -172,17 +180,40 @@ def target_delete(name: str, db: DbOpt = None) -> None:
 # -- groups ---------------------------------------------------------------------------
 
 
+#: max parallel when --max-parallel is not given (a parallel group or strategy)
+DEFAULT_MAX_PARALLEL = 20
+
+
+def _parallel(given: int | None, apply_type: ApplyType, what: str) -> int:
+    """--max-parallel as stored: serial means one at a time, so a serial group or
+    strategy given another number is refused rather than silently run one by one."""
+    if apply_type is not ApplyType.SERIAL:
+        return DEFAULT_MAX_PARALLEL if given is None else given
+    if given is not None and given < 1:
+        return given  # refused as every max parallel below 1 is, by the store
+    if given is not None and given != 1:
+        raise InputError(
+            f"--max-parallel: a serial {what} runs one target at a time, got {given} "
+            "(leave --max-parallel out, or use --apply-type parallel)"
+        )
+    return 1
+
+
 @group_app.command("add")
 def group_add(
     name: str,
     max_parallel: Annotated[
-        int, typer.Option(max=MAX_PARALLEL, help="targets of this group in flight at once")
-    ] = 20,
-    apply_type: Annotated[ApplyType, typer.Option(help="parallel or serial")] = ApplyType.PARALLEL,
+        int | None,
+        typer.Option(max=MAX_PARALLEL, help="targets of this group in flight at once (default 20)"),
+    ] = None,
+    apply_type: Annotated[
+        ApplyType, typer.Option(help="parallel, or serial (one at a time)")
+    ] = ApplyType.PARALLEL,
     db: DbOpt = None,
 ) -> None:
     """Add a group."""
-    admin.add_group(store_for(db), Group(name, max_parallel, apply_type))
+    parallel = _parallel(max_parallel, apply_type, "group")
+    admin.add_group(store_for(db), Group(name, parallel, apply_type))
     console.print(f"group {name} added")
 
 
@@ -200,29 +231,7 @@ def group_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
 
 
 def _workflow_dict(name: str, db: str | None) -> dict[str, object]:
-    wf = resolve_workflow(store_if_any(db), name, what="NAME")
-    return {
-        "name": wf.name,
-        "version": wf.version,
-        "source": wf.source,
-        "description": wf.description,
-        "states": [
-            {
-                "state": s.name,
-                "action": s.action.describe(),
-                "timeout_s": s.timeout_s,
-                "attempts": s.attempts_max,
-                "backoff_s": s.backoff_s,
-                "backoff_max_s": s.backoff_max_s,
-                "mode": s.mode,
-                **({"poll_interval_s": s.poll_interval_s} if s.mode == "poll" else {}),
-                # after a takeover: observe the target, the action's own hook, or none
-                # (the step fails)
-                "recover": s.action.describe_recover(),
-            }
-            for s in wf.states
-        ],
-    }
+    return describe_workflow(resolve_workflow(store_if_any(db), name, what="NAME"))
 
 
 def _duration(seconds: float) -> str:
@@ -328,8 +337,16 @@ def workflow_add(file: Path, db: DbOpt = None) -> None:
     text = read_text_file(file)
     wf = parse_workflow_yaml(text, source=str(file), strict=True)
     _not_builtin(file, wf.name)
-    admin.save_workflow(store_for(db), wf, text)
-    console.print(f"workflow {wf.name} v{wf.version} stored")
+    replaced = admin.save_workflow(store_for(db), wf, text)
+    if replaced == wf.version:
+        console.print(f"workflow {wf.name} v{wf.version} is already stored, unchanged")
+    elif replaced is not None:
+        console.print(
+            f"workflow {wf.name} v{wf.version} stored, replacing v{replaced} "
+            f"(strategies created from v{replaced} keep it)"
+        )
+    else:
+        console.print(f"workflow {wf.name} v{wf.version} stored")
 
 
 # -- strategies ---------------------------------------------------------------------------
@@ -359,9 +376,11 @@ def strategy_create(
     group: Annotated[str | None, typer.Option(help="every target of this group")] = None,
     all_: Annotated[bool, typer.Option("--all", help="every target")] = False,
     max_parallel: Annotated[
-        int, typer.Option(max=MAX_PARALLEL, help="steps in flight at once")
-    ] = 20,
-    apply_type: Annotated[ApplyType, typer.Option(help="parallel or serial")] = ApplyType.PARALLEL,
+        int | None, typer.Option(max=MAX_PARALLEL, help="steps in flight at once (default 20)")
+    ] = None,
+    apply_type: Annotated[
+        ApplyType, typer.Option(help="parallel, or serial (one at a time)")
+    ] = ApplyType.PARALLEL,
     stop_on_failure: Annotated[bool, typer.Option(help="stop at the first failure")] = False,
     max_failures: Annotated[
         int | None,
@@ -380,7 +399,7 @@ def strategy_create(
     store = existing_store(db)
     wf = resolve_workflow(store, workflow)
     opts = StrategyOptions(
-        max_parallel=max_parallel,
+        max_parallel=_parallel(max_parallel, apply_type, "strategy"),
         apply_type=apply_type,
         stop_on_failure=stop_on_failure,
         max_failures=max_failures,
@@ -419,6 +438,18 @@ def strategy_apply(
             resolve_workflow(store, name, what=f"strategy {strategy_id}: workflow")
         else:
             parse_workflow_yaml(own_copy, source=f"strategy {strategy_id}: workflow {name}")
+        ended = queries.get_strategy(store, strategy_id)
+        if ended["state"] in STRATEGY_TERMINAL:
+            # Ended already (this command run again, by a script or a retried job): its
+            # result, as if this run had waited for it; nothing is driven or changed.
+            err_console.print(
+                f"strategy {strategy_id} had already ended ({ended['state']}): nothing to drive",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+            _ended(ended, fmt)
+            return
     before = admin.apply_strategy(store, strategy_id)
     if not wait:
         who = queries.driving(store, strategy_id)
@@ -455,12 +486,16 @@ def strategy_apply(
             soft_wrap=True,
         )
         raise typer.Exit(130)
-    summary = queries.get_strategy(store, strategy_id)
+    _ended(queries.get_strategy(store, strategy_id), fmt)
+
+
+def _ended(summary: dict[str, Any], fmt: Format) -> None:
+    """``apply --wait``'s answer: the strategy as it ended; exit 1 unless complete."""
     if fmt is Format.json:
         print_json(summary)
     else:
         emit_one(summary, fmt)
-    if result.state != "complete":
+    if summary["state"] != StrategyState.COMPLETE:
         raise typer.Exit(1)
 
 
@@ -490,8 +525,13 @@ def strategy_resume(strategy_id: StrategyId, db: DbOpt = None) -> None:
 @strategy_app.command("abort")
 def strategy_abort(strategy_id: StrategyId, db: DbOpt = None) -> None:
     """Abort: nothing new starts; in-flight steps finish their current state."""
-    admin.request_abort(existing_store(db), strategy_id)
-    console.print(f"strategy {strategy_id}: abort requested")
+    before = admin.request_abort(existing_store(db), strategy_id)
+    if before is None:
+        console.print(f"strategy {strategy_id}: abort requested")
+    elif before == StrategyState.ABORTED:
+        console.print(f"strategy {strategy_id}: already aborted")
+    else:
+        console.print(f"strategy {strategy_id}: abort already requested ({before})")
 
 
 @strategy_app.command("show")
@@ -622,7 +662,9 @@ def serve(db: DbOpt = None) -> None:
     """Run a conductor: drive every applying strategy until interrupted (Ctrl-C)."""
     event_loop.loop_kind()  # refuse a bad FLEETWAVE_LOOP before announcing anything
     load_plugins()  # and a plug-in that cannot be imported, before taking anything on
-    store = store_for(db)
+    # Never a new database: a mistyped --db would be served, empty, for good (a service
+    # manager restarting it), while the real fleet's strategies wait for nobody.
+    store = existing_store(db)
 
     async def _serve() -> None:
         stop = asyncio.Event()

@@ -282,6 +282,33 @@ class WorkflowDef:
         )
 
 
+def describe_workflow(wf: WorkflowDef) -> dict[str, Any]:
+    """What a workflow does, as ``workflow show`` prints it: two workflows that describe
+    alike run alike (comments and layout of their YAML aside)."""
+    return {
+        "name": wf.name,
+        "version": wf.version,
+        "source": wf.source,
+        "description": wf.description,
+        "states": [
+            {
+                "state": s.name,
+                "action": s.action.describe(),
+                "timeout_s": s.timeout_s,
+                "attempts": s.attempts_max,
+                "backoff_s": s.backoff_s,
+                "backoff_max_s": s.backoff_max_s,
+                "mode": s.mode,
+                **({"poll_interval_s": s.poll_interval_s} if s.mode == "poll" else {}),
+                # after a takeover: observe the target, the action's own hook, or none
+                # (the step fails)
+                "recover": s.action.describe_recover(),
+            }
+            for s in wf.states
+        ],
+    }
+
+
 def validate_workflow(wf: WorkflowDef) -> None:
     if not wf.name:
         raise WorkflowError("workflow: name: must not be empty")

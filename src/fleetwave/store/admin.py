@@ -26,7 +26,8 @@ from fleetwave.domain.models import (
     name_problem,
     shown,
 )
-from fleetwave.domain.workflow import WorkflowDef
+from fleetwave.domain.workflow import WorkflowDef, WorkflowError, describe_workflow
+from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.store.db import Store
 from fleetwave.store.schema import (
     callbacks,
@@ -199,14 +200,49 @@ def delete_target(store: Store, name: str) -> None:
 # -- workflows ----------------------------------------------------------------
 
 
-def save_workflow(store: Store, wf: WorkflowDef, source_yaml: str) -> None:
+def save_workflow(store: Store, wf: WorkflowDef, source_yaml: str) -> int | None:
+    """Store a YAML workflow: the one stored under its name, if any, is replaced only by
+    a higher version. The same version again is a no-op when it describes the same
+    workflow (comments and layout aside), and refused when it does not: one name and
+    version means one workflow, in every listing and history. Strategies keep their
+    own copy, so replacing the stored one changes none of them.
+
+    Returns the version replaced, if any (None: nothing was stored under the name).
+    """
     with store.write() as conn:
-        conn.execute(delete(workflows).where(workflows.c.name == wf.name))
+        row = conn.execute(
+            select(workflows.c.version, workflows.c.source_yaml).where(workflows.c.name == wf.name)
+        ).first()
+        if row is not None:
+            stored = int(row.version)
+            if stored > wf.version:
+                raise Conflict(
+                    f"workflow {wf.name}: version {wf.version} is older than the stored "
+                    f"version {stored}; to replace it, give a version above {stored}"
+                )
+            if stored == wf.version:
+                if _same_workflow(row.source_yaml, wf):
+                    return stored
+                raise Conflict(
+                    f"workflow {wf.name}: version {stored} is already stored with other "
+                    f"states or settings; to store the change, raise version to {stored + 1}"
+                )
+            conn.execute(delete(workflows).where(workflows.c.name == wf.name))
         conn.execute(
             insert(workflows).values(
                 name=wf.name, version=wf.version, source_yaml=source_yaml, created_at=_now()
             )
         )
+        return None if row is None else int(row.version)
+
+
+def _same_workflow(stored_yaml: str, wf: WorkflowDef) -> bool:
+    """Whether the stored YAML describes ``wf`` (one that no longer parses does not)."""
+    try:
+        stored = parse_workflow_yaml(stored_yaml, source="stored")
+    except (WorkflowError, InputError):
+        return False
+    return describe_workflow(stored) == describe_workflow(wf)
 
 
 def stored_workflows(store: Store) -> list[tuple[str, str]]:
@@ -426,9 +462,21 @@ def _switch_state(
         return state
 
 
-def request_abort(store: Store, sid: int) -> None:
+#: an abort asked for again: already on its way, or done (the command succeeds, saying so)
+ABORT_UNDER_WAY = frozenset(
+    {StrategyState.ABORT_REQUESTED, StrategyState.ABORTING, StrategyState.ABORTED}
+)
+
+
+def request_abort(store: Store, sid: int) -> str | None:
+    """Ask for the strategy's abort. None when this call asked for it; the state it is
+    in when an abort was asked for before (abort-requested, aborting, aborted): asking
+    twice is no error (a script, or two operators, may). Refused (Conflict) once it
+    ended otherwise (complete, failed) or is being deleted."""
     with store.write() as conn:
         state = _strategy_state(conn, sid)
+        if state in ABORT_UNDER_WAY:
+            return state
         if state == StrategyState.INITIAL:
             # Nothing ever ran: every step is aborted at once, by this transaction.
             now = _now()
@@ -481,14 +529,17 @@ def request_abort(store: Store, sid: int) -> None:
                     processed_at=now,
                 )
             )
-            return
+            return None
         if state not in (StrategyState.APPLYING, StrategyState.PAUSED):
-            raise Conflict(f"strategy {sid}: is {state}; only an applying strategy can be aborted")
+            raise Conflict(
+                f"strategy {sid}: is {state}; only a strategy not yet ended can be aborted"
+            )
         conn.execute(
             update(strategies)
             .where(strategies.c.id == sid, strategies.c.state == state)
             .values(state=StrategyState.ABORT_REQUESTED.value, updated_at=_now())
         )
+        return None
 
 
 def _take_ids(conn: Connection, table: Table, count: int = 1) -> int:

@@ -1,0 +1,216 @@
+"""What an operator expects where a command used to do something else quietly: a
+service started on a mistyped database path, a workflow stored again under the same
+version, a serial group given a max parallel, an abort asked twice, and ``apply --wait``
+run again after its strategy ended."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cli_harness import Cli, assert_rejected, one_line
+from test_cli_strategy import add, apply_wait, create, history
+from test_cli_workflow import GOOD, workflows, write
+
+# -- serve never makes a database ------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _no_conductor_in_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A serve that got as far as starting a conductor fails the test (instead of
+    serving until the test run is killed)."""
+
+    def started(*_a: object, **_k: object) -> None:
+        raise AssertionError("serve started a conductor")
+
+    monkeypatch.setattr("fleetwave.cli.main.Conductor", started)
+
+
+def test_serve_on_a_path_with_no_database_refuses_and_creates_nothing(
+    cli: Cli, tmp_path: Path
+) -> None:
+    typo = tmp_path / "fleet.bd"
+    line = one_line(cli("serve", db=typo))
+    assert f"--db: no database at {typo}" in line and "fleetwave init" in line, line
+    assert not typo.exists()
+
+
+def test_serve_from_fleetwave_db_that_names_nothing_says_so(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    typo = tmp_path / "nowhere.db"
+    monkeypatch.setenv("FLEETWAVE_DB", str(typo))
+    line = one_line(cli("serve", db=None))
+    assert line.startswith(f"error: FLEETWAVE_DB: no database at {typo}"), line
+    assert not typo.exists()
+
+
+# -- a name and version mean one workflow ----------------------------------------------
+
+
+def _stored_states(cli: Cli) -> list[str]:
+    return list(workflows(cli)["site-patch"]["states"])
+
+
+def test_the_same_workflow_again_is_a_no_op_also_with_other_comments(
+    cli: Cli, tmp_path: Path
+) -> None:
+    assert cli("workflow", "add", str(write(tmp_path, GOOD))).code == 0
+    relaid = "# the same workflow, commented and laid out otherwise\n" + GOOD.replace(
+        "timeout_s: 30", "timeout_s: 30.0   # seconds"
+    )
+    res = cli("workflow", "add", str(write(tmp_path, relaid, "again.yaml")))
+    assert (res.code, res.out) == (0, "workflow site-patch v3 is already stored, unchanged\n")
+    assert _stored_states(cli) == ["check", "apply", "verify"]
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        # same version, other content: refused, naming the version to give
+        (
+            lambda t: t.replace("timeout_s: 7200", "timeout_s: 600"),
+            ("site-patch", "version 3 is already stored", "raise version to 4"),
+        ),
+        (
+            lambda t: t.replace("  - name: verify\n    mode: poll\n", ""),
+            ("version 3 is already stored",),
+        ),
+        # an older version never replaces a newer one
+        (
+            lambda t: t.replace("version: 3", "version: 2"),
+            ("version 2 is older than the stored version 3", "above 3"),
+        ),
+    ],
+)
+def test_a_workflow_that_would_change_under_the_same_or_an_older_version_is_refused(
+    cli: Cli, tmp_path: Path, edit: object, words: tuple[str, ...]
+) -> None:
+    assert cli("workflow", "add", str(write(tmp_path, GOOD))).code == 0
+    shown_before = cli("workflow", "show", "site-patch", "--format", "json").json()
+    assert callable(edit)
+    res = cli("workflow", "add", str(write(tmp_path, edit(GOOD), "changed.yaml")))
+    assert_rejected(res, *words)
+    assert one_line(res)
+    # nothing changed
+    assert cli("workflow", "show", "site-patch", "--format", "json").json() == shown_before
+
+
+def test_a_higher_version_replaces_and_says_which_it_replaced(cli: Cli, tmp_path: Path) -> None:
+    assert cli("workflow", "add", str(write(tmp_path, GOOD))).code == 0
+    v5 = GOOD.replace("version: 3", "version: 5").replace("timeout_s: 7200", "timeout_s: 600")
+    res = cli("workflow", "add", str(write(tmp_path, v5, "v5.yaml")))
+    assert res.code == 0, res.text
+    assert res.out == (
+        "workflow site-patch v5 stored, replacing v3 (strategies created from v3 keep it)\n"
+    )
+    shown = cli("workflow", "show", "site-patch", "--format", "json").json()
+    assert shown["version"] == 5
+    assert [s["timeout_s"] for s in shown["states"]][1] == 600
+
+
+def test_a_strategy_created_from_the_replaced_version_keeps_it(cli: Cli, tmp_path: Path) -> None:
+    text = "name: pinned\nversion: 1\nstates:\n  - name: only\n    timeout_s: 60\n"
+    assert cli("workflow", "add", str(write(tmp_path, text))).code == 0
+    add(cli, "a")
+    res = cli("strategy", "create", "--workflow", "pinned", "--all", "--format", "json")
+    assert res.code == 0, res.text
+    sid = res.json()["id"]
+    v2 = text.replace("version: 1", "version: 2").replace("only", "renamed")
+    assert cli("workflow", "add", str(write(tmp_path, v2, "v2.yaml"))).code == 0
+    done = apply_wait(cli, sid)
+    assert done.code == 0, done.text
+    assert [h["to"] for h in history(cli, sid)] == ["only", "complete"]
+
+
+# -- serial means one at a time ---------------------------------------------------------
+
+
+def _groups(cli: Cli) -> dict[str, dict[str, object]]:
+    res = cli("group", "list", "--format", "json")
+    assert res.code == 0, res.text
+    return {g["name"]: g for g in res.json()}
+
+
+def test_a_serial_group_given_a_max_parallel_above_one_is_refused(cli: Cli) -> None:
+    line = one_line(cli("group", "add", "west", "--apply-type", "serial", "--max-parallel", "7"))
+    assert "--max-parallel: a serial group runs one target at a time, got 7" in line, line
+    assert "west" not in _groups(cli)
+    assert cli("group", "add", "west", "--apply-type", "serial", "--max-parallel", "1").code == 0
+    assert cli("group", "add", "east", "--apply-type", "serial").code == 0
+    listed = _groups(cli)
+    assert [listed[g]["max_parallel"] for g in ("west", "east")] == [1, 1]
+    # a max parallel below one is refused as for any group
+    assert_rejected(
+        cli("group", "add", "x", "--apply-type", "serial", "--max-parallel", "0"),
+        "--max-parallel: must be at least 1, got 0",
+    )
+
+
+def test_a_serial_strategy_given_a_max_parallel_above_one_is_refused(cli: Cli) -> None:
+    add(cli, "a", "b")
+    res = cli(
+        "strategy", "create", "--workflow", "patch", "--all", "--apply-type", "serial",
+        "--max-parallel", "5",
+    )  # fmt: skip
+    assert "--max-parallel: a serial strategy runs one target at a time, got 5" in one_line(res)
+    listed = cli("strategy", "list", "--format", "json")
+    assert listed.json() == []  # nothing created
+    sid = create(cli, "--all", "--apply-type", "serial")
+    shown = cli("strategy", "show", str(sid), "--format", "json").json()
+    assert shown["options"]["max_parallel"] == 1, shown
+
+
+# -- an abort asked twice ----------------------------------------------------------------
+
+
+def test_an_abort_asked_again_succeeds_saying_it_is_under_way(cli: Cli) -> None:
+    add(cli, "a", "b", latency_ms="60000")
+    sid = create(cli, "--all")
+    assert cli("strategy", "apply", str(sid)).code == 0
+    first = cli("strategy", "abort", str(sid))
+    assert (first.code, first.out) == (0, f"strategy {sid}: abort requested\n")
+    again = cli("strategy", "abort", str(sid))
+    assert (again.code, again.out) == (
+        0,
+        f"strategy {sid}: abort already requested (abort-requested)\n",
+    )
+    done = apply_wait(cli, sid)  # a conductor finishes the abort
+    assert done.json()["state"] == "aborted", done.text
+    last = cli("strategy", "abort", str(sid))
+    assert (last.code, last.out) == (0, f"strategy {sid}: already aborted\n")
+
+
+def test_an_abort_of_a_strategy_that_completed_is_refused(cli: Cli) -> None:
+    add(cli, "a")
+    sid = create(cli, "--all")
+    assert apply_wait(cli, sid).code == 0
+    assert_rejected(cli("strategy", "abort", str(sid)), f"strategy {sid}: is complete")
+
+
+# -- apply --wait again after the end ----------------------------------------------------
+
+
+def test_apply_wait_of_an_ended_strategy_answers_with_its_result(cli: Cli) -> None:
+    add(cli, "ok")
+    sid = create(cli, "--all")
+    first = apply_wait(cli, sid)
+    assert first.code == 0, first.text
+    rows = len(history(cli, sid))
+    again = apply_wait(cli, sid)
+    assert again.code == 0, again.text
+    assert again.json()["state"] == "complete"
+    assert again.json()["step_states"] == {"complete": 1}
+    assert f"strategy {sid} had already ended (complete): nothing to drive" in again.err
+    assert len(history(cli, sid)) == rows  # nothing driven, nothing written
+
+    add(cli, "bad", fail_at="pre-check")
+    failed = cli(
+        "strategy", "create", "--workflow", "patch", "--targets", "bad", "--format", "json"
+    ).json()["id"]
+    assert apply_wait(cli, failed).code == 1
+    again = apply_wait(cli, failed)
+    assert again.code == 1 and again.json()["state"] == "failed", again.text
+    # without --wait, applying an ended strategy stays bad input
+    assert_rejected(cli("strategy", "apply", str(sid)), "complete")
