@@ -214,3 +214,67 @@ def test_apply_wait_of_an_ended_strategy_answers_with_its_result(cli: Cli) -> No
     assert again.code == 1 and again.json()["state"] == "failed", again.text
     # without --wait, applying an ended strategy stays bad input
     assert_rejected(cli("strategy", "apply", str(sid)), "complete")
+
+
+# -- ids and counts, help at 80 columns --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("strategy", "show", "-1"), "-1: ids and counts are whole numbers from 0"),
+        (("step", "show", "-7"), "-7: ids and counts are whole numbers from 0"),
+        (("history", "--strategy", "-5"), "Invalid value for '--strategy': -5 is negative"),
+        (("history", "--strategy", "x1"), "'x1' is not a whole number"),
+        (("check", "--strategy", "1.5"), "'1.5' is not a whole number"),
+        (
+            ("strategy", "create", "--workflow", "patch", "--all", "--max-failures", "-3"),
+            "Invalid value for '--max-failures': -3 is negative",
+        ),
+        (
+            ("strategy", "show", "9223372036854775808"),
+            "9223372036854775808 is above the largest the database holds",
+        ),
+    ],
+)
+def test_a_number_that_is_no_id_or_count_is_named(
+    cli: Cli, args: tuple[str, ...], said: str
+) -> None:
+    assert said in one_line(cli(*args))
+
+
+def _commands() -> list[tuple[list[str], list[str]]]:
+    """Every command's words and its long options, from the application itself."""
+    import typer.main
+
+    from fleetwave.cli.main import app
+
+    found: list[tuple[list[str], list[str]]] = []
+
+    def walk(command: object, path: list[str]) -> None:
+        subs = getattr(command, "commands", None)
+        if subs:
+            for name, sub in subs.items():
+                walk(sub, [*path, name])
+            return
+        params = getattr(command, "params", [])
+        found.append((path, [o for p in params for o in p.opts if o.startswith("--")]))
+
+    walk(typer.main.get_command(app), [])
+    return found
+
+
+def test_every_help_names_every_option_whole_at_80_columns(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    commands = _commands()
+    assert len(commands) >= 25 and ["strategy", "create"] in [c for c, _ in commands]
+    for words, options in commands:
+        res = cli(*words, "--help", db=None)
+        assert res.code == 0, (words, res.text)
+        lines = res.out.splitlines()
+        assert max(len(line) for line in lines) <= 80, words
+        assert "…" not in res.out, (words, res.out)
+        for option in options:
+            assert any(f" {option} " in line for line in lines), (words, option, res.out)

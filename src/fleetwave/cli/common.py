@@ -27,8 +27,29 @@ FormatOpt = Annotated[Format, typer.Option("--format", help="table or json")]
 SQL_INT_MAX = 2**63 - 1
 #: the most targets a demo or a simulation makes
 MAX_SIM_TARGETS = 1_000_000
-StrategyId = Annotated[int, typer.Argument(max=SQL_INT_MAX, help="strategy id")]
-StepId = Annotated[int, typer.Argument(max=SQL_INT_MAX, help="step id")]
+
+
+def whole_number(value: str | int) -> int:
+    """An id or a count as typed: a whole number the database can hold (0 to 2**63 - 1);
+    anything else is bad usage naming the value (exit 2)."""
+    if isinstance(value, int):
+        number = value
+    else:
+        text = value.strip()
+        if not text.lstrip("+-").isdigit():
+            raise typer.BadParameter(f"'{value}' is not a whole number")
+        number = int(text)
+    if number < 0:
+        raise typer.BadParameter(f"{number} is negative")
+    if number > SQL_INT_MAX:
+        raise typer.BadParameter(
+            f"{number} is above the largest the database holds ({SQL_INT_MAX})"
+        )
+    return number
+
+
+StrategyId = Annotated[int, typer.Argument(parser=whole_number, metavar="ID", help="strategy id")]
+StepId = Annotated[int, typer.Argument(parser=whole_number, metavar="ID", help="step id")]
 
 
 #: databases this command created (the file did not exist): removed again if the

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,7 +20,6 @@ import fleetwave
 from fleetwave.catalog import list_workflows, resolve_workflow
 from fleetwave.cli import output
 from fleetwave.cli.common import (
-    SQL_INT_MAX,
     DbOpt,
     FormatOpt,
     StepId,
@@ -29,6 +29,7 @@ from fleetwave.cli.common import (
     forget_created,
     store_for,
     store_if_any,
+    whole_number,
 )
 from fleetwave.cli.demo import demo_command
 from fleetwave.cli.drive import drive_strategy, stop_on_signals
@@ -381,13 +382,16 @@ def strategy_create(
     apply_type: Annotated[
         ApplyType, typer.Option(help="parallel, or serial (one at a time)")
     ] = ApplyType.PARALLEL,
-    stop_on_failure: Annotated[bool, typer.Option(help="stop at the first failure")] = False,
+    stop_on_failure: Annotated[
+        bool, typer.Option("--stop-on-failure", help="stop at the first failure")
+    ] = False,
     max_failures: Annotated[
         int | None,
-        typer.Option(max=SQL_INT_MAX, help="stop once more than this many steps failed"),
+        typer.Option(parser=whole_number, metavar="N", help="stop once more than N steps failed"),
     ] = None,
     stages_by_group: Annotated[
-        bool, typer.Option(help="one stage per group, run one after another")
+        bool,
+        typer.Option("--stages-by-group", help="one stage per group, run one after another"),
     ] = False,
     timeout: Annotated[
         list[str] | None, typer.Option(help="state=seconds timeout override (repeatable)")
@@ -562,7 +566,7 @@ def strategy_delete(strategy_id: StrategyId, db: DbOpt = None) -> None:
 
 @step_app.command("list")
 def step_list(
-    strategy: Annotated[int, typer.Option(max=SQL_INT_MAX, help="strategy id")],
+    strategy: Annotated[int, typer.Option(parser=whole_number, metavar="ID", help="strategy id")],
     state: Annotated[str | None, typer.Option(help="only steps in this state")] = None,
     fmt: FormatOpt = Format.table,
     db: DbOpt = None,
@@ -599,11 +603,13 @@ def _first_then(
 
 @app.command()
 def history(
-    strategy: Annotated[int, typer.Option(max=SQL_INT_MAX, help="strategy id")],
+    strategy: Annotated[int, typer.Option(parser=whole_number, metavar="ID", help="strategy id")],
     target: Annotated[str | None, typer.Option(help="only this target")] = None,
     last: Annotated[
         int | None,
-        typer.Option(max=SQL_INT_MAX, help="only the last N transitions (oldest first)"),
+        typer.Option(
+            parser=whole_number, metavar="N", help="only the last N transitions (oldest first)"
+        ),
     ] = None,
     fmt: FormatOpt = Format.table,
     db: DbOpt = None,
@@ -621,7 +627,7 @@ def history(
 @app.command()
 def check(
     strategy: Annotated[
-        int | None, typer.Option(max=SQL_INT_MAX, help="only this strategy")
+        int | None, typer.Option(parser=whole_number, metavar="ID", help="only this strategy")
     ] = None,
     fmt: FormatOpt = Format.table,
     db: DbOpt = None,
@@ -696,13 +702,26 @@ def main() -> None:
         code = app(standalone_mode=False)
     except typer.TyperException as exc:  # usage: exit 2 (Click's code for bad usage)
         discard_created()
-        _fail(exc.format_message(), exc.exit_code)
+        _fail(_usage_problem(exc), exc.exit_code)
     except typer.Abort:
         _fail("interrupted", 130)
     except (InputError, WorkflowError, StoreError, event_loop.LoopChoiceError) as exc:
         discard_created()
         _fail(str(exc), 2)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _usage_problem(exc: typer.TyperException) -> str:
+    """Click's message, except for a negative number where an id goes (``strategy show
+    -1``): Click reads it as an unknown option, which names no real problem."""
+    message = exc.format_message()
+    name = getattr(exc, "option_name", None)  # Click's NoSuchOption (Typer keeps it private)
+    if isinstance(name, str) and re.fullmatch(r"-\d+", name) and "No such option" in message:
+        return (
+            f"{name}: ids and counts are whole numbers from 0 "
+            "(a negative number is read as an option)"
+        )
+    return message
 
 
 def _fail(message: str, code: int) -> None:

@@ -22,7 +22,7 @@ def sim_command(
     workflow: Annotated[str, typer.Option(help="workflow to roll out")] = "patch",
     faults: Annotated[
         str,
-        typer.Option(help=f"all, none, or a list of: {','.join(FAULTS)}"),
+        typer.Option(help=f"all, none, or a list of: {', '.join(FAULTS)}"),
     ] = "all",
     runs: Annotated[int, typer.Option(help="seeds to try in a row, from --seed")] = 1,
     keep_db: Annotated[
