@@ -73,6 +73,9 @@ def test_a_plugin_module_that_does_not_import(cli: Cli, monkeypatch: pytest.Monk
         ("already_done=maybe", "already_done: 'maybe' is not true or false"),
         ("fail_at=", "fail_at: '' is not a state name"),
         ("hang_at=two words", "hang_at: 'two words' is not a state name"),
+        ("remote_state=", "remote_state: '' must be 1-255 printable characters"),
+        ("remote_state=tab\there", "remote_state: 'tab\\there' must be 1-255 printable"),
+        ("remote_state=" + "x" * 256, "must be 1-255 printable characters"),
     ],
 )
 def test_sim_settings_that_would_silently_do_nothing_are_refused(
@@ -82,6 +85,11 @@ def test_sim_settings_that_would_silently_do_nothing_are_refused(
     assert res.code == 2
     assert problem in _one_line(res.err)
     assert cli("target", "list", "--format", "json").json() == []
+
+
+def test_a_remote_state_is_any_short_printable_text(cli: Cli) -> None:
+    for i, word in enumerate(["ready-to-apply", "install failed", "42", "état: prêt"]):
+        assert cli("target", "add", f"r{i}", "--set", f"remote_state={word}").code == 0
 
 
 def test_already_done_words(cli: Cli) -> None:

@@ -112,6 +112,24 @@ def _state(settings: dict[str, Any], key: str) -> str | None:
     return raw
 
 
+def _remote_state(settings: dict[str, Any]) -> str | None:
+    """What the target reports instead of a state a workflow knows: any text a target
+    could send (1-255 printable characters; a number is its text), shown in the step's
+    details."""
+    raw = settings.get("remote_state")
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, str | int | float):
+        raise SimSettingError(f"sim setting remote_state: '{raw}' is not text")
+    text = str(raw)
+    if not 1 <= len(text) <= 255 or not text.isprintable() or text != text.strip():
+        raise SimSettingError(
+            f"sim setting remote_state: {text!r} must be 1-255 printable characters, "
+            "without leading or trailing spaces"
+        )
+    return text
+
+
 def validate_settings(settings: dict[str, Any]) -> None:
     """Raise :class:`SimSettingError` naming the first bad setting."""
     _Profile(settings)
@@ -157,7 +175,7 @@ class _Profile:
         self.fail_at = _state(settings, "fail_at")
         self.hang_at = _state(settings, "hang_at")
         self.already_done = _bool(settings, "already_done")
-        self.remote_state = settings.get("remote_state")
+        self.remote_state = _remote_state(settings)
         self.unexpected_at = _state(settings, "unexpected_at")
         self.callback_rates = {k: _float(settings, k, 0, 0, 1) for k in CALLBACK_RATES}
         self.plain = (
