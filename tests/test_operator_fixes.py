@@ -278,3 +278,47 @@ def test_every_help_names_every_option_whole_at_80_columns(
         assert "…" not in res.out, (words, res.out)
         for option in options:
             assert any(f" {option} " in line for line in lines), (words, option, res.out)
+
+
+# -- the demo cut short ------------------------------------------------------------------
+
+
+def test_ctrl_c_on_the_demo_is_no_success(tmp_path: Path) -> None:
+    """The demo stopped by Ctrl-C exits 130 (it exited 0, its summary calling the
+    strategy 'interrupted', a state that does not exist), says how to go on, and its
+    summary gives the strategy's real state."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    fleetwave = [sys.executable, "-m", "fleetwave.cli.main"]
+    db = str(tmp_path / "demo.db")
+    proc = subprocess.Popen(
+        [*fleetwave, "demo", "--targets", "5", "--latency-ms", "3000", "--db", db,
+         "--format", "json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    owner = None
+    while owner is None and time.monotonic() < deadline:
+        shown = subprocess.run(
+            [*fleetwave, "strategy", "show", "1", "--db", db, "--format", "json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        owner = json.loads(shown.stdout)["owner"] if shown.returncode == 0 else None
+        time.sleep(0.1)
+    assert owner is not None, "the demo should be driving its strategy"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (out, err)
+    summary = json.loads(out)
+    assert (summary["interrupted"], summary["strategy_state"]) == (True, "applying")
+    assert summary["complete"] < 5
+    assert "stopped: strategy 1 is still applying; leases handed back." in err
+    assert f"fleetwave strategy apply 1 --wait --db {db}" in err

@@ -19,7 +19,7 @@ import typer
 from fleetwave.catalog import resolve_workflow
 from fleetwave.cli.common import MAX_SIM_TARGETS
 from fleetwave.cli.drive import drive_strategy
-from fleetwave.cli.output import Format, console, print_json
+from fleetwave.cli.output import Format, console, err_console, print_json
 from fleetwave.domain.errors import InputError
 from fleetwave.domain.models import StrategyOptions, Target, plural
 from fleetwave.drivers.sim import MAX_LATENCY_MS
@@ -77,6 +77,8 @@ def demo_command(
         raise InputError(f"--latency-ms: must not be negative, got {latency_ms}")
     wf = resolve_workflow(None, workflow)  # built-ins and plug-ins: checked before any write
     event_loop.loop_kind()  # a bad FLEETWAVE_LOOP too
+    if db is not None and not db.strip():
+        raise InputError("--db: must not be empty")
     if db is None:
         db = str(Path(tempfile.mkdtemp(prefix="fleetwave-demo-")) / "demo.db")
     elif Path(db).exists():
@@ -104,11 +106,16 @@ def demo_command(
     transitions = verdict.transitions
     failures = queries.list_steps(store, sid, state="failed")
     reasons = Counter(_reason(f["details"]) for f in failures)
+    interrupted = result.state == "interrupted"
     summary = {
         "db": db,
         "strategy": sid,
         "workflow": wf.name,
-        "strategy_state": result.state,
+        # stopped by Ctrl-C: the strategy's own state (still applying), not a made-up one
+        "strategy_state": (
+            queries.get_strategy(store, sid)["state"] if interrupted else result.state
+        ),
+        "interrupted": interrupted,
         "targets": targets,
         "complete": counts.get("complete", 0),
         "failed": counts.get("failed", 0),
@@ -125,6 +132,16 @@ def demo_command(
     else:
         _print_summary(summary, reasons)
     store.dispose()  # the last connection closes: the WAL is folded into the file
+    if interrupted:
+        # Cut short, whatever the figures say: never a success for a script.
+        err_console.print(
+            f"stopped: strategy {sid} is still {summary['strategy_state']}; leases handed "
+            f"back. Go on with 'fleetwave strategy apply {sid} --wait --db {db}'",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(130)
     if not verdict.ok:
         raise typer.Exit(1)
 
@@ -137,12 +154,14 @@ def _reason(details: str) -> str:
 def _print_summary(s: dict[str, Any], reasons: Counter[str]) -> None:
     from rich.table import Table
 
-    table = Table(title=f"strategy {s['strategy']} ({s['workflow']}): {s['strategy_state']}")
+    state = s["strategy_state"] + (" (interrupted)" if s["interrupted"] else "")
+    table = Table(title=f"strategy {s['strategy']} ({s['workflow']}): {state}")
     table.add_column("final state")
     table.add_column("steps", justify="right")
-    for key in ("complete", "failed", "aborted"):
-        table.add_row(key, str(s[key]))
+    table.add_row("complete", str(s["complete"]))
     table.add_row("  of which skipped (already done)", str(s["skipped"]))
+    for key in ("failed", "aborted"):
+        table.add_row(key, str(s[key]))
     console.print(table)
     if s["failures"]:
         ft = Table(title="failures")
