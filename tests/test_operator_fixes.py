@@ -171,6 +171,9 @@ def test_an_abort_asked_again_succeeds_saying_it_is_under_way(cli: Cli) -> None:
     assert cli("strategy", "apply", str(sid)).code == 0
     first = cli("strategy", "abort", str(sid))
     assert (first.code, first.out) == (0, f"strategy {sid}: abort requested\n")
+    # nothing drives it: the operator learns what finishes the abort
+    assert first.err.startswith("warning: no conductor serves "), first.err
+    assert f"'fleetwave strategy apply {sid} --wait'" in first.err
     again = cli("strategy", "abort", str(sid))
     assert (again.code, again.out) == (
         0,
@@ -322,3 +325,36 @@ def test_ctrl_c_on_the_demo_is_no_success(tmp_path: Path) -> None:
     assert summary["complete"] < 5
     assert "stopped: strategy 1 is still applying; leases handed back." in err
     assert f"fleetwave strategy apply 1 --wait --db {db}" in err
+
+
+def test_what_must_end_first_is_named_with_what_ends_it(cli: Cli) -> None:
+    """Deleting a target or a strategy that an active strategy holds says what ends it
+    (it said 'delete that first' of a running strategy, which cannot be deleted, and
+    'abort it first' of one already aborting)."""
+    add(cli, "a", "b", latency_ms="60000")
+    never = create(cli, "--targets", "a")
+    assert_rejected(
+        cli("target", "delete", "a"),
+        f"target a: is in active strategy {never} (initial); it was never applied: "
+        f"'fleetwave strategy delete {never}' ends it",
+    )
+    sid = create(cli, "--targets", "b")
+    assert cli("strategy", "apply", str(sid)).code == 0
+    assert_rejected(
+        cli("strategy", "delete", str(sid)),
+        f"strategy {sid}: is applying; it can be deleted once it has ended "
+        f"('fleetwave strategy abort {sid}' ends it)",
+    )
+    assert_rejected(
+        cli("target", "delete", "b"),
+        f"target b: is in active strategy {sid} (applying); the target can be deleted once",
+    )
+    assert cli("strategy", "abort", str(sid)).code == 0
+    assert_rejected(
+        cli("strategy", "delete", str(sid)),
+        f"strategy {sid}: is abort-requested; it can be deleted once its abort has finished "
+        f"(a conductor finishes it: 'fleetwave serve', or 'fleetwave strategy apply {sid} --wait')",
+    )
+    assert apply_wait(cli, sid).json()["state"] == "aborted"
+    assert cli("strategy", "delete", str(sid)).code == 0
+    assert cli("target", "delete", "b").code == 0

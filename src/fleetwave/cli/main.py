@@ -529,9 +529,21 @@ def strategy_resume(strategy_id: StrategyId, db: DbOpt = None) -> None:
 @strategy_app.command("abort")
 def strategy_abort(strategy_id: StrategyId, db: DbOpt = None) -> None:
     """Abort: nothing new starts; in-flight steps finish their current state."""
-    before = admin.request_abort(existing_store(db), strategy_id)
+    store = existing_store(db)
+    before = admin.request_abort(store, strategy_id)
     if before is None:
         console.print(f"strategy {strategy_id}: abort requested")
+        who = queries.driving(store, strategy_id)
+        if who.owner is None and who.claimer is None and who.text is not None:
+            # Applying or paused with nobody driving it: a conductor ends its steps.
+            err_console.print(
+                f"warning: no conductor serves {store.url}: the abort of strategy "
+                f"{strategy_id} finishes once 'fleetwave serve' runs (or finish it here: "
+                f"'fleetwave strategy apply {strategy_id} --wait')",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
     elif before == StrategyState.ABORTED:
         console.print(f"strategy {strategy_id}: already aborted")
     else:

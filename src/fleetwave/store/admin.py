@@ -168,6 +168,18 @@ def set_managed(store: Store, name: str, managed: bool) -> None:
         conn.execute(update(targets).where(targets.c.id == tid).values(managed=managed))
 
 
+def _how_it_ends(sid: int, state: str, then: str) -> str:
+    """What ends an active strategy, for a refusal that has to wait for its end."""
+    if state == StrategyState.INITIAL:
+        return f"it was never applied: 'fleetwave strategy delete {sid}' ends it"
+    if state in (StrategyState.ABORT_REQUESTED, StrategyState.ABORTING):
+        return (
+            f"{then} once its abort has finished (a conductor finishes it: "
+            f"'fleetwave serve', or 'fleetwave strategy apply {sid} --wait')"
+        )
+    return f"{then} once it has ended ('fleetwave strategy abort {sid}' ends it)"
+
+
 def _active_strategy_of(conn: Connection, target_ids: Sequence[int]) -> tuple[int, int] | None:
     """(target_id, strategy_id) of the first target already held by an active strategy."""
     for start in range(0, len(target_ids), 500):
@@ -188,7 +200,11 @@ def delete_target(store: Store, name: str) -> None:
         tid = _target_id(conn, name)
         busy = _active_strategy_of(conn, [tid])
         if busy:
-            raise Conflict(f"target {name}: is in active strategy {busy[1]}; delete that first")
+            state = _strategy_state(conn, busy[1])
+            raise Conflict(
+                f"target {name}: is in active strategy {busy[1]} ({state}); "
+                + _how_it_ends(busy[1], state, "the target can be deleted")
+            )
         used = conn.execute(select(func.count()).where(steps.c.target_id == tid)).scalar_one()
         if used:
             raise Conflict(
@@ -588,7 +604,7 @@ def delete_strategy(store: Store, sid: int, *, chunk: int | None = None) -> None
             StrategyState.DELETING,
         ):
             raise Conflict(
-                f"strategy {sid}: is {state}; it can be deleted once it has ended (abort it first)"
+                f"strategy {sid}: is {state}; " + _how_it_ends(sid, state, "it can be deleted")
             )
         conn.execute(
             update(strategies)
