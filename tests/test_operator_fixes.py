@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from cli_harness import Cli, assert_rejected, one_line
+from conftest import add_sim_targets, on_virtual_time
+from fleetwave.store.db import Store
 from test_cli_strategy import add, apply_wait, create, history
 from test_cli_workflow import GOOD, workflows, write
 
@@ -358,3 +360,61 @@ def test_what_must_end_first_is_named_with_what_ends_it(cli: Cli) -> None:
     assert apply_wait(cli, sid).json()["state"] == "aborted"
     assert cli("strategy", "delete", str(sid)).code == 0
     assert cli("target", "delete", "b").code == 0
+
+
+# -- a step waiting to retry says so ------------------------------------------------------
+
+
+def test_a_step_waiting_to_retry_shows_why_and_which_attempt_comes(store: Store) -> None:
+    """Between two attempts the step's row says what failed and which attempt comes
+    (it showed attempt 0 and no details until the state ended); the state's recorded
+    deadline is the next attempt's."""
+    from fleetwave.domain.models import StrategyOptions
+    from fleetwave.domain.workflow import (
+        ActionContext,
+        Advance,
+        Outcome,
+        StateAction,
+        StateDef,
+        TransientError,
+        WorkflowDef,
+    )
+    from fleetwave.engine.clock import LoopClock
+    from fleetwave.engine.conductor import Conductor
+    from fleetwave.store import admin, queries
+
+    seen: list[dict[str, object]] = []
+
+    class Busy(StateAction):
+        """Busy twice, then done; each attempt after the first first reads the row."""
+
+        async def run(self, ctx: ActionContext) -> Outcome:
+            if ctx.attempt > 1:
+                seen.append(dict(queries.list_steps(store, ctx.strategy_id)[0]))
+            if ctx.attempt < 3:
+                raise TransientError(f"target busy ({ctx.attempt})")
+            return Advance()
+
+    from fleetwave.domain.registry import register_workflow
+
+    wf = register_workflow(
+        WorkflowDef(
+            "busy-then-done",
+            (StateDef("install", Busy(), timeout_s=600, attempts_max=3, backoff_s=40),),
+        ),
+        replace=True,
+    )
+    add_sim_targets(store, 1)
+    sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
+    admin.apply_strategy(store, sid)
+
+    async def main() -> dict[int, str]:
+        return await Conductor(store, clock=LoopClock()).run(strategy_ids=[sid])
+
+    assert on_virtual_time(main())[sid] == "complete"
+    assert [(s["state"], s["attempt"], s["details"]) for s in seen] == [
+        ("install", 2, "install: target busy (1) (attempt 1 of 3); attempt 2 in 40s"),
+        ("install", 3, "install: target busy (2) (attempt 2 of 3); attempt 3 in 80s"),
+    ]
+    done = queries.list_steps(store, sid)[0]
+    assert (done["state"], done["attempt"], done["details"]) == ("complete", 3, "")

@@ -70,11 +70,11 @@ from fleetwave.drivers import make_drivers
 from fleetwave.engine.clock import Clock, WallClock
 from fleetwave.engine.messages import (
     ActionFinished,
-    AttemptStarted,
     CallbackArrived,
     LeaseLost,
     Message,
     PauseChanged,
+    RetryScheduled,
     StopRequested,
     StrategyClaimed,
 )
@@ -522,11 +522,17 @@ class Conductor:
         recover: list[InFlight] = []
         claimed_callbacks: list[cbs.CallbackRecord] = []
         for i, msg in enumerate(msgs):
-            if isinstance(msg, AttemptStarted):
+            if isinstance(msg, RetryScheduled):
                 if self._reported(msg) is not None:
                     deadlines.append(
                         rt.AttemptDeadline(
-                            msg.step_id, msg.strategy_id, msg.state, msg.fence, msg.deadline_at
+                            msg.step_id,
+                            msg.strategy_id,
+                            msg.state,
+                            msg.fence,
+                            msg.deadline_at,
+                            msg.attempt,
+                            msg.details,
                         )
                     )
             elif isinstance(msg, CallbackArrived):
@@ -1156,7 +1162,7 @@ class Conductor:
         return _stop_details(run.options, run.failed, who)
 
     def _reported(
-        self, msg: ActionFinished | AttemptStarted
+        self, msg: ActionFinished | RetryScheduled
     ) -> tuple[StrategyRun, InFlight] | None:
         """The run and in-flight step a worker reports on, if the step is still at the
         state and fence the worker ran (else the report is stale)."""
@@ -1606,14 +1612,6 @@ class Conductor:
                 self._attempts += 1
                 attempt = fl.running = self._attempts
                 self._arm_deadline(loop.time() + timeout_s, attempt, fl)
-                if attempts > 1:
-                    # The state's recorded deadline was its first attempt's: record this
-                    # one's, so a takeover gives the recover hook what is left of it.
-                    self.post(
-                        AttemptStarted(
-                            run.id, rec.step_id, state, fence, self.clock.now() + timeout_s
-                        )
-                    )
                 try:
                     outcome: Outcome
                     if recovering:
@@ -1675,7 +1673,23 @@ class Conductor:
                     reason = str(exc) or type(exc).__name__
                 retry = attempts < st.attempts_max and not recovering and waiter is None
                 if retry and not fl.stopped:
-                    await asyncio.sleep(st.backoff_for(attempts))
+                    backoff = st.backoff_for(attempts)
+                    # On the step's row: why it waits and which attempt comes; and, as
+                    # the state's recorded deadline was its first attempt's, the next
+                    # one's, so a takeover gives the recover hook what is left of it.
+                    self.post(
+                        RetryScheduled(
+                            run.id,
+                            rec.step_id,
+                            state,
+                            fence,
+                            self.clock.now() + backoff + timeout_s,
+                            attempts + 1,
+                            f"{state}: {reason} (attempt {attempts} of {st.attempts_max}); "
+                            f"attempt {attempts + 1} in {backoff:g}s",
+                        )
+                    )
+                    await asyncio.sleep(backoff)
                     if not fl.stopped:
                         continue
                 if retry:

@@ -28,18 +28,24 @@ class ActionFinished:
 
 
 @dataclass(slots=True)
-class AttemptStarted:
-    """A worker started a retry of (step, state, fence): its deadline, to be recorded.
+class RetryScheduled:
+    """An attempt of (step, state, fence) failed and the next one is due after its
+    backoff: to be recorded on the step.
 
-    Not a transition (the step stays in its state): the record only tells a conductor
-    that takes the step over how much of this attempt's time is left.
+    Not a transition (the step stays in its state): the record tells an operator why
+    the step is waiting and which attempt comes (``attempt``, ``details``), and a
+    conductor that takes the step over how much of the next attempt's time is left.
     """
 
     strategy_id: int
     step_id: int
     state: str
     fence: int
+    #: when the next attempt runs out of time (its backoff, then the state's timeout)
     deadline_at: float
+    #: the attempt about to run (2 for the first retry)
+    attempt: int
+    details: str
 
 
 @dataclass(slots=True)
@@ -81,7 +87,7 @@ class CallbackArrived:
 
 Message = (
     ActionFinished
-    | AttemptStarted
+    | RetryScheduled
     | StrategyClaimed
     | StopRequested
     | PauseChanged

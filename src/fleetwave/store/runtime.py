@@ -126,13 +126,16 @@ class StopRule:
 
 @dataclass(slots=True)
 class AttemptDeadline:
-    """A retry's deadline for a step still in ``state`` at ``fence`` (not a transition)."""
+    """A retry of a step still in ``state`` at ``fence``: its deadline, its attempt
+    number and why (not a transition)."""
 
     step_id: int
     strategy_id: int
     state: str
     fence: int
     deadline_at: float
+    attempt: int
+    details: str
 
 
 @dataclass(slots=True)
@@ -681,9 +684,11 @@ class TransitionWriter:
             "INSERT INTO journal (strategy_id, step_id, at, conductor, from_state, to_state, "
             f"fence, details) VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p}, {p})"
         )
-        #: a retry's deadline; a step that has moved on since is left alone
+        #: a retry: its deadline, attempt and why; a step that has moved on since is
+        #: left alone
         self._deadline_sql = (
-            f"UPDATE steps SET deadline_at={p} WHERE id={p} AND state={p} AND fence={p}"
+            f"UPDATE steps SET deadline_at={p}, attempt={p}, details={p} "
+            f"WHERE id={p} AND state={p} AND fence={p}"
         )
         self._mark_sql = (
             f"UPDATE callbacks SET outcome={p}, reason={p}, processed_at={p} "
@@ -747,7 +752,10 @@ class TransitionWriter:
         :attr:`CommitResult.replaced`; ``batch`` itself is left as it is.
         """
         mk = [(m.outcome, m.reason, now, m.callback_id) for m in marks or ()]
-        dl = [(d.deadline_at, d.step_id, d.state, d.fence) for d in deadlines or ()]
+        dl = [
+            (d.deadline_at, d.attempt, d.details, d.step_id, d.state, d.fence)
+            for d in deadlines or ()
+        ]
         ups: list[tuple[str, tuple[Any, ...]]] = []
         jrs: list[tuple[Any, ...]] = []
         for t in batch:
@@ -1074,7 +1082,7 @@ class TransitionWriter:
             if mk:
                 conn.exec_driver_sql(self._mark_sql, mk)
             dl = [
-                (d.deadline_at, d.step_id, d.state, d.fence)
+                (d.deadline_at, d.attempt, d.details, d.step_id, d.state, d.fence)
                 for d in deadlines
                 if d.strategy_id not in lost
             ]
