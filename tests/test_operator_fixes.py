@@ -418,3 +418,42 @@ def test_a_step_waiting_to_retry_shows_why_and_which_attempt_comes(store: Store)
     ]
     done = queries.list_steps(store, sid)[0]
     assert (done["state"], done["attempt"], done["details"]) == ("complete", 3, "")
+
+
+# -- tables at 80 columns keep every name whole ---------------------------------------------
+
+
+def test_tables_at_80_columns_cut_or_split_no_name(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Target names, conductor ids and state names came out as 'subcloud599…' and
+    'updating-pa…' at 80 columns; every one is now whole on one line, in a boxed table
+    that fits or in plain columns."""
+    names = [f"subcloud-east-rack{i:02d}-node{i:03d}" for i in range(3)]
+    add(cli, *names)
+    sid = create(cli, "--all")
+    assert apply_wait(cli, sid).code == 0
+    conductor = history(cli, sid)[0]["conductor"]
+    monkeypatch.setenv("COLUMNS", "80")
+    step = cli("step", "list", "--strategy", str(sid), "--format", "json").json()[0]["step"]
+    for args in (
+        ("history", "--strategy", str(sid)),
+        ("step", "list", "--strategy", str(sid)),
+        ("step", "show", str(step)),
+        ("strategy", "list"),
+        ("strategy", "show", str(sid)),
+        ("target", "list"),
+        ("workflow", "show", "patch"),
+    ):
+        res = cli(*args)
+        assert res.code == 0, (args, res.text)
+        assert "…" not in res.out, (args, res.out)
+        words = {w for line in res.out.splitlines() for w in line.replace("│", " ").split()}
+        if args[0] in ("history", "step"):
+            assert set(names) & words, (args, res.out)
+        if args[0] == "history" or args[:2] == ("step", "show"):
+            assert "applying-remote-patch-strategy" in words, (args, res.out)
+        if args[0] == "history":
+            assert conductor in words and set(names) <= words, (args, res.out)
+        boxed = [line for line in res.out.splitlines() if line[:1] in "┏┃┡│└┌"]
+        assert all(len(line) <= 80 for line in boxed), (args, res.out)

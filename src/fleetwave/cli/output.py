@@ -78,9 +78,16 @@ def emit_rows(
     if len(head) > PLAIN_ABOVE:
         _plain_rows(chain(head, it), read, columns, title)
         return
+    widths = _column_widths(head, columns, whole_first, console.width)
+    if widths is None:
+        # Some word (a target name, a state, a conductor id) is wider than the column
+        # a boxed table could give it at this width: Rich would cut or fold it. Plain
+        # columns keep every value whole, one line per row (the terminal wraps it).
+        _plain_rows(head, lambda: head, columns, title)
+        return
     table = Table(title=title, show_lines=False)
     for i, col in enumerate(columns):
-        table.add_column(col, no_wrap=whole_first and i == 0)
+        table.add_column(col, no_wrap=whole_first and i == 0, overflow="fold", width=widths[i])
     for row in head:
         table.add_row(*(_cell(c, row.get(c)) for c in columns))
     console.print(table)
@@ -92,6 +99,38 @@ def emit_rows(
 #: wraps every cell (12,000 journal rows took 16 s; a 100,000-target strategy's
 #: history would take many minutes), plain columns print at once
 PLAIN_ABOVE = 500
+
+
+def _column_widths(
+    rows: list[dict[str, Any]], columns: list[str], whole_first: bool, room: int
+) -> list[int | None] | None:
+    """Column widths for a boxed table of ``rows`` in ``room`` cells that splits no
+    word (a name, an id, a state): None when no such table fits; each None (Rich
+    sizes it) when the table fits whole.
+
+    Each column gets at least its longest word, header included (its whole first
+    cell when ``whole_first``); the room left goes to the columns whose text is
+    longer than that, in proportion. Rich's own sizing splits or cuts words before
+    it wraps text at spaces, and a minimum width made it overflow the terminal.
+    """
+    need = [max((_width(w) for w in col.split()), default=0) for col in columns]
+    full = [_width(col) for col in columns]
+    for row in rows:
+        for i, col in enumerate(columns):
+            text = _cell(col, row.get(col))
+            full[i] = max(full[i], *(_width(line) for line in text.splitlines() or [""]))
+            for word in [text] if whole_first and i == 0 else text.split():
+                need[i] = max(need[i], _width(word))
+    room -= 3 * len(columns) + 1  # a border and two spaces of padding per column
+    if sum(full) <= room:
+        return [None] * len(columns)
+    if sum(need) > room:
+        return None
+    spare, wants = room - sum(need), [f - n for f, n in zip(full, need, strict=True)]
+    widths: list[int | None] = [
+        n + spare * w // sum(wants) for n, w in zip(need, wants, strict=True)
+    ]
+    return widths
 
 
 def _held(rows: Iterable[dict[str, Any]]) -> Callable[[], Iterable[dict[str, Any]]]:
@@ -153,8 +192,8 @@ def emit_one(obj: dict[str, Any], fmt: Format) -> None:
         print_json(obj)
         return
     table = Table(show_header=False)
-    table.add_column("field", style="bold")
-    table.add_column("value")
+    table.add_column("field", style="bold", no_wrap=True)
+    table.add_column("value", overflow="fold")
     for key, value in obj.items():
         if isinstance(value, list) and value and isinstance(value[0], dict):
             continue
