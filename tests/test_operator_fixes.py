@@ -457,3 +457,20 @@ def test_tables_at_80_columns_cut_or_split_no_name(
             assert conductor in words and set(names) <= words, (args, res.out)
         boxed = [line for line in res.out.splitlines() if line[:1] in "┏┃┡│└┌"]
         assert all(len(line) <= 80 for line in boxed), (args, res.out)
+
+
+def test_a_message_is_one_line_however_narrow_the_output(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Messages went through Rich's wrapping at the output's width (80 when piped): a
+    grep for one saw half of it."""
+    add(cli, "a", latency_ms="60000")
+    sid = create(cli, "--all")
+    assert cli("strategy", "apply", str(sid)).code == 0
+    monkeypatch.setenv("COLUMNS", "40")
+    res = cli("strategy", "pause", str(sid))
+    assert res.code == 0, res.text
+    assert res.out.count("\n") == 1 and len(res.out) > 60, res.out
+    assert "('fleetwave strategy resume 1' to go on)" in res.out
+    warned = cli("strategy", "abort", str(sid))
+    assert warned.err.count("\n") == 1 and warned.err.startswith("warning: "), warned.err

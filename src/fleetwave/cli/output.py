@@ -15,8 +15,11 @@ from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 
-console = Console()
-err_console = Console(stderr=True)
+# A message is one line however long (the terminal wraps it on screen; a pipe, grep or
+# a log keeps it whole): Rich would break it at 80 columns when not writing to a
+# terminal. Tables are still drawn to the width.
+console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 class ConsoleLogHandler(logging.Handler):

@@ -1055,10 +1055,10 @@ class Conductor:
         if out:
             recovering = sum(1 for fl in out if fl.recovering)
             log.warning(
-                "strategy %s: took over %d steps in flight (%d call their recover hook, "
+                "strategy %s: took over %s in flight (%d call their recover hook, "
                 "%d start afresh: their action never started)",
                 rec.id,
-                len(out),
+                plural(len(out), "step"),
                 recovering,
                 len(out) - recovering,
             )

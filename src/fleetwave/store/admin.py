@@ -24,6 +24,7 @@ from fleetwave.domain.models import (
     StrategyState,
     Target,
     name_problem,
+    plural,
     shown,
 )
 from fleetwave.domain.workflow import WorkflowDef, WorkflowError, describe_workflow
@@ -208,7 +209,8 @@ def delete_target(store: Store, name: str) -> None:
         used = conn.execute(select(func.count()).where(steps.c.target_id == tid)).scalar_one()
         if used:
             raise Conflict(
-                f"target {name}: has history in {used} strategies; delete those strategies first"
+                f"target {name}: has history in {plural(used, 'strategy', 'strategies')}; "
+                "delete those strategies first"
             )
         conn.execute(delete(targets).where(targets.c.id == tid))
 

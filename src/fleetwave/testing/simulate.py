@@ -46,6 +46,7 @@ from fleetwave.domain.models import (
     Group,
     StrategyOptions,
     Target,
+    plural,
     unmanaged_reason,
 )
 from fleetwave.domain.registry import get_workflow
@@ -144,9 +145,10 @@ class SimResult:
         return (
             f"seed {self.seed}: {verdict} {self.workflow} x{self.targets} "
             f"-> {self.strategy_state}{' (operator abort)' if self.aborted_by_operator else ''}, "
-            f"{self.transitions} transitions, {self.crashes} crashes, {self.stops} clean stops, "
-            f"{self.store_retries} db "
-            f"retries, {self.callbacks} callbacks, {self.virtual_s / 3600:.1f} h virtual in "
+            f"{plural(self.transitions, 'transition')}, "
+            f"{plural(self.crashes, 'crash', 'crashes')}, {plural(self.stops, 'clean stop')}, "
+            f"{plural(self.store_retries, 'db retry', 'db retries')}, "
+            f"{plural(self.callbacks, 'callback')}, {self.virtual_s / 3600:.1f} h virtual in "
             f"{self.wall_s:.2f} s, journal {self.digest[:16]}"
         )
 
