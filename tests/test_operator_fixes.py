@@ -474,3 +474,28 @@ def test_a_message_is_one_line_however_narrow_the_output(
     assert "('fleetwave strategy resume 1' to go on)" in res.out
     warned = cli("strategy", "abort", str(sid))
     assert warned.err.count("\n") == 1 and warned.err.startswith("warning: "), warned.err
+
+
+def test_log_lines_and_tables_give_one_time_for_one_event(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A log line was in local time and the history row of the same event in UTC,
+    neither marked; both are now UTC, marked Z, whatever TZ says."""
+    import logging
+    import time
+
+    from fleetwave.cli.output import utc_log_formatter, when
+
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        at = 1_764_522_336.195  # 2025-11-30 17:05:36.195 UTC
+        record = logging.makeLogRecord(
+            {"created": at, "msecs": 195.0, "msg": "x", "levelname": "WARNING", "name": "n"}
+        )
+        line = utc_log_formatter().format(record)
+        assert when(at) == "2025-11-30 17:05:36.195Z"
+        assert line == "2025-11-30 17:05:36.195Z WARNING n: x"
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()

@@ -702,11 +702,9 @@ def main() -> None:
     level = os.environ.get("FLEETWAVE_LOG", "warning").strip().lower() or "warning"
     if level not in LOG_LEVELS:
         _fail(f"FLEETWAVE_LOG: unknown level '{level}' (choose one of {', '.join(LOG_LEVELS)})", 2)
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        handlers=[output.ConsoleLogHandler()],
-    )
+    handler = output.ConsoleLogHandler()
+    handler.setFormatter(output.utc_log_formatter())
+    logging.basicConfig(level=level.upper(), handlers=[handler])
     forget_created()
     try:
         # Not standalone: bad usage (an unknown option or value) is reported below as

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -39,9 +40,20 @@ class Format(StrEnum):
 
 
 def when(ts: float | None) -> str:
+    """A stored time as tables show it: UTC, to the millisecond, marked Z (as log lines)."""
     if ts is None:
         return ""
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+
+
+def utc_log_formatter() -> logging.Formatter:
+    """Log lines timed as tables are (UTC, marked Z): one event, one time, on any TZ."""
+    formatter = logging.Formatter(
+        "%(asctime)s.%(msecs)03dZ %(levelname)s %(name)s: %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+    )
+    formatter.converter = time.gmtime
+    return formatter
 
 
 def _cell(key: str, value: Any) -> str:
