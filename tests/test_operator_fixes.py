@@ -499,3 +499,33 @@ def test_log_lines_and_tables_give_one_time_for_one_event(
     finally:
         monkeypatch.delenv("TZ")
         time.tzset()
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (
+            ("strategy", "list", "--format", "yaml"),
+            "error: Invalid value for '--format': 'yaml' is not one of 'table', 'json'.",
+        ),
+        (
+            ("group", "add", "g", "--apply-type", "bogus"),
+            "error: Invalid value for '--apply-type': 'bogus' is not one of 'parallel', 'serial'.",
+        ),
+        (
+            ("strategy", "create", "--workflow", "patch", "--all", "--timeout", "bogus=3"),
+            "error: --timeout: bogus: workflow patch has no such state (its states: "
+            "pre-check, updating-patches, creating-remote-patch-strategy, "
+            "applying-remote-patch-strategy, finishing)",
+        ),
+        (
+            ("sim", "--runs", "2", "--keep-db", "kept.db"),
+            "error: --keep-db: keeps the database of a single run, got --runs 2",
+        ),
+        (("sim", "--keep-db", ""), "error: --keep-db: '.' is a directory"),
+    ],
+)
+def test_bad_values_are_named_plainly(cli: Cli, args: tuple[str, ...], said: str) -> None:
+    add(cli, "a")
+    res = cli(*args, db=None) if args[0] == "sim" else cli(*args)
+    assert one_line(res).startswith(said), res.err

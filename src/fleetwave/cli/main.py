@@ -402,13 +402,20 @@ def strategy_create(
     """Create a strategy (state initial); apply it to start."""
     store = existing_store(db)
     wf = resolve_workflow(store, workflow)
+    timeouts = _timeouts(timeout)
+    unknown = [state for state in timeouts if state not in wf.state_names]
+    if unknown:
+        raise InputError(
+            f"--timeout: {', '.join(unknown)}: workflow {wf.name} has no such state "
+            f"(its states: {', '.join(wf.state_names)})"
+        )
     opts = StrategyOptions(
         max_parallel=_parallel(max_parallel, apply_type, "strategy"),
         apply_type=apply_type,
         stop_on_failure=stop_on_failure,
         max_failures=max_failures,
         stages_by_group=stages_by_group,
-        timeouts_s=_timeouts(timeout),
+        timeouts_s=timeouts,
     )
     sid = admin.create_strategy(
         store,
@@ -724,7 +731,9 @@ def main() -> None:
 def _usage_problem(exc: typer.TyperException) -> str:
     """Click's message, except for a negative number where an id goes (``strategy show
     -1``): Click reads it as an unknown option, which names no real problem."""
-    message = exc.format_message()
+    # Typer's choice check words it "Value error, 'x' is not one of ...": the value
+    # error is the message itself
+    message = exc.format_message().replace(": Value error, ", ": ")
     name = getattr(exc, "option_name", None)  # Click's NoSuchOption (Typer keeps it private)
     if isinstance(name, str) and re.fullmatch(r"-\d+", name) and "No such option" in message:
         return (

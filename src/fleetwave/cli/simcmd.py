@@ -41,8 +41,13 @@ def sim_command(
         raise InputError(f"--runs: must be 1 to {MAX_SIM_TARGETS}, got {runs}")
     if get_workflow(workflow) is None:
         raise InputError(f"--workflow: unknown workflow '{workflow}'")
-    if keep_db is not None and (runs > 1 or keep_db.exists()):
-        raise InputError("--keep-db: needs a single run and a path that does not exist yet")
+    if keep_db is not None and keep_db.is_dir():
+        # also an empty --keep-db, which the path type reads as '.'
+        raise InputError(f"--keep-db: '{keep_db}' is a directory; give a path for a new file")
+    if keep_db is not None and runs > 1:
+        raise InputError(f"--keep-db: keeps the database of a single run, got --runs {runs}")
+    if keep_db is not None and keep_db.exists():
+        raise InputError(f"--keep-db: {keep_db} already exists; give a path for a new file")
     if keep_db is not None and not keep_db.expanduser().resolve().parent.is_dir():
         raise InputError(
             f"--keep-db: directory {keep_db.expanduser().resolve().parent} does not exist"
