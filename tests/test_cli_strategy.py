@@ -174,9 +174,22 @@ def test_target_is_free_again_once_its_strategy_ended(cli: Cli) -> None:
     assert second != first
     assert apply_wait(cli, second).code == 0
     shown = cli("target", "show", "a", "--format", "json").json()
+    steps_of = {s["strategy"]: s["step"] for s in shown["strategies"]}
     assert shown["strategies"] == [
-        {"strategy": first, "state": "complete", "details": ""},
-        {"strategy": second, "state": "complete", "details": ""},
+        {
+            "strategy": first,
+            "strategy_state": "complete",
+            "step": steps_of[first],
+            "step_state": "complete",
+            "details": "",
+        },
+        {
+            "strategy": second,
+            "strategy_state": "complete",
+            "step": steps_of[second],
+            "step_state": "complete",
+            "details": "",
+        },
     ]
 
 

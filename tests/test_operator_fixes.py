@@ -529,3 +529,26 @@ def test_bad_values_are_named_plainly(cli: Cli, args: tuple[str, ...], said: str
     add(cli, "a")
     res = cli(*args, db=None) if args[0] == "sim" else cli(*args)
     assert one_line(res).startswith(said), res.err
+
+
+def test_strategy_list_shows_progress_and_who_drives_each(cli: Cli) -> None:
+    """A rollout nobody drives listed exactly like a healthy one (its owner column named
+    a dead conductor); the list now says how far each got and who drives it."""
+    add(cli, "a", "b", latency_ms="60000")
+    add(cli, "c")
+    waiting = create(cli, "--targets", "a,b")
+    done = create(cli, "--targets", "c")
+    assert apply_wait(cli, done).code == 0
+    assert cli("strategy", "apply", str(waiting)).code == 0  # nobody serves this database
+    listed = {s["id"]: s for s in cli("strategy", "list", "--format", "json").json()}
+    assert (listed[waiting]["done"], listed[waiting]["steps"]) == (0, 2)
+    assert listed[waiting]["driven_by"].startswith("nobody: no conductor serves")
+    assert (listed[done]["done"], listed[done]["driven_by"]) == (1, None)
+    table = cli("strategy", "list")
+    rows = {
+        int(line.split("│")[1]): [c.strip() for c in line.split("│")[2:-1]]
+        for line in table.out.splitlines()
+        if line.startswith("│") and line.split("│")[1].strip().isdigit()
+    }
+    assert rows[waiting][:4] == ["patch", "applying", "0/2", "NOBODY (see strategy show)"]
+    assert rows[done][:4] == ["patch", "complete", "1/1", ""]

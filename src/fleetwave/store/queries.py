@@ -107,11 +107,26 @@ def get_target(store: Store, name: str) -> dict[str, Any]:
         if r is None:
             raise NotFound(f"target '{name}' not found")
         out = _target_dict(r)
+        # its step in each strategy: the strategy's state and the step's, named apart
+        # (one "state" column read as the strategy's)
         out["strategies"] = [
-            {"strategy": s.strategy_id, "state": s.state, "details": s.details}
+            {
+                "strategy": s.strategy_id,
+                "strategy_state": s.strategy_state,
+                "step": s.id,
+                "step_state": s.state,
+                "details": s.details,
+            }
             for s in conn.execute(
-                select(steps.c.strategy_id, steps.c.state, steps.c.details)
+                select(
+                    steps.c.strategy_id,
+                    strategies.c.state.label("strategy_state"),
+                    steps.c.id,
+                    steps.c.state,
+                    steps.c.details,
+                )
                 .join(targets, targets.c.id == steps.c.target_id)
+                .join(strategies, strategies.c.id == steps.c.strategy_id)
                 .where(targets.c.name == name)
                 .order_by(steps.c.strategy_id)
             )
@@ -150,10 +165,27 @@ def _strategy_dict(r: Any) -> dict[str, Any]:
 
 
 def list_strategies(store: Store) -> list[dict[str, Any]]:
+    """Every strategy, with how many of its steps have ended (``done``) and who drives
+    it (``driven_by``, as ``strategy show`` says it; None once it needs no driving):
+    a rollout whose conductor died lists as such, not as one going well."""
+    now = time.time()
     with store.read() as conn:
-        return [
-            _strategy_dict(r) for r in conn.execute(select(strategies).order_by(strategies.c.id))
-        ]
+        rows = conn.execute(select(strategies).order_by(strategies.c.id)).all()
+        done = {
+            int(sid): int(n)
+            for sid, n in conn.execute(
+                select(steps.c.strategy_id, func.count())
+                .where(steps.c.state.in_(sorted(STEP_TERMINAL)))
+                .group_by(steps.c.strategy_id)
+            )
+        }
+    out = []
+    for r in rows:
+        item = _strategy_dict(r)
+        item["done"] = done.get(int(r.id), 0)
+        item["driven_by"] = _driving(store, r, now).text
+        out.append(item)
+    return out
 
 
 #: a conductor that has not renewed its leases for this long is not serving (a
