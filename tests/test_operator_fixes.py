@@ -552,3 +552,39 @@ def test_strategy_list_shows_progress_and_who_drives_each(cli: Cli) -> None:
     }
     assert rows[waiting][:4] == ["patch", "applying", "0/2", "NOBODY (see strategy show)"]
     assert rows[done][:4] == ["patch", "complete", "1/1", ""]
+
+
+def test_ctrl_c_on_strategy_delete_says_how_to_finish(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fleetwave.cli import main as cli_main
+    from fleetwave.store import admin
+
+    add(cli, "a", "b", "c")
+    sid = create(cli, "--all")
+    assert apply_wait(cli, sid).code == 0
+    real = admin.delete_strategy
+
+    def interrupted(store: Store, strategy_id: int) -> None:
+        writes = {"n": 0}
+
+        def ctrl_c() -> None:
+            writes["n"] += 1
+            if writes["n"] == 3:  # marked deleting, one chunk removed, then Ctrl-C
+                raise KeyboardInterrupt
+
+        store.write_fault = ctrl_c
+        real(store, strategy_id, chunk=1)
+
+    monkeypatch.setattr(cli_main.admin, "delete_strategy", interrupted)
+    res = cli("strategy", "delete", str(sid))
+    assert res.code == 130, res.text
+    assert res.err == (
+        f"stopped: strategy {sid} is partly deleted (it shows 'deleting'); "
+        f"'fleetwave strategy delete {sid}' finishes it\n"
+    )
+    monkeypatch.setattr(cli_main.admin, "delete_strategy", real)
+    shown = cli("strategy", "show", str(sid), "--format", "json").json()
+    assert shown["state"] == "deleting"
+    assert cli("strategy", "delete", str(sid)).code == 0
+    assert cli("strategy", "list", "--format", "json").json() == []

@@ -591,7 +591,18 @@ def _driven_by_short(text: str | None) -> str:
 @strategy_app.command("delete")
 def strategy_delete(strategy_id: StrategyId, db: DbOpt = None) -> None:
     """Delete a strategy that is not running, with its steps and journal."""
-    admin.delete_strategy(existing_store(db), strategy_id)
+    try:
+        admin.delete_strategy(existing_store(db), strategy_id)
+    except KeyboardInterrupt:
+        # Each chunk is its own transaction: what was removed stays removed, the rest
+        # stays until the command runs again (the strategy shows `deleting`).
+        err_console.print(
+            f"stopped: strategy {strategy_id} is partly deleted (it shows 'deleting'); "
+            f"'fleetwave strategy delete {strategy_id}' finishes it",
+            markup=False,
+            highlight=False,
+        )
+        raise typer.Exit(130) from None
     console.print(f"strategy {strategy_id} deleted")
 
 
