@@ -588,3 +588,34 @@ def test_ctrl_c_on_strategy_delete_says_how_to_finish(
     assert shown["state"] == "deleting"
     assert cli("strategy", "delete", str(sid)).code == 0
     assert cli("strategy", "list", "--format", "json").json() == []
+
+
+def test_several_serving_conductors_are_all_named(
+    cli: Cli, db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`apply` named one of two serving conductors as the one that claims the strategy
+    (the other did); a second `serve` started without a word."""
+    from test_cli_strategy import _conductor_row
+
+    add(cli, "a", latency_ms="60000")
+    sid = create(cli, "--all")
+    _conductor_row(db_path, "c-one", serves_all=True)
+    _conductor_row(db_path, "c-two", serves_all=True)
+    res = cli("strategy", "apply", str(sid))
+    assert res.out == (
+        f"strategy {sid} applying; conductors c-one, c-two serve this database; "
+        "one of them claims it\n"
+    ), res.text
+    shown = cli("strategy", "show", str(sid), "--format", "json").json()
+    assert shown["driven_by"].startswith("nobody yet: conductors c-one, c-two serve")
+
+    def stand_in(*_a: object, **_k: object) -> None:
+        raise SystemExit(3)  # serve got as far as starting its conductor
+
+    monkeypatch.setattr("fleetwave.cli.main.Conductor", stand_in)
+    serve = cli("serve")
+    assert serve.code == 3
+    assert serve.err.startswith(
+        f"warning: 2 conductors already serve {db_path} (c-one, c-two): they share its "
+        "strategies, each driven by one"
+    ), serve.err

@@ -470,10 +470,8 @@ def strategy_apply(
         if who.owner is not None:
             console.print(f"strategy {strategy_id} {now}; driven by conductor {who.owner}")
         elif who.claimer is not None:
-            console.print(
-                f"strategy {strategy_id} {now}; conductor {who.claimer} serves this database "
-                "and claims it"
-            )
+            # whoever it is (several may serve): what `strategy show` says, after "yet: "
+            console.print(f"strategy {strategy_id} {now}; {str(who.text).split('yet: ', 1)[-1]}")
         else:
             console.print(f"strategy {strategy_id} {now}; nothing drives it yet")
             err_console.print(
@@ -716,6 +714,18 @@ def serve(db: DbOpt = None) -> None:
     # Never a new database: a mistyped --db would be served, empty, for good (a service
     # manager restarting it), while the real fleet's strategies wait for nobody.
     store = existing_store(db)
+    others = [c["id"] for c in queries.serving_conductors(store)]
+    if others:
+        # Allowed (each strategy is driven by one conductor at a time, by claim and
+        # fence), but on SQLite one serve per database is the setup: a second one adds
+        # no throughput (one writer) and is more often a leftover than a choice.
+        verb = "serves" if len(others) == 1 else "serve"
+        err_console.print(
+            f"warning: {plural(len(others), 'conductor')} already {verb} {store.url} "
+            f"({', '.join(others)}): they share its strategies, each driven by one",
+            markup=False,
+            highlight=False,
+        )
 
     async def _serve() -> None:
         stop = asyncio.Event()

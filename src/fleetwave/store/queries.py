@@ -259,6 +259,12 @@ def _driving(store: Store, r: Any, now: float) -> Driving:
         lapsed = f"the lease of conductor {r.owner} ran out {ago:.0f}s ago; "
     else:
         lapsed = f"conductor {r.owner} is gone; "
+    if len(serving) > 1:
+        text = (
+            f"nobody yet: {lapsed}conductors {', '.join(serving)} serve this database; "
+            "one of them claims it"
+        )
+        return Driving(None, serving[0], text)
     if serving:
         text = f"nobody yet: {lapsed}conductor {serving[0]} serves this database and claims it"
         return Driving(None, serving[0], text)
