@@ -619,3 +619,26 @@ def test_several_serving_conductors_are_all_named(
         f"warning: 2 conductors already serve {db_path} (c-one, c-two): they share its "
         "strategies, each driven by one"
     ), serve.err
+
+
+def test_ctrl_c_on_a_sim_sweep_keeps_the_runs_done(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """JSON output of an interrupted sweep was empty: the runs finished are printed,
+    with a line saying where it stopped (exit 130)."""
+    from fleetwave.cli import simcmd
+
+    real = simcmd.run_simulation
+    calls = {"n": 0}
+
+    def two_then_ctrl_c(config: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(config)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(simcmd, "run_simulation", two_then_ctrl_c)
+    res = cli("sim", "--targets", "20", "--runs", "10", "--format", "json", db=None)
+    assert res.code == 130, res.text
+    assert [r["seed"] for r in res.json()] == [1, 2]
+    assert res.err.startswith("interrupted after 2 finished runs of 10"), res.err

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from fleetwave.cli.common import MAX_SIM_TARGETS
-from fleetwave.cli.output import Format, console, print_json
+from fleetwave.cli.output import Format, console, err_console, print_json
 from fleetwave.domain.errors import InputError
 from fleetwave.domain.models import plural
 from fleetwave.domain.registry import get_workflow
@@ -60,26 +60,41 @@ def sim_command(
         logging.getLogger("fleetwave").setLevel(logging.CRITICAL)
     failed: list[int] = []
     results = []
-    for s in range(seed, seed + runs):
-        res = run_simulation(
-            SimConfig(seed=s, targets=targets, workflow=workflow, faults=chosen, keep_db=keep_db)
-        )
-        results.append(res)
-        if fmt is Format.table:
-            console.print(res.line(), markup=False, highlight=False)
-            for v in res.violations[:20]:
-                console.print(f"  violation: {v}", markup=False, highlight=False)
-        if not res.ok:
-            failed.append(s)
+    interrupted = False
+    try:
+        for s in range(seed, seed + runs):
+            res = run_simulation(
+                SimConfig(
+                    seed=s, targets=targets, workflow=workflow, faults=chosen, keep_db=keep_db
+                )
+            )
+            results.append(res)
+            if fmt is Format.table:
+                console.print(res.line(), markup=False, highlight=False)
+                for v in res.violations[:20]:
+                    console.print(f"  violation: {v}", markup=False, highlight=False)
+            if not res.ok:
+                failed.append(s)
+    except KeyboardInterrupt:
+        # The runs done so far are results too (a long sweep stopped by hand).
+        interrupted = True
     if fmt is Format.json:
         print_json([r.__dict__ for r in results])
-    elif failed:
+    if interrupted:
+        err_console.print(
+            f"interrupted after {plural(len(results), 'finished run')} of {runs}"
+            + (f"; FAILED seeds: {failed}" if failed else ", all ok"),
+            markup=False,
+            highlight=False,
+        )
+        raise typer.Exit(130)
+    if fmt is Format.table and failed:
         console.print(
             f"FAILED seeds: {failed}; replay one with: fleetwave sim --seed {failed[0]} "
             f"--targets {targets} --workflow {workflow} --faults {faults}",
             markup=False,
         )
-    else:
+    elif fmt is Format.table:
         console.print(f"{plural(runs, 'run')} ok", markup=False)
     if failed:
         raise typer.Exit(1)
