@@ -162,7 +162,7 @@ def _print_summary(s: dict[str, Any], reasons: Counter[str]) -> None:
     table.add_row("  of which skipped (already done)", str(s["skipped"]))
     for key in ("failed", "aborted"):
         table.add_row(key, str(s[key]))
-    console.print(table)
+    console.print(table, soft_wrap=False)  # a drawn table: its title centred
     if s["failures"]:
         ft = Table(title="failures")
         ft.add_column("target")
@@ -175,7 +175,7 @@ def _print_summary(s: dict[str, Any], reasons: Counter[str]) -> None:
                 f"{len(s['failures']) - 15} more: fleetwave step list --strategy "
                 f"{s['strategy']} --state failed --db {s['db']}",
             )
-        console.print(ft)
+        console.print(ft, soft_wrap=False)
     console.print(
         f"wall time {s['wall_s']:.2f} s, {s['transitions']} transitions, "
         f"{s['transitions_per_s']} transitions/s"

@@ -105,7 +105,7 @@ def emit_rows(
         table.add_column(col, no_wrap=whole_first and i == 0, overflow="fold", width=widths[i])
     for row in head:
         table.add_row(*(_cell(c, row.get(c)) for c in columns))
-    console.print(table)
+    console.print(table, soft_wrap=False)  # a drawn table: its title centred
     if not head:
         console.print("(none)")
 
@@ -213,7 +213,7 @@ def emit_one(obj: dict[str, Any], fmt: Format) -> None:
         if isinstance(value, list) and value and isinstance(value[0], dict):
             continue
         table.add_row(key, _cell(key, value))
-    console.print(table)
+    console.print(table, soft_wrap=False)  # a drawn table: its title centred
     for key, value in obj.items():
         if isinstance(value, list) and value and isinstance(value[0], dict):
             emit_rows(value, list(value[0].keys()), fmt, title=key)
