@@ -263,7 +263,8 @@ def _commands() -> list[tuple[list[str], list[str]]]:
                 walk(sub, [*path, name])
             return
         params = getattr(command, "params", [])
-        found.append((path, [o for p in params for o in p.opts if o.startswith("--")]))
+        shown = [p for p in params if not getattr(p, "hidden", False)]
+        found.append((path, [o for p in shown for o in p.opts if o.startswith("--")]))
 
     walk(typer.main.get_command(app), [])
     return found
@@ -642,3 +643,118 @@ def test_ctrl_c_on_a_sim_sweep_keeps_the_runs_done(
     assert res.code == 130, res.text
     assert [r["seed"] for r in res.json()] == [1, 2]
     assert res.err.startswith("interrupted after 2 finished runs of 10"), res.err
+
+
+def test_the_same_version_naming_another_python_class_of_the_same_name_is_refused(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two modules' `Apply` classes describe alike (by class name); the second was
+    reported 'unchanged' and silently not stored."""
+    for mod in ("fw8_moda", "fw8_modb"):
+        (tmp_path / f"{mod}.py").write_text(
+            "from fleetwave import Advance, StateAction\n\n"
+            "class Apply(StateAction):\n"
+            "    async def run(self, ctx):\n"
+            "        return Advance()\n",
+            encoding="utf-8",
+        )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    text = "name: pw\nversion: 1\nstates:\n  - name: apply\n    action: python:fw8_moda:Apply\n"
+    assert cli("workflow", "add", str(write(tmp_path, text))).code == 0
+    same = cli("workflow", "add", str(write(tmp_path, text, "same.yaml")))
+    assert "already stored, unchanged" in same.out, same.text
+    other = text.replace("fw8_moda", "fw8_modb")
+    assert_rejected(
+        cli("workflow", "add", str(write(tmp_path, other, "other.yaml"))),
+        "workflow pw: version 1 is already stored with other states or settings",
+    )
+
+
+@pytest.mark.parametrize(
+    ("when", "code", "said", "state"),
+    [
+        # waiting for the write lock: nothing happened yet
+        ("before", 130, "stopped: nothing deleted; strategy 1 is still complete", "complete"),
+        # the last chunk committed: it is gone, as asked
+        ("after", 0, "strategy 1 deleted", None),
+    ],
+)
+def test_ctrl_c_on_strategy_delete_says_what_the_database_holds(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch, when: str, code: int, said: str, state: str | None
+) -> None:
+    from fleetwave.cli import main as cli_main
+    from fleetwave.store import admin
+
+    add(cli, "a")
+    sid = create(cli, "--all")
+    assert sid == 1 and apply_wait(cli, sid).code == 0
+    real = admin.delete_strategy
+
+    def interrupted(store: Store, strategy_id: int) -> None:
+        if when == "after":
+            real(store, strategy_id)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_main.admin, "delete_strategy", interrupted)
+    res = cli("strategy", "delete", str(sid))
+    assert res.code == code, res.text
+    assert said in res.text
+    listed = cli("strategy", "list", "--format", "json").json()
+    assert [s["state"] for s in listed] == ([] if state is None else [state])
+
+
+def test_apply_wait_of_an_ended_strategy_needs_no_workflow_code(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The result of an ended strategy was refused (exit 2) when this process lacked
+    its workflow's Python action: nothing is driven, so nothing needs it."""
+    import sys
+
+    (tmp_path / "fw8_gone.py").write_text(
+        "from fleetwave import Advance, StateAction\n\n"
+        "class Apply(StateAction):\n"
+        "    async def run(self, ctx):\n"
+        "        return Advance()\n",
+        encoding="utf-8",
+    )
+    with monkeypatch.context() as m:
+        m.syspath_prepend(str(tmp_path))
+        text = "name: gone\nstates:\n  - name: apply\n    action: python:fw8_gone:Apply\n"
+        assert cli("workflow", "add", str(write(tmp_path, text))).code == 0
+        add(cli, "a")
+        res = cli("strategy", "create", "--workflow", "gone", "--all", "--format", "json")
+        sid = res.json()["id"]
+        assert cli("strategy", "abort", str(sid)).code == 0  # never applied: aborted now
+    sys.modules.pop("fw8_gone", None)
+    (tmp_path / "fw8_gone.py").unlink()
+    again = apply_wait(cli, sid)
+    assert again.code == 1, again.text
+    assert again.json()["state"] == "aborted"
+    assert "had already ended (aborted): nothing to drive" in again.err
+
+
+def test_the_default_flags_said_out_loud_are_still_accepted(cli: Cli) -> None:
+    add(cli, "a", "b")
+    res = cli(
+        "strategy", "create", "--workflow", "patch", "--targets", "a",
+        "--no-stop-on-failure", "--no-stages-by-group", "--format", "json",
+    )  # fmt: skip
+    assert res.code == 0, res.text
+    shown = cli("strategy", "show", str(res.json()["id"]), "--format", "json").json()
+    assert (shown["options"]["stop_on_failure"], shown["options"]["stages_by_group"]) == (
+        False,
+        False,
+    )
+    assert_rejected(
+        cli(
+            "strategy",
+            "create",
+            "--workflow",
+            "patch",
+            "--targets",
+            "b",
+            "--stages-by-group",
+            "--no-stages-by-group",
+        ),
+        "--stages-by-group and --no-stages-by-group: give one of them",
+    )

@@ -36,7 +36,7 @@ from fleetwave.cli.drive import drive_strategy, stop_on_signals
 from fleetwave.cli.output import Format, console, emit_one, emit_rows, err_console, print_json
 from fleetwave.cli.parsing import check_target, parse_pairs, read_text_file, targets_from_file
 from fleetwave.cli.simcmd import sim_command
-from fleetwave.domain.errors import Conflict, InputError
+from fleetwave.domain.errors import Conflict, InputError, NotFound
 from fleetwave.domain.models import (
     STRATEGY_TERMINAL,
     ApplyType,
@@ -396,10 +396,20 @@ def strategy_create(
     timeout: Annotated[
         list[str] | None, typer.Option(help="state=seconds timeout override (repeatable)")
     ] = None,
+    # The defaults, said out loud (scripts written for earlier versions say them); not
+    # in --help, where their second column cut every option's name at 80 columns.
+    no_stop_on_failure: Annotated[bool, typer.Option("--no-stop-on-failure", hidden=True)] = False,
+    no_stages_by_group: Annotated[bool, typer.Option("--no-stages-by-group", hidden=True)] = False,
     fmt: FormatOpt = Format.table,
     db: DbOpt = None,
 ) -> None:
     """Create a strategy (state initial); apply it to start."""
+    for flag, on, off in (
+        ("stop-on-failure", stop_on_failure, no_stop_on_failure),
+        ("stages-by-group", stages_by_group, no_stages_by_group),
+    ):
+        if on and off:
+            raise InputError(f"--{flag} and --no-{flag}: give one of them")
     store = existing_store(db)
     wf = resolve_workflow(store, workflow)
     timeouts = _timeouts(timeout)
@@ -441,18 +451,11 @@ def strategy_apply(
     """Start (or resume) a strategy. With --wait, drive it in the foreground."""
     store = existing_store(db)
     if wait:
-        event_loop.loop_kind()  # a bad FLEETWAVE_LOOP is refused before anything changes
-        # Driving it here needs its workflow here (a Python one, or a YAML one naming a
-        # Python action: its plug-in imported).
-        name, own_copy = queries.strategy_workflow(store, strategy_id)
-        if own_copy is None:
-            resolve_workflow(store, name, what=f"strategy {strategy_id}: workflow")
-        else:
-            parse_workflow_yaml(own_copy, source=f"strategy {strategy_id}: workflow {name}")
         ended = queries.get_strategy(store, strategy_id)
         if ended["state"] in STRATEGY_TERMINAL:
             # Ended already (this command run again, by a script or a retried job): its
-            # result, as if this run had waited for it; nothing is driven or changed.
+            # result, as if this run had waited for it; nothing is driven or changed,
+            # so nothing it would need to drive it is asked for (its workflow's code).
             err_console.print(
                 f"strategy {strategy_id} had already ended ({ended['state']}): nothing to drive",
                 markup=False,
@@ -461,6 +464,14 @@ def strategy_apply(
             )
             _ended(ended, fmt)
             return
+        event_loop.loop_kind()  # a bad FLEETWAVE_LOOP is refused before anything changes
+        # Driving it here needs its workflow here (a Python one, or a YAML one naming a
+        # Python action: its plug-in imported).
+        name, own_copy = queries.strategy_workflow(store, strategy_id)
+        if own_copy is None:
+            resolve_workflow(store, name, what=f"strategy {strategy_id}: workflow")
+        else:
+            parse_workflow_yaml(own_copy, source=f"strategy {strategy_id}: workflow {name}")
     before = admin.apply_strategy(store, strategy_id)
     if not wait:
         who = queries.driving(store, strategy_id)
@@ -589,17 +600,29 @@ def _driven_by_short(text: str | None) -> str:
 @strategy_app.command("delete")
 def strategy_delete(strategy_id: StrategyId, db: DbOpt = None) -> None:
     """Delete a strategy that is not running, with its steps and journal."""
+    store = existing_store(db)
     try:
-        admin.delete_strategy(existing_store(db), strategy_id)
+        admin.delete_strategy(store, strategy_id)
     except KeyboardInterrupt:
         # Each chunk is its own transaction: what was removed stays removed, the rest
-        # stays until the command runs again (the strategy shows `deleting`).
-        err_console.print(
-            f"stopped: strategy {strategy_id} is partly deleted (it shows 'deleting'); "
-            f"'fleetwave strategy delete {strategy_id}' finishes it",
-            markup=False,
-            highlight=False,
-        )
+        # stays until the command runs again (the strategy shows `deleting`). Ctrl-C
+        # may also come before the first commit (waiting for the write lock) or after
+        # the last: the database says which.
+        try:
+            now: str | None = queries.get_strategy(store, strategy_id)["state"]
+        except NotFound:
+            now = None
+        if now is None:
+            console.print(f"strategy {strategy_id} deleted")
+            return
+        if now == StrategyState.DELETING:
+            said = (
+                f"stopped: strategy {strategy_id} is partly deleted (it shows 'deleting'); "
+                f"'fleetwave strategy delete {strategy_id}' finishes it"
+            )
+        else:
+            said = f"stopped: nothing deleted; strategy {strategy_id} is still {now}"
+        err_console.print(said, markup=False, highlight=False)
         raise typer.Exit(130) from None
     console.print(f"strategy {strategy_id} deleted")
 

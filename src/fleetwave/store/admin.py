@@ -260,7 +260,12 @@ def _same_workflow(stored_yaml: str, wf: WorkflowDef) -> bool:
         stored = parse_workflow_yaml(stored_yaml, source="stored")
     except (WorkflowError, InputError):
         return False
-    return describe_workflow(stored) == describe_workflow(wf)
+
+    def code(w: WorkflowDef) -> list[str]:
+        # describe() names an action's class only: two modules' `Apply` must differ
+        return [f"{type(st.action).__module__}.{type(st.action).__qualname__}" for st in w.states]
+
+    return describe_workflow(stored) == describe_workflow(wf) and code(stored) == code(wf)
 
 
 def stored_workflows(store: Store) -> list[tuple[str, str]]:
