@@ -302,7 +302,9 @@ def test_ctrl_c_on_the_demo_is_no_success(tmp_path: Path) -> None:
     fleetwave = [sys.executable, "-m", "fleetwave.cli.main"]
     db = str(tmp_path / "demo.db")
     proc = subprocess.Popen(
-        [*fleetwave, "demo", "--targets", "5", "--latency-ms", "3000", "--db", db,
+        # 8 s a state: 40 s to the end, so a loaded machine cannot see it end before the
+        # Ctrl-C; the clean stop waits for the states in flight (up to 8 s)
+        [*fleetwave, "demo", "--targets", "5", "--latency-ms", "8000", "--db", db,
          "--format", "json"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -310,7 +312,7 @@ def test_ctrl_c_on_the_demo_is_no_success(tmp_path: Path) -> None:
     )  # fmt: skip
     deadline = time.monotonic() + 60
     owner = None
-    while owner is None and time.monotonic() < deadline:
+    while owner is None and time.monotonic() < deadline and proc.poll() is None:
         shown = subprocess.run(
             [*fleetwave, "strategy", "show", "1", "--db", db, "--format", "json"],
             capture_output=True,
@@ -319,7 +321,7 @@ def test_ctrl_c_on_the_demo_is_no_success(tmp_path: Path) -> None:
         )
         owner = json.loads(shown.stdout)["owner"] if shown.returncode == 0 else None
         time.sleep(0.1)
-    assert owner is not None, "the demo should be driving its strategy"
+    assert owner is not None, ("the demo should be driving its strategy", proc.poll())
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, (out, err)
