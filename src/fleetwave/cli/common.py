@@ -36,8 +36,17 @@ def whole_number(value: str | int) -> int:
         number = value
     else:
         text = value.strip()
-        if not text.lstrip("+-").isdigit():
+        digits = text[1:] if text[:1] in ("+", "-") else text
+        # ASCII digits only (str.isdigit also takes other scripts' digits and '²')
+        if not (digits.isascii() and digits.isdigit()):
             raise typer.BadParameter(f"'{value}' is not a whole number")
+        if len(digits.lstrip("0")) > len(str(SQL_INT_MAX)):  # int() refuses 4,300 digits
+            if text.startswith("-"):
+                raise typer.BadParameter(f"{text[:24]}... is negative")
+            raise typer.BadParameter(
+                f"a number of {len(digits.lstrip('0'))} digits is above the largest the "
+                f"database holds ({SQL_INT_MAX})"
+            )
         number = int(text)
     if number < 0:
         raise typer.BadParameter(f"{number} is negative")

@@ -99,6 +99,8 @@ def emit_rows(
         # a boxed table could give it at this width: Rich would cut or fold it. Plain
         # columns keep every value whole, one line per row (the terminal wraps it).
         _plain_rows(head, lambda: head, columns, title)
+        if not head:
+            console.print("(none)")
         return
     table = Table(title=title, show_lines=False)
     for i, col in enumerate(columns):

@@ -1677,16 +1677,19 @@ class Conductor:
                     # On the step's row: why it waits and which attempt comes; and, as
                     # the state's recorded deadline was its first attempt's, the next
                     # one's, so a takeover gives the recover hook what is left of it.
+                    due = self.clock.now() + backoff
                     self.post(
                         RetryScheduled(
                             run.id,
                             rec.step_id,
                             state,
                             fence,
-                            self.clock.now() + backoff + timeout_s,
+                            due + timeout_s,
                             attempts + 1,
+                            # a time, not "in 5s": the row is read while the attempt runs
                             f"{state}: {reason} (attempt {attempts} of {st.attempts_max}); "
-                            f"attempt {attempts + 1} in {backoff:g}s",
+                            f"attempt {attempts + 1} from "
+                            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(due))}Z",
                         )
                     )
                     await asyncio.sleep(backoff)
