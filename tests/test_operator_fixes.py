@@ -768,3 +768,24 @@ def test_the_default_flags_said_out_loud_are_still_accepted(cli: Cli) -> None:
         ),
         "--stages-by-group and --no-stages-by-group: give one of them",
     )
+
+
+def test_a_message_with_brackets_is_shown_as_it_is(cli: Cli) -> None:
+    """A target's message in brackets ('[/tmp/sock]') was read as Rich markup: `step
+    list` and `step show` crashed with a MarkupError, '[bold]' vanished."""
+    add(cli, "a", remote_state="[/tmp/sock][bold]")
+    sid = create(cli, "--all")
+    assert apply_wait(cli, sid).code == 1  # the step fails: an unexpected remote state
+    said = "pre-check: target reports unexpected remote state '[/tmp/sock][bold]'"
+    for args in (
+        ("step", "list", "--strategy", str(sid)),
+        (
+            "step",
+            "show",
+            str(cli("step", "list", "--strategy", str(sid), "--format", "json").json()[0]["step"]),
+        ),
+        ("history", "--strategy", str(sid)),
+    ):
+        res = cli(*args)
+        assert res.code == 0, (args, res.text)
+        assert said in res.out, (args, res.out)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from fleetwave.catalog import resolve_workflow
 from fleetwave.cli.common import MAX_SIM_TARGETS
@@ -91,8 +92,10 @@ def demo_command(
     admin.apply_strategy(store, sid)
     if fmt is Format.table:
         console.print(
-            f"rolling [bold]{wf.name}[/bold] over {plural(targets, 'simulated subcloud')}, "
-            f"max parallel {max_parallel} (db {db})"
+            f"rolling [bold]{escape(wf.name)}[/bold] over "
+            f"{plural(targets, 'simulated subcloud')}, "
+            f"max parallel {max_parallel} (db {escape(db)})",
+            markup=True,
         )
     from fleetwave.engine.conductor import EngineConfig
 
@@ -153,6 +156,7 @@ def _reason(details: str) -> str:
 
 def _print_summary(s: dict[str, Any], reasons: Counter[str]) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     state = s["strategy_state"] + (" (interrupted)" if s["interrupted"] else "")
     table = Table(title=f"strategy {s['strategy']} ({s['workflow']}): {state}")
@@ -168,7 +172,7 @@ def _print_summary(s: dict[str, Any], reasons: Counter[str]) -> None:
         ft.add_column("target")
         ft.add_column("details")
         for f in s["failures"][:15]:
-            ft.add_row(f["target"], f["details"])
+            ft.add_row(Text(f["target"]), Text(f["details"]))
         if len(s["failures"]) > 15:
             ft.add_row(
                 "...",
@@ -181,9 +185,9 @@ def _print_summary(s: dict[str, Any], reasons: Counter[str]) -> None:
         f"{s['transitions_per_s']} transitions/s"
     )
     if s["check"]["ok"]:
-        console.print("[green]fleetwave check: ok (G1, G3, G7, G8 hold)[/green]")
+        console.print("[green]fleetwave check: ok (G1, G3, G7, G8 hold)[/green]", markup=True)
     else:
-        console.print("[red]fleetwave check: FAILED[/red]")
+        console.print("[red]fleetwave check: FAILED[/red]", markup=True)
         for v in s["check"]["violations"]:
             console.print(f"  {v}")
     console.print(

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, cast
 
 import typer
+from rich.markup import escape
 
 import fleetwave
 from fleetwave.catalog import list_workflows, resolve_workflow
@@ -721,10 +722,13 @@ def check(
                 f"('fleetwave strategy delete {sid}' finishes it)"
             )
         for v in result.violations:
-            console.print(f"[red]violation[/red] {v}")
+            console.print(f"[red]violation[/red] {escape(v)}", markup=True)
         if result.truncated:
             console.print(f"... and {result.truncated} more violations")
-        console.print("[green]ok: G1 G3 G7 G8 hold[/green]" if result.ok else "[red]FAILED[/red]")
+        console.print(
+            "[green]ok: G1 G3 G7 G8 hold[/green]" if result.ok else "[red]FAILED[/red]",
+            markup=True,
+        )
     if not result.ok:
         raise typer.Exit(1)
 
