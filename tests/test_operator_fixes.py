@@ -181,6 +181,7 @@ def test_an_abort_asked_again_succeeds_saying_it_is_under_way(cli: Cli) -> None:
         0,
         f"strategy {sid}: abort already requested (abort-requested)\n",
     )
+    assert again.err == first.err  # still nobody to finish it: said again
     done = apply_wait(cli, sid)  # a conductor finishes the abort
     assert done.json()["state"] == "aborted", done.text
     last = cli("strategy", "abort", str(sid))

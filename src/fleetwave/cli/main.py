@@ -548,23 +548,24 @@ def strategy_abort(strategy_id: StrategyId, db: DbOpt = None) -> None:
     """Abort: nothing new starts; in-flight steps finish their current state."""
     store = existing_store(db)
     before = admin.request_abort(store, strategy_id)
+    if before == StrategyState.ABORTED:
+        console.print(f"strategy {strategy_id}: already aborted")
+        return
     if before is None:
         console.print(f"strategy {strategy_id}: abort requested")
-        who = queries.driving(store, strategy_id)
-        if who.owner is None and who.claimer is None and who.text is not None:
-            # Applying or paused with nobody driving it: a conductor ends its steps.
-            err_console.print(
-                f"warning: no conductor serves {store.url}: the abort of strategy "
-                f"{strategy_id} finishes once 'fleetwave serve' runs (or finish it here: "
-                f"'fleetwave strategy apply {strategy_id} --wait')",
-                markup=False,
-                highlight=False,
-                soft_wrap=True,
-            )
-    elif before == StrategyState.ABORTED:
-        console.print(f"strategy {strategy_id}: already aborted")
     else:
         console.print(f"strategy {strategy_id}: abort already requested ({before})")
+    who = queries.driving(store, strategy_id)
+    if who.owner is None and who.claimer is None and who.text is not None:
+        # Its abort waits for a conductor (none drives it): said each time it is asked.
+        err_console.print(
+            f"warning: no conductor serves {store.url}: the abort of strategy "
+            f"{strategy_id} finishes once 'fleetwave serve' runs (or finish it here: "
+            f"'fleetwave strategy apply {strategy_id} --wait')",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 @strategy_app.command("show")
