@@ -74,8 +74,6 @@ def demo_command(
         raise InputError(f"--failure-rate: must be between 0 and 1, got {failure_rate}")
     if not 0 <= latency_ms <= MAX_LATENCY_MS:
         raise InputError(f"--latency-ms: must be 0 to {MAX_LATENCY_MS}, got {latency_ms:g}")
-    if latency_ms < 0:
-        raise InputError(f"--latency-ms: must not be negative, got {latency_ms}")
     wf = resolve_workflow(None, workflow)  # built-ins and plug-ins: checked before any write
     event_loop.loop_kind()  # a bad FLEETWAVE_LOOP too
     if db is not None and not db.strip():
@@ -140,9 +138,7 @@ def demo_command(
         err_console.print(
             f"stopped: strategy {sid} is still {summary['strategy_state']}; leases handed "
             f"back. Go on with 'fleetwave strategy apply {sid} --wait --db {db}'",
-            markup=False,
             highlight=False,
-            soft_wrap=True,
         )
         raise typer.Exit(130)
     if not verdict.ok:
@@ -156,7 +152,6 @@ def _reason(details: str) -> str:
 
 def _print_summary(s: dict[str, Any], reasons: Counter[str]) -> None:
     from rich.table import Table
-    from rich.text import Text
 
     state = s["strategy_state"] + (" (interrupted)" if s["interrupted"] else "")
     table = Table(title=f"strategy {s['strategy']} ({s['workflow']}): {state}")
@@ -172,7 +167,7 @@ def _print_summary(s: dict[str, Any], reasons: Counter[str]) -> None:
         ft.add_column("target")
         ft.add_column("details")
         for f in s["failures"][:15]:
-            ft.add_row(Text(f["target"]), Text(f["details"]))
+            ft.add_row(f["target"], f["details"])
         if len(s["failures"]) > 15:
             ft.add_row(
                 "...",
@@ -190,7 +185,4 @@ def _print_summary(s: dict[str, Any], reasons: Counter[str]) -> None:
         console.print("[red]fleetwave check: FAILED[/red]", markup=True)
         for v in s["check"]["violations"]:
             console.print(f"  {v}")
-    console.print(
-        f"inspect it: fleetwave step list --strategy {s['strategy']} --db {s['db']}",
-        soft_wrap=True,  # one line, to copy whole
-    )
+    console.print(f"inspect it: fleetwave step list --strategy {s['strategy']} --db {s['db']}")

@@ -45,9 +45,7 @@ def stop_on_signals(stop: asyncio.Event, grace_s: float) -> None:
         err_console.print(
             f"stopping: running actions finish (up to {grace_s:g} s), then the leases are "
             "handed back; Ctrl-C again to stop now",
-            markup=False,
             highlight=False,
-            soft_wrap=True,
         )
 
     for sig in (signal.SIGINT, signal.SIGTERM):

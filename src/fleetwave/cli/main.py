@@ -79,7 +79,7 @@ app.command("sim")(sim_command)
 
 def _print_version(value: bool) -> None:
     if value:
-        console.print(f"fleetwave {fleetwave.__version__}", markup=False, highlight=False)
+        console.print(f"fleetwave {fleetwave.__version__}", highlight=False)
         raise typer.Exit(0)
 
 
@@ -459,9 +459,7 @@ def strategy_apply(
             # so nothing it would need to drive it is asked for (its workflow's code).
             err_console.print(
                 f"strategy {strategy_id} had already ended ({ended['state']}): nothing to drive",
-                markup=False,
                 highlight=False,
-                soft_wrap=True,
             )
             _ended(ended, fmt)
             return
@@ -490,9 +488,7 @@ def strategy_apply(
                 f"warning: no conductor serves {store.url}: strategy {strategy_id} waits until "
                 f"'fleetwave serve' runs (or drive it here: 'fleetwave strategy apply "
                 f"{strategy_id} --wait')",
-                markup=False,
                 highlight=False,
-                soft_wrap=True,
             )
         return
     result = drive_strategy(store, strategy_id, show_progress=fmt is Format.table)
@@ -502,9 +498,7 @@ def strategy_apply(
             f"stopped: strategy {strategy_id} is still {now}"
             f"; leases handed back. Go on with 'fleetwave strategy apply {strategy_id} --wait' "
             "or 'fleetwave serve'",
-            markup=False,
             highlight=False,
-            soft_wrap=True,
         )
         raise typer.Exit(130)
     _ended(queries.get_strategy(store, strategy_id), fmt)
@@ -562,9 +556,7 @@ def strategy_abort(strategy_id: StrategyId, db: DbOpt = None) -> None:
             f"warning: no conductor serves {store.url}: the abort of strategy "
             f"{strategy_id} finishes once 'fleetwave serve' runs (or finish it here: "
             f"'fleetwave strategy apply {strategy_id} --wait')",
-            markup=False,
             highlight=False,
-            soft_wrap=True,
         )
 
 
@@ -624,7 +616,7 @@ def strategy_delete(strategy_id: StrategyId, db: DbOpt = None) -> None:
             )
         else:
             said = f"stopped: nothing deleted; strategy {strategy_id} is still {now}"
-        err_console.print(said, markup=False, highlight=False)
+        err_console.print(said, highlight=False)
         raise typer.Exit(130) from None
     console.print(f"strategy {strategy_id} deleted")
 
@@ -751,7 +743,6 @@ def serve(db: DbOpt = None) -> None:
         err_console.print(
             f"warning: {plural(len(others), 'conductor')} already {verb} {store.url} "
             f"({', '.join(others)}): they share its strategies, each driven by one",
-            markup=False,
             highlight=False,
         )
 
@@ -813,7 +804,7 @@ def _fail(message: str, code: int) -> None:
     No line for an empty message: ``fleetwave`` alone prints its help and exits 2.
     """
     if message:
-        output.err_console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+        output.err_console.print(f"error: {message}", highlight=False)
     sys.exit(code)
 
 

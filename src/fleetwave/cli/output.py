@@ -15,13 +15,12 @@ from typing import Any
 from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
-from rich.text import Text
 
 # A message is one line however long (the terminal wraps it on screen; a pipe, grep or
 # a log keeps it whole): Rich would break it at 80 columns when not writing to a
 # terminal. Tables are still drawn to the width.
-# No markup unless a call asks for it: what is printed holds operators' and targets'
-# text (a message with "[/tmp/sock]" made Rich fail).
+# No markup unless a call asks for it: what is printed, table cells too, holds
+# operators' and targets' text (a message with "[/tmp/sock]" made Rich fail).
 console = Console(soft_wrap=True, markup=False)
 err_console = Console(stderr=True, soft_wrap=True, markup=False)
 
@@ -32,7 +31,7 @@ class ConsoleLogHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            err_console.print(self.format(record), markup=False, highlight=False, soft_wrap=True)
+            err_console.print(self.format(record), highlight=False)
         except Exception:
             self.handleError(record)
 
@@ -57,12 +56,6 @@ def utc_log_formatter() -> logging.Formatter:
     )
     formatter.converter = time.gmtime
     return formatter
-
-
-def _text(value: str) -> Text:
-    """A cell as it is: a target's message may hold brackets ("[/tmp/sock]") that Rich
-    would read as markup (and fail on, or drop)."""
-    return Text(value)
 
 
 def _cell(key: str, value: Any) -> str:
@@ -115,7 +108,7 @@ def emit_rows(
     for i, col in enumerate(columns):
         table.add_column(col, no_wrap=whole_first and i == 0, overflow="fold", width=widths[i])
     for row in head:
-        table.add_row(*(_text(_cell(c, row.get(c))) for c in columns))
+        table.add_row(*(_cell(c, row.get(c)) for c in columns))
     console.print(table, soft_wrap=False)  # a drawn table: its title centred
     if not head:
         console.print("(none)")
@@ -223,7 +216,7 @@ def emit_one(obj: dict[str, Any], fmt: Format) -> None:
     for key, value in obj.items():
         if isinstance(value, list) and value and isinstance(value[0], dict):
             continue
-        table.add_row(key, _text(_cell(key, value)))
+        table.add_row(key, _cell(key, value))
     console.print(table, soft_wrap=False)  # a drawn table: its title centred
     for key, value in obj.items():
         if isinstance(value, list) and value and isinstance(value[0], dict):

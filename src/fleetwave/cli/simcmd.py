@@ -70,9 +70,9 @@ def sim_command(
             )
             results.append(res)
             if fmt is Format.table:
-                console.print(res.line(), markup=False, highlight=False)
+                console.print(res.line(), highlight=False)
                 for v in res.violations[:20]:
-                    console.print(f"  violation: {v}", markup=False, highlight=False)
+                    console.print(f"  violation: {v}", highlight=False)
             if not res.ok:
                 failed.append(s)
     except KeyboardInterrupt:
@@ -84,7 +84,6 @@ def sim_command(
         err_console.print(
             f"interrupted after {plural(len(results), 'finished run')} of {runs}"
             + (f"; FAILED seeds: {failed}" if failed else ", all ok"),
-            markup=False,
             highlight=False,
         )
         raise typer.Exit(130)
@@ -92,9 +91,8 @@ def sim_command(
         console.print(
             f"FAILED seeds: {failed}; replay one with: fleetwave sim --seed {failed[0]} "
             f"--targets {targets} --workflow {workflow} --faults {faults}",
-            markup=False,
         )
     elif fmt is Format.table:
-        console.print(f"{plural(runs, 'run')} ok", markup=False)
+        console.print(f"{plural(runs, 'run')} ok")
     if failed:
         raise typer.Exit(1)
