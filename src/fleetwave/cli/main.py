@@ -480,8 +480,7 @@ def strategy_apply(
         if who.owner is not None:
             console.print(f"strategy {strategy_id} {now}; driven by conductor {who.owner}")
         elif who.claimer is not None:
-            # whoever it is (several may serve): what `strategy show` says, after "yet: "
-            console.print(f"strategy {strategy_id} {now}; {str(who.text).split('yet: ', 1)[-1]}")
+            console.print(f"strategy {strategy_id} {now}; {who.claim}")
         else:
             console.print(f"strategy {strategy_id} {now}; nothing drives it yet")
             err_console.print(

@@ -234,6 +234,9 @@ class Driving:
     #: ``driven_by``: the same, in words an operator can act on (None when neither
     #: driven nor to be driven)
     text: str | None
+    #: with ``claimer``: ``text`` after "nobody yet: " (why not driven now, if it was,
+    #: and who serves the database and will claim it)
+    claim: str | None = None
 
 
 def driving(store: Store, sid: int, now: float | None = None) -> Driving:
@@ -259,15 +262,13 @@ def _driving(store: Store, r: Any, now: float) -> Driving:
         lapsed = f"the lease of conductor {r.owner} ran out {ago:.0f}s ago; "
     else:
         lapsed = f"conductor {r.owner} is gone; "
-    if len(serving) > 1:
-        text = (
-            f"nobody yet: {lapsed}conductors {', '.join(serving)} serve this database; "
-            "one of them claims it"
-        )
-        return Driving(None, serving[0], text)
     if serving:
-        text = f"nobody yet: {lapsed}conductor {serving[0]} serves this database and claims it"
-        return Driving(None, serving[0], text)
+        claim = lapsed + (
+            f"conductors {', '.join(serving)} serve this database; one of them claims it"
+            if len(serving) > 1
+            else f"conductor {serving[0]} serves this database and claims it"
+        )
+        return Driving(None, serving[0], f"nobody yet: {claim}", claim)
     return Driving(
         None,
         None,
