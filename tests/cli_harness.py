@@ -106,3 +106,12 @@ def targets(cli: Cli) -> dict[str, dict[str, Any]]:
     res = cli("target", "list", "--format", "json")
     assert res.code == 0, res.text
     return {t["name"]: t for t in res.json()}
+
+
+def import_refused(cli: Cli, f: Path, text: str) -> str:
+    """Write ``text`` to ``f`` and import it into a fleet with no targets: the one
+    ``error:`` line (see :func:`one_line`); nothing was added."""
+    f.write_text(text, encoding="utf-8")
+    line = one_line(cli("target", "import", str(f)))
+    assert targets(cli) == {}
+    return line

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from cli_harness import Cli, one_line, targets
+from cli_harness import Cli, import_refused, one_line, targets
 from fleetwave.cli.parsing import read_text_file, scalar
 from fleetwave.domain.errors import InputError
 from fleetwave.domain.workflow import WorkflowError
@@ -90,28 +90,22 @@ def test_yaml_syntax_error_in_target_import_is_one_line_with_line_and_column(
     cli: Cli, tmp_path: Path
 ) -> None:
     f = tmp_path / "fleet.yaml"
-    f.write_text("- name: a\n- name: [unclosed\n", encoding="utf-8")
-    line = one_line(cli("target", "import", str(f)))
+    line = import_refused(cli, f, "- name: a\n- name: [unclosed\n")
     assert line.startswith(f"error: {f}: not valid YAML at line 3, column 1: "), line
-    assert targets(cli) == {}
 
 
 def test_yaml_import_refuses_a_key_given_twice(cli: Cli, tmp_path: Path) -> None:
     f = tmp_path / "fleet.yaml"
-    f.write_text("- name: a\n- name: b\n  name: c\n", encoding="utf-8")
-    line = one_line(cli("target", "import", str(f)))
+    line = import_refused(cli, f, "- name: a\n- name: b\n  name: c\n")
     assert line == (
         f"error: {f}: not valid YAML at line 3, column 3: duplicate key 'name' (also on line 2)"
     )
-    assert targets(cli) == {}
 
 
 def test_csv_row_with_more_fields_than_the_header_is_refused(cli: Cli, tmp_path: Path) -> None:
     f = tmp_path / "fleet.csv"
-    f.write_text("name,group\nn1,\nn2,,latency_ms=5\n", encoding="utf-8")
-    line = one_line(cli("target", "import", str(f)))
+    line = import_refused(cli, f, "name,group\nn1,\nn2,,latency_ms=5\n")
     assert line == f"error: {f} line 3: 3 fields, but the first line names 2 columns"
-    assert targets(cli) == {}
 
 
 def test_csv_trailing_empty_fields_lose_nothing_and_are_taken(cli: Cli, tmp_path: Path) -> None:
@@ -124,21 +118,16 @@ def test_csv_trailing_empty_fields_lose_nothing_and_are_taken(cli: Cli, tmp_path
 
 def test_csv_header_naming_a_column_twice_is_refused(cli: Cli, tmp_path: Path) -> None:
     f = tmp_path / "fleet.csv"
-    f.write_text("name,latency_ms,latency_ms\nn1,5,6\n", encoding="utf-8")
-    line = one_line(cli("target", "import", str(f)))
+    line = import_refused(cli, f, "name,latency_ms,latency_ms\nn1,5,6\n")
     assert line == f"error: {f} line 1: column 'latency_ms' appears twice"
-    assert targets(cli) == {}
 
 
 def test_csv_the_csv_module_refuses_is_one_line(cli: Cli, tmp_path: Path) -> None:
     f = tmp_path / "fleet.csv"
-    f.write_text("name,fail_at\nn1,\nn2," + "x" * 200_000 + "\n", encoding="utf-8")
-    line = one_line(cli("target", "import", str(f)))
+    line = import_refused(cli, f, "name,fail_at\nn1,\nn2," + "x" * 200_000 + "\n")
     assert line.startswith(f"error: {f} line 3: not valid CSV: field larger than"), line
-    f.write_text("name\nn1\nn\x002\n", encoding="utf-8")
-    line = one_line(cli("target", "import", str(f)))
+    line = import_refused(cli, f, "name\nn1\nn\x002\n")
     assert line.startswith(f"error: {f} line 3: name: 'n\\x002' is not allowed"), line
-    assert targets(cli) == {}
 
 
 # -- errors found at the database name the file and line ----------------------------------
@@ -146,10 +135,8 @@ def test_csv_the_csv_module_refuses_is_one_line(cli: Cli, tmp_path: Path) -> Non
 
 def test_unknown_group_names_the_csv_line(cli: Cli, tmp_path: Path) -> None:
     f = tmp_path / "fleet.csv"
-    f.write_text("name,group\nn1,\nn2,nosuch\n", encoding="utf-8")
-    line = one_line(cli("target", "import", str(f)))
+    line = import_refused(cli, f, "name,group\nn1,\nn2,nosuch\n")
     assert line == f"error: {f} line 3: target n2: group: no group named 'nosuch'"
-    assert targets(cli) == {}
 
 
 def test_existing_target_names_the_line_of_the_first_clash(cli: Cli, tmp_path: Path) -> None:

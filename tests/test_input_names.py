@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from sqlalchemy import insert
 
-from cli_harness import Cli, assert_rejected, one_line, targets
+from cli_harness import Cli, assert_rejected, import_refused, one_line, targets
 from fleetwave.domain.models import NAME_MAX, name_problem
 from fleetwave.store.db import open_store
 from fleetwave.store.schema import groups as groups_table
@@ -91,10 +91,8 @@ def test_names_inside_the_rule_are_accepted(cli: Cli, name: str) -> None:
 
 def test_csv_import_refuses_a_bad_name_naming_the_line(cli: Cli, tmp_path: Path) -> None:
     f = tmp_path / "fleet.csv"
-    f.write_text('name,group\nok1,\n"bad name",\nok2,\n', encoding="utf-8")
-    line = one_line(cli("target", "import", str(f)))
+    line = import_refused(cli, f, 'name,group\nok1,\n"bad name",\nok2,\n')
     assert line.startswith(f"error: {f} line 3: name: 'bad name' is not allowed"), line
-    assert targets(cli) == {}
 
 
 def test_csv_import_refuses_a_comma_or_newline_inside_a_quoted_name(
@@ -103,10 +101,8 @@ def test_csv_import_refuses_a_comma_or_newline_inside_a_quoted_name(
     f = tmp_path / "fleet.csv"
     f.write_text('name\nok1\n"a,b"\n', encoding="utf-8")
     assert_rejected(cli("target", "import", str(f)), "line 3", "'a,b'", "not allowed")
-    f.write_text('name\nok1\n"a\nb"\n', encoding="utf-8")
-    line = one_line(cli("target", "import", str(f)))
+    line = import_refused(cli, f, 'name\nok1\n"a\nb"\n')
     assert "line 4" in line and "'a\\nb' is not allowed" in line  # the record ends on line 4
-    assert targets(cli) == {}
 
 
 @pytest.mark.parametrize(
@@ -129,11 +125,9 @@ def test_yaml_import_name_group_and_driver_must_be_text(
 ) -> None:
     assert cli("group", "add", "a").code == 0
     f = tmp_path / "fleet.yaml"
-    f.write_text(body, encoding="utf-8")
-    line = one_line(cli("target", "import", str(f)))
+    line = import_refused(cli, f, body)
     for word in words:
         assert word in line, (word, line)
-    assert targets(cli) == {}
 
 
 def test_yaml_import_takes_a_whole_number_as_its_digits(cli: Cli, tmp_path: Path) -> None:
@@ -149,10 +143,8 @@ def test_yaml_import_takes_a_whole_number_as_its_digits(cli: Cli, tmp_path: Path
 
 def test_yaml_group_as_a_number_that_is_not_there_names_the_row(cli: Cli, tmp_path: Path) -> None:
     f = tmp_path / "fleet.yaml"
-    f.write_text("- name: a\n- name: b\n  group: 5\n", encoding="utf-8")
-    line = one_line(cli("target", "import", str(f)))
+    line = import_refused(cli, f, "- name: a\n- name: b\n  group: 5\n")
     assert line == f"error: {f} targets[1]: target b: group: no group named '5'"
-    assert targets(cli) == {}
 
 
 def test_names_stored_before_the_rule_are_left_alone(cli: Cli, db_path: Path) -> None:
