@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from cli_harness import PATCH_STATES, Cli, Result, assert_rejected
+from cli_harness import PATCH_STATES, Cli, Result, assert_rejected, one_line
 from fleetwave.store.runtime import HOSTNAME
 
 
@@ -117,6 +117,11 @@ def test_create_by_group_takes_only_that_group(cli: Cli) -> None:
         (["--workflow", "nosuch", "--all"], ["unknown workflow 'nosuch'", "patch"]),
         (["--workflow", "patch", "--targets", "a,ghost"], ["--targets", "ghost"]),
         (["--workflow", "patch", "--targets", ","], ["--targets", "no target names"]),
+        (["--workflow", "patch", "--targets", "a,b,a"], ["--targets", "'a' given more than once"]),
+        (
+            ["--workflow", "patch", "--targets", "a,gh1,gh2"],
+            ["--targets: no targets named 'gh1', 'gh2'"],
+        ),
         (["--workflow", "patch", "--all", "--max-parallel", "0"], ["--max-parallel", "0"]),
         (["--workflow", "patch", "--all", "--max-parallel", "-1"], ["--max-parallel", "-1"]),
         (["--workflow", "patch", "--all", "--max-failures", "-1"], ["--max-failures", "-1"]),
@@ -1045,3 +1050,17 @@ def test_a_callback_stored_while_its_strategy_is_deleted_goes_with_it(
     monkeypatch.undo()
     with sqlite3.connect(db_path) as conn:
         assert conn.execute("SELECT count(*) FROM callbacks").fetchone()[0] == 0
+
+
+def test_many_unknown_or_repeated_targets_are_named_a_few_at_a_time(cli: Cli) -> None:
+    add(cli, "a")
+    ghosts = ",".join(f"g{i}" for i in range(8))
+    line = one_line(cli("strategy", "create", "--workflow", "patch", "--targets", f"a,{ghosts}"))
+    assert "'g0', 'g1', 'g2', 'g3', 'g4' (and 3 more)" in line, line
+    twice = "a," * 3 + "b,b"
+    add(cli, "b")
+    line = one_line(cli("strategy", "create", "--workflow", "patch", "--targets", twice))
+    assert "--targets: 'a', 'b' given more than once" in line, line
+    assert strategies(cli) == []
+    # spaces around names and empty entries (a trailing comma) are not repeats
+    create(cli, "--targets", " a , b,")

@@ -66,8 +66,11 @@ StepId = Annotated[int, typer.Argument(parser=whole_number, metavar="ID", help="
 _created: list[tuple[Path, Store]] = []
 
 
-def store_for(db: str | None, *, create: bool = True) -> Store:
-    """The command's database, created (and migrated) if ``create`` and none is there.
+def store_for(db: str | None, *, create: bool = True, upgrade: bool = False) -> Store:
+    """The command's database, created (at this fleetwave's schema) if ``create`` and
+    none is there. An older schema is refused (``SchemaOutdated``) unless ``upgrade``:
+    only ``init`` upgrades one, so that installing a newer fleetwave changes no
+    database behind the conductors still using it.
 
     Commands that read, or change what is already there, pass ``create=False``: a
     mistyped ``--db`` or ``FLEETWAVE_DB`` then gets an error, instead of a new empty
@@ -84,7 +87,7 @@ def store_for(db: str | None, *, create: bool = True) -> Store:
         # An empty file (a typo'd `touch`, a failed copy): opening it would make it a
         # new, empty database, shown as if it were the fleet.
         raise InputError(f"{_named(db)}: {target} is an empty file, not a database{_hint(db)}")
-    store = open_store(target)
+    store = open_store(target, upgrade=upgrade)
     if fresh:
         _created.append((path, store))
     return store

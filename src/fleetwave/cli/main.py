@@ -54,7 +54,14 @@ from fleetwave.engine import loop as event_loop
 from fleetwave.engine.conductor import Conductor
 from fleetwave.store import admin, queries
 from fleetwave.store.admin import MAX_PARALLEL
-from fleetwave.store.db import StoreError
+from fleetwave.store.db import (
+    HEAD_REVISION,
+    SchemaOutdated,
+    StoreError,
+    default_db_path,
+    migrate,
+    open_store,
+)
 from fleetwave.testing.invariants import check as check_invariants
 
 app = typer.Typer(
@@ -95,8 +102,26 @@ def _root(
 
 @app.command()
 def init(db: DbOpt = None) -> None:
-    """Create (or upgrade) the database."""
-    store = store_for(db)
+    """Create the database, or upgrade an older fleetwave's to this one's schema."""
+    try:
+        store = store_for(db)
+    except SchemaOutdated as old:
+        # Upgrading under a running conductor of the older fleetwave would change its
+        # tables under it: every conductor using the database stops first.
+        store = open_store(db or default_db_path(), migrate_schema=False)
+        running = queries.running_conductors(store)
+        if running:
+            names = ", ".join(f"{c['id']} (host {c['hostname']}, pid {c['pid']})" for c in running)
+            raise InputError(
+                f"--db: {store.url} is in use by conductor{'s' if len(running) > 1 else ''} "
+                f"{names}: stop {'them' if len(running) > 1 else 'it'}, then run "
+                "'fleetwave init' again (nothing was changed)"
+            ) from None
+        migrate(store)
+        console.print(
+            f"database upgraded from schema revision {old.revision} to {HEAD_REVISION}: {store.url}"
+        )
+        return
     console.print(f"database ready: {store.url}")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -299,6 +300,12 @@ def options_from_json(raw: str) -> StrategyOptions:
     return opts
 
 
+def _some(names: list[str], shown: int = 5) -> str:
+    """Names quoted for a message: the first few, and how many more."""
+    quoted = ", ".join(f"'{n}'" for n in names[:shown])
+    return quoted + (f" (and {len(names) - shown} more)" if len(names) > shown else "")
+
+
 def create_strategy(
     store: Store,
     wf: WorkflowDef,
@@ -322,16 +329,27 @@ def create_strategy(
     with store.write() as conn:
         q = select(targets.c.id, targets.c.name, targets.c.group_id)
         if target_names is not None:
-            names = list(dict.fromkeys(n.strip() for n in target_names if n.strip()))
+            given = [n.strip() for n in target_names if n.strip()]
+            names = list(dict.fromkeys(given))
             if not names:
                 raise InputError("--targets: no target names given")
+            if len(names) < len(given):
+                # A name given twice is most often a typo for another target, which
+                # would then be left out of the rollout without a word.
+                counts = Counter(given)
+                twice = [n for n in names if counts[n] > 1]
+                raise InputError(f"--targets: {_some(twice)} given more than once")
             rows = []
             for start in range(0, len(names), 500):
                 rows += list(conn.execute(q.where(targets.c.name.in_(names[start : start + 500]))))
             found = {r.name for r in rows}
             missing = [n for n in names if n not in found]
             if missing:
-                raise NotFound(f"--targets: no target named '{missing[0]}'")
+                raise NotFound(
+                    f"--targets: no target named {_some(missing)}"
+                    if len(missing) == 1
+                    else f"--targets: no targets named {_some(missing)}"
+                )
         elif group is not None:
             gid = _group_ids(conn).get(group)
             if gid is None:

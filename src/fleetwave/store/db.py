@@ -135,9 +135,20 @@ def _sqlite_engine(path: str, synchronous: str) -> Engine:
 
 
 def open_store(
-    db: str | None = None, *, synchronous: str = "FULL", migrate_schema: bool = True
+    db: str | None = None,
+    *,
+    synchronous: str = "FULL",
+    migrate_schema: bool = True,
+    upgrade: bool = True,
 ) -> Store:
-    """Open (and create or upgrade) the database at a path or SQLAlchemy URL."""
+    """Open the database at a path, creating its schema when the file is new.
+
+    ``upgrade``: bring an older schema to this fleetwave's (the library's default;
+    ``fleetwave init``). With ``upgrade=False`` an older schema is refused with
+    :class:`SchemaOutdated` instead: every other command, so that upgrading
+    fleetwave's package changes no database behind the conductors still using it.
+    ``migrate_schema=False`` only checks that the file is a database at all.
+    """
     target = db or default_db_path()
     if synchronous.upper() not in {"FULL", "NORMAL", "OFF", "EXTRA"}:
         raise StoreError(f"synchronous: unknown SQLite level '{synchronous}'")
@@ -146,12 +157,15 @@ def open_store(
     store = Store(engine, SQLITE, target)
     try:
         if migrate_schema:
-            migrate(store)
+            migrate(store, upgrade=upgrade)
         else:
             current_revision(store)  # fail here, not in the middle of a command
     except DatabaseError as exc:
         engine.dispose()
         raise StoreError(f"--db: cannot use {target}: {exc.orig}") from None
+    except StoreError:
+        engine.dispose()
+        raise
     return store
 
 
@@ -172,11 +186,32 @@ def current_revision(store: Store) -> str | None:
         return None if row is None else str(row[0])
 
 
-def migrate(store: Store) -> None:
-    """Bring the schema to head with Alembic (a no-op when it is already there)."""
+class SchemaOutdated(StoreError):
+    """The database's schema is older than this fleetwave's: ``fleetwave init`` upgrades it."""
+
+    def __init__(self, url: str, revision: str) -> None:
+        self.revision = revision
+        super().__init__(
+            f"--db: {url} has schema revision {revision}, this fleetwave needs "
+            f"{HEAD_REVISION}: run 'fleetwave init' on it to upgrade it (stop the "
+            "conductors using it first)"
+        )
+
+
+def known_revisions() -> list[str]:
+    """Every schema revision this fleetwave knows, oldest first ("0001", ...)."""
+    return sorted(p.name[:4] for p in (MIGRATIONS_DIR / "versions").glob("[0-9]*_*.py"))
+
+
+def migrate(store: Store, *, upgrade: bool = True) -> str | None:
+    """Bring the schema to head with Alembic; returns the revision it had (None: new).
+
+    A no-op when it is already there. ``upgrade=False`` only creates the schema of a
+    new database, and refuses an older one (:class:`SchemaOutdated`).
+    """
     rev = current_revision(store)
     if rev == HEAD_REVISION:
-        return
+        return rev
     if rev is None:
         with store.read() as conn:
             tables = inspect(conn).get_table_names()
@@ -187,17 +222,19 @@ def migrate(store: Store) -> None:
                 f"--db: {store.url} is an SQLite database of something else "
                 f"(tables: {', '.join(sorted(tables)[:5])}), not fleetwave's"
             )
+    elif rev not in known_revisions():
+        raise StoreError(
+            f"--db: {store.url} has schema revision {rev}, newer than this fleetwave "
+            f"({HEAD_REVISION}): upgrade fleetwave"
+        )
+    elif not upgrade:
+        raise SchemaOutdated(store.url, rev)
     from alembic import command
     from alembic.config import Config
-    from alembic.script import ScriptDirectory
 
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
-    known = {s.revision for s in ScriptDirectory.from_config(cfg).walk_revisions()}
-    if rev is not None and rev not in known:
-        raise StoreError(
-            f"database schema revision {rev} is newer than this fleetwave; upgrade fleetwave"
-        )
     with store.engine.begin() as conn:
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
+    return rev

@@ -212,6 +212,27 @@ def serving_conductors(store: Store, now: float | None = None) -> list[dict[str,
     ]
 
 
+def running_conductors(store: Store, now: float | None = None) -> list[dict[str, Any]]:
+    """Conductors of any kind (``serve``, ``apply --wait``, ``demo``) alive on this
+    database: not stopped, renewed lately, and (on this host) their process is there.
+
+    Plain SQL on columns every schema revision has: ``init`` asks it before upgrading.
+    """
+    now = time.time() if now is None else now
+    with store.read() as conn:
+        rows = conn.exec_driver_sql(
+            "SELECT id, hostname, pid FROM conductors "
+            f"WHERE stopped_at IS NULL AND heartbeat_at >= {store.hooks.placeholder} "
+            "ORDER BY id",
+            (now - SERVING_WITHIN_S,),
+        ).all()
+    return [
+        {"id": r.id, "hostname": r.hostname, "pid": r.pid}
+        for r in rows
+        if not conductor_gone(r.hostname, r.pid, None)
+    ]
+
+
 def _owner_gone(store: Store, owner: str) -> bool:
     """The owner stopped, or its process on this host is gone (a claim takes over now)."""
     with store.read() as conn:

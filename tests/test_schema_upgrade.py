@@ -1,0 +1,161 @@
+"""Only ``fleetwave init`` upgrades an older database: a newer fleetwave installed
+next to conductors still running the older one must not change their tables under
+them the first time anyone runs ``fleetwave target list``."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+
+from cli_harness import Cli, one_line
+from fleetwave.store.db import (
+    HEAD_REVISION,
+    MIGRATIONS_DIR,
+    SchemaOutdated,
+    StoreError,
+    current_revision,
+    known_revisions,
+    open_store,
+)
+from fleetwave.store.runtime import HOSTNAME
+
+OLD = "0005"
+
+
+def _database_at(path: Path, revision: str) -> None:
+    """A database file as a fleetwave of that schema revision left it, with a target."""
+    engine = sa.create_engine(f"sqlite:///{path}")
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, revision)
+        conn.exec_driver_sql(
+            "INSERT INTO targets (id, name, driver, settings, managed, labels, created_at) "
+            "VALUES (1, 'site-1', 'sim', '{}', 1, '{}', 0)"
+        )
+    engine.dispose()
+
+
+def _revision(path: Path) -> str | None:
+    store = open_store(str(path), migrate_schema=False)
+    try:
+        return current_revision(store)
+    finally:
+        store.dispose()
+
+
+def _dump(path: Path) -> list[str]:
+    """The database's schema and rows, as SQL."""
+    conn = sqlite3.connect(path)
+    try:
+        return list(conn.iterdump())
+    finally:
+        conn.close()
+
+
+def _conductor(path: Path, *, pid: int, hostname: str = HOSTNAME, age_s: float = 0.0) -> None:
+    """A conductor row as a running (or crashed) conductor of the old fleetwave left it."""
+    engine = sa.create_engine(f"sqlite:///{path}")
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO conductors (id, hostname, pid, started_at, heartbeat_at) "
+            "VALUES ('c-old', ?, ?, 0, ?)",
+            (hostname, pid, time.time() - age_s),
+        )
+    engine.dispose()
+
+
+def test_the_revisions_known_end_at_head() -> None:
+    known = known_revisions()
+    assert known[0] == "0001" and known[-1] == HEAD_REVISION
+    assert OLD in known and known == sorted(set(known))
+
+
+def test_a_command_other_than_init_refuses_an_older_schema_and_changes_nothing(
+    cli: Cli, tmp_path: Path
+) -> None:
+    old = tmp_path / "old.db"
+    _database_at(old, OLD)
+    before = _dump(old)
+    for args in (("target", "list"), ("strategy", "list"), ("serve",), ("group", "add", "g")):
+        line = one_line(cli(*args, db=old))
+        assert f"schema revision {OLD}" in line and HEAD_REVISION in line, line
+        assert "fleetwave init" in line, line
+    assert _revision(old) == OLD
+    assert _dump(old) == before  # (opening it switched it to WAL mode: nothing else)
+
+
+def test_init_upgrades_an_older_schema_and_keeps_its_rows(cli: Cli, tmp_path: Path) -> None:
+    old = tmp_path / "old.db"
+    _database_at(old, OLD)
+    res = cli("init", db=old)
+    assert res.code == 0, res.text
+    assert f"upgraded from schema revision {OLD} to {HEAD_REVISION}" in res.out
+    assert _revision(old) == HEAD_REVISION
+    listed = cli("target", "list", "--format", "json", db=old)
+    assert listed.code == 0, listed.text
+    assert [t["name"] for t in listed.json()] == ["site-1"]
+    again = cli("init", db=old)
+    assert again.code == 0 and "database ready" in again.out, again.text
+
+
+def test_init_does_not_upgrade_under_a_running_conductor(cli: Cli, tmp_path: Path) -> None:
+    old = tmp_path / "old.db"
+    _database_at(old, OLD)
+    _conductor(old, pid=1)  # pid 1 is always there
+    line = one_line(cli("init", db=old))
+    assert "in use by conductor c-old" in line and "nothing was changed" in line, line
+    assert _revision(old) == OLD
+
+
+def test_init_upgrades_past_a_conductor_known_to_be_gone(cli: Cli, tmp_path: Path) -> None:
+    """A crashed conductor on this host (its process is gone), and one silent for longer
+    than a lease renewal takes, hold nothing up."""
+    old = tmp_path / "old.db"
+    _database_at(old, OLD)
+    _conductor(old, pid=2**22 + 12345)  # above the kernel's pid_max: never a process
+    assert cli("init", db=old).code == 0
+    assert _revision(old) == HEAD_REVISION
+
+    silent = tmp_path / "silent.db"
+    _database_at(silent, OLD)
+    _conductor(silent, pid=1, hostname="elsewhere", age_s=3600)
+    assert cli("init", db=silent).code == 0
+    assert _revision(silent) == HEAD_REVISION
+
+
+def test_the_library_default_still_upgrades_and_upgrade_false_refuses(tmp_path: Path) -> None:
+    old = tmp_path / "old.db"
+    _database_at(old, OLD)
+    try:
+        open_store(str(old), upgrade=False)
+    except SchemaOutdated as exc:
+        assert exc.revision == OLD
+    else:
+        raise AssertionError("an older schema was opened without upgrade")
+    open_store(str(old)).dispose()
+    assert _revision(old) == HEAD_REVISION
+
+
+def test_a_newer_schema_is_refused_by_every_command(cli: Cli, tmp_path: Path) -> None:
+    new = tmp_path / "new.db"
+    open_store(str(new)).dispose()
+    engine = sa.create_engine(f"sqlite:///{new}")
+    with engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE alembic_version SET version_num = '9999'")
+    engine.dispose()
+    for args in (("init",), ("target", "list")):
+        line = one_line(cli(*args, db=new))
+        assert "9999" in line and "newer than this fleetwave" in line, line
+    try:
+        open_store(str(new))
+    except StoreError as exc:
+        assert "upgrade fleetwave" in str(exc)
+    else:
+        raise AssertionError("a newer schema was opened")
