@@ -429,7 +429,69 @@ def test_a_step_waiting_to_retry_shows_why_and_which_attempt_comes(store: Store)
     due = [datetime.strptime(d[-20:], "%Y-%m-%d %H:%M:%SZ") for d in (first, second)]
     assert (due[1] - due[0]).total_seconds() == 80  # attempt 2 ran at once, then 80 s backoff
     done = queries.list_steps(store, sid)[0]
-    assert (done["state"], done["attempt"], done["details"]) == ("complete", 3, "")
+    assert (done["state"], done["attempt"]) == ("complete", 3)
+    assert done["details"] == "install: done at attempt 3"
+
+
+def test_a_state_entered_after_retries_counts_its_own_attempts(store: Store) -> None:
+    """The step's attempt is its current state's: entering the next state after the
+    first took three attempts shows attempt 1 (it showed 3); the journal keeps that
+    the first state needed three."""
+    from fleetwave.domain.models import StrategyOptions
+    from fleetwave.domain.registry import register_workflow
+    from fleetwave.domain.workflow import (
+        ActionContext,
+        Advance,
+        Outcome,
+        StateAction,
+        StateDef,
+        TransientError,
+        WorkflowDef,
+    )
+    from fleetwave.engine.clock import LoopClock
+    from fleetwave.engine.conductor import Conductor
+    from fleetwave.store import admin, queries
+
+    seen: list[tuple[str, int]] = []
+
+    class BusyTwice(StateAction):
+        async def run(self, ctx: ActionContext) -> Outcome:
+            if ctx.attempt < 3:
+                raise TransientError("target busy")
+            return Advance()
+
+    class Look(StateAction):
+        async def run(self, ctx: ActionContext) -> Outcome:
+            row = queries.list_steps(store, ctx.strategy_id)[0]
+            seen.append((str(row["state"]), int(row["attempt"])))
+            return Advance()
+
+    wf = register_workflow(
+        WorkflowDef(
+            "busy-then-look",
+            (
+                StateDef("install", BusyTwice(), attempts_max=3, backoff_s=5),
+                StateDef("verify", Look()),
+            ),
+        ),
+        replace=True,
+    )
+    add_sim_targets(store, 1)
+    sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
+    admin.apply_strategy(store, sid)
+
+    async def main() -> dict[int, str]:
+        return await Conductor(store, clock=LoopClock()).run(strategy_ids=[sid])
+
+    assert on_virtual_time(main())[sid] == "complete"
+    assert seen == [("verify", 1)]
+    moves = [(h["from"], h["to"], h["details"]) for h in queries.history(store, sid)]
+    assert moves == [
+        ("initial", "install", ""),
+        ("install", "verify", "install: done at attempt 3"),
+        ("verify", "complete", ""),
+    ]
+    assert queries.list_steps(store, sid)[0]["attempt"] == 1  # verify's one attempt
 
 
 # -- tables at 80 columns keep every name whole ---------------------------------------------
@@ -654,6 +716,10 @@ def test_ctrl_c_on_a_sim_sweep_keeps_the_runs_done(
     assert res.code == 130, res.text
     assert [r["seed"] for r in res.json()] == [1, 2]
     assert res.err.startswith("interrupted after 2 finished runs of 10"), res.err
+    assert (
+        "seed 3 was cut short. Go on with: fleetwave sim --seed 3 --runs 8 --targets 20 "
+        "--workflow patch --faults all" in res.text
+    ), res.err
 
 
 def test_the_same_version_naming_another_python_class_of_the_same_name_is_refused(

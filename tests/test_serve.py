@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from sqlalchemy import select
@@ -91,3 +92,95 @@ def test_serve_drives_apply_and_a_second_process_only_watches(tmp_path: Path) ->
     assert len(serves_all) == 2
     assert check(store, sid).ok
     store.dispose()
+
+
+def _owner(db: str, sid: int) -> str | None:
+    shown = _cli(db, "strategy", "show", str(sid), "--format", "json")
+    return json.loads(shown.stdout)["owner"]  # type: ignore[no-any-return]
+
+
+def _wait_for(what: str, cond: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_a_frozen_conductor_is_taken_over_and_fenced_off_when_it_wakes(tmp_path: Path) -> None:
+    """The seeds' zombie, with real processes: a ``serve`` frozen (SIGSTOP, as a long
+    pause) past its lease is taken over by another ``serve``; woken up, it writes
+    nothing more for the strategy, and no state of any step is entered twice."""
+    db = str(tmp_path / "frozen.db")
+    assert _cli(db, "init").returncode == 0
+    csv = tmp_path / "fleet.csv"
+    csv.write_text(
+        "name,latency_ms\n" + "".join(f"s{i:03d},150\n" for i in range(60)), encoding="utf-8"
+    )
+    assert _cli(db, "target", "import", str(csv)).returncode == 0
+    created = _cli(
+        db, "strategy", "create", "--workflow", "patch", "--all", "--max-parallel", "10",
+        "--format", "json",
+    )  # fmt: skip
+    sid = json.loads(created.stdout)["id"]
+
+    def serve() -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [*FLEETWAVE, "serve", "--lease-ttl", "5", "--db", db],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    first = serve()
+    second: subprocess.Popen[str] | None = None
+    try:
+        assert _cli(db, "strategy", "apply", str(sid)).returncode == 0
+        _wait_for("the first serve to claim it", lambda: _owner(db, sid) is not None)
+        a = _owner(db, sid)
+        steps_done = lambda: json.loads(  # noqa: E731
+            _cli(db, "strategy", "show", str(sid), "--format", "json").stdout
+        )["step_states"].get("complete", 0)
+        _wait_for("a few steps to complete", lambda: steps_done() >= 5)
+        first.send_signal(signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        second = serve()
+        _wait_for("the second serve to take it over", lambda: _owner(db, sid) not in (None, a))
+        b = _owner(db, sid)
+        # Not before the lease ran out: the frozen process is still there.
+        assert time.monotonic() - frozen_at >= 4.0
+        first.send_signal(signal.SIGCONT)
+        _wait_for(
+            "the strategy to complete",
+            lambda: (
+                json.loads(_cli(db, "strategy", "show", str(sid), "--format", "json").stdout)[
+                    "state"
+                ]
+                == "complete"
+            ),
+            timeout_s=90,
+        )
+    finally:
+        first.send_signal(signal.SIGCONT)
+        errs = []
+        for proc in (first, second):
+            if proc is not None:
+                proc.send_signal(signal.SIGTERM)
+                errs.append(proc.communicate(timeout=30)[1])
+    assert first.returncode == 0 and second is not None and second.returncode == 0, errs
+    # The woken conductor learnt it had lost the strategy (renewals overdue, or fenced
+    # off by the new owner) and stopped acting on it.
+    assert "lease-lapsing" in errs[0] or "lease lost to another conductor" in errs[0], errs[0]
+
+    hist = json.loads(_cli(db, "history", "--strategy", str(sid), "--format", "json").stdout)
+    assert {h["conductor"] for h in hist} == {a, b}
+    by_step: dict[str, list[str]] = {}
+    for h in hist:  # in the order written
+        by_step.setdefault(h["target"], []).append(h["conductor"])
+    for target, writers in by_step.items():
+        # once the new owner wrote for a step, the old one never did again
+        assert a not in writers[writers.index(b) :] if b in writers else True, (target, writers)
+    entered = [(h["target"], h["to"]) for h in hist]
+    assert len(entered) == len(set(entered))  # no state entered twice (G1)
+    assert {t for t, to in entered if to == "complete"} == {f"s{i:03d}" for i in range(60)}
+    checked = _cli(db, "check", "--strategy", str(sid))
+    assert checked.returncode == 0, checked.stdout

@@ -51,7 +51,12 @@ from fleetwave.domain.registry import get_workflow, load_plugins
 from fleetwave.domain.workflow import WorkflowError, describe_workflow
 from fleetwave.domain.yaml_workflow import MAX_SECONDS, parse_workflow_yaml
 from fleetwave.engine import loop as event_loop
-from fleetwave.engine.conductor import Conductor
+from fleetwave.engine.conductor import (
+    LEASE_TTL_MAX_S,
+    LEASE_TTL_MIN_S,
+    Conductor,
+    EngineConfig,
+)
 from fleetwave.store import admin, queries
 from fleetwave.store.admin import MAX_PARALLEL
 from fleetwave.store.db import (
@@ -467,14 +472,42 @@ def strategy_create(
         console.print(f"strategy {sid} created ({wf.name})")
 
 
+LeaseTtlOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--lease-ttl",
+        metavar="SECONDS",
+        help=f"lease length (default {EngineConfig.lease_ttl_s:g}): a conductor lost on "
+        "another host is taken over this long after its last renewal",
+    ),
+]
+
+
+def _engine_config(lease_ttl: float | None) -> EngineConfig:
+    if lease_ttl is None:
+        return EngineConfig()
+    if not LEASE_TTL_MIN_S <= lease_ttl <= LEASE_TTL_MAX_S:  # also NaN
+        raise InputError(
+            f"--lease-ttl: must be {LEASE_TTL_MIN_S:g} to {LEASE_TTL_MAX_S:g} seconds, "
+            f"got {lease_ttl:g}"
+        )
+    return EngineConfig(lease_ttl_s=lease_ttl)
+
+
 @strategy_app.command("apply")
 def strategy_apply(
     strategy_id: StrategyId,
     wait: Annotated[bool, typer.Option(help="drive it here and wait for the end")] = False,
+    lease_ttl: LeaseTtlOpt = None,
     fmt: FormatOpt = Format.table,
     db: DbOpt = None,
 ) -> None:
     """Start (or resume) a strategy. With --wait, drive it in the foreground."""
+    if lease_ttl is not None and not wait:
+        raise InputError(
+            "--lease-ttl: only with --wait (the lease of the conductor that drives it here)"
+        )
+    config = _engine_config(lease_ttl)
     store = existing_store(db)
     if wait:
         ended = queries.get_strategy(store, strategy_id)
@@ -515,7 +548,7 @@ def strategy_apply(
                 highlight=False,
             )
         return
-    result = drive_strategy(store, strategy_id, show_progress=fmt is Format.table)
+    result = drive_strategy(store, strategy_id, show_progress=fmt is Format.table, config=config)
     if result.state == "interrupted":
         now = queries.get_strategy(store, strategy_id)["state"]
         err_console.print(
@@ -751,8 +784,9 @@ def check(
 
 
 @app.command()
-def serve(db: DbOpt = None) -> None:
+def serve(lease_ttl: LeaseTtlOpt = None, db: DbOpt = None) -> None:
     """Run a conductor: drive every applying strategy until interrupted (Ctrl-C)."""
+    config = _engine_config(lease_ttl)
     event_loop.loop_kind()  # refuse a bad FLEETWAVE_LOOP before announcing anything
     load_plugins()  # and a plug-in that cannot be imported, before taking anything on
     # Never a new database: a mistyped --db would be served, empty, for good (a service
@@ -772,7 +806,7 @@ def serve(db: DbOpt = None) -> None:
 
     async def _serve() -> None:
         stop = asyncio.Event()
-        conductor = Conductor(store)
+        conductor = Conductor(store, config=config)
         stop_on_signals(stop, conductor.config.shutdown_grace_s)
         err_console.print(f"conductor {conductor.id} serving {store.url}; Ctrl-C to stop")
         await conductor.run(stop=stop)

@@ -81,9 +81,13 @@ def sim_command(
     if fmt is Format.json:
         print_json([r.__dict__ for r in results])
     if interrupted:
+        cut, left = seed + len(results), runs - len(results)
         err_console.print(
             f"interrupted after {plural(len(results), 'finished run')} of {runs}"
-            + (f"; FAILED seeds: {failed}" if failed else ", all ok"),
+            + (f"; FAILED seeds: {failed}" if failed else ", all ok")
+            + f"; seed {cut} was cut short. Go on with: fleetwave sim --seed {cut}"
+            + (f" --runs {left}" if left > 1 else "")
+            + f" --targets {targets} --workflow {workflow} --faults {faults}",
             highlight=False,
         )
         raise typer.Exit(130)

@@ -103,8 +103,17 @@ class SimulatedCrash(BaseException):
     """Raised by a fault plan to kill the conductor at a chosen point (tests only)."""
 
 
+#: lease lengths a conductor may be given (``--lease-ttl``), seconds
+LEASE_TTL_MIN_S = 5.0  # renewed on the 1 s tick, at most a third of it: >= 2 a lease
+LEASE_TTL_MAX_S = 3600.0
+#: a conductor renews its leases at least this often, however long they last
+RENEW_MAX_S = 10.0
+
+
 @dataclass
 class EngineConfig:
+    #: how long a strategy's lease (and its steps') lasts unless renewed: a conductor
+    #: that died on another host is taken over this long after its last renewal
     lease_ttl_s: float = 30.0
     tick_s: float = 1.0
     seed: int = 0
@@ -369,7 +378,9 @@ class Conductor:
     # -- the periodic pass ---------------------------------------------------------------
 
     async def _periodic(self) -> None:
-        renew_every = self.config.lease_ttl_s / 3
+        # A third of the lease, and at least every RENEW_MAX_S: "serving" is read as
+        # renewed within SERVING_WITHIN_S, whatever the lease's length.
+        renew_every = min(self.config.lease_ttl_s / 3, RENEW_MAX_S)
         last_renew = asyncio.get_running_loop().time()
         while True:
             await asyncio.sleep(self.config.tick_s)
@@ -1221,6 +1232,12 @@ class Conductor:
             )
         if run.stopping is not None and decision.to_state not in STEP_TERMINAL:
             decision = Decision(STEP_ABORTED, f"stopped after {msg.state}: {run.stop_details}")
+        elif msg.attempts > 1 and decision.to_state != STEP_FAILED:
+            # The journal keeps that the state needed retries (a failure's details say so
+            # already): the step's attempt then counts the next state's attempts.
+            took = f"{msg.state}: done at attempt {msg.attempts}"
+            details = f"{decision.details} ({took})" if decision.details else took
+            decision = Decision(decision.to_state, details)
         batch.append(
             self._move(
                 run,
@@ -1411,7 +1428,9 @@ class Conductor:
             to_state=to_state,
             fence=from_fence if fence is None else fence,
             details=details,
-            attempt=attempt,
+            # The step's attempt is its current state's: entering one, its first comes
+            # (a retry scheduled counts on); once ended, the attempts its last state took.
+            attempt=attempt if to_state in STEP_TERMINAL else 1,
             at=now,
             not_started=self._draining and to_state not in STEP_TERMINAL,
             deadline_at=self._deadline_of(run, to_state, now),

@@ -189,7 +189,7 @@ def list_strategies(store: Store) -> list[dict[str, Any]]:
 
 
 #: a conductor that has not renewed its leases for this long is not serving (a
-#: conductor renews every third of its lease, 30 s by default)
+#: conductor renews every third of its lease, and at least every 10 s)
 SERVING_WITHIN_S = 30.0
 
 
