@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections import Counter
 from collections.abc import Sequence
@@ -696,3 +697,35 @@ def test_a_conductor_registers_once_and_signs_off(store: Store, wanted: str) -> 
     with store.read() as conn:
         rows = conn.execute(select(conductors).where(conductors.c.id == conductor.id)).all()
     assert len(rows) == 1 and rows[0].stopped_at is not None
+
+
+def test_stale_outcomes_of_one_batch_are_one_warning(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A conductor that lost a strategy with hundreds of steps in flight used to log a
+    line per step: one line per strategy and batch now, naming a few; each is still an
+    event of its step."""
+    add_sim_targets(store, 8, settings={"latency_ms": 30})
+    sid = applied(store, "patch", max_parallel=8)
+    c = Conductor(store)
+
+    async def go() -> dict[int, str]:
+        task = asyncio.create_task(c.run(strategy_ids=[sid]))
+        await asyncio.sleep(0.05)
+        for step in range(1, 8):  # late duplicates of seven first reports, at once
+            c.post(ActionFinished(sid, step, "pre-check", 1, Decision("failed", "dup"), 1))
+        return await task
+
+    with caplog.at_level(logging.WARNING, logger="fleetwave.engine"):
+        assert asyncio.run(go())[sid] == "complete"
+    assert c.stats.stale_outcomes == 7
+    lines = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert lines == [
+        f"strategy {sid}: 7 outcomes ignored: their steps had moved on (a late report, or "
+        "the strategy taken over): steps 1 (pre-check), 2 (pre-check), 3 (pre-check), "
+        "4 (pre-check), 5 (pre-check) and 2 more"
+    ]
+    assert all(
+        [e["kind"] for e in queries.step_events(store, step)] == ["stale-outcome-ignored"]
+        for step in range(1, 8)
+    )

@@ -210,6 +210,8 @@ class Conductor:
         self._claimed_at: dict[int, float] = {}
         #: steps freed in the batch being built (their end decided, not yet committed)
         self._freed: dict[int, InFlight | None] = {}
+        #: outcomes of steps that had moved on, in the batch being handled
+        self._stale: list[ActionFinished] = []
         self._lease_watch: asyncio.TimerHandle | None = None
 
     # -- plumbing -------------------------------------------------------------------
@@ -526,6 +528,7 @@ class Conductor:
     async def _handle(self, msgs: list[Message]) -> None:
         now = self.clock.now()
         self._freed.clear()
+        self._stale.clear()
         batch: list[rt.Transition] = []
         events: list[rt.Event] = []
         marks: list[rt.CallbackMark] = []
@@ -562,6 +565,8 @@ class Conductor:
                 self._drop_run(msg.strategy_id, lapsed=msg.lapsed, later=msgs[i + 1 :])
             else:
                 self._on_finished(msg, now, batch, events, marks)
+        if self._stale:
+            self._log_stale()
         self._stop_moves_before_the_stop(batch, now)
         # No action running (a strategy just claimed, or all ended): a bigger commit
         # delays no one's dispatch, and a whole first wave starts together.
@@ -1210,7 +1215,7 @@ class Conductor:
                     msg.step_id,
                 )
             )
-            log.warning("stale outcome for step %s in %s ignored", msg.step_id, msg.state)
+            self._stale.append(msg)  # logged once for the batch (a lost strategy: many)
             return
         run, fl = reported
         decision = msg.decision
@@ -1259,6 +1264,27 @@ class Conductor:
         else:
             fl.state = decision.to_state
             fl.waiter = None  # the next state's waiter is made when its action starts
+
+    def _log_stale(self) -> None:
+        """One warning per strategy for the batch's stale outcomes (each is an event)."""
+        by_strategy: dict[int, list[ActionFinished]] = {}
+        for msg in self._stale:
+            by_strategy.setdefault(msg.strategy_id, []).append(msg)
+        for sid, msgs in by_strategy.items():
+            shown = ", ".join(f"{m.step_id} ({m.state})" for m in msgs[:5])
+            more = f" and {len(msgs) - 5} more" if len(msgs) > 5 else ""
+            one = len(msgs) == 1
+            log.warning(
+                "strategy %s: %d outcome%s ignored: %s had moved on (a late report, or the "
+                "strategy taken over): step%s %s%s",
+                sid,
+                len(msgs),
+                "" if one else "s",
+                "its step" if one else "their steps",
+                "" if one else "s",
+                shown,
+                more,
+            )
 
     def _stop_moves_before_the_stop(self, batch: list[rt.Transition], now: float) -> None:
         """A step moved on by an outcome that came before, in this same batch, the
