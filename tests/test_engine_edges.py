@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 from collections.abc import Callable
 from typing import Any
@@ -736,6 +737,81 @@ def test_actions_stop_before_the_lease_lapses_while_renewal_keeps_failing(
     # Left to the next owner (whose recover hook looks at what was stopped), not ended.
     assert queries.get_strategy(store, sid)["state"] == "applying"
     assert [s["state"] for s in queries.list_steps(store, sid)] == ["a"]
+
+
+class ShortOrLong(StateAction):
+    """Step 1 (the short one) ends after 10 s; step 2 runs until stopped (recorded)."""
+
+    def __init__(self) -> None:
+        self.cancelled_at: list[float] = []
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        try:
+            await asyncio.sleep(10 if ctx.step_id == 1 else 300)
+        except asyncio.CancelledError:
+            self.cancelled_at.append(asyncio.get_running_loop().time())
+            raise
+        return Advance()
+
+
+def test_actions_stop_before_the_lease_lapses_while_the_dispatcher_is_stuck_in_a_commit(
+    store: Store, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found in session 9 (a real `serve` with its database locked for 45 s): the
+    watchdog told the dispatcher to stop the lapsing strategy's actions, but the
+    dispatcher was itself retrying a commit in the same outage, so the actions ran on
+    past the lease, when another conductor may take the steps over (G2). The watchdog
+    now stops them itself; and starts nothing more of it meanwhile."""
+    add_sim_targets(store, 2)
+    action = ShortOrLong()
+    wf = register_workflow(
+        WorkflowDef("lease-stuck", (StateDef("a", action, timeout_s=600), StateDef("b", action))),
+        replace=True,
+    )
+    sid = applied(store, wf.name, max_parallel=2)
+    locked = {"from": None}
+    renewed: list[float] = []
+    real_heartbeat, real_commit = rt.heartbeat, rt.TransitionWriter.commit
+
+    def is_locked() -> None:
+        if locked["from"] is not None:
+            raise OperationalError("UPDATE", None, Exception("database is locked"))
+
+    def heartbeat(*a: Any, **kw: Any) -> int:
+        is_locked()
+        renewed.append(asyncio.get_running_loop().time())
+        return real_heartbeat(*a, **kw)
+
+    def commit(self: rt.TransitionWriter, *a: Any, **kw: Any) -> Any:
+        is_locked()
+        return real_commit(self, *a, **kw)
+
+    monkeypatch.setattr(rt, "heartbeat", heartbeat)
+    monkeypatch.setattr(rt.TransitionWriter, "commit", commit)
+    ttl = 12.0
+    c = Conductor(
+        store,
+        clock=LoopClock(),
+        config=EngineConfig(lease_ttl_s=ttl, tick_s=1, store_retries_max=1000),
+    )
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        loop.call_later(5, locked.__setitem__, "from", 5)  # the outage: from 5 s on
+        stop = asyncio.Event()
+        loop.call_later(60, stop.set)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(c.run(stop=stop), 90)
+
+    on_virtual_time(serve())
+    last = max(t for t in renewed if t < 5)  # the last renewal that got through
+    # Step 1's action ended at 10 s; its commit has been retrying since: the dispatcher
+    # is stuck, so only the watchdog can stop step 2's action in time.
+    (stopped,) = action.cancelled_at
+    assert last + 0.8 * ttl <= stopped <= last + 0.8 * ttl + 1.0 < last + ttl
+    assert [s["state"] for s in queries.list_steps(store, sid)] == ["a", "a"]
+    # said once, not on every tick the dispatcher stayed stuck
+    assert sum("lease-lapsing" in r.getMessage() for r in caplog.records) == 1
 
 
 @pytest.mark.parametrize(

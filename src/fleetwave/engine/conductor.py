@@ -338,16 +338,22 @@ class Conductor:
         if not self.config.renew_leases:
             return
         limit = self._loop.time() - self.config.lease_ttl_s * 0.8
-        lapsing = [run.id for run in self.runs.values() if run.lease_from < limit]
+        lapsing = [run for run in self.runs.values() if run.lease_from < limit and not run.lapsed]
         if lapsing:
             log.error(
                 "lease-lapsing: renewal overdue; %s stops acting on strategies %s",
                 self.id,
-                ", ".join(map(str, lapsing)),
+                ", ".join(str(run.id) for run in lapsing),
             )
-            for sid in lapsing:
-                # the dispatcher drops it (and stops its workers); claimed anew later
-                self.post(LeaseLost(sid, lapsed=True))
+            for run in lapsing:
+                # Its actions stop here and now: the dispatcher may be stuck retrying a
+                # commit in the same outage, and would stop them only once it is through.
+                run.lapsed = True
+                for fl in run.inflight.values():
+                    if fl.task is not None:
+                        fl.task.cancel()
+                # the dispatcher drops it; it is claimed anew once the database answers
+                self.post(LeaseLost(run.id, lapsed=True))
 
     def _periodic_ended(self, task: asyncio.Task[None]) -> None:
         """The periodic pass must live as long as the dispatcher: its death is fatal."""
@@ -1369,7 +1375,7 @@ class Conductor:
         room: int,
     ) -> None:
         """Fill free slots (sliding window); once stopping, end every waiting step instead."""
-        if (self._draining or run.paused) and run.stopping is None:
+        if run.lapsed or ((self._draining or run.paused) and run.stopping is None):
             return
         first = run.workflow.first_state
         while room > 0 and run.stopping is None:
@@ -1521,6 +1527,8 @@ class Conductor:
     def _release(self, fl: InFlight) -> None:
         """Let the step's worker run the action of the state just committed (G4)."""
         run = self.runs[fl.rec.strategy_id]
+        if run.lapsed:
+            return  # its lease is lapsing: nothing starts (the next owner recovers it)
         fl.waiter = None
         if run.workflow.state(fl.state).mode == "wait-for-callback":
             fl.waiter = asyncio.get_running_loop().create_future()

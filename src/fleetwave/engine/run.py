@@ -94,6 +94,10 @@ class StrategyRun:
     #: loop time its lease was last written from (claim, or a renewal that got through):
     #: the lease runs out ``lease_ttl_s`` after it
     lease_from: float = 0.0
+    #: its lease is lapsing (renewals overdue): the watchdog stopped its actions and
+    #: told the dispatcher, which may be stuck in a store retry; until the dispatcher
+    #: drops it, nothing of it starts (G2: another conductor may take it over soon)
+    lapsed: bool = False
 
     #: the strategy's id (asked for on every transition: a plain attribute)
     id: int = field(init=False)
