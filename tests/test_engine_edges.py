@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import sqlite3
 from collections.abc import Callable
 from typing import Any
@@ -329,9 +330,14 @@ def test_a_strategy_whose_workflow_changed_fails_alone_one_not_here_is_left(
 def test_a_conductor_whose_store_keeps_failing_stops_instead_of_running_blind(
     store: Store,
 ) -> None:
+    """Told not to ride out outages, a conductor stops after its retries."""
     add_sim_targets(store, 5, settings={"latency_ms": 60_000})
     sid = applied(store, "patch")
-    conductor = Conductor(store, clock=LoopClock(), config=EngineConfig(lease_ttl_s=30, tick_s=1))
+    conductor = Conductor(
+        store,
+        clock=LoopClock(),
+        config=EngineConfig(lease_ttl_s=30, tick_s=1, ride_out_outages=False),
+    )
 
     async def go() -> None:
         task = asyncio.create_task(conductor.run(strategy_ids=[sid]))
@@ -350,6 +356,41 @@ def test_a_conductor_whose_store_keeps_failing_stops_instead_of_running_blind(
     finally:
         store.write_fault = None
         loop.close()
+
+
+def test_a_conductor_rides_out_a_database_outage_and_goes_on_after_it(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A database out for five minutes (locked by another program, a disk full): the
+    conductor stopped after eight retries, with a traceback, and a `serve` was gone
+    for good. It now keeps trying, says so every half minute, its lease watchdog stops
+    the actions meanwhile, and once the database answers it claims the strategy anew
+    and completes it (recover hooks looking at what was stopped)."""
+    add_sim_targets(store, 5, settings={"latency_ms": 20_000})
+    sid = applied(store, "patch")
+    conductor = Conductor(store, clock=LoopClock(), config=EngineConfig(lease_ttl_s=30, tick_s=1))
+
+    def out() -> None:
+        raise OperationalError("BEGIN", None, Exception("database is locked (injected)"))
+
+    async def go() -> dict[int, str]:
+        loop = asyncio.get_running_loop()
+        loop.call_later(5, setattr, store, "write_fault", out)
+        loop.call_later(305, setattr, store, "write_fault", None)
+        return await conductor.run(strategy_ids=[sid])
+
+    with caplog.at_level(logging.WARNING, logger="fleetwave.engine"):
+        assert on_virtual_time(go())[sid] == "complete"
+    said = [r.getMessage() for r in caplog.records]
+    retries = [m for m in said if m.startswith("store-retry")]
+    # each stuck call (commit, renewal, claim) once at first, then every 30 s, then once
+    # when it went through: not a line for each of its many tries
+    assert conductor.stats.store_retries > 3 * len(retries)
+    assert len(retries) <= 3 * (300 // 30 + 2), retries
+    assert any("retrying until the database answers" in m for m in retries)
+    assert any("went through after" in m for m in retries)
+    assert sum("lease-lapsing" in m for m in said) == 1
+    assert check(store, sid).ok
 
 
 # -- found by a bug hunt (liveness and exactly-once) ------------------------------

@@ -333,8 +333,8 @@ def test_apply_wait_refuses_a_yaml_strategy_naming_an_action_this_process_lacks(
 @pytest.mark.parametrize(
     ("args", "words"),
     [
-        (("serve", "--lease-ttl", "2"), ["--lease-ttl: must be 5 to 3600 seconds, got 2"]),
-        (("serve", "--lease-ttl", "3601"), ["--lease-ttl: must be 5 to 3600 seconds"]),
+        (("serve", "--lease-ttl", "14"), ["--lease-ttl: must be 15 to 3600 seconds, got 14"]),
+        (("serve", "--lease-ttl", "3601"), ["--lease-ttl: must be 15 to 3600 seconds"]),
         (("serve", "--lease-ttl", "nan"), ["--lease-ttl", "got nan"]),
         (("strategy", "apply", "1", "--lease-ttl", "10"), ["--lease-ttl: only with --wait"]),
         (("strategy", "apply", "1", "--wait", "--lease-ttl", "1"), ["--lease-ttl", "got 1"]),
@@ -382,3 +382,25 @@ def test_a_conductors_leases_last_as_long_as_it_is_told(
     assert all(until - now == pytest.approx(600) for now, until in renewals)
     gaps = [b[0] - a[0] for a, b in itertools.pairwise(renewals)]
     assert max(gaps) <= 11.5, gaps
+
+
+def test_a_database_locked_by_another_program_is_one_line(
+    cli: Cli, db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command whose write waited out the busy timeout printed a traceback: one line
+    now, saying what holds it up, exit 1; nothing was written."""
+    monkeypatch.setattr("fleetwave.store.db.DEFAULT_BUSY_TIMEOUT_MS", 200)
+    holder = sqlite3.connect(db_path, isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")  # another program's write transaction
+        res = cli("target", "add", "a")
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert res.code == 1, res.text
+    assert res.out == ""
+    assert res.err.splitlines() == [
+        "error: database: database is locked (another program holds its write lock: try "
+        "again when it is done); its transaction was rolled back"
+    ]
+    assert cli("target", "list", "--format", "json").json() == []

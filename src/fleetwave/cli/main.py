@@ -16,6 +16,7 @@ from typing import Annotated, Any, cast
 
 import typer
 from rich.markup import escape
+from sqlalchemy.exc import DBAPIError
 
 import fleetwave
 from fleetwave.catalog import list_workflows, resolve_workflow
@@ -838,7 +839,21 @@ def main() -> None:
     except (InputError, WorkflowError, StoreError, event_loop.LoopChoiceError) as exc:
         discard_created()
         _fail(str(exc), 2)
+    except DBAPIError as exc:
+        # The database failed the command (locked by another program for longer than
+        # a write waits, or an error a conductor does not ride out): one line, not a
+        # traceback. The failed transaction was rolled back (an admin command's only
+        # one: nothing of it was written).
+        logging.getLogger("fleetwave").debug("database error", exc_info=True)
+        _fail(f"database: {exc.orig}{_database_hint(exc)}; its transaction was rolled back", 1)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _database_hint(exc: DBAPIError) -> str:
+    text = str(exc.orig).lower()
+    if "locked" in text or "busy" in text:
+        return " (another program holds its write lock: try again when it is done)"
+    return ""
 
 
 def _usage_problem(exc: typer.TyperException) -> str:

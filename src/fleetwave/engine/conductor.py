@@ -104,10 +104,14 @@ class SimulatedCrash(BaseException):
 
 
 #: lease lengths a conductor may be given (``--lease-ttl``), seconds
-LEASE_TTL_MIN_S = 5.0  # renewed on the 1 s tick, at most a third of it: >= 2 a lease
+#: (the watchdog stops actions at 80 % of the lease, up to a busy timeout (a tenth)
+#: and a tick late: under 15 s that could be after the lease ran out)
+LEASE_TTL_MIN_S = 15.0
 LEASE_TTL_MAX_S = 3600.0
 #: a conductor renews its leases at least this often, however long they last
 RENEW_MAX_S = 10.0
+#: while the database is out, a conductor says so this often (and when it is back)
+OUTAGE_LOG_EVERY_S = 30.0
 
 
 @dataclass
@@ -131,8 +135,12 @@ class EngineConfig:
     prefetch_page: int = 128
     #: on a clean stop, how long running actions may take to finish and commit
     shutdown_grace_s: float = 10.0
-    #: a transient database error is retried this many times before the conductor stops
+    #: a database error that is not an outage is retried this many times before the
+    #: conductor stops
     store_retries_max: int = 8
+    #: an outage (locked, busy, unreachable, full, read-only) is retried for as long as
+    #: it lasts (the lease watchdog stops the actions meanwhile); False: as any error
+    ride_out_outages: bool = True
     #: after a takeover, the recover hook gets what is left of the state's recorded
     #: deadline plus this much (to observe the target even when the deadline has passed)
     recover_grace_s: float = 30.0
@@ -175,6 +183,12 @@ class Conductor:
         self.store = store
         self.clock = clock or WallClock()
         self.config = config or EngineConfig()
+        # A write waiting for another writer's lock holds this conductor's loop (SQLite
+        # waits inside the call): a tenth of the lease, so the lease watchdog still
+        # stops the actions before the lease runs out (at 80 % of it, a tick late).
+        store.busy_timeout_ms = min(
+            store.busy_timeout_ms, max(100, int(self.config.lease_ttl_s * 100))
+        )
         self.drivers = drivers if drivers is not None else make_drivers(self.config.seed)
         self.id = conductor_id or f"c-{uuid.uuid4().hex[:12]}"
         self.stats = EngineStats()
@@ -219,27 +233,61 @@ class Conductor:
     async def _io(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Run a store call (one transaction) on the loop.
 
-        A transient database error rolls the transaction back; the call is retried
-        with backoff, then the error propagates and this conductor stops (its leases
-        expire and another takes over).
+        A database error rolls the transaction back, and the call is retried with
+        backoff (up to 5 s). An outage (the database locked by another program, busy,
+        unreachable, full, read-only) is ridden out however long it lasts: meanwhile
+        the lease watchdog stops this conductor's actions, and once the database
+        answers it goes on (claiming anew what it had to let go). Any other error is
+        retried ``store_retries_max`` times, then propagates and this conductor stops
+        (its leases expire and another takes over).
         """
         failures = 0
+        name = getattr(fn, "__name__", "store call")
+        started = said = 0.0
         while True:
             try:
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
             except OperationalError as exc:
                 failures += 1
-                if failures > self.config.store_retries_max:
-                    raise
                 self.stats.store_retries += 1
+                outage = self.config.ride_out_outages and self.store.hooks.is_outage(exc)
+                now = self._loop_time()
+                if failures == 1:
+                    started = said = now
+                if not outage:
+                    if failures > self.config.store_retries_max:
+                        raise
+                    log.warning(
+                        "store-retry: %s failed (%s); retry %d of %d",
+                        name,
+                        exc.orig,
+                        failures,
+                        self.config.store_retries_max,
+                    )
+                elif failures == 1 or now - said >= OUTAGE_LOG_EVERY_S:
+                    # Once at first, then every half minute: an outage may last hours.
+                    said = now
+                    log.warning(
+                        "store-retry: %s failed (%s)%s; retrying until the database answers",
+                        name,
+                        exc.orig,
+                        f" {failures} times over {now - started:.0f}s" if failures > 1 else "",
+                    )
+                await asyncio.sleep(min(5.0, 0.05 * 2 ** min(failures, 7)))
+                continue
+            if failures:
                 log.warning(
-                    "store-retry: %s failed (%s); retry %d of %d",
-                    getattr(fn, "__name__", "store call"),
-                    exc.orig,
+                    "store-retry: %s went through after %d failed tr%s over %.0fs",
+                    name,
                     failures,
-                    self.config.store_retries_max,
+                    "y" if failures == 1 else "ies",
+                    self._loop_time() - started,
                 )
-                await asyncio.sleep(min(5.0, 0.05 * 2**failures))
+            return result
+
+    @staticmethod
+    def _loop_time() -> float:
+        return asyncio.get_running_loop().time()
 
     def post(self, msg: Message) -> None:
         """Send the dispatcher a message. Never blocks; safe from any task on the loop."""

@@ -19,6 +19,9 @@ from sqlalchemy.exc import DatabaseError
 from sqlalchemy.pool import QueuePool
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+#: how long a write waits for another writer's lock (an operator's command, another
+#: conductor) before it fails, unless a conductor asks for less
+DEFAULT_BUSY_TIMEOUT_MS = 5000
 HEAD_REVISION = "0007"
 
 
@@ -48,6 +51,36 @@ class DialectHooks:
         """SQL for the database's clock, when leases should use it (PostgreSQL)."""
         return None
 
+    def is_outage(self, exc: BaseException) -> bool:
+        """Whether a database error is an outage that passes by itself or by an
+        operator's hand (locked, busy, I/O, disk full, file unreachable, read-only),
+        not a fault in what was asked (a missing table, a bad statement)."""
+        orig = getattr(exc, "orig", None) or exc
+        code = getattr(orig, "sqlite_errorcode", None)
+        if isinstance(code, int):
+            return (code & 0xFF) in _SQLITE_OUTAGES
+        text = str(orig).lower()
+        return any(word in text for word in _OUTAGE_WORDS)
+
+    def set_busy_timeout(self, dbapi_conn: Any, ms: int) -> None:
+        """How long a write waits for another writer's lock before it fails."""
+        dbapi_conn.execute(f"PRAGMA busy_timeout={int(ms)}")
+
+
+#: SQLite's primary result codes of an outage: BUSY, LOCKED, NOMEM, READONLY, IOERR,
+#: FULL, CANTOPEN, PROTOCOL
+_SQLITE_OUTAGES = frozenset({5, 6, 7, 8, 10, 13, 14, 15})
+#: the same, by message, for an error that carries no code (a driver's wrapper)
+_OUTAGE_WORDS = (
+    "locked",
+    "busy",
+    "disk i/o",
+    "is full",
+    "unable to open",
+    "readonly",
+    "out of memory",
+)
+
 
 SQLITE = DialectHooks(
     name="sqlite", placeholder="?", begin_write_sql="BEGIN IMMEDIATE", flags_as_int=True
@@ -64,11 +97,22 @@ class Store:
         #: fault injection seam: called inside every write transaction, may raise
         #: ``sqlalchemy.exc.OperationalError`` to simulate a transient database error
         self.write_fault: Callable[[], None] | None = None
+        #: how long a write waits for another writer's lock before it fails; a
+        #: conductor shortens it to a tenth of its lease (its loop waits meanwhile)
+        self.busy_timeout_ms = DEFAULT_BUSY_TIMEOUT_MS
+
+    def wait_for_locks(self, dbapi_conn: Any, info: dict[Any, Any]) -> None:
+        """Give a connection this store's busy timeout, if it has another one."""
+        if info.get("busy_timeout_ms") != self.busy_timeout_ms:
+            self.hooks.set_busy_timeout(dbapi_conn, self.busy_timeout_ms)
+            info["busy_timeout_ms"] = self.busy_timeout_ms
 
     @contextmanager
     def write(self) -> Iterator[Connection]:
         """One write transaction (SQLite: BEGIN IMMEDIATE, so writers queue, never deadlock)."""
         with self.engine.connect() as conn:
+            # (on the driver's connection: through SQLAlchemy it would begin a transaction)
+            self.wait_for_locks(conn.connection.driver_connection, conn.connection.info)
             conn.info["immediate"] = True
             try:
                 with conn.begin():
@@ -121,7 +165,7 @@ def _sqlite_engine(path: str, synchronous: str) -> Engine:
         cur.execute("PRAGMA journal_mode=WAL")
         cur.execute(f"PRAGMA synchronous={synchronous}")
         cur.execute("PRAGMA foreign_keys=ON")
-        cur.execute("PRAGMA busy_timeout=5000")  # well below the lease TTL
+        cur.execute(f"PRAGMA busy_timeout={DEFAULT_BUSY_TIMEOUT_MS}")  # see Store.write
         cur.execute("PRAGMA cache_size=-65536")
         cur.close()
 

@@ -928,6 +928,7 @@ class TransitionWriter:
         assert dbapi is not None
         raw: Any = self._raw.driver_connection
         assert raw is not None
+        self.store.wait_for_locks(raw, self._raw.info)
         cur = raw.cursor()
         try:
             cur.execute(self.store.hooks.begin_write_sql)
