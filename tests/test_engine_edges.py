@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sqlite3
 from collections.abc import Callable
@@ -27,7 +26,12 @@ from fleetwave.domain.workflow import (
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.clock import LoopClock
-from fleetwave.engine.conductor import NOT_DRIVABLE_HERE, Conductor, EngineConfig
+from fleetwave.engine.conductor import (
+    NOT_DRIVABLE_HERE,
+    Conductor,
+    EngineConfig,
+    StoreUnavailable,
+)
 from fleetwave.store import admin, queries
 from fleetwave.store import runtime as rt
 from fleetwave.store.callbacks import callback_outcomes
@@ -836,15 +840,23 @@ def test_actions_stop_before_the_lease_lapses_while_the_dispatcher_is_stuck_in_a
         config=EngineConfig(lease_ttl_s=ttl, tick_s=1, store_retries_max=1000),
     )
 
+    stopped_at: list[float] = []
+
     async def serve() -> None:
         loop = asyncio.get_running_loop()
         loop.call_later(5, locked.__setitem__, "from", 5)  # the outage: from 5 s on
         stop = asyncio.Event()
         loop.call_later(60, stop.set)
-        with contextlib.suppress(TimeoutError):
+        try:
             await asyncio.wait_for(c.run(stop=stop), 90)
+        finally:
+            stopped_at.append(loop.time())
 
-    on_virtual_time(serve())
+    # Asked to stop during the outage, it gives up at once (its leases run out): it
+    # hung until the database answered, however long.
+    with pytest.raises(StoreUnavailable, match="database is locked"):
+        on_virtual_time(serve())
+    assert stopped_at[0] <= 66
     last = max(t for t in renewed if t < 5)  # the last renewal that got through
     # Step 1's action ended at 10 s; its commit has been retrying since: the dispatcher
     # is stuck, so only the watchdog can stop step 2's action in time.
@@ -853,6 +865,131 @@ def test_actions_stop_before_the_lease_lapses_while_the_dispatcher_is_stuck_in_a
     assert [s["state"] for s in queries.list_steps(store, sid)] == ["a", "a"]
     # said once, not on every tick the dispatcher stayed stuck
     assert sum("lease-lapsing" in r.getMessage() for r in caplog.records) == 1
+
+
+class TenThenOne(StateAction):
+    """State a takes 10 s, b 1 s; no recover hook (as a YAML workflow's action)."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[str, float]] = []
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        self.started.append((ctx.state, asyncio.get_running_loop().time()))
+        await asyncio.sleep(10 if ctx.state == "a" else 1)
+        return Advance()
+
+
+def _outage(store: Store, start: float, end: float) -> None:
+    def locked() -> None:
+        raise OperationalError("BEGIN", None, Exception("database is locked (injected)"))
+
+    loop = asyncio.get_running_loop()
+    if start <= 0:
+        store.write_fault = locked  # before the conductor's first write
+    else:
+        loop.call_later(start, setattr, store, "write_fault", locked)
+    loop.call_later(end, setattr, store, "write_fault", None)
+
+
+def test_a_state_entered_by_a_commit_that_went_through_after_the_lapse_starts_afresh(
+    store: Store,
+) -> None:
+    """Found by review: a commit retried through an outage went through after the lease
+    had lapsed, writing step 1's entry into b as started, though nothing of a lapsed
+    strategy starts; claimed back, b was 'recovered', and with no recover hook the step
+    failed ('conductor lost during b'). The entry is written as not started now, and b
+    starts afresh."""
+    add_sim_targets(store, 1)
+    action = TenThenOne()
+    wf = register_workflow(
+        WorkflowDef("lapse-entry", (StateDef("a", action), StateDef("b", action))), replace=True
+    )
+    sid = applied(store, wf.name)
+    c = Conductor(store, clock=LoopClock(), config=EngineConfig(lease_ttl_s=30, tick_s=1))
+
+    async def go() -> dict[int, str]:
+        _outage(store, 5, 60)  # a ends at 10 s: its commit waits until 60 s
+        return await c.run(strategy_ids=[sid])
+
+    assert on_virtual_time(go())[sid] == "complete"
+    assert [state for state, _ in action.started] == ["a", "b"]
+    assert action.started[1][1] >= 60
+    assert [(h["from"], h["to"]) for h in queries.history(store, sid)] == [
+        ("initial", "a"),
+        ("a", "b"),
+        ("b", "complete"),
+    ]
+    assert check(store, sid).ok
+
+
+def test_a_claim_that_went_through_after_an_outage_leases_from_then(store: Store) -> None:
+    """Found by review: a store call retried through an outage wrote the time and the
+    lease worked out before it: a claim that went through at 100 s wrote a lease that
+    had run out at 30 s (another conductor could take the strategy at once) and
+    claimed-at and entered-at times from before the outage (G9's "when")."""
+    add_sim_targets(store, 1)
+    action = TenThenOne()
+    wf = register_workflow(
+        WorkflowDef("lease-fresh", (StateDef("a", action), StateDef("b", action))), replace=True
+    )
+    sid = applied(store, wf.name)
+    clock = LoopClock()
+    c = Conductor(store, clock=clock, config=EngineConfig(lease_ttl_s=30, tick_s=1))
+    seen: dict[str, float] = {}
+
+    async def go() -> dict[int, str]:
+        _outage(store, 0, 100)
+
+        async def look() -> None:
+            await asyncio.sleep(105)  # claimed, a running
+            with store.read() as conn:
+                seen["lease"] = conn.exec_driver_sql(
+                    "SELECT lease_expires_at FROM strategies WHERE id = ?", (sid,)
+                ).scalar_one()
+
+        looking = asyncio.create_task(look())
+        done = await c.run(strategy_ids=[sid])
+        await looking
+        return done
+
+    assert on_virtual_time(go())[sid] == "complete"
+    assert seen["lease"] - clock.epoch >= 100 + 30 - 5
+    with store.read() as conn:
+        claimed = conn.exec_driver_sql(
+            "SELECT at FROM events WHERE kind = 'strategy-claimed' AND strategy_id = ?", (sid,)
+        ).scalar_one()
+    assert claimed - clock.epoch >= 100
+    entered = [h["at"] for h in queries.history(store, sid)]
+    assert all(at - clock.epoch >= 100 for at in entered), entered
+
+
+def test_a_step_aborted_after_a_refused_retry_does_not_say_its_state_was_done(
+    store: Store,
+) -> None:
+    """Found by review: the note for a state that needed retries ("a: done at attempt
+    2") was added to a step aborted because its retry was refused (the strategy
+    stopping); and an ended step's attempt is the attempts its last state took."""
+
+    class Late(StateAction):
+        async def run(self, ctx: ActionContext) -> Outcome:
+            if ctx.step_id == 1:
+                await asyncio.sleep(1.8)
+                raise StepFailed("boom")
+            await asyncio.sleep(0.5)
+            raise TransientError("net down")
+
+    add_sim_targets(store, 2)
+    wf = register_workflow(
+        WorkflowDef("late-fail", (StateDef("a", Late(), attempts_max=3),)), replace=True
+    )
+    sid = applied(store, wf.name, max_parallel=2, stop_on_failure=True)
+    c = Conductor(store, clock=LoopClock())
+    assert on_virtual_time(c.run(strategy_ids=[sid]))[sid] == "failed"
+    steps = {s["step"]: s for s in queries.list_steps(store, sid)}
+    assert steps[2]["state"] == "aborted"
+    assert "not retried: the strategy is stopping" in steps[2]["details"]
+    assert "done at attempt" not in steps[2]["details"]
+    assert steps[2]["attempt"] == 2
 
 
 @pytest.mark.parametrize(

@@ -718,7 +718,7 @@ def test_ctrl_c_on_a_sim_sweep_keeps_the_runs_done(
     assert res.err.startswith("interrupted after 2 finished runs of 10"), res.err
     assert (
         "seed 3 was cut short. Go on with: fleetwave sim --seed 3 --runs 8 --targets 20 "
-        "--workflow patch --faults all" in res.text
+        "--workflow patch --faults all --format json" in res.text
     ), res.err
 
 

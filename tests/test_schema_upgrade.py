@@ -8,6 +8,7 @@ import sqlite3
 import time
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
@@ -159,3 +160,15 @@ def test_a_newer_schema_is_refused_by_every_command(cli: Cli, tmp_path: Path) ->
         assert "upgrade fleetwave" in str(exc)
     else:
         raise AssertionError("a newer schema was opened")
+
+
+def test_the_refusal_names_fleetwave_db_when_that_named_the_database(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old = tmp_path / "old.db"
+    _database_at(old, OLD)
+    monkeypatch.setenv("FLEETWAVE_DB", str(old))
+    line = one_line(cli("target", "list", db=None))
+    assert line.startswith(f"error: FLEETWAVE_DB: {old} has schema revision {OLD}"), line
+    assert cli("init", db=None).code == 0
+    assert _revision(old) == HEAD_REVISION

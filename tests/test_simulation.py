@@ -74,12 +74,14 @@ def test_faults_are_really_injected() -> None:
     assert sum(r.unmanaged_by_operator for r in results) > 0
     assert sum(r.meddled for r in results) > 0
     assert sum(r.paused_by_operator for r in results) > 0
+    assert sum(r.outage for r in results) > 0
     assert set(FAULTS) == {
         "errors",
         "hangs",
         "slow",
         "callbacks",
         "db",
+        "outage",
         "crash",
         "stall",
         "stop",

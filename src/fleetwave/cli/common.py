@@ -10,7 +10,14 @@ import typer
 
 from fleetwave.cli.output import Format
 from fleetwave.domain.errors import InputError
-from fleetwave.store.db import Store, check_db_path, default_db_path, is_empty, open_store
+from fleetwave.store.db import (
+    Store,
+    StoreError,
+    check_db_path,
+    default_db_path,
+    is_empty,
+    open_store,
+)
 
 DbOpt = Annotated[
     str | None,
@@ -87,7 +94,13 @@ def store_for(db: str | None, *, create: bool = True, upgrade: bool = False) -> 
         # An empty file (a typo'd `touch`, a failed copy): opening it would make it a
         # new, empty database, shown as if it were the fleet.
         raise InputError(f"{_named(db)}: {target} is an empty file, not a database{_hint(db)}")
-    store = open_store(target, upgrade=upgrade)
+    try:
+        store = open_store(target, upgrade=upgrade)
+    except StoreError as exc:
+        if _named(db) != "--db" and str(exc).startswith("--db: "):
+            # the store names its path as --db: here FLEETWAVE_DB gave it
+            exc.args = (f"{_named(db)}: {str(exc)[len('--db: ') :]}",)
+        raise
     if fresh:
         _created.append((path, store))
     return store

@@ -57,6 +57,7 @@ from fleetwave.engine.conductor import (
     LEASE_TTL_MIN_S,
     Conductor,
     EngineConfig,
+    StoreUnavailable,
 )
 from fleetwave.store import admin, queries
 from fleetwave.store.admin import MAX_PARALLEL
@@ -839,6 +840,13 @@ def main() -> None:
     except (InputError, WorkflowError, StoreError, event_loop.LoopChoiceError) as exc:
         discard_created()
         _fail(str(exc), 2)
+    except StoreUnavailable as exc:
+        # Asked to stop (Ctrl-C, SIGTERM) while the database did not answer.
+        _fail(
+            f"stopped without handing the leases back: the database did not answer ({exc}); "
+            "they run out by themselves, then another conductor takes the strategies over",
+            130,
+        )
     except DBAPIError as exc:
         # The database failed the command (locked by another program for longer than
         # a write waits, or an error a conductor does not ride out): one line, not a

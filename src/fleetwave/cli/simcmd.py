@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shlex
 from pathlib import Path
 from typing import Annotated
 
@@ -87,7 +88,10 @@ def sim_command(
             + (f"; FAILED seeds: {failed}" if failed else ", all ok")
             + f"; seed {cut} was cut short. Go on with: fleetwave sim --seed {cut}"
             + (f" --runs {left}" if left > 1 else "")
-            + f" --targets {targets} --workflow {workflow} --faults {faults}",
+            + f" --targets {targets} --workflow {shlex.quote(workflow)}"
+            + f" --faults {shlex.quote(faults)}"
+            + (" --format json" if fmt is Format.json else "")
+            + (" --verbose" if verbose else ""),
             highlight=False,
         )
         raise typer.Exit(130)

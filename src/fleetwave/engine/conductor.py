@@ -104,14 +104,30 @@ class SimulatedCrash(BaseException):
 
 
 #: lease lengths a conductor may be given (``--lease-ttl``), seconds
-#: (the watchdog stops actions at 80 % of the lease, up to a busy timeout (a tenth)
-#: and a tick late: under 15 s that could be after the lease ran out)
+#: (the watchdog stops actions at 80 % of the lease, up to a tick and a few busy
+#: timeouts (a twentieth each) late: under 15 s that could be after it ran out)
 LEASE_TTL_MIN_S = 15.0
 LEASE_TTL_MAX_S = 3600.0
 #: a conductor renews its leases at least this often, however long they last
 RENEW_MAX_S = 10.0
 #: while the database is out, a conductor says so this often (and when it is back)
 OUTAGE_LOG_EVERY_S = 30.0
+#: ... once it has been out this long (a moment's lock by an operator's command is not)
+OUTAGE_QUIET_S = 5.0
+
+
+class StoreUnavailable(Exception):
+    """The conductor was asked to stop while the database did not answer: it stopped
+    without handing its leases back (they run out, and another conductor takes over)."""
+
+
+class _Fresh:
+    """A store call's argument worked out again at each attempt (see ``Conductor._io``)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Callable[[], Any]) -> None:
+        self.value = value
 
 
 @dataclass
@@ -184,10 +200,11 @@ class Conductor:
         self.clock = clock or WallClock()
         self.config = config or EngineConfig()
         # A write waiting for another writer's lock holds this conductor's loop (SQLite
-        # waits inside the call): a tenth of the lease, so the lease watchdog still
-        # stops the actions before the lease runs out (at 80 % of it, a tick late).
+        # waits inside the call): a twentieth of the lease, so the lease watchdog still
+        # stops the actions before the lease runs out (at 80 % of it, a tick and a few
+        # such waits late).
         store.busy_timeout_ms = min(
-            store.busy_timeout_ms, max(100, int(self.config.lease_ttl_s * 100))
+            store.busy_timeout_ms, max(100, int(self.config.lease_ttl_s * 50))
         )
         self.drivers = drivers if drivers is not None else make_drivers(self.config.seed)
         self.id = conductor_id or f"c-{uuid.uuid4().hex[:12]}"
@@ -227,6 +244,14 @@ class Conductor:
         #: outcomes of steps that had moved on, in the batch being handled
         self._stale: list[ActionFinished] = []
         self._lease_watch: asyncio.TimerHandle | None = None
+        #: the stop asked of :meth:`run` (a store call riding out an outage gives up)
+        self._stop: asyncio.Event | None = None
+        #: loop time the last store call's last attempt began (the one that went through)
+        self._attempt_at = 0.0
+        #: arguments of store calls worked out at each attempt: the time, and a lease
+        #: from then (typed Any: they stand for a float wherever one is passed)
+        self._NOW: Any = _Fresh(self.clock.now)
+        self._LEASE: Any = _Fresh(self._lease_until)
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -237,23 +262,36 @@ class Conductor:
         backoff (up to 5 s). An outage (the database locked by another program, busy,
         unreachable, full, read-only) is ridden out however long it lasts: meanwhile
         the lease watchdog stops this conductor's actions, and once the database
-        answers it goes on (claiming anew what it had to let go). Any other error is
-        retried ``store_retries_max`` times, then propagates and this conductor stops
-        (its leases expire and another takes over).
+        answers it goes on (claiming anew what it had to let go). Asked to stop during
+        an outage, it gives up (:class:`StoreUnavailable`): its leases run out. Any
+        other error is retried ``store_retries_max`` times, then propagates and this
+        conductor stops (its leases expire and another takes over).
+
+        ``self._NOW`` and ``self._LEASE`` as arguments are worked out at each attempt:
+        a call that went through after an outage writes the time it went through, and
+        a lease from then, not from before the outage.
         """
         failures = 0
         name = getattr(fn, "__name__", "store call")
         started = said = 0.0
+        fresh = [i for i, a in enumerate(args) if type(a) is _Fresh]
         while True:
+            self._attempt_at = self._loop.time()
+            call_args: Any = args
+            if fresh:
+                call_args = list(args)
+                for i in fresh:
+                    call_args[i] = call_args[i].value()
             try:
-                result = fn(*args, **kwargs)
+                result = fn(*call_args, **kwargs)
             except OperationalError as exc:
                 failures += 1
                 self.stats.store_retries += 1
                 outage = self.config.ride_out_outages and self.store.hooks.is_outage(exc)
-                now = self._loop_time()
+                now = self._loop.time()
                 if failures == 1:
-                    started = said = now
+                    started = now
+                    said = now - OUTAGE_LOG_EVERY_S + OUTAGE_QUIET_S
                 if not outage:
                     if failures > self.config.store_retries_max:
                         raise
@@ -264,24 +302,37 @@ class Conductor:
                         failures,
                         self.config.store_retries_max,
                     )
-                elif failures == 1 or now - said >= OUTAGE_LOG_EVERY_S:
-                    # Once at first, then every half minute: an outage may last hours.
-                    said = now
-                    log.warning(
-                        "store-retry: %s failed (%s)%s; retrying until the database answers",
+                elif self._stop is not None and self._stop.is_set():
+                    log.error(
+                        "store-retry: %s failed (%s); stopping without it: the database "
+                        "has not answered for %.0fs",
                         name,
                         exc.orig,
-                        f" {failures} times over {now - started:.0f}s" if failures > 1 else "",
+                        now - started,
+                    )
+                    raise StoreUnavailable(str(exc.orig)) from exc
+                elif now - said >= OUTAGE_LOG_EVERY_S:
+                    # Not for a moment's contention (an operator's command holding the
+                    # lock for a second or two); then every half minute: it may last hours.
+                    said = now
+                    log.warning(
+                        "store-retry: %s failed (%s) %d time%s over %.0fs; retrying until "
+                        "the database answers",
+                        name,
+                        exc.orig,
+                        failures,
+                        "" if failures == 1 else "s",
+                        now - started,
                     )
                 await asyncio.sleep(min(5.0, 0.05 * 2 ** min(failures, 7)))
                 continue
-            if failures:
+            if failures and self._attempt_at - started >= OUTAGE_QUIET_S:
                 log.warning(
                     "store-retry: %s went through after %d failed tr%s over %.0fs",
                     name,
                     failures,
                     "y" if failures == 1 else "ies",
-                    self._loop_time() - started,
+                    self._loop.time() - started,
                 )
             return result
 
@@ -341,6 +392,7 @@ class Conductor:
         to expire and takes over. Without, it serves until ``stop``. Returns final states.
         """
         self._wanted = set(strategy_ids) if strategy_ids is not None else None
+        self._stop = stop
         self._patient = patient
         self._wake = asyncio.Event()
         # The hot path asks for the loop on every action: asyncio.get_running_loop()
@@ -368,7 +420,7 @@ class Conductor:
             await self._stop_workers()
             if clean:
                 held = [i for run in self.runs.values() for i in run.inflight]
-                await self._io(rt.release_conductor, self.store, self.id, self.clock.now(), held)
+                await self._io(rt.release_conductor, self.store, self.id, self._NOW, held)
             self._writer.close()
         return self.finished
 
@@ -385,23 +437,33 @@ class Conductor:
         self._lease_watch = self._loop.call_later(self.config.tick_s, self._watch_leases)
         if not self.config.renew_leases:
             return
-        limit = self._loop.time() - self.config.lease_ttl_s * 0.8
-        lapsing = [run for run in self.runs.values() if run.lease_from < limit and not run.lapsed]
+        lapsing = [run for run in self.runs.values() if not run.lapsed and self._lapsing(run.id)]
         if lapsing:
-            log.error(
-                "lease-lapsing: renewal overdue; %s stops acting on strategies %s",
-                self.id,
-                ", ".join(str(run.id) for run in lapsing),
-            )
-            for run in lapsing:
-                # Its actions stop here and now: the dispatcher may be stuck retrying a
-                # commit in the same outage, and would stop them only once it is through.
-                run.lapsed = True
-                for fl in run.inflight.values():
-                    if fl.task is not None:
-                        fl.task.cancel()
-                # the dispatcher drops it; it is claimed anew once the database answers
-                self.post(LeaseLost(run.id, lapsed=True))
+            self._lapse(lapsing)
+
+    def _lapsing(self, sid: int) -> bool:
+        """Whether the strategy's lease has gone unrenewed for most of its length here
+        (its actions must stop, and nothing of it start, before another may take it)."""
+        run = self.runs.get(sid)
+        if run is None or not self.config.renew_leases:
+            return False
+        return run.lapsed or run.lease_from < self._loop.time() - self.config.lease_ttl_s * 0.8
+
+    def _lapse(self, lapsing: list[StrategyRun]) -> None:
+        log.error(
+            "lease-lapsing: renewal overdue; %s stops acting on strategies %s",
+            self.id,
+            ", ".join(str(run.id) for run in lapsing),
+        )
+        for run in lapsing:
+            # Its actions stop here and now: the dispatcher may be stuck retrying a
+            # commit in the same outage, and would stop them only once it is through.
+            run.lapsed = True
+            for fl in run.inflight.values():
+                if fl.task is not None:
+                    fl.task.cancel()
+            # the dispatcher drops it; it is claimed anew once the database answers
+            self.post(LeaseLost(run.id, lapsed=True))
 
     def _periodic_ended(self, task: asyncio.Task[None]) -> None:
         """The periodic pass must live as long as the dispatcher: its death is fatal."""
@@ -450,13 +512,14 @@ class Conductor:
                     rt.heartbeat,
                     self.store,
                     self.id,
-                    self.clock.now(),
-                    self._lease_until(),
+                    self._NOW,
+                    self._LEASE,
                     in_flight,
                 )
-                last_renew = now_loop
+                # The lease written runs from the attempt that went through.
+                last_renew = self._attempt_at
                 for run in renewing:
-                    run.lease_from = max(run.lease_from, now_loop)
+                    run.lease_from = max(run.lease_from, last_renew)
             states = await self._io(rt.strategy_states, self.store, list(self.runs))
             for sid, (state, owner) in states.items():
                 held = self.runs.get(sid)  # dropped while this read was retried: skip it
@@ -494,23 +557,23 @@ class Conductor:
                         rt.register_conductor,
                         self.store,
                         self.id,
-                        self.clock.now(),
+                        self._NOW,
                         serves_all=False,
                     )
                 return
-        started = self._loop.time()
         claimed = await self._io(
             rt.claim_strategies,
             self.store,
             self.id,
-            self.clock.now(),
-            self._lease_until(),
+            self._NOW,
+            self._LEASE,
             todo,
             register=register,
             driving=set(self.runs) | self._claiming,
             serves_all=self._wanted is None,
             skip=self._not_here,
         )
+        started = self._attempt_at  # its lease runs from the attempt that went through
         for rec in claimed:
             self._claiming.add(rec.id)
             self._claimed_at[rec.id] = started
@@ -652,12 +715,13 @@ class Conductor:
                 self._writer.commit,
                 batch,
                 events,
-                now,
-                self._lease_until(),
+                self._NOW,
+                self._LEASE,
                 marks,
                 fences,
                 deadlines,
                 self._stop_rules(batch),
+                self._lapsing,
             )
             self._committed_at = time.perf_counter()
             self.stats.batches += 1
@@ -687,9 +751,18 @@ class Conductor:
                     if e.strategy_id is not None and e.strategy_id in self.runs
                 }
                 await self._io(
-                    self._writer.commit, [], late, now, self._lease_until(), None, fences_late
+                    self._writer.commit, [], late, self._NOW, self._LEASE, None, fences_late
                 )
                 self._wake_soon()  # its waiting steps are ended on the next turn
+            # Entries written as not started (their lease lapsed while the commit was
+            # retried): that strategy stops here now, before anything of it starts.
+            newly = [
+                self.runs[sid]
+                for sid in result.not_started
+                if sid in self.runs and not self.runs[sid].lapsed
+            ]
+            if newly:
+                self._lapse(newly)
             self._apply(batch, result.rejected, marks)
             for sid in result.lost:
                 self._drop_run(sid)
@@ -832,8 +905,8 @@ class Conductor:
             self.store,
             to_take,
             self.id,
-            now,
-            self._lease_until(),
+            self._NOW,
+            self._LEASE,
             held=(run.id, run.record.fence),
         )
         for step in taken:
@@ -847,8 +920,8 @@ class Conductor:
                 self._writer.commit,
                 batch,
                 events,
-                now,
-                self._lease_until(),
+                self._NOW,
+                self._LEASE,
                 marks,
                 {run.id: run.record.fence},
             )
@@ -901,7 +974,7 @@ class Conductor:
                     StrategyState.ABORT_REQUESTED.value,
                     StrategyState.ABORTING.value,
                     "aborting: in-flight steps finish their current state",
-                    self.clock.now(),
+                    self._NOW,
                 )
                 if ok:
                     run.db_state = StrategyState.ABORTING.value
@@ -1072,7 +1145,7 @@ class Conductor:
                 # It starts afresh here: its time starts now.
                 step.deadline_at = self._deadline_of(run, step.state, now)
         taken = await self._io(
-            rt.take_over_steps, self.store, lost, self.id, self.clock.now(), self._lease_until()
+            rt.take_over_steps, self.store, lost, self.id, self._NOW, self._LEASE
         )
         if len(taken) != len(lost):
             events.append(
@@ -1223,9 +1296,11 @@ class Conductor:
         ]
         events = [rt.Event("strategy-undrivable", reason, rec.id)]
         await self._io(
-            self._writer.commit, batch, events, now, self._lease_until(), [], {rec.id: rec.fence}
+            self._writer.commit, batch, events, self._NOW, self._LEASE, [], {rec.id: rec.fence}
         )
-        ok = await self._io(rt.end_strategy, self.store, rec.id, self.id, final.value, reason, now)
+        ok = await self._io(
+            rt.end_strategy, self.store, rec.id, self.id, final.value, reason, self._NOW
+        )
         self.finished[rec.id] = final.value if ok else "lost"
 
     def _failure_details(self, run: StrategyRun, who: str | None = None) -> str:
@@ -1291,7 +1366,7 @@ class Conductor:
             )
         if run.stopping is not None and decision.to_state not in STEP_TERMINAL:
             decision = Decision(STEP_ABORTED, f"stopped after {msg.state}: {run.stop_details}")
-        elif msg.attempts > 1 and decision.to_state != STEP_FAILED:
+        elif msg.attempts > 1 and decision.to_state not in (STEP_FAILED, STEP_ABORTED):
             # The journal keeps that the state needed retries (a failure's details say so
             # already): the step's attempt then counts the next state's attempts.
             took = f"{msg.state}: done at attempt {msg.attempts}"
@@ -1508,9 +1583,9 @@ class Conductor:
             to_state=to_state,
             fence=from_fence if fence is None else fence,
             details=details,
-            # The step's attempt is its current state's: entering one, its first comes
-            # (a retry scheduled counts on); once ended, the attempts its last state took.
-            attempt=attempt if to_state in STEP_TERMINAL else 1,
+            # (written as the step's attempt when it ends: the attempts its last state
+            # took; entering a state, the writer writes 1, that state's first)
+            attempt=attempt,
             at=now,
             not_started=self._draining and to_state not in STEP_TERMINAL,
             deadline_at=self._deadline_of(run, to_state, now),
@@ -1646,7 +1721,7 @@ class Conductor:
             else:
                 final, details = StrategyState.COMPLETE, ""
             ok = await self._io(
-                rt.end_strategy, self.store, run.id, self.id, final.value, details, self.clock.now()
+                rt.end_strategy, self.store, run.id, self.id, final.value, details, self._NOW
             )
             del self.runs[run.id]
             self._callbacks_seen.pop(run.id, None)

@@ -98,7 +98,7 @@ class Store:
         #: ``sqlalchemy.exc.OperationalError`` to simulate a transient database error
         self.write_fault: Callable[[], None] | None = None
         #: how long a write waits for another writer's lock before it fails; a
-        #: conductor shortens it to a tenth of its lease (its loop waits meanwhile)
+        #: conductor shortens it to a twentieth of its lease (its loop waits meanwhile)
         self.busy_timeout_ms = DEFAULT_BUSY_TIMEOUT_MS
 
     def wait_for_locks(self, dbapi_conn: Any, info: dict[Any, Any]) -> None:

@@ -12,11 +12,12 @@ import json
 import os
 import socket
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from sqlalchemy import Connection, insert, select, update
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import DatabaseError, IntegrityError, OperationalError
 from sqlalchemy.pool import PoolProxiedConnection
 
 from fleetwave.domain.models import (
@@ -109,6 +110,13 @@ class CommitResult:
     #: strategies whose entries were held back, and the state that held them: the
     #: operator's pause or abort reached the database before the dispatcher knew of it
     held_back: dict[int, str] = field(default_factory=dict)
+    #: strategies whose entries were written as not started (their lease lapsing here,
+    #: by the ``lapsing`` predicate when the commit went through): start none of them
+    not_started: set[int] = field(default_factory=set)
+
+
+def _never(_strategy_id: int) -> bool:
+    return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -659,6 +667,11 @@ class TransitionWriter:
         self.store = store
         self.cid = conductor_id
         self._raw: PoolProxiedConnection | None = None
+        #: the commit being written: its time, whether a strategy's lease is lapsing,
+        #: and the strategies whose entries it wrote as not started for that
+        self._at = 0.0
+        self._lapsing: Callable[[int], bool] = _never
+        self._lapsed_now: set[int] = set()
         p = store.hooks.placeholder
         # One compare-and-set UPDATE per kind of move, so that what a kind always sets to
         # NULL is written in the SQL: binding a None costs the driver an adapter lookup
@@ -702,21 +715,36 @@ class TransitionWriter:
     def _params(
         self, t: Transition, lease_until: float
     ) -> tuple[str, tuple[Any, ...], tuple[Any, ...]]:
-        """The step's compare-and-set UPDATE (statement and parameters), its journal row."""
-        not_started = self.store.hooks.flag(t.not_started)
-        cas = (t.step_id, t.from_state, t.from_fence)
+        """The step's compare-and-set UPDATE (statement and parameters), its journal row.
+
+        Written at the commit's time (``self._at``: a commit retried through an outage
+        went through later than it was decided). The step's attempt is its current
+        state's: 1 entering a state; once ended, the attempts its last state took. An
+        entry of a strategy whose lease is lapsing here is marked not started: nothing
+        of it starts here any more, and the next owner starts it afresh.
+        """
+        at = self._at
         if t.to_state not in STEP_TERMINAL:
             sql = self._enter_sql
-            args: tuple[Any, ...] = (self.cid, lease_until, t.at, not_started, t.deadline_at)
-        elif t.from_state == STEP_INITIAL:
-            sql, args = self._end_unstarted_sql, (t.at, not_started)
+            stale = t.strategy_id in self._lapsed_now or self._lapsing(t.strategy_id)
+            if stale:
+                self._lapsed_now.add(t.strategy_id)
+            not_started = self.store.hooks.flag(t.not_started or stale)
+            args: tuple[Any, ...] = (self.cid, lease_until, at, not_started, t.deadline_at)
+            attempt = 1
         else:
-            sql, args = self._finish_sql, (t.at, t.at, not_started)
-        upd = (t.to_state, t.fence, t.details, t.attempt, *args, *cas)
+            not_started = self.store.hooks.flag(t.not_started)
+            attempt = t.attempt
+            if t.from_state == STEP_INITIAL:
+                sql, args = self._end_unstarted_sql, (at, not_started)
+            else:
+                sql, args = self._finish_sql, (at, at, not_started)
+        cas = (t.step_id, t.from_state, t.from_fence)
+        upd = (t.to_state, t.fence, t.details, attempt, *args, *cas)
         jr = (
             t.strategy_id,
             t.step_id,
-            t.at,
+            at,
             self.cid,
             t.from_state,
             t.to_state,
@@ -735,6 +763,7 @@ class TransitionWriter:
         fences: dict[int, int] | None = None,
         deadlines: list[AttemptDeadline] | None = None,
         stops: dict[int, StopRule] | None = None,
+        lapsing: Callable[[int], bool] | None = None,
     ) -> CommitResult:
         """Commit a batch in one transaction (group commit).
 
@@ -750,7 +779,13 @@ class TransitionWriter:
         strategy's failure limit (``stops``), the strategy's later entries in the batch
         are written as aborted, not started. Both are listed in
         :attr:`CommitResult.replaced`; ``batch`` itself is left as it is.
+
+        ``lapsing``: whether a strategy's lease is lapsing at this conductor, asked as
+        the commit is written (each attempt of a retried one asks again); its entries
+        are then written as not started (:attr:`CommitResult.not_started`).
         """
+        self._at, self._lapsing = now, lapsing or _never
+        self._lapsed_now = set()
         mk = [(m.outcome, m.reason, now, m.callback_id) for m in marks or ()]
         dl = [
             (d.deadline_at, d.attempt, d.details, d.step_id, d.state, d.fence)
@@ -771,7 +806,7 @@ class TransitionWriter:
         if self._commit_fast(
             list(batch), lease_until, list(ups), list(jrs), ev, mk, fences, dl, stops, replaced
         ):
-            return CommitResult([], set(), replaced)
+            return CommitResult([], set(), replaced, not_started=self._lapsed_now)
         return self._commit_one_by_one(
             list(batch),
             lease_until,
@@ -963,6 +998,9 @@ class TransitionWriter:
         except dbapi.OperationalError as exc:
             raw.rollback()
             raise OperationalError("commit", None, exc) from exc
+        except dbapi.DatabaseError as exc:  # a malformed file, ...: as SQLAlchemy says it
+            raw.rollback()
+            raise DatabaseError("commit", None, exc) from exc
         except BaseException:
             raw.rollback()
             raise
@@ -1091,7 +1129,12 @@ class TransitionWriter:
                 conn.exec_driver_sql(self._deadline_sql, dl)
         refused = {id(t) for t in rejected} | {id(t) for t in deferred}
         return CommitResult(
-            rejected, lost, [t for t in replaced if id(t) not in refused], deferred, held_back
+            rejected,
+            lost,
+            [t for t in replaced if id(t) not in refused],
+            deferred,
+            held_back,
+            self._lapsed_now,
         )
 
     def close(self) -> None:

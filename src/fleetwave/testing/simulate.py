@@ -67,6 +67,7 @@ FAULTS = (
     "slow",
     "callbacks",
     "db",
+    "outage",
     "crash",
     "stall",
     "stop",
@@ -139,6 +140,8 @@ class SimResult:
     paused_by_operator: bool = False
     #: rows of steps in flight an outside writer changed (their fence bumped)
     meddled: int = 0
+    #: the database was out (every write failing) for a while during the run
+    outage: bool = False
 
     def line(self) -> str:
         verdict = "ok" if self.ok else "FAILED"
@@ -252,8 +255,15 @@ class _Faults:
         faults: frozenset[str],
         stop_rng: random.Random,
         abort_rng: random.Random,
+        outage_rng: random.Random | None = None,
     ) -> None:
         self.rng = rng
+        #: a window of virtual time in which every write fails (the database locked by
+        #: another program, a disk full), for half the seeds: conductors ride it out
+        self.outage: tuple[float, float] | None = None
+        if "outage" in faults and outage_rng is not None and outage_rng.random() < 0.5:
+            start = outage_rng.uniform(5, 120)
+            self.outage = (start, start + outage_rng.uniform(20, 180))
         self.faults = faults
         # Clean stops and aborts draw from their own generators: the other faults of a
         # seed stay what they were before these kinds existed.
@@ -283,6 +293,13 @@ class _Faults:
         return self.stop_rng.uniform(1, 900)
 
     def write_fault(self) -> None:
+        if self.outage is not None:
+            try:
+                now = asyncio.get_running_loop().time()
+            except RuntimeError:  # the harness's own setup and checks: no outage
+                now = -1.0
+            if self.outage[0] <= now < self.outage[1]:
+                raise OperationalError("BEGIN", None, Exception("database is locked (outage)"))
         if self.db_error_rate and self.rng.random() < self.db_error_rate:
             raise OperationalError("BEGIN", None, Exception("database is locked (injected)"))
 
@@ -598,6 +615,7 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
         cfg.faults,
         random.Random(cfg.seed * 7919 + 2),
         random.Random(cfg.seed * 7919 + 5),
+        random.Random(cfg.seed * 7919 + 6),
     )
     store.write_fault = faults.write_fault
     sim = SimDriver(seed=cfg.seed)
@@ -737,6 +755,7 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
         unmanaged_by_operator=len(unmanage.done),
         paused_by_operator=pause.paused_at is not None,
         meddled=outsider.meddled,
+        outage=faults.outage is not None and faults.outage[0] < loop.time(),
         store_retries=retries,
         callbacks=n_callbacks,
         virtual_s=loop.time(),
