@@ -263,7 +263,8 @@ class Conductor:
         unreachable, full, read-only) is ridden out however long it lasts: meanwhile
         the lease watchdog stops this conductor's actions, and once the database
         answers it goes on (claiming anew what it had to let go). Asked to stop during
-        an outage, it gives up (:class:`StoreUnavailable`): its leases run out. Any
+        an outage, it gives up once the outage has lasted the shutdown grace period
+        (:class:`StoreUnavailable`): its leases run out by themselves. Any
         other error is retried ``store_retries_max`` times, then propagates and this
         conductor stops (its leases expire and another takes over).
 
@@ -302,7 +303,11 @@ class Conductor:
                         failures,
                         self.config.store_retries_max,
                     )
-                elif self._stop is not None and self._stop.is_set():
+                elif (
+                    self._stop is not None
+                    and self._stop.is_set()
+                    and now - started >= self.config.shutdown_grace_s
+                ):
                     log.error(
                         "store-retry: %s failed (%s); stopping without it: the database "
                         "has not answered for %.0fs",

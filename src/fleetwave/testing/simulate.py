@@ -52,7 +52,7 @@ from fleetwave.domain.models import (
 from fleetwave.domain.registry import get_workflow
 from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.clock import LoopClock
-from fleetwave.engine.conductor import Conductor, EngineConfig, SimulatedCrash
+from fleetwave.engine.conductor import Conductor, EngineConfig, SimulatedCrash, StoreUnavailable
 from fleetwave.store import admin
 from fleetwave.store import runtime as rt
 from fleetwave.store.db import Store, open_store
@@ -703,6 +703,10 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
             result = await task
             state = result.get(sid, "unknown")
         except (SimulatedCrash, asyncio.CancelledError):
+            crashes += 1
+        except StoreUnavailable:
+            # Stopped during an outage without handing its leases back: as a crash, the
+            # next conductor takes over once they run out.
             crashes += 1
         finally:
             if killer is not None:
