@@ -404,3 +404,17 @@ def test_a_database_locked_by_another_program_is_one_line(
         "again when it is done); its transaction was rolled back"
     ]
     assert cli("target", "list", "--format", "json").json() == []
+
+
+@pytest.mark.parametrize(
+    ("args", "value"),
+    [
+        (("serve", "--lease-ttl", "soon"), "'soon'"),
+        (("serve", "--lease-ttl=1e"), "'1e'"),
+        (("demo", "--targets", "ten"), "'ten'"),
+    ],
+)
+def test_a_value_that_is_not_a_number_is_named(cli: Cli, args: tuple[str, ...], value: str) -> None:
+    """Typer's number check said only 'unable to parse string as a number'."""
+    option = args[1].split("=")[0]
+    assert_rejected(cli(*args), f"Invalid value for '{option}'", f", got {value}")

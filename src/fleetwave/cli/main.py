@@ -876,7 +876,26 @@ def _usage_problem(exc: typer.TyperException) -> str:
             f"{name}: ids and counts are whole numbers from 0 "
             "(a negative number is read as an option)"
         )
+    if message.endswith("unable to parse string as a number") or message.endswith(
+        "unable to parse string as an integer"
+    ):
+        # Typer's number check does not say what it was given: the command line does.
+        given = _option_value(getattr(getattr(exc, "param", None), "opts", None) or [])
+        if given is not None:
+            message += f", got {given!r}"
     return message
+
+
+def _option_value(opts: list[str]) -> str | None:
+    """What the command line gave one of ``opts`` (the last time it was given)."""
+    args, given = sys.argv[1:], None
+    for i, arg in enumerate(args):
+        for opt in opts:
+            if arg == opt and i + 1 < len(args):
+                given = args[i + 1]
+            elif arg.startswith(opt + "="):
+                given = arg[len(opt) + 1 :]
+    return given
 
 
 def _fail(message: str, code: int) -> None:
