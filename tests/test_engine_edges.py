@@ -392,6 +392,9 @@ def test_a_conductor_rides_out_a_database_outage_and_goes_on_after_it(
     assert conductor.stats.store_retries > 3 * len(retries)
     assert len(retries) <= 3 * (300 // 30 + 2), retries
     assert any("retrying until the database answers" in m for m in retries)
+    # a warning at first, an error once it has lasted a minute (operators alert on those)
+    levels = [r.levelno for r in caplog.records if "retrying until" in r.getMessage()]
+    assert levels[0] == logging.WARNING and levels[-1] == logging.ERROR
     assert any("went through after" in m for m in retries)
     assert sum("lease-lapsing" in m for m in said) == 1
     assert check(store, sid).ok

@@ -114,6 +114,8 @@ RENEW_MAX_S = 10.0
 OUTAGE_LOG_EVERY_S = 30.0
 #: ... once it has been out this long (a moment's lock by an operator's command is not)
 OUTAGE_QUIET_S = 5.0
+#: ... as an error (not a warning) once it has been out this long
+OUTAGE_ERROR_S = 60.0
 
 
 class StoreUnavailable(Exception):
@@ -320,7 +322,9 @@ class Conductor:
                     # Not for a moment's contention (an operator's command holding the
                     # lock for a second or two); then every half minute: it may last hours.
                     said = now
-                    log.warning(
+                    log.log(
+                        # an error once it is more than a moment: nothing moves meanwhile
+                        logging.ERROR if now - started >= OUTAGE_ERROR_S else logging.WARNING,
                         "store-retry: %s failed (%s) %d time%s over %.0fs; retrying until "
                         "the database answers",
                         name,
