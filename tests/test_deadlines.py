@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
+import pytest
 from sqlalchemy import select
 
 from conftest import Sleeps, add_sim_targets, applied
@@ -15,6 +17,7 @@ from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.clock import LoopClock
 from fleetwave.engine.conductor import Conductor, EngineConfig
 from fleetwave.store import admin, queries
+from fleetwave.store import runtime as rt
 from fleetwave.store.db import Store
 from fleetwave.store.schema import events
 from fleetwave.testing.invariants import check
@@ -118,7 +121,9 @@ def _crash_then_take_over(
         loop.close()
 
 
-def test_a_takeover_does_not_restart_the_states_timeout(store: Store) -> None:
+def test_a_takeover_does_not_restart_the_states_timeout(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A state with 100 s to run loses its conductor at 60 s: it must not get 100 s more."""
     add_sim_targets(store, 1, settings={"hang_at": "pre-check"})
     sid = applied(store, "patch", timeouts_s={"pre-check": 100.0})
@@ -126,15 +131,31 @@ def test_a_takeover_does_not_restart_the_states_timeout(store: Store) -> None:
     config = EngineConfig(lease_ttl_s=10, tick_s=1, recover_grace_s=5)
     first = Conductor(store, clock=LoopClock(), config=config, drivers={"sim": sim})
     second = Conductor(store, clock=LoopClock(), config=config, drivers={"sim": sim})
+    retries: list[tuple[float, str]] = []
+    real = rt.TransitionWriter.commit
+
+    def commit(self: rt.TransitionWriter, *a: Any, **kw: Any) -> Any:
+        deadlines = kw.get("deadlines") or (a[6] if len(a) > 6 else None) or []
+        retries.extend((LoopClock().now(), d.details) for d in deadlines)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(rt.TransitionWriter, "commit", commit)
     final, started = _crash_then_take_over(sid, first, second, crash_after_s=60)
     assert final == "failed"
-    (step,) = queries.list_steps(store, sid)
-    assert step["details"].startswith(
+    # The first attempt, across the takeover: 100 s of the state's own time, then the
+    # 5 s grace, not 60 + 10 + 100 s.
+    at, why = retries[0]
+    at -= started
+    assert why.startswith(
         "pre-check: timed out: the state's 100s deadline, recorded when it was entered, "
         "ran out across a conductor takeover (the recover hook had "
     )
-    # 100 s of the state's own time, then the 5 s grace: not 60 + 10 + 100 s.
-    assert 100 <= step["finished_at"] - started <= 106
+    assert 100 <= at <= 106
+    # Its retries (the recover hook again: it looks before anything) have the whole
+    # 100 s each, after 10 and 20 s of backoff, as without a takeover.
+    (step,) = queries.list_steps(store, sid)
+    assert step["details"] == "pre-check: timed out after 100s (attempt 3 of 3)"
+    assert 100 + 10 + 100 + 20 + 100 <= step["finished_at"] - started <= 337
     assert check(store, sid).ok
 
 
@@ -204,4 +225,56 @@ def test_a_takeover_during_a_retry_gives_the_retry_its_own_time(store: Store) ->
     assert "ran out across a conductor takeover" in step["details"], step["details"]
     # attempt 2's 100 s from 15 s, then the 5 s grace: not attempt 1's deadline (100 s)
     assert 115 <= step["finished_at"] - started <= 121
+    assert check(store, sid).ok
+
+
+class FlakyObserve(StateAction):
+    """Runs for 300 s; after a takeover its recover hook's first look at the target
+    fails (a network blip), the next one sees the operation done."""
+
+    def __init__(self) -> None:
+        self.looks: list[int] = []
+        self.runs = 0
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        self.runs += 1
+        await asyncio.sleep(300)
+        return Advance()
+
+    async def recover(self, ctx: ActionContext) -> Outcome:
+        self.looks.append(ctx.attempt)
+        if len(self.looks) == 1:
+            raise TransientError("target API unreachable")
+        return Advance(details="observed done")
+
+
+def test_a_recover_hooks_transient_failure_is_retried_by_the_recover_hook(
+    store: Store,
+) -> None:
+    """A network blip while the new owner looks at the target failed the step ('not
+    retried after a takeover'): a takeover of a thousand steps on a flaky network
+    failed many. The recover hook is retried under the state's retry policy; the state
+    is never entered again (its action does not run a second time)."""
+    add_sim_targets(store, 1)
+    action = FlakyObserve()
+    wf = register_workflow(
+        WorkflowDef(
+            "flaky-observe",
+            (StateDef("a", action, timeout_s=600, attempts_max=3, backoff_s=2),),
+        ),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    config = EngineConfig(lease_ttl_s=10, tick_s=1)
+    first = Conductor(store, clock=LoopClock(), config=config)
+    second = Conductor(store, clock=LoopClock(), config=config)
+    final, _ = _crash_then_take_over(sid, first, second, crash_after_s=30)
+    assert final == "complete"
+    assert action.runs == 1 and action.looks == [1, 2]
+    (step,) = queries.list_steps(store, sid)
+    assert step["details"] == "observed done (a: done at attempt 2)"
+    assert [(h["from"], h["to"]) for h in queries.history(store, sid)] == [
+        ("initial", "a"),
+        ("a", "complete"),
+    ]
     assert check(store, sid).ok

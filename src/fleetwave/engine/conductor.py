@@ -1773,7 +1773,9 @@ class Conductor:
             timeout_s = min(st.timeout_s, left + self.config.recover_grace_s)
         driver = self.drivers.get(rec.target.driver)
         loop = self._loop
-        attempts = 0
+        # After a takeover the recover hook looks at the attempt that was running (the
+        # row's attempt): the state's attempts go on from there, not from 1 again.
+        attempts = max(0, rec.attempt - 1) if recovering else 0
         callback_id: int | None = None
         decision: Decision
         #: a poll state's last "not yet" (its details): said when the state times out
@@ -1856,9 +1858,14 @@ class Conductor:
                     # a TransientError, or the action's own TimeoutError (its client gave
                     # up: not the state's deadline): retried like a transient error
                     reason = str(exc) or type(exc).__name__
-                retry = attempts < st.attempts_max and not recovering and waiter is None
+                # After a takeover the retry calls the recover hook again (it observes
+                # the target before anything): the state is never entered again (G1).
+                retry = attempts < st.attempts_max and waiter is None
                 if retry and not fl.stopped:
                     backoff = st.backoff_for(attempts)
+                    # Each attempt has the state's whole timeout (after a takeover, only the
+                    # first one had what was left of the recorded deadline).
+                    timeout_s = st.timeout_s
                     # On the step's row: why it waits and which attempt comes; and, as
                     # the state's recorded deadline was its first attempt's, the next
                     # one's, so a takeover gives the recover hook what is left of it.
@@ -1889,12 +1896,10 @@ class Conductor:
                     )
                 else:
                     why = f"{reason} (attempt {attempts} of {st.attempts_max}"
-                    if attempts < st.attempts_max:
-                        # Not retried here: a recover hook decides once (the state may have
-                        # run on the target), and a callback wait is not started again (the
-                        # target's agent was started once).
-                        why += "; not retried after a takeover" if recovering else ""
-                        why += "; a wait for a callback is not retried" if waiter else ""
+                    if attempts < st.attempts_max and waiter is not None:
+                        # Not retried: a callback wait is not started again (the target's
+                        # agent was started once).
+                        why += "; a wait for a callback is not retried"
                     decision = failure(state, why + ")")
             except Exception as exc:  # an action bug must fail the step, never strand it
                 # One line per step (a bug in an action may fail thousands of them); the
