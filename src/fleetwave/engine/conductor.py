@@ -1775,7 +1775,7 @@ class Conductor:
         loop = self._loop
         # After a takeover the recover hook looks at the attempt that was running (the
         # row's attempt): the state's attempts go on from there, not from 1 again.
-        attempts = max(0, rec.attempt - 1) if recovering else 0
+        attempts = min(max(rec.attempt, 1), st.attempts_max) - 1 if recovering else 0
         callback_id: int | None = None
         decision: Decision
         #: a poll state's last "not yet" (its details): said when the state times out
@@ -1858,8 +1858,9 @@ class Conductor:
                     # a TransientError, or the action's own TimeoutError (its client gave
                     # up: not the state's deadline): retried like a transient error
                     reason = str(exc) or type(exc).__name__
-                # After a takeover the retry calls the recover hook again (it observes
-                # the target before anything): the state is never entered again (G1).
+                # After a takeover too: the recover hook said how the attempt that was
+                # running ended (failed for now, or out of time), so the next one is a
+                # retry like any other, of the action (idempotent on the target side).
                 retry = attempts < st.attempts_max and waiter is None
                 if retry and not fl.stopped:
                     backoff = st.backoff_for(attempts)
@@ -1886,6 +1887,7 @@ class Conductor:
                     )
                     await asyncio.sleep(backoff)
                     if not fl.stopped:
+                        recovering = False
                         continue
                 if retry:
                     # The strategy stopped (abort, failure limit): no new attempt starts.
