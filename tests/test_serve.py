@@ -4,6 +4,8 @@ the end (and takes over only if the owner dies)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -184,3 +186,34 @@ def test_a_frozen_conductor_is_taken_over_and_fenced_off_when_it_wakes(tmp_path:
     assert {t for t, to in entered if to == "complete"} == {f"s{i:03d}" for i in range(60)}
     checked = _cli(db, "check", "--strategy", str(sid))
     assert checked.returncode == 0, checked.stdout
+
+
+def test_a_serve_whose_database_file_is_replaced_stops_and_says_so(tmp_path: Path) -> None:
+    """A backup restored over the database (or the file removed and made again) while
+    `serve` ran: the conductor went on writing into the old file, which nobody reads,
+    and drove nothing of the new one. It stops within a tick, saying why (exit 1)."""
+    db = str(tmp_path / "live.db")
+    assert _cli(db, "init").returncode == 0
+    assert _cli(db, "target", "add", "slow", "--set", "latency_ms=60000").returncode == 0
+    created = _cli(db, "strategy", "create", "--workflow", "patch", "--all", "--format", "json")
+    sid = json.loads(created.stdout)["id"]
+    backup = tmp_path / "backup.db"
+    shutil.copyfile(db, backup)
+    assert _cli(db, "strategy", "apply", str(sid)).returncode == 0
+    serve = subprocess.Popen(
+        [*FLEETWAVE, "serve", "--db", db], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _wait_for("serve to claim it", lambda: _owner(db, sid) is not None)
+        os.replace(backup, db)  # the backup, restored over the live file
+        _out, err = serve.communicate(timeout=30)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.communicate()
+    assert serve.returncode == 1, err
+    assert err.strip().splitlines()[-1] == (
+        f"error: the database file {db} was removed or replaced while this conductor had it "
+        "open (its writes would go to the old file): stopped; start it again on the database "
+        "now at that path, if that is the one to drive"
+    )

@@ -57,6 +57,7 @@ from fleetwave.engine.conductor import (
     LEASE_TTL_MIN_S,
     Conductor,
     EngineConfig,
+    StoreReplaced,
     StoreUnavailable,
 )
 from fleetwave.store import admin, queries
@@ -840,6 +841,11 @@ def main() -> None:
     except (InputError, WorkflowError, StoreError, event_loop.LoopChoiceError) as exc:
         discard_created()
         _fail(str(exc), 2)
+    except StoreReplaced as exc:
+        _fail(
+            f"{exc}; start it again on the database now at that path, if that is the one to drive",
+            1,
+        )
     except StoreUnavailable as exc:
         # Asked to stop (Ctrl-C, SIGTERM) while the database did not answer.
         _fail(

@@ -118,6 +118,11 @@ OUTAGE_QUIET_S = 5.0
 OUTAGE_ERROR_S = 60.0
 
 
+class StoreReplaced(Exception):
+    """The database file was removed or replaced while this conductor had it open: its
+    writes would go to the old file, unseen by anyone. It stops."""
+
+
 class StoreUnavailable(Exception):
     """The conductor was asked to stop while the database did not answer: it stopped
     without handing its leases back (they run out, and another conductor takes over)."""
@@ -246,6 +251,8 @@ class Conductor:
         #: outcomes of steps that had moved on, in the batch being handled
         self._stale: list[ActionFinished] = []
         self._lease_watch: asyncio.TimerHandle | None = None
+        #: the database file's identity when :meth:`run` began (see StoreReplaced)
+        self._db_identity: tuple[int, int] | None = None
         #: the stop asked of :meth:`run` (a store call riding out an outage gives up)
         self._stop: asyncio.Event | None = None
         #: loop time the last store call's last attempt began (the one that went through)
@@ -402,6 +409,7 @@ class Conductor:
         """
         self._wanted = set(strategy_ids) if strategy_ids is not None else None
         self._stop = stop
+        self._db_identity = self.store.file_identity()
         self._patient = patient
         self._wake = asyncio.Event()
         # The hot path asks for the loop on every action: asyncio.get_running_loop()
@@ -480,7 +488,10 @@ class Conductor:
             return
         exc = task.exception()
         self._fatal = exc or RuntimeError("periodic pass ended")
-        log.critical("periodic pass died (%r): stopping this conductor", self._fatal)
+        if isinstance(exc, StoreReplaced):
+            log.critical("%s", exc)
+        else:
+            log.critical("periodic pass died (%r): stopping this conductor", self._fatal)
         if self._wake is not None:
             self._wake.set()
 
@@ -511,6 +522,11 @@ class Conductor:
         last_renew = asyncio.get_running_loop().time()
         while True:
             await asyncio.sleep(self.config.tick_s)
+            if self.store.file_identity() != self._db_identity:
+                raise StoreReplaced(
+                    f"the database file {self.store.url} was removed or replaced while this "
+                    "conductor had it open (its writes would go to the old file): stopped"
+                )
             now_loop = asyncio.get_running_loop().time()
             if self.config.renew_leases and now_loop - last_renew >= renew_every:
                 in_flight = [i for run in self.runs.values() for i in run.inflight]

@@ -122,6 +122,15 @@ class Store:
             finally:
                 conn.info.pop("immediate", None)
 
+    def file_identity(self) -> tuple[int, int] | None:
+        """The database file's (device, inode), to notice it removed or replaced while
+        open (a connection would go on writing to the old file); None if it has none."""
+        try:
+            st = os.stat(self.url)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino)
+
     @contextmanager
     def read(self) -> Iterator[Connection]:
         with self.engine.connect() as conn:
