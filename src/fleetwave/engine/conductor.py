@@ -409,7 +409,10 @@ class Conductor:
         """
         self._wanted = set(strategy_ids) if strategy_ids is not None else None
         self._stop = stop
-        self._db_identity = self.store.file_identity()
+        try:
+            self._db_identity = self.store.file_identity()
+        except OSError:
+            self._db_identity = None
         self._patient = patient
         self._wake = asyncio.Event()
         # The hot path asks for the loop on every action: asyncio.get_running_loop()
@@ -522,7 +525,12 @@ class Conductor:
         last_renew = asyncio.get_running_loop().time()
         while True:
             await asyncio.sleep(self.config.tick_s)
-            if self.store.file_identity() != self._db_identity:
+            try:
+                # (no file to watch when it began: nothing to compare)
+                now_file = self.store.file_identity() if self._db_identity else None
+            except OSError:
+                now_file = self._db_identity  # cannot tell this tick: look again next
+            if now_file != self._db_identity:
                 raise StoreReplaced(
                     f"the database file {self.store.url} was removed or replaced while this "
                     "conductor had it open (its writes would go to the old file): stopped"

@@ -124,10 +124,12 @@ class Store:
 
     def file_identity(self) -> tuple[int, int] | None:
         """The database file's (device, inode), to notice it removed or replaced while
-        open (a connection would go on writing to the old file); None if it has none."""
+        open (a connection would go on writing to the old file); None if there is no
+        file at its path. Any other error (a network file system's hiccup) is raised:
+        it says nothing about the file."""
         try:
             st = os.stat(self.url)
-        except OSError:
+        except FileNotFoundError:
             return None
         return (st.st_dev, st.st_ino)
 
