@@ -856,3 +856,61 @@ def test_a_message_with_brackets_is_shown_as_it_is(cli: Cli) -> None:
         res = cli(*args)
         assert res.code == 0, (args, res.text)
         assert said in res.out, (args, res.out)
+
+
+def test_a_retry_starts_only_once_the_row_names_it(store: Store) -> None:
+    """Found by review: a retry started after its backoff even when the dispatcher had
+    not recorded it on the step's row yet (its commit retried through a database
+    outage), so a takeover then would look at the attempt before, and give the state
+    one attempt too many. It waits for the record now."""
+    import asyncio
+
+    from sqlalchemy.exc import OperationalError
+
+    from fleetwave.domain.models import StrategyOptions
+    from fleetwave.domain.registry import register_workflow
+    from fleetwave.domain.workflow import (
+        ActionContext,
+        Advance,
+        Outcome,
+        StateAction,
+        StateDef,
+        TransientError,
+        WorkflowDef,
+    )
+    from fleetwave.engine.clock import LoopClock
+    from fleetwave.engine.conductor import Conductor
+    from fleetwave.store import admin, queries
+
+    seen: list[tuple[int, int, float]] = []
+
+    class BusyOnce(StateAction):
+        async def run(self, ctx: ActionContext) -> Outcome:
+            now = asyncio.get_running_loop().time()
+            seen.append((ctx.attempt, int(queries.get_step(store, ctx.step_id)["attempt"]), now))
+            if ctx.attempt == 1:
+                await asyncio.sleep(2)
+                raise TransientError("busy")
+            return Advance()
+
+    wf = register_workflow(
+        WorkflowDef("busy-once", (StateDef("a", BusyOnce(), attempts_max=3, backoff_s=1),)),
+        replace=True,
+    )
+    add_sim_targets(store, 1)
+    sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
+    admin.apply_strategy(store, sid)
+
+    def locked() -> None:
+        raise OperationalError("BEGIN", None, Exception("database is locked (injected)"))
+
+    async def main() -> dict[int, str]:
+        loop = asyncio.get_running_loop()
+        loop.call_later(1, setattr, store, "write_fault", locked)  # out from 1 s to 12 s
+        loop.call_later(12, setattr, store, "write_fault", None)
+        return await Conductor(store, clock=LoopClock()).run(strategy_ids=[sid])
+
+    assert on_virtual_time(main())[sid] == "complete"
+    (first, second) = seen
+    assert first[:2] == (1, 1)
+    assert second[:2] == (2, 2) and second[2] >= 12  # after the record went through

@@ -685,8 +685,11 @@ class Conductor:
         deadlines: list[rt.AttemptDeadline] = []
         recover: list[InFlight] = []
         claimed_callbacks: list[cbs.CallbackRecord] = []
+        retries: list[asyncio.Future[None]] = []
         for i, msg in enumerate(msgs):
             if isinstance(msg, RetryScheduled):
+                if msg.handled is not None:
+                    retries.append(msg.handled)
                 if self._reported(msg) is not None:
                     deadlines.append(
                         rt.AttemptDeadline(
@@ -799,6 +802,9 @@ class Conductor:
             self._apply(batch, result.rejected, marks)
             for sid in result.lost:
                 self._drop_run(sid)
+        for handled in retries:
+            if not handled.done():
+                handled.set_result(None)  # committed (or stale): the next attempt may run
         for fl in recover:
             if not self._draining and fl.rec.strategy_id in self.runs:
                 self._release(fl)
@@ -1895,6 +1901,7 @@ class Conductor:
                     # the state's recorded deadline was its first attempt's, the next
                     # one's, so a takeover gives the recover hook what is left of it.
                     due = self.clock.now() + backoff
+                    handled = loop.create_future()
                     self.post(
                         RetryScheduled(
                             run.id,
@@ -1907,9 +1914,11 @@ class Conductor:
                             f"{state}: {reason} (attempt {attempts} of {st.attempts_max}); "
                             f"attempt {attempts + 1} from "
                             f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(due))}Z",
+                            handled,
                         )
                     )
                     await asyncio.sleep(backoff)
+                    await handled  # on the record before it runs (normally long since)
                     if not fl.stopped:
                         recovering = False
                         continue

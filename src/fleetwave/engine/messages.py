@@ -46,6 +46,10 @@ class RetryScheduled:
     #: the attempt about to run (2 for the first retry)
     attempt: int
     details: str
+    #: resolved once the dispatcher has handled it (committed with its batch, or found
+    #: stale): the next attempt starts only then, so that the row names the attempt
+    #: running (a takeover looks at that one) before it runs
+    handled: asyncio.Future[None] | None = None
 
 
 @dataclass(slots=True)
