@@ -214,6 +214,7 @@ def test_a_serve_whose_database_file_is_replaced_stops_and_says_so(tmp_path: Pat
     assert serve.returncode == 1, err
     assert err.strip().splitlines()[-1] == (
         f"error: the database file {db} was removed or replaced while this conductor had it "
-        "open (its writes would go to the old file): stopped; start it again on the database "
-        "now at that path, if that is the one to drive"
+        "open (its writes would go to the old file): stopped; move the old file's -wal and "
+        "-shm files aside (SQLite would replay them into the new one), then start it again "
+        "on the database now at that path"
     )

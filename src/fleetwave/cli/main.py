@@ -843,14 +843,16 @@ def main() -> None:
         _fail(str(exc), 2)
     except StoreReplaced as exc:
         _fail(
-            f"{exc}; start it again on the database now at that path, if that is the one to drive",
+            f"{exc}; move the old file's -wal and -shm files aside (SQLite would replay "
+            "them into the new one), then start it again on the database now at that path",
             1,
         )
     except StoreUnavailable as exc:
         # Asked to stop (Ctrl-C, SIGTERM) while the database did not answer.
         _fail(
             f"stopped without handing the leases back: the database did not answer ({exc}); "
-            "they run out by themselves, then another conductor takes the strategies over",
+            "they run out by themselves: go on with 'fleetwave serve' or "
+            "'fleetwave strategy apply ID --wait'",
             130,
         )
     except DBAPIError as exc:

@@ -493,6 +493,8 @@ class Conductor:
         self._fatal = exc or RuntimeError("periodic pass ended")
         if isinstance(exc, StoreReplaced):
             log.critical("%s", exc)
+        elif isinstance(exc, StoreUnavailable):
+            log.error("stopping during a database outage: %s", exc)
         else:
             log.critical("periodic pass died (%r): stopping this conductor", self._fatal)
         if self._wake is not None:
