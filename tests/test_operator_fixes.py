@@ -5,12 +5,28 @@ run again after its strategy ended."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
+from sqlalchemy.exc import OperationalError
 
 from cli_harness import Cli, assert_rejected, one_line
 from conftest import add_sim_targets, on_virtual_time
+from fleetwave.domain.models import StrategyOptions
+from fleetwave.domain.registry import register_workflow
+from fleetwave.domain.workflow import (
+    ActionContext,
+    Advance,
+    Outcome,
+    StateAction,
+    StateDef,
+    TransientError,
+    WorkflowDef,
+)
+from fleetwave.engine.clock import LoopClock
+from fleetwave.engine.conductor import Conductor
+from fleetwave.store import admin, queries
 from fleetwave.store.db import Store
 from test_cli_strategy import add, apply_wait, create, history
 from test_cli_workflow import GOOD, workflows, write
@@ -377,19 +393,6 @@ def test_a_step_waiting_to_retry_shows_why_and_which_attempt_comes(store: Store)
     """Between two attempts the step's row says what failed and which attempt comes
     (it showed attempt 0 and no details until the state ended); the state's recorded
     deadline is the next attempt's."""
-    from fleetwave.domain.models import StrategyOptions
-    from fleetwave.domain.workflow import (
-        ActionContext,
-        Advance,
-        Outcome,
-        StateAction,
-        StateDef,
-        TransientError,
-        WorkflowDef,
-    )
-    from fleetwave.engine.clock import LoopClock
-    from fleetwave.engine.conductor import Conductor
-    from fleetwave.store import admin, queries
 
     seen: list[dict[str, object]] = []
 
@@ -402,8 +405,6 @@ def test_a_step_waiting_to_retry_shows_why_and_which_attempt_comes(store: Store)
             if ctx.attempt < 3:
                 raise TransientError(f"target busy ({ctx.attempt})")
             return Advance()
-
-    from fleetwave.domain.registry import register_workflow
 
     wf = register_workflow(
         WorkflowDef(
@@ -437,20 +438,6 @@ def test_a_state_entered_after_retries_counts_its_own_attempts(store: Store) -> 
     """The step's attempt is its current state's: entering the next state after the
     first took three attempts shows attempt 1 (it showed 3); the journal keeps that
     the first state needed three."""
-    from fleetwave.domain.models import StrategyOptions
-    from fleetwave.domain.registry import register_workflow
-    from fleetwave.domain.workflow import (
-        ActionContext,
-        Advance,
-        Outcome,
-        StateAction,
-        StateDef,
-        TransientError,
-        WorkflowDef,
-    )
-    from fleetwave.engine.clock import LoopClock
-    from fleetwave.engine.conductor import Conductor
-    from fleetwave.store import admin, queries
 
     seen: list[tuple[str, int]] = []
 
@@ -632,7 +619,6 @@ def test_ctrl_c_on_strategy_delete_says_how_to_finish(
     cli: Cli, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from fleetwave.cli import main as cli_main
-    from fleetwave.store import admin
 
     add(cli, "a", "b", "c")
     sid = create(cli, "--all")
@@ -760,7 +746,6 @@ def test_ctrl_c_on_strategy_delete_says_what_the_database_holds(
     cli: Cli, monkeypatch: pytest.MonkeyPatch, when: str, code: int, said: str, state: str | None
 ) -> None:
     from fleetwave.cli import main as cli_main
-    from fleetwave.store import admin
 
     add(cli, "a")
     sid = create(cli, "--all")
@@ -863,24 +848,6 @@ def test_a_retry_starts_only_once_the_row_names_it(store: Store) -> None:
     not recorded it on the step's row yet (its commit retried through a database
     outage), so a takeover then would look at the attempt before, and give the state
     one attempt too many. It waits for the record now."""
-    import asyncio
-
-    from sqlalchemy.exc import OperationalError
-
-    from fleetwave.domain.models import StrategyOptions
-    from fleetwave.domain.registry import register_workflow
-    from fleetwave.domain.workflow import (
-        ActionContext,
-        Advance,
-        Outcome,
-        StateAction,
-        StateDef,
-        TransientError,
-        WorkflowDef,
-    )
-    from fleetwave.engine.clock import LoopClock
-    from fleetwave.engine.conductor import Conductor
-    from fleetwave.store import admin, queries
 
     seen: list[tuple[int, int, float]] = []
 

@@ -94,7 +94,6 @@ def test_seed_000_stale_snapshot_never_reenters_a_finished_state(store: Store) -
             fence=r.fence,
             details="stale re-dispatch",
             attempt=1,
-            at=1.0,
         )
         for r in snapshot
     ]

@@ -194,8 +194,8 @@ def test_started_steps_of_a_strategy_never_driven_need_no_scan(tmp_path: Path) -
     writer = rt.TransitionWriter(store, "c1")
     first, second = waiting[0], waiting[1]
     moves = [
-        rt.Transition(first.step_id, sid, "initial", 0, "pre-check", 1, "", 0, at=1.0),
-        rt.Transition(second.step_id, sid, "initial", 0, "failed", 0, "boom", 0, at=1.0),
+        rt.Transition(first.step_id, sid, "initial", 0, "pre-check", 1, "", 0),
+        rt.Transition(second.step_id, sid, "initial", 0, "failed", 0, "boom", 0),
     ]
     assert writer.commit(moves, [], 1.0, 2.0).rejected == []
     writer.close()

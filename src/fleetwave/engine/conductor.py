@@ -352,10 +352,6 @@ class Conductor:
                 )
             return result
 
-    @staticmethod
-    def _loop_time() -> float:
-        return asyncio.get_running_loop().time()
-
     def post(self, msg: Message) -> None:
         """Send the dispatcher a message. Never blocks; safe from any task on the loop."""
         self._inbox.append(msg)
@@ -1318,7 +1314,6 @@ class Conductor:
         waiting steps aborted, steps in a state failed (nothing here can observe them)."""
         log.error("strategy %s: %s", rec.id, reason)
         open_steps, _ = await self._io(rt.load_open_steps, self.store, rec.id)
-        now = self.clock.now()
         batch = [
             rt.Transition(
                 step_id=st.step_id,
@@ -1331,7 +1326,6 @@ class Conductor:
                 if st.state == STEP_INITIAL
                 else f"{st.state}: {reason}",
                 attempt=st.attempt,
-                at=now,
             )
             for st in open_steps
         ]
@@ -1627,7 +1621,6 @@ class Conductor:
             # (written as the step's attempt when it ends: the attempts its last state
             # took; entering a state, the writer writes 1, that state's first)
             attempt=attempt,
-            at=now,
             not_started=self._draining and to_state not in STEP_TERMINAL,
             deadline_at=self._deadline_of(run, to_state, now),
         )

@@ -76,7 +76,6 @@ class Transition:
     fence: int
     details: str
     attempt: int
-    at: float = 0.0
     #: the conductor is stopping: it enters ``to_state`` but will not start its action
     not_started: bool = False
     #: when ``to_state`` runs out of time (engine clock); None for terminal states

@@ -702,11 +702,9 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
         try:
             result = await task
             state = result.get(sid, "unknown")
-        except (SimulatedCrash, asyncio.CancelledError):
-            crashes += 1
-        except StoreUnavailable:
-            # Stopped during an outage without handing its leases back: as a crash, the
-            # next conductor takes over once they run out.
+        except (SimulatedCrash, asyncio.CancelledError, StoreUnavailable):
+            # (StoreUnavailable: stopped during an outage without handing its leases
+            # back; as with a crash, the next conductor takes over once they run out)
             crashes += 1
         finally:
             if killer is not None:
