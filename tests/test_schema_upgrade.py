@@ -115,6 +115,19 @@ def test_init_does_not_upgrade_under_a_running_conductor(cli: Cli, tmp_path: Pat
     assert _revision(old) == OLD
 
 
+def test_init_names_fleetwave_db_when_it_refuses_a_database_in_use(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by an operator audit: the refusal said '--db:' when FLEETWAVE_DB named it."""
+    old = tmp_path / "old.db"
+    _database_at(old, OLD)
+    _conductor(old, pid=1)
+    monkeypatch.setenv("FLEETWAVE_DB", str(old))
+    line = one_line(cli("init", db=None))
+    assert line.startswith(f"error: FLEETWAVE_DB: {old} is in use by conductor c-old"), line
+    assert _revision(old) == OLD
+
+
 def test_init_upgrades_past_a_conductor_known_to_be_gone(cli: Cli, tmp_path: Path) -> None:
     """A crashed conductor on this host (its process is gone), and one silent for longer
     than a lease renewal takes, hold nothing up."""

@@ -89,17 +89,17 @@ def store_for(db: str | None, *, create: bool = True, upgrade: bool = False) -> 
     path = check_db_path(target)
     fresh = not path.exists()
     if fresh and not create:
-        raise InputError(f"{_named(db)}: no database at {target}{_hint(db)}")
+        raise InputError(f"{db_named(db)}: no database at {target}{_hint(db)}")
     if not create and path.is_file() and path.stat().st_size == 0:
         # An empty file (a typo'd `touch`, a failed copy): opening it would make it a
         # new, empty database, shown as if it were the fleet.
-        raise InputError(f"{_named(db)}: {target} is an empty file, not a database{_hint(db)}")
+        raise InputError(f"{db_named(db)}: {target} is an empty file, not a database{_hint(db)}")
     try:
         store = open_store(target, upgrade=upgrade)
     except StoreError as exc:
-        if _named(db) != "--db" and str(exc).startswith("--db: "):
+        if db_named(db) != "--db" and str(exc).startswith("--db: "):
             # the store names its path as --db: here FLEETWAVE_DB gave it
-            exc.args = (f"{_named(db)}: {str(exc)[len('--db: ') :]}",)
+            exc.args = (f"{db_named(db)}: {str(exc)[len('--db: ') :]}",)
         raise
     if fresh:
         _created.append((path, store))
@@ -119,7 +119,7 @@ def store_if_any(db: str | None) -> Store | None:
     return store_for(db) if check_db_path(default_db_path()).exists() else None
 
 
-def _named(db: str | None) -> str:
+def db_named(db: str | None) -> str:
     """The input that named the database path."""
     return "FLEETWAVE_DB" if db is None and os.environ.get("FLEETWAVE_DB") else "--db"
 

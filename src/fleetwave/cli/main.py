@@ -26,6 +26,7 @@ from fleetwave.cli.common import (
     FormatOpt,
     StepId,
     StrategyId,
+    db_named,
     discard_created,
     existing_store,
     forget_created,
@@ -121,7 +122,8 @@ def init(db: DbOpt = None) -> None:
         if running:
             names = ", ".join(f"{c['id']} (host {c['hostname']}, pid {c['pid']})" for c in running)
             raise InputError(
-                f"--db: {store.url} is in use by conductor{'s' if len(running) > 1 else ''} "
+                f"{db_named(db)}: {store.url} is in use by "
+                f"conductor{'s' if len(running) > 1 else ''} "
                 f"{names}: stop {'them' if len(running) > 1 else 'it'}, then run "
                 "'fleetwave init' again (nothing was changed)"
             ) from None
