@@ -1064,3 +1064,25 @@ def test_many_unknown_or_repeated_targets_are_named_a_few_at_a_time(cli: Cli) ->
     assert strategies(cli) == []
     # spaces around names and empty entries (a trailing comma) are not repeats
     create(cli, "--targets", " a , b,")
+
+
+def test_targets_with_a_repeat_and_an_unknown_name_name_both(cli: Cli) -> None:
+    add(cli, "a")
+    line = one_line(cli("strategy", "create", "--workflow", "patch", "--targets", "a,nope,a"))
+    assert "--targets: 'a' given more than once; no target named 'nope'" in line, line
+    assert strategies(cli) == []
+
+
+def test_a_conflict_names_every_held_target_by_strategy(cli: Cli) -> None:
+    add(cli, "a", "b", "c", "d", "e", "f", "g", "h", "i")
+    first = create(cli, "--targets", "a,b,c,d,e,f,g")
+    second = create(cli, "--targets", "h")
+    assert cli("strategy", "apply", str(second)).code == 0
+    line = one_line(cli("strategy", "create", "--workflow", "patch", "--all"))
+    assert (
+        f"7 targets (a, b, c, d, e and 2 more): already in active strategy {first} "
+        f"(it was never applied: 'fleetwave strategy delete {first}' frees its targets); "
+        f"target h: already in active strategy {second} (it is applying: it frees its "
+        "targets when it ends)"
+    ) in line, line
+    assert [s["id"] for s in strategies(cli)] == [first, second]  # nothing written

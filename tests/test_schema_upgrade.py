@@ -185,3 +185,37 @@ def test_the_refusal_names_fleetwave_db_when_that_named_the_database(
     assert line.startswith(f"error: FLEETWAVE_DB: {old} has schema revision {OLD}"), line
     assert cli("init", db=None).code == 0
     assert _revision(old) == HEAD_REVISION
+
+
+def test_two_inits_at_once_upgrade_once_and_say_so(tmp_path: Path) -> None:
+    """Two ``fleetwave init`` started together on an older database (two operators, or
+    a deploy script on two hosts): both said "upgraded", as each had read the old
+    revision before either wrote. One upgrades; the other waits for it and says the
+    schema was upgraded meanwhile. Both exit 0; the rows are kept."""
+    import subprocess
+    import sys
+
+    old = tmp_path / "old.db"
+    _database_at(old, OLD)
+    _revision(old)  # opened once: in WAL mode, as any fleetwave command leaves it
+    holder = sqlite3.connect(old, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # both inits get as far as the upgrade, then wait
+    cmd = [sys.executable, "-m", "fleetwave.cli.main", "init", "--db", str(old)]
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    time.sleep(2.0)
+    holder.execute("ROLLBACK")
+    holder.close()
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    said = sorted(out for out, _err in outs)
+    assert f"upgraded from schema revision {OLD} to {HEAD_REVISION}" in said[1], said
+    assert "database ready (upgraded meanwhile by another init)" in said[0], said
+    assert _revision(old) == HEAD_REVISION
+    conn = sqlite3.connect(old)
+    try:
+        assert conn.execute("SELECT name FROM targets").fetchall() == [("site-1",)]
+    finally:
+        conn.close()

@@ -172,6 +172,13 @@ def test_a_frozen_conductor_is_taken_over_and_fenced_off_when_it_wakes(tmp_path:
     # The woken conductor learnt it had lost the strategy (renewals overdue, or fenced
     # off by the new owner) and stopped acting on it.
     assert "lease-lapsing" in errs[0] or "lease lost to another conductor" in errs[0], errs[0]
+    if "until its lease is renewed" in errs[0]:
+        # and, once it could look, what became of it (it said only "until renewed")
+        assert (
+            f"strategy {sid}: taken over by conductor {b} while this conductor's lease lapsed"
+            in errs[0]
+            or f"strategy {sid}: complete meanwhile, under another conductor" in errs[0]
+        ), errs[0]
 
     hist = json.loads(_cli(db, "history", "--strategy", str(sid), "--format", "json").stdout)
     assert {h["conductor"] for h in hist} == {a, b}
@@ -218,3 +225,43 @@ def test_a_serve_whose_database_file_is_replaced_stops_and_says_so(tmp_path: Pat
         "-shm files aside (SQLite would replay them into the new one), then start it again "
         "on the database now at that path"
     )
+
+
+def test_serve_says_serving_only_once_registered(tmp_path: Path) -> None:
+    """Started while another program held the database's write lock, ``serve`` said
+    "serving" at once, though it had not registered (nor claimed anything) until the
+    lock went. It says it once the database answers."""
+    import sqlite3
+
+    db = str(tmp_path / "locked.db")
+    assert _cli(db, "init").returncode == 0
+    err_file = tmp_path / "serve.err"
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # another program's write transaction
+    with err_file.open("w") as err:
+        serve = subprocess.Popen(
+            [*FLEETWAVE, "serve", "--db", db], stdout=subprocess.DEVNULL, stderr=err, text=True
+        )
+    try:
+        time.sleep(4.0)  # the conductor's register waits for the lock meanwhile
+        assert serve.poll() is None, err_file.read_text()
+        assert "serving" not in err_file.read_text()
+        with sqlite3.connect(db) as reader:  # nobody registered meanwhile
+            assert reader.execute("SELECT count(*) FROM conductors").fetchone()[0] == 0
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    try:
+        _wait_for("serve to say it serves", lambda: "serving" in err_file.read_text(), 30)
+        store = open_store(db)
+        with store.read() as conn:
+            registered = conn.execute(select(conductors.c.id)).scalars().all()
+        store.dispose()
+        assert len(registered) == 1
+        assert f"conductor {registered[0]} serving" in err_file.read_text()
+        serve.send_signal(signal.SIGINT)
+        assert serve.wait(timeout=30) == 0, err_file.read_text()
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()

@@ -127,7 +127,10 @@ def init(db: DbOpt = None) -> None:
                 f"{names}: stop {'them' if len(running) > 1 else 'it'}, then run "
                 "'fleetwave init' again (nothing was changed)"
             ) from None
-        migrate(store)
+        if migrate(store) == HEAD_REVISION:
+            # another 'fleetwave init' upgraded it meanwhile (this one waited for it)
+            console.print(f"database ready (upgraded meanwhile by another init): {store.url}")
+            return
         console.print(
             f"database upgraded from schema revision {old.revision} to {HEAD_REVISION}: {store.url}"
         )
@@ -813,8 +816,13 @@ def serve(lease_ttl: LeaseTtlOpt = None, db: DbOpt = None) -> None:
         stop = asyncio.Event()
         conductor = Conductor(store, config=config)
         stop_on_signals(stop, conductor.config.shutdown_grace_s)
-        err_console.print(f"conductor {conductor.id} serving {store.url}; Ctrl-C to stop")
-        await conductor.run(stop=stop)
+        # Said once registered: a database locked at start is waited for (logged) first.
+        await conductor.run(
+            stop=stop,
+            on_ready=lambda: err_console.print(
+                f"conductor {conductor.id} serving {store.url}; Ctrl-C to stop"
+            ),
+        )
         err_console.print(f"conductor {conductor.id} stopped; leases handed back")
 
     event_loop.run(_serve())

@@ -244,6 +244,9 @@ class Conductor:
         self._claiming: set[int] = set()
         #: strategies whose workflow this process lacks: left to other conductors
         self._not_here: set[int] = set()
+        #: strategies dropped because this conductor's own lease renewals lapsed: the
+        #: next claims say what became of each (claimed back, or taken over)
+        self._lapsed_ids: set[int] = set()
         #: loop time each claim in progress started (its lease runs from then)
         self._claimed_at: dict[int, float] = {}
         #: steps freed in the batch being built (their end decided, not yet committed)
@@ -396,12 +399,15 @@ class Conductor:
         strategy_ids: Iterable[int] | None = None,
         stop: asyncio.Event | None = None,
         patient: bool = False,
+        on_ready: Callable[[], None] | None = None,
     ) -> dict[int, str]:
         """Drive strategies until those asked for are terminal (or ``stop`` is set).
 
         With ``strategy_ids`` it returns once each is terminal or owned by another
         live conductor (``"owned"``), or, if ``patient``, waits for that owner's lease
         to expire and takes over. Without, it serves until ``stop``. Returns final states.
+        ``on_ready`` is called once the conductor is registered (its first claim went
+        through: after an outage at start, only when the database answers).
         """
         self._wanted = set(strategy_ids) if strategy_ids is not None else None
         self._stop = stop
@@ -420,6 +426,8 @@ class Conductor:
                 driver.callback_sink = self._sink  # simulated agents call us back here
         try:
             await self._claim(register=True)
+            if on_ready is not None:
+                on_ready()
             self._watch_leases()
             periodic = asyncio.create_task(self._periodic(), name="fleetwave-periodic")
             periodic.add_done_callback(self._periodic_ended)
@@ -609,6 +617,8 @@ class Conductor:
             self._claiming.add(rec.id)
             self._claimed_at[rec.id] = started
             self.post(StrategyClaimed(rec))
+        if self._lapsed_ids:
+            await self._say_what_became_of_lapsed({rec.id for rec in claimed})
         if todo is None:
             return
         for sid in todo - {rec.id for rec in claimed}:
@@ -621,6 +631,44 @@ class Conductor:
                 log.info("strategy %s: driven by conductor %s; not taking it over", sid, owner)
         if self._wake is not None:
             self._wake.set()  # the dispatcher decides whether anything is left to wait for
+
+    async def _say_what_became_of_lapsed(self, claimed: set[int]) -> None:
+        """Once the database answers again after this conductor's lease lapsed: say, once
+        per strategy, whether it drives it again or another conductor took it over (the
+        lapse said only "until its lease is renewed")."""
+        for sid in sorted(self._lapsed_ids & claimed):
+            self._lapsed_ids.discard(sid)
+            log.warning(
+                "strategy %s: claimed back after the lapse; driving it again (the recover "
+                "hooks look at what was stopped)",
+                sid,
+            )
+        left = sorted(self._lapsed_ids - set(self.runs) - self._claiming)
+        if not left:
+            return
+        states = await self._io(rt.strategy_states, self.store, left)
+        for sid in left:
+            state, owner = states.get(sid, (None, None))
+            if state is None:
+                log.warning("strategy %s: deleted while this conductor's lease lapsed", sid)
+            elif state not in rt.DRIVEN_STATES:
+                log.warning(
+                    "strategy %s: %s meanwhile, under %s: taken over while this conductor's "
+                    "lease lapsed; nothing more to do here",
+                    sid,
+                    state,
+                    f"conductor {owner}" if owner else "another conductor",
+                )
+            elif owner is not None and owner != self.id:
+                log.warning(
+                    "strategy %s: taken over by conductor %s while this conductor's lease "
+                    "lapsed; it drives it now, not this one",
+                    sid,
+                    owner,
+                )
+            else:
+                continue  # still this conductor's, or free: claimed back on a later pass
+            self._lapsed_ids.discard(sid)
 
     # -- the dispatcher ----------------------------------------------------------------
 
@@ -1095,6 +1143,7 @@ class Conductor:
         if self._wake is not None:
             self._wake.set()  # the dispatcher re-checks whether anything is left to drive
         if lapsed:
+            self._lapsed_ids.add(sid)
             log.error("strategy %s: stopped driving it until its lease is renewed", sid)
         else:
             log.error("strategy %s: lease lost to another conductor; stopped driving it", sid)

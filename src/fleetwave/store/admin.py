@@ -184,17 +184,35 @@ def _how_it_ends(sid: int, state: str, then: str) -> str:
 
 def _active_strategy_of(conn: Connection, target_ids: Sequence[int]) -> tuple[int, int] | None:
     """(target_id, strategy_id) of the first target already held by an active strategy."""
+    held = _held_by_active(conn, target_ids, limit=1)
+    for sid, tids in held.items():
+        return tids[0], sid
+    return None
+
+
+def _held_by_active(
+    conn: Connection, target_ids: Sequence[int], *, limit: int | None = None
+) -> dict[int, list[int]]:
+    """The targets among ``target_ids`` already held by an active strategy, by strategy
+    (strategies and targets in id order); at most ``limit`` of them when given."""
+    held: dict[int, list[int]] = {}
+    found = 0
     for start in range(0, len(target_ids), 500):
         chunk = list(target_ids[start : start + 500])
-        row = conn.execute(
+        q = (
             select(steps.c.target_id, steps.c.strategy_id)
             .join(strategies, strategies.c.id == steps.c.strategy_id)
             .where(steps.c.target_id.in_(chunk), strategies.c.state.in_(_ACTIVE))
-            .limit(1)
-        ).first()
-        if row is not None:
-            return int(row[0]), int(row[1])
-    return None
+            .order_by(steps.c.strategy_id, steps.c.target_id)
+        )
+        if limit is not None:
+            q = q.limit(limit - found)
+        for tid, sid in conn.execute(q):
+            held.setdefault(int(sid), []).append(int(tid))
+            found += 1
+        if limit is not None and found >= limit:
+            break
+    return dict(sorted(held.items()))
 
 
 def delete_target(store: Store, name: str) -> None:
@@ -333,23 +351,25 @@ def create_strategy(
             names = list(dict.fromkeys(given))
             if not names:
                 raise InputError("--targets: no target names given")
+            problems = []
             if len(names) < len(given):
                 # A name given twice is most often a typo for another target, which
                 # would then be left out of the rollout without a word.
                 counts = Counter(given)
                 twice = [n for n in names if counts[n] > 1]
-                raise InputError(f"--targets: {_some(twice)} given more than once")
+                problems.append(f"{_some(twice)} given more than once")
             rows = []
             for start in range(0, len(names), 500):
                 rows += list(conn.execute(q.where(targets.c.name.in_(names[start : start + 500]))))
             found = {r.name for r in rows}
             missing = [n for n in names if n not in found]
             if missing:
-                raise NotFound(
-                    f"--targets: no target named {_some(missing)}"
-                    if len(missing) == 1
-                    else f"--targets: no targets named {_some(missing)}"
-                )
+                which = "target" if len(missing) == 1 else "targets"
+                problems.append(f"no {which} named {_some(missing)}")
+            if problems:
+                # Every problem of the list at once: fixing one should not reveal another.
+                error = InputError if not missing else NotFound
+                raise error("--targets: " + "; ".join(problems))
         elif group is not None:
             gid = _group_ids(conn).get(group)
             if gid is None:
@@ -363,16 +383,27 @@ def create_strategy(
                 raise InputError(
                     "--all: there are no targets; add some with 'fleetwave target add'"
                 )
-        busy = _active_strategy_of(conn, [r.id for r in rows])
-        if busy:
-            tname = next(r.name for r in rows if r.id == busy[0])
-            held = _strategy_state(conn, busy[1])
-            how = (
-                f"it was never applied: 'fleetwave strategy delete {busy[1]}' frees its targets"
-                if held == StrategyState.INITIAL
-                else f"it is {held}: it frees its targets when it ends"
-            )
-            raise Conflict(f"target {tname}: already in active strategy {busy[1]} ({how})")
+        held = _held_by_active(conn, [r.id for r in rows])
+        if held:
+            name_of = {r.id: r.name for r in rows}
+            problems = []
+            for busy_sid, tids in held.items():
+                state = _strategy_state(conn, busy_sid)
+                how = (
+                    f"it was never applied: 'fleetwave strategy delete {busy_sid}' frees "
+                    "its targets"
+                    if state == StrategyState.INITIAL
+                    else f"it is {state}: it frees its targets when it ends"
+                )
+                names = sorted(name_of[t] for t in tids)
+                who = (
+                    f"target {names[0]}"
+                    if len(names) == 1
+                    else f"{len(names)} targets ({', '.join(names[:5])}"
+                    + (f" and {len(names) - 5} more)" if len(names) > 5 else ")")
+                )
+                problems.append(f"{who}: already in active strategy {busy_sid} ({how})")
+            raise Conflict("; ".join(problems))
         gcaps: dict[int, int] = {}
         gnames: dict[int, str] = {}
         for g in conn.execute(select(groups)):

@@ -289,7 +289,19 @@ def migrate(store: Store, *, upgrade: bool = True) -> str | None:
 
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
-    with store.engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "head")
+    with store.engine.connect() as conn:
+        # The write lock first (BEGIN IMMEDIATE), then the revision again: a second
+        # 'fleetwave init' started at the same time waits for the first, then finds the
+        # schema upgraded and changes nothing (it reports the revision it found then).
+        conn.info["immediate"] = True
+        try:
+            with conn.begin():
+                if rev is not None:
+                    found = conn.execute(text("SELECT version_num FROM alembic_version")).first()
+                    if found is not None and str(found[0]) == HEAD_REVISION:
+                        return HEAD_REVISION
+                cfg.attributes["connection"] = conn
+                command.upgrade(cfg, "head")
+        finally:
+            conn.info.pop("immediate", None)
     return rev
