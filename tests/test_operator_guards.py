@@ -20,7 +20,7 @@ import pytest
 from rich.progress import Progress
 from sqlalchemy import update
 
-from cli_harness import Cli, assert_rejected
+from cli_harness import Cli, assert_rejected, one_line
 from conftest import add_sim_targets, on_virtual_time
 from fleetwave.cli.drive import _watch
 from fleetwave.domain import registry
@@ -407,14 +407,16 @@ def test_a_database_locked_by_another_program_is_one_line(
 
 
 @pytest.mark.parametrize(
-    ("args", "value"),
+    ("args", "said"),
     [
-        (("serve", "--lease-ttl", "soon"), "'soon'"),
-        (("serve", "--lease-ttl=1e"), "'1e'"),
-        (("demo", "--targets", "ten"), "'ten'"),
+        (("serve", "--lease-ttl", "soon"), "'soon' is not a number"),
+        (("serve", "--lease-ttl=1e"), "'1e' is not a number"),
+        (("demo", "--targets", "ten"), "'ten' is not a whole number"),
+        (("demo", "--failure-rate", "x"), "'x' is not a number"),
     ],
 )
-def test_a_value_that_is_not_a_number_is_named(cli: Cli, args: tuple[str, ...], value: str) -> None:
-    """Typer's number check said only 'unable to parse string as a number'."""
+def test_a_value_that_is_not_a_number_is_named(cli: Cli, args: tuple[str, ...], said: str) -> None:
+    """Typer's number check said only 'unable to parse string as a number', at length."""
     option = args[1].split("=")[0]
-    assert_rejected(cli(*args), f"Invalid value for '{option}'", f", got {value}")
+    line = one_line(cli(*args))
+    assert line == f"error: Invalid value for '{option}': {said}", line

@@ -265,3 +265,50 @@ def test_serve_says_serving_only_once_registered(tmp_path: Path) -> None:
         if serve.poll() is None:
             serve.kill()
             serve.wait()
+
+
+def test_a_serve_whose_database_is_restored_from_a_backup_in_place_stops(tmp_path: Path) -> None:
+    """A backup restored *into* the live database (SQLite's online restore: same file,
+    same inode, so the file check does not see it) while ``serve`` ran: the conductor
+    went on driving as if nothing had happened, from leases and fences of a database
+    that no longer had them. Its next renewal finds its own row gone: it stops, writing
+    nothing, and says what to do (exit 1)."""
+    import sqlite3
+
+    db = str(tmp_path / "live.db")
+    assert _cli(db, "init").returncode == 0
+    assert _cli(db, "target", "add", "slow", "--set", "latency_ms=60000").returncode == 0
+    created = _cli(db, "strategy", "create", "--workflow", "patch", "--all", "--format", "json")
+    sid = json.loads(created.stdout)["id"]
+    assert _cli(db, "strategy", "apply", str(sid)).returncode == 0
+    backup = tmp_path / "backup.db"
+    with sqlite3.connect(db) as src, sqlite3.connect(backup) as dst:
+        src.backup(dst)  # taken before the conductor started: it has no row there
+    inode = os.stat(db).st_ino
+    serve = subprocess.Popen(
+        [*FLEETWAVE, "serve", "--lease-ttl", "15", "--db", db],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for("serve to claim it", lambda: _owner(db, sid) is not None)
+        with sqlite3.connect(backup) as src, sqlite3.connect(db) as dst:
+            src.backup(dst)  # restored in place, through SQLite's locks
+        assert os.stat(db).st_ino == inode
+        _out, err = serve.communicate(timeout=30)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.communicate()
+    assert serve.returncode == 1, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: the database {db} no longer knows this conductor"), err
+    assert "run 'fleetwave check'" in last, last
+    # It wrote nothing into the restored database: the strategy is as the backup has it.
+    shown = json.loads(_cli(db, "strategy", "show", str(sid), "--format", "json").stdout)
+    assert shown["owner"] is None and shown["state"] == "applying", shown
+    store = open_store(db)
+    with store.read() as conn:
+        assert conn.execute(select(conductors.c.id)).all() == []
+    store.dispose()

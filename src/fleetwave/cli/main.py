@@ -852,11 +852,7 @@ def main() -> None:
         discard_created()
         _fail(str(exc), 2)
     except StoreReplaced as exc:
-        _fail(
-            f"{exc}; move the old file's -wal and -shm files aside (SQLite would replay "
-            "them into the new one), then start it again on the database now at that path",
-            1,
-        )
+        _fail(f"{exc}; {exc.advice}", 1)
     except StoreUnavailable as exc:
         # Asked to stop (Ctrl-C, SIGTERM) while the database did not answer.
         _fail(
@@ -894,13 +890,17 @@ def _usage_problem(exc: typer.TyperException) -> str:
             f"{name}: ids and counts are whole numbers from 0 "
             "(a negative number is read as an option)"
         )
-    if message.endswith("unable to parse string as a number") or message.endswith(
-        "unable to parse string as an integer"
-    ):
-        # Typer's number check does not say what it was given: the command line does.
+    typed = re.fullmatch(
+        r"(Invalid value for '[^']+': )Input should be a valid (number|integer), "
+        r"unable to parse string as an? (?:number|integer)",
+        message,
+    )
+    if typed is not None:
+        # Typer's number check neither says what it was given (the command line does)
+        # nor says it briefly: worded as the ids' own check ("'abc' is not a whole number").
+        what = "a whole number" if typed.group(2) == "integer" else "a number"
         given = _option_value(getattr(getattr(exc, "param", None), "opts", None) or [])
-        if given is not None:
-            message += f", got {given!r}"
+        message = f"{typed.group(1)}{'the value' if given is None else repr(given)} is not {what}"
     return message
 
 

@@ -120,7 +120,12 @@ OUTAGE_ERROR_S = 60.0
 
 class StoreReplaced(Exception):
     """The database file was removed or replaced while this conductor had it open: its
-    writes would go to the old file, unseen by anyone. It stops."""
+    writes would go to the old file, unseen by anyone. It stops. ``advice``: what the
+    operator does next."""
+
+    def __init__(self, message: str, advice: str) -> None:
+        super().__init__(message)
+        self.advice = advice
 
 
 class StoreUnavailable(Exception):
@@ -297,6 +302,14 @@ class Conductor:
                     call_args[i] = call_args[i].value()
             try:
                 result = fn(*call_args, **kwargs)
+            except rt.ConductorUnknown:
+                raise StoreReplaced(
+                    f"the database {self.store.url} no longer knows this conductor (its "
+                    "row is gone: a backup was restored into the file while it ran, or "
+                    "the file was overwritten): stopped without writing to it",
+                    "run 'fleetwave check' on the database as it is now, then start "
+                    "the conductor again (it drives what the database says is applying)",
+                ) from None
             except OperationalError as exc:
                 failures += 1
                 self.stats.store_retries += 1
@@ -539,7 +552,9 @@ class Conductor:
             if now_file != self._db_identity:
                 raise StoreReplaced(
                     f"the database file {self.store.url} was removed or replaced while this "
-                    "conductor had it open (its writes would go to the old file): stopped"
+                    "conductor had it open (its writes would go to the old file): stopped",
+                    "move the old file's -wal and -shm files aside (SQLite would replay them "
+                    "into the new one), then start it again on the database now at that path",
                 )
             now_loop = asyncio.get_running_loop().time()
             if self.config.renew_leases and now_loop - last_renew >= renew_every:

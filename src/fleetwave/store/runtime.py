@@ -250,6 +250,11 @@ def _update_steps_by_id(
         )
 
 
+class ConductorUnknown(Exception):
+    """The database has no row for this conductor, which registered in it: its content
+    was replaced while the conductor ran (a backup restored into the same file)."""
+
+
 def heartbeat(store: Store, cid: str, now: float, lease_until: float, step_ids: list[int]) -> int:
     """Renew every lease this conductor holds; returns how many strategies it still owns.
 
@@ -258,7 +263,13 @@ def heartbeat(store: Store, cid: str, now: float, lease_until: float, step_ids: 
     """
     p = store.hooks.placeholder
     with store.write() as conn:
-        conn.execute(update(conductors).where(conductors.c.id == cid).values(heartbeat_at=now))
+        known = conn.execute(
+            update(conductors).where(conductors.c.id == cid).values(heartbeat_at=now)
+        )
+        if known.rowcount == 0:
+            # Nothing deletes a conductor's row: the database's content was replaced
+            # under this conductor (a backup restored into it). Nothing is written.
+            raise ConductorUnknown(cid)
         _update_steps_by_id(
             conn,
             store,
@@ -358,6 +369,8 @@ def claim_strategies(
     with store.write() as conn:
         if register:
             _register(conn, store, cid, now, serves_all)
+        elif conn.execute(select(conductors.c.id).where(conductors.c.id == cid)).first() is None:
+            raise ConductorUnknown(cid)  # see heartbeat: nothing is claimed
         dead = dead_conductors(conn, cid)
         for r in conn.exec_driver_sql(sql + " ORDER BY id", tuple(params)).all():
             mine = r.owner == cid
