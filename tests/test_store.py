@@ -237,3 +237,40 @@ def test_a_list_read_slowly_holds_no_read_transaction_between_pages(
             busy, _, _ = conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)").one()
         assert busy == 0  # no snapshot held: the WAL could be reset
         assert len(list(reader)) >= 0
+
+
+def test_strategy_list_reads_a_fixed_number_of_statements_however_many_strategies(
+    tmp_path: Path,
+) -> None:
+    """``strategy list`` ran two queries per driven strategy (its owner, the serving
+    conductors): a database with many applied strategies listed slowly. It reads the
+    conductors once; who drives each is the same as ``strategy show`` says."""
+    from fleetwave.store import queries
+
+    store = open_store(str(tmp_path / "f.db"))
+    wf = get_workflow("patch")
+    assert wf is not None
+    statements: list[str] = []
+    sa.event.listen(store.engine, "before_cursor_execute", lambda *a: statements.append(str(a[2])))
+
+    def listed(n: int) -> int:
+        admin.add_targets(store, [Target(name=f"t{n}-{i}") for i in range(3)])
+        for i in range(3):
+            sid = admin.create_strategy(store, wf, StrategyOptions(), target_names=[f"t{n}-{i}"])
+            admin.apply_strategy(store, sid)
+        statements.clear()
+        rows = queries.list_strategies(store)
+        selects = sum(1 for sql in statements if sql.lstrip().upper().startswith("SELECT"))
+        assert len(rows) == 3 * n
+        for row in rows:
+            assert row["driven_by"] == queries.driving(store, row["id"]).text
+            assert row["driven_by"].startswith("nobody: no conductor serves")
+        brief = queries.list_strategies(store, brief=True)
+        assert {row["driven_by"] for row in brief} == {"NOBODY (see strategy show)"}
+        return selects
+
+    few = listed(1)
+    for n in range(2, 8):
+        many = listed(n)
+    assert many == few <= 4, (few, many)
+    store.dispose()

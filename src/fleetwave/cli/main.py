@@ -634,26 +634,14 @@ def strategy_show(strategy_id: StrategyId, fmt: FormatOpt = Format.table, db: Db
 @strategy_app.command("list")
 def strategy_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """List strategies."""
-    rows = queries.list_strategies(existing_store(db))
-    if fmt is Format.table:
+    table = fmt is Format.table
+    rows = queries.list_strategies(existing_store(db), brief=table)
+    if table:
         for row in rows:
             # at a glance: steps ended of all, and who drives it (`strategy show` says
             # more: how to get it driven)
             row["done"] = f"{row['done']}/{row['steps']}"
-            row["driven_by"] = _driven_by_short(row["driven_by"])
     emit_rows(rows, ["id", "workflow", "state", "done", "driven_by", "details"], fmt)
-
-
-def _driven_by_short(text: str | None) -> str:
-    """``driven_by`` in a list: the conductor, or that nobody drives it (and whether a
-    serving conductor is about to claim it). ``strategy show`` gives the whole text."""
-    if text is None:
-        return ""  # ended, or not applied yet: nothing to drive
-    if text.startswith("nobody yet"):
-        return "nobody yet (a serving conductor claims it)"
-    if text.startswith("nobody"):
-        return "NOBODY (see strategy show)"
-    return text  # "conductor c-..."
 
 
 @strategy_app.command("delete")

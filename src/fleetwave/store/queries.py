@@ -164,10 +164,14 @@ def _strategy_dict(r: Any) -> dict[str, Any]:
     }
 
 
-def list_strategies(store: Store) -> list[dict[str, Any]]:
+def list_strategies(store: Store, *, brief: bool = False) -> list[dict[str, Any]]:
     """Every strategy, with how many of its steps have ended (``done``) and who drives
     it (``driven_by``, as ``strategy show`` says it; None once it needs no driving):
-    a rollout whose conductor died lists as such, not as one going well."""
+    a rollout whose conductor died lists as such, not as one going well. ``brief``:
+    ``driven_by`` as a list's column says it (:attr:`Driving.brief`).
+
+    One read (a snapshot), whatever the number of strategies: the conductors are read
+    once for all of them."""
     now = time.time()
     with store.read() as conn:
         rows = conn.execute(select(strategies).order_by(strategies.c.id)).all()
@@ -179,11 +183,13 @@ def list_strategies(store: Store) -> list[dict[str, Any]]:
                 .group_by(steps.c.strategy_id)
             )
         }
+        known = _Conductors.read(conn, now)
     out = []
     for r in rows:
         item = _strategy_dict(r)
         item["done"] = done.get(int(r.id), 0)
-        item["driven_by"] = _driving(store, r, now).text
+        who = _driving(r, now, known)
+        item["driven_by"] = who.brief if brief else who.text
         out.append(item)
     return out
 
@@ -233,15 +239,38 @@ def running_conductors(store: Store, now: float | None = None) -> list[dict[str,
     ]
 
 
-def _owner_gone(store: Store, owner: str) -> bool:
-    """The owner stopped, or its process on this host is gone (a claim takes over now)."""
-    with store.read() as conn:
-        c = conn.execute(
-            select(conductors.c.hostname, conductors.c.pid, conductors.c.stopped_at).where(
-                conductors.c.id == owner
-            )
-        ).first()
-    return c is None or conductor_gone(c.hostname, c.pid, c.stopped_at)
+@dataclass(frozen=True)
+class _Conductors:
+    """The conductors as one read saw them: who is gone, who serves the database."""
+
+    gone: frozenset[str]
+    present: frozenset[str]
+    serving: tuple[str, ...]
+
+    @classmethod
+    def read(cls, conn: Any, now: float) -> _Conductors:
+        rows = conn.execute(
+            select(
+                conductors.c.id,
+                conductors.c.hostname,
+                conductors.c.pid,
+                conductors.c.stopped_at,
+                conductors.c.heartbeat_at,
+                conductors.c.serves_all,
+            ).order_by(conductors.c.id)
+        ).all()
+        gone = {r.id for r in rows if conductor_gone(r.hostname, r.pid, r.stopped_at)}
+        serving = tuple(
+            r.id
+            for r in rows
+            if r.serves_all and r.id not in gone and r.heartbeat_at >= now - SERVING_WITHIN_S
+        )
+        return cls(frozenset(gone), frozenset(r.id for r in rows), serving)
+
+    def owner_gone(self, owner: str) -> bool:
+        """The owner stopped, or its process on this host is gone (a claim takes over
+        now); or the database does not know it."""
+        return owner in self.gone or owner not in self.present
 
 
 @dataclass(frozen=True)
@@ -259,23 +288,35 @@ class Driving:
     #: and who serves the database and will claim it)
     claim: str | None = None
 
+    @property
+    def brief(self) -> str:
+        """As a list's column says it: the conductor, or that nobody drives it (and
+        whether a serving conductor is about to claim it); ``strategy show`` says more."""
+        if self.text is None:
+            return ""  # ended, or not applied yet: nothing to drive
+        if self.owner is not None:
+            return f"conductor {self.owner}"
+        if self.claimer is not None:
+            return "nobody yet (a serving conductor claims it)"
+        return "NOBODY (see strategy show)"
+
 
 def driving(store: Store, sid: int, now: float | None = None) -> Driving:
     now = time.time() if now is None else now
     with store.read() as conn:
         r = conn.execute(select(strategies).where(strategies.c.id == sid)).first()
-    if r is None:
-        raise NotFound(f"strategy {sid} not found")
-    return _driving(store, r, now)
+        if r is None:
+            raise NotFound(f"strategy {sid} not found")
+        return _driving(r, now, _Conductors.read(conn, now))
 
 
-def _driving(store: Store, r: Any, now: float) -> Driving:
+def _driving(r: Any, now: float, known: _Conductors) -> Driving:
     if r.state not in DRIVEN_STATES:
         return Driving(None, None, None)
     expired = r.lease_expires_at is None or r.lease_expires_at < now
-    if r.owner is not None and not expired and not _owner_gone(store, r.owner):
+    if r.owner is not None and not expired and not known.owner_gone(r.owner):
         return Driving(r.owner, None, f"conductor {r.owner}")
-    serving = [c["id"] for c in serving_conductors(store, now) if c["id"] != r.owner]
+    serving = [c for c in known.serving if c != r.owner]
     if r.owner is None:
         lapsed = ""
     elif expired:
@@ -307,7 +348,7 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
         out = _strategy_dict(r)
         out["states"] = json.loads(r.states)
         out["options"] = json.loads(r.options)
-    out["driven_by"] = _driving(store, r, now).text
+        out["driven_by"] = _driving(r, now, _Conductors.read(conn, now)).text
     out["step_states"] = step_counts(store, sid)
     return out
 
