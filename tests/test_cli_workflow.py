@@ -549,3 +549,30 @@ def test_a_python_workflow_with_an_infinite_time_is_refused(field: str) -> None:
 
     with pytest.raises(WorkflowError, match=f"states\\[0\\] \\(wait\\): {field}: must be"):
         WorkflowDef("forever", (StateDef("wait", DriverOperation("wait"), **{field: math.inf}),))
+
+
+def test_numbers_are_read_as_yaml_1_2_not_as_octal_or_sexagesimal(cli: Cli, tmp_path: Path) -> None:
+    """YAML 1.1 (PyYAML's default) read ``timeout_s: 0600`` as octal 384 s and
+    ``1:30`` as 90, silently; and ``- name: yes`` as a boolean. A new workflow is read
+    as YAML 1.2 reads it: decimal numbers, true/false the only booleans."""
+    wf = write(
+        tmp_path,
+        "name: octal\nstates:\n  - name: yes\n    timeout_s: 0600\n"
+        "    retry: {attempts: 3, backoff_s: 030}\n",
+    )
+    assert cli("workflow", "add", str(wf)).code == 0
+    shown = cli("workflow", "show", "octal", "--format", "json").json()
+    state = shown["states"][0]
+    assert (state["state"], state["timeout_s"], state["backoff_s"]) == ("yes", 600, 30), state
+    sexa = write(tmp_path, "name: sexa\nstates:\n  - name: a\n    timeout_s: 1:30\n", "s.yaml")
+    assert_rejected(cli("workflow", "validate", str(sexa), db=None), "states[0] (a): timeout_s")
+
+
+def test_yaml_nested_hundreds_deep_is_one_line_not_a_traceback(cli: Cli, tmp_path: Path) -> None:
+    deep = write(tmp_path, "name: x\nstates: " + "[" * 500 + "]" * 500 + "\n")
+    assert_rejected(cli("workflow", "validate", str(deep), db=None), "nested too deeply")
+    targets = write(
+        tmp_path, "- name: d\n  labels: {a: " + "[" * 5000 + "]" * 5000 + "}\n", "t.yaml"
+    )
+    assert_rejected(cli("target", "import", str(targets)), "nested too deeply")
+    assert cli("target", "list", "--format", "json").json() == []

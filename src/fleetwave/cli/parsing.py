@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import io
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -13,17 +12,20 @@ import yaml
 
 from fleetwave.domain.errors import InputError
 from fleetwave.domain.models import Target, name_problem, shown
-from fleetwave.domain.yaml_workflow import UniqueKeyLoader, yaml_problem
+from fleetwave.domain.yaml_workflow import (
+    DECIMAL_FLOAT,
+    DECIMAL_INT,
+    Yaml12Loader,
+    load_yaml,
+    yaml_problem,
+)
 from fleetwave.drivers.sim import SimSettingError, validate_settings
 from fleetwave.store.admin import TargetBatch
 
 TARGET_COLUMNS = {"name", "group", "driver", "managed"}
 
-#: Numbers as an operator types them: decimal, no leading zeros ("010" stays text), with
-#: an optional fraction and exponent ("1e3", "1.5e3"). Not YAML 1.1's octal, hex,
-#: sexagesimal ("1:30") or yes/no/on/off.
-_INT = re.compile(r"0|-?[1-9][0-9]*")
-_FLOAT = re.compile(r"[-+]?(?:(?:0|[1-9][0-9]*)(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+_INT = DECIMAL_INT
+_FLOAT = DECIMAL_FLOAT
 _BOOL = {"true": True, "false": False}
 
 
@@ -156,19 +158,10 @@ def targets_from_csv(text: str, source: str) -> TargetBatch:
     return out
 
 
-class _TargetsLoader(UniqueKeyLoader):
+class _TargetsLoader(Yaml12Loader):
     """YAML for target files, typed as YAML 1.2 (and ``--set``) type it: true/false are
     the only booleans ('yes', 'no', 'on', 'off' stay text: a sim state may be called
     'on'), numbers are decimal ('010', '0x10' and '1:30' stay text), no dates."""
-
-    yaml_implicit_resolvers = {
-        first: [
-            (tag, rx)
-            for tag, rx in resolvers
-            if tag.rsplit(":", 1)[-1] not in {"bool", "int", "float", "timestamp"}
-        ]
-        for first, resolvers in UniqueKeyLoader.yaml_implicit_resolvers.items()
-    }
 
 
 def _yaml_int(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
@@ -185,15 +178,6 @@ def _yaml_float(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
     return scalar(text) if _FLOAT.fullmatch(text) else text
 
 
-_TargetsLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?i:true|false)$"), list("tTfF")
-)
-_TargetsLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:int", re.compile(rf"^(?:{_INT.pattern})$"), list("-0123456789")
-)
-_TargetsLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(rf"^(?:{_FLOAT.pattern})$"), list("-+.0123456789")
-)
 _TargetsLoader.add_constructor("tag:yaml.org,2002:int", _yaml_int)
 _TargetsLoader.add_constructor("tag:yaml.org,2002:float", _yaml_float)
 
@@ -223,7 +207,7 @@ def _text(item: dict[Any, Any], key: str, where: str) -> str | None:
 
 def targets_from_yaml(text: str, source: str) -> TargetBatch:
     try:
-        data = yaml.load(text, Loader=_TargetsLoader)
+        data = load_yaml(text, _TargetsLoader)
     except yaml.YAMLError as exc:
         raise InputError(f"{source}: {yaml_problem(exc)}") from None
     if isinstance(data, dict) and "targets" in data:

@@ -19,6 +19,7 @@ Errors name the state and the field: ``states[1] (apply): timeout_s: must be > 0
 
 from __future__ import annotations
 
+import re
 from collections.abc import Hashable
 from typing import Annotated, Any, Literal
 
@@ -73,6 +74,60 @@ class UniqueKeyLoader(yaml.SafeLoader):
                 )
             first[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep)
+
+
+#: Numbers as an operator types them: decimal, no leading zeros ("010" stays text), with
+#: an optional fraction and exponent ("1e3", "1.5e3"). Not YAML 1.1's octal, hex,
+#: sexagesimal ("1:30") or yes/no/on/off.
+DECIMAL_INT = re.compile(r"0|-?[1-9][0-9]*")
+DECIMAL_FLOAT = re.compile(r"[-+]?(?:(?:0|[1-9][0-9]*)(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+
+
+def _yaml_1_2(loader: type[yaml.SafeLoader]) -> None:
+    """Type plain scalars as YAML 1.2 does: true/false are the only booleans ('yes',
+    'on' stay text), numbers are decimal ('0600' is not octal 384, '1:30' not 90: they
+    stay text), no dates."""
+    loader.yaml_implicit_resolvers = {
+        first: [
+            (tag, rx)
+            for tag, rx in resolvers
+            if tag.rsplit(":", 1)[-1] not in {"bool", "int", "float", "timestamp"}
+        ]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    loader.add_implicit_resolver(
+        "tag:yaml.org,2002:bool", re.compile(r"^(?i:true|false)$"), list("tTfF")
+    )
+    loader.add_implicit_resolver(
+        "tag:yaml.org,2002:int", re.compile(rf"^(?:{DECIMAL_INT.pattern})$"), list("-0123456789")
+    )
+    loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(rf"^(?:{DECIMAL_FLOAT.pattern})$"),
+        list("-+.0123456789"),
+    )
+
+
+class Yaml12Loader(UniqueKeyLoader):
+    """:class:`UniqueKeyLoader` with YAML 1.2's typing (see :func:`_yaml_1_2`): new
+    workflows and target files."""
+
+
+class _Yaml12SafeLoader(yaml.SafeLoader):
+    """The safe loader with YAML 1.2's typing: stored workflows, read back."""
+
+
+_yaml_1_2(Yaml12Loader)
+_yaml_1_2(_Yaml12SafeLoader)
+
+
+def load_yaml(text: str, loader: type[yaml.SafeLoader]) -> Any:
+    """``yaml.load``, with nesting too deep for the parser (``[[[[...`` hundreds deep)
+    reported as a YAML problem, not a RecursionError."""
+    try:
+        return yaml.load(text, Loader=loader)
+    except RecursionError:
+        raise yaml.YAMLError("nested too deeply (lists or mappings hundreds deep)") from None
 
 
 def yaml_problem(exc: yaml.YAMLError) -> str:
@@ -214,7 +269,7 @@ def parse_workflow_yaml(text: str, *, source: str = "<yaml>", strict: bool = Fal
     created before are read without it, so they still load.
     """
     try:
-        data = yaml.load(text, Loader=UniqueKeyLoader if strict else yaml.SafeLoader)
+        data = load_yaml(text, Yaml12Loader if strict else _Yaml12SafeLoader)
     except yaml.YAMLError as exc:
         raise WorkflowError(f"{source}: {yaml_problem(exc)}") from exc
     if not isinstance(data, dict):
