@@ -729,3 +729,22 @@ def test_stale_outcomes_of_one_batch_are_one_warning(
         [e["kind"] for e in queries.step_events(store, step)] == ["stale-outcome-ignored"]
         for step in range(1, 8)
     )
+
+
+class BoomLines(StateAction):
+    async def run(self, ctx: ActionContext) -> Outcome:
+        raise RuntimeError("boom\nsecond line\r\n\n  third  ")
+
+
+def test_a_multi_line_exception_message_is_one_line_in_details_and_log(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An action's exception with line breaks in its message logged its second line on
+    a line of its own, and put the breaks in the step's details (tables broke)."""
+    add_sim_targets(store, 1)
+    with caplog.at_level(logging.ERROR, logger="fleetwave"):
+        sid, final, _ = rollout(store, _wf("boom-lines", StateDef("explode", BoomLines())))
+    assert final == "failed"
+    assert {d for _, d in _states(store, sid).values()} == {"explode: boom; second line; third"}
+    raised = [r.getMessage() for r in caplog.records if "raised RuntimeError" in r.getMessage()]
+    assert raised == ["action for t00000 in explode raised RuntimeError: boom; second line; third"]

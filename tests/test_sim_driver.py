@@ -159,3 +159,20 @@ def test_an_operation_that_finishes_after_its_strategy_ended_is_not_recorded(
     finally:
         loop.close()
     assert driver._finished == {} and driver._remote == {}
+
+
+def test_a_bad_setting_value_is_quoted_short_and_on_one_line() -> None:
+    """A sim setting's bad value went into the message raw: a terminal escape sequence
+    reached the screen, and a YAML alias bomb made one 200 MB line."""
+    from fleetwave.drivers.sim import SimSettingError, validate_settings
+
+    with pytest.raises(SimSettingError) as bad:
+        validate_settings({"fail_at": "a\x1b[31mred"})
+    assert str(bad.value) == "sim setting fail_at: 'a\\x1b[31mred' is not a state name"
+    with pytest.raises(SimSettingError) as huge:
+        validate_settings({"latency_ms": "9" * 100_000 + "x"})
+    msg = str(huge.value)
+    assert msg == f"sim setting latency_ms: {'9' * 40!r}... is not a number", msg
+    with pytest.raises(SimSettingError) as key:
+        validate_settings({"bad\nkey": 1})
+    assert "\n" not in str(key.value) and "'bad\\nkey': unknown" in str(key.value)

@@ -46,8 +46,16 @@ def decide(states: tuple[str, ...], current: str, outcome: Outcome) -> Decision:
     return Decision(outcome.to, outcome.details)
 
 
+def one_line(text: str) -> str:
+    """An action's message as a step's details or a log line keep it: its lines joined
+    with "; " (a multi-line exception message broke tables and logs)."""
+    if "\n" not in text and "\r" not in text:
+        return text
+    return "; ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
 def failure(current: str, message: str) -> Decision:
-    return Decision(STEP_FAILED, f"{current}: {message}")
+    return Decision(STEP_FAILED, f"{current}: {one_line(message)}")
 
 
 def is_allowed_move(states: tuple[str, ...], from_state: str, to_state: str) -> bool:

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fleetwave.domain.models import Target
+from fleetwave.domain.models import Target, shown
 from fleetwave.domain.workflow import ActionContext, RemoteResult, StepFailed, TransientError
 
 #: the longest simulated operation: a day
@@ -78,12 +78,17 @@ class SimSettingError(ValueError):
     pass
 
 
+def _key(key: str) -> str:
+    """A setting's name in a message: as given, unless that would not stay one short line."""
+    return key if key and key.isprintable() and len(key) <= 40 else shown(key)
+
+
 def _float(settings: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
     raw = settings.get(key, default)
     try:
         val = float(raw)
     except (TypeError, ValueError):
-        raise SimSettingError(f"sim setting {key}: '{raw}' is not a number") from None
+        raise SimSettingError(f"sim setting {key}: {shown(str(raw))} is not a number") from None
     if not lo <= val <= hi or math.isnan(val):
         raise SimSettingError(f"sim setting {key}: {val} is outside {lo}..{hi}")
     return val
@@ -99,7 +104,7 @@ def _bool(settings: dict[str, Any], key: str) -> bool:
     raw = settings.get(key, False)
     word = str(raw).strip().lower()
     if word not in _TRUE | _FALSE:
-        raise SimSettingError(f"sim setting {key}: '{raw}' is not true or false")
+        raise SimSettingError(f"sim setting {key}: {shown(str(raw))} is not true or false")
     return word in _TRUE
 
 
@@ -108,7 +113,7 @@ def _state(settings: dict[str, Any], key: str) -> str | None:
     if raw is None:
         return None
     if not isinstance(raw, str) or not _STATE_NAME.fullmatch(raw):
-        raise SimSettingError(f"sim setting {key}: '{raw}' is not a state name")
+        raise SimSettingError(f"sim setting {key}: {shown(str(raw))} is not a state name")
     return raw
 
 
@@ -120,11 +125,11 @@ def _remote_state(settings: dict[str, Any]) -> str | None:
     if raw is None:
         return None
     if isinstance(raw, bool) or not isinstance(raw, str | int | float):
-        raise SimSettingError(f"sim setting remote_state: '{raw}' is not text")
+        raise SimSettingError(f"sim setting remote_state: {shown(str(raw))} is not text")
     text = str(raw)
     if not 1 <= len(text) <= 255 or not text.isprintable() or text != text.strip():
         raise SimSettingError(
-            f"sim setting remote_state: {text!r} must be 1-255 printable characters, "
+            f"sim setting remote_state: {shown(text)} must be 1-255 printable characters, "
             "without leading or trailing spaces"
         )
     return text
@@ -159,11 +164,13 @@ class _Profile:
         unknown = set(settings) - set(SETTINGS)
         if unknown:
             raise SimSettingError(
-                f"sim setting {sorted(unknown)[0]}: unknown (known: {', '.join(SETTINGS)})"
+                f"sim setting {_key(sorted(map(str, unknown))[0])}: unknown "
+                f"(known: {', '.join(SETTINGS)})"
             )
         if str(settings.get("latency", "fixed")) not in {"fixed", "uniform", "lognormal"}:
             raise SimSettingError(
-                f"sim setting latency: '{settings['latency']}' is not fixed, uniform or lognormal"
+                f"sim setting latency: {shown(str(settings['latency']))} is not fixed, "
+                "uniform or lognormal"
             )
         self.latency_s = _float(settings, "latency_ms", 0, 0, MAX_LATENCY_MS) / 1000.0
         self.kind = str(settings.get("latency", "fixed"))

@@ -52,7 +52,7 @@ from fleetwave.domain.models import (
     unmanaged_reason,
 )
 from fleetwave.domain.registry import ActionNotFound, PluginError
-from fleetwave.domain.rules import Decision, decide, failure
+from fleetwave.domain.rules import Decision, decide, failure, one_line
 from fleetwave.domain.workflow import (
     ActionContext,
     Advance,
@@ -1946,7 +1946,7 @@ class Conductor:
                 else:
                     # a TransientError, or the action's own TimeoutError (its client gave
                     # up: not the state's deadline): retried like a transient error
-                    reason = str(exc) or type(exc).__name__
+                    reason = one_line(str(exc)) or type(exc).__name__
                 # After a takeover too: the recover hook said how the attempt that was
                 # running ended (failed for now, or out of time), so the next one is a
                 # retry like any other, of the action (idempotent on the target side).
@@ -2003,7 +2003,7 @@ class Conductor:
                     rec.target.name,
                     state,
                     type(exc).__name__,
-                    exc,
+                    one_line(str(exc)),
                 )
                 log.debug("traceback of the action for %s", rec.target.name, exc_info=True)
                 decision = failure(state, str(exc) or type(exc).__name__)
@@ -2018,7 +2018,7 @@ class Conductor:
                     rec.target.name,
                     state,
                     type(exc).__name__,
-                    exc,
+                    one_line(str(exc)),
                 )
                 decision = failure(
                     state, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
