@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -748,3 +749,20 @@ def test_a_multi_line_exception_message_is_one_line_in_details_and_log(
     assert {d for _, d in _states(store, sid).values()} == {"explode: boom; second line; third"}
     raised = [r.getMessage() for r in caplog.records if "raised RuntimeError" in r.getMessage()]
     assert raised == ["action for t00000 in explode raised RuntimeError: boom; second line; third"]
+
+
+def test_an_abort_ends_a_step_waiting_out_a_retry_backoff_at_once(store: Store) -> None:
+    """A step waiting out its retry's backoff (nothing running on the target) kept the
+    abort waiting until the retry was due (up to the 5-minute cap), then ended it
+    "not retried". It ends now."""
+    add_sim_targets(store, 2)
+    wf = _wf("slow-retry", StateDef("a", Flaky(), attempts_max=3, backoff_s=30.0))
+    sid = applied(store, wf.name, max_parallel=2)
+    c = Conductor(store, config=EngineConfig(tick_s=0.05))
+    started = time.monotonic()
+    assert _run_and_abort_after(store, c, sid, 0.3) == "aborted"
+    assert time.monotonic() - started < 10.0  # not the 30 s backoff
+    for state, details in _states(store, sid).values():
+        assert state == "aborted"
+        assert details.startswith("a: busy (attempt 1 of 3); not retried: the strategy is"), details
+    assert check(store, sid).ok

@@ -1976,7 +1976,7 @@ class Conductor:
                             handled,
                         )
                     )
-                    await asyncio.sleep(backoff)
+                    await self._wait_backoff(fl, backoff)
                     await handled  # on the record before it runs (normally long since)
                     if not fl.stopped:
                         recovering = False
@@ -2026,6 +2026,19 @@ class Conductor:
             break
         return ActionFinished(run.id, rec.step_id, state, fence, decision, attempts, callback_id)
 
+    async def _wait_backoff(self, fl: InFlight, delay: float) -> None:
+        """A retry's backoff; over at once when the strategy stops meanwhile (nothing
+        runs on the target during it: the step ends now, not when the retry was due)."""
+        if fl.stopped:
+            return
+        done = fl.backoff = self._loop.create_future()
+        timer = self._loop.call_later(delay, _resolve_none, done)
+        try:
+            await done
+        finally:
+            timer.cancel()
+            fl.backoff = None
+
     @staticmethod
     async def _poll_again(st: StateDef, ctx: ActionContext, answer: NotYet) -> None:
         """A poll state's action answered "not yet": wait before asking again."""
@@ -2066,6 +2079,12 @@ def _stop_flights(run: StrategyRun) -> None:
     """The strategy stops: its workers start no new attempt of their current state."""
     for fl in run.inflight.values():
         fl.stopped = True
+        _resolve_none(fl.backoff)  # a retry waiting out its backoff ends now
+
+
+def _resolve_none(fut: asyncio.Future[None] | None) -> None:
+    if fut is not None and not fut.done():
+        fut.set_result(None)
 
 
 def _stop_details(options: StrategyOptions, failed: int, who: str | None = None) -> str:

@@ -38,6 +38,9 @@ class InFlight:
     #: set by the dispatcher once the strategy stops (abort, failure limit): the worker
     #: starts no new attempt of its state (it reads this one flag at any time)
     stopped: bool = False
+    #: while the worker waits out a retry's backoff: resolved early when the strategy
+    #: stops (an abort does not wait for a retry that will not run)
+    backoff: asyncio.Future[None] | None = None
 
 
 @dataclass(slots=True)
