@@ -576,3 +576,35 @@ def test_yaml_nested_hundreds_deep_is_one_line_not_a_traceback(cli: Cli, tmp_pat
     )
     assert_rejected(cli("target", "import", str(targets)), "nested too deeply")
     assert cli("target", "list", "--format", "json").json() == []
+
+
+def test_a_stored_workflow_this_process_cannot_load_does_not_hide_the_others(
+    cli: Cli, tmp_path: Path, db_path: Path
+) -> None:
+    """A stored workflow whose python: action's module is not importable here (added
+    with a plug-in on the path) made ``workflow list`` fail as a whole: no workflow
+    could be listed, not even the built-ins. It is listed, with why."""
+    import sqlite3
+    import time
+
+    assert cli("workflow", "add", str(write(tmp_path, GOOD))).code == 0
+    conn = sqlite3.connect(db_path)
+    with conn:
+        conn.execute(
+            "INSERT INTO workflows (name, version, source_yaml, created_at) VALUES (?, 1, ?, ?)",
+            (
+                "pywf",
+                "name: pywf\nstates:\n  - name: s1\n    action: python:no_such_mod_x:Slow\n",
+                time.time(),
+            ),
+        )
+    conn.close()
+    listed = workflows(cli)
+    assert "patch" in listed and listed["site-patch"]["problem"] is None
+    assert listed["pywf"]["states"] == [] and listed["pywf"]["version"] is None
+    assert "no_such_mod_x" in listed["pywf"]["problem"], listed["pywf"]
+    table = cli("workflow", "list")
+    assert table.code == 0, table.text
+    assert "UNUSABLE HERE" in table.out and "1 stored workflow cannot be used" in table.err
+    res = cli("strategy", "create", "--workflow", "nosuch", "--all")
+    assert "pywf" in res.text  # still known by name

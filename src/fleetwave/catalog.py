@@ -4,18 +4,32 @@ from __future__ import annotations
 
 from fleetwave.domain.errors import NotFound
 from fleetwave.domain.registry import all_workflows, get_workflow
-from fleetwave.domain.workflow import WorkflowDef
+from fleetwave.domain.workflow import WorkflowDef, WorkflowError
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.store.admin import stored_workflows
 from fleetwave.store.db import Store
 
 
 def list_workflows(store: Store | None) -> list[WorkflowDef]:
+    """Every workflow usable here (see :func:`workflow_catalog` for the others)."""
+    return workflow_catalog(store)[0]
+
+
+def workflow_catalog(store: Store | None) -> tuple[list[WorkflowDef], dict[str, str]]:
+    """The workflows usable here, by name; and the stored ones this process cannot load
+    (a ``python:`` action whose module is not importable here), with why. One such
+    workflow must not hide all the others from ``workflow list``."""
     found = {wf.name: wf for wf in all_workflows()}
+    broken: dict[str, str] = {}
     if store is not None:
         for name, text in stored_workflows(store):
-            found.setdefault(name, parse_workflow_yaml(text, source=f"stored workflow {name}"))
-    return sorted(found.values(), key=lambda w: w.name)
+            if name in found:
+                continue
+            try:
+                found[name] = parse_workflow_yaml(text, source=f"stored workflow {name}")
+            except WorkflowError as exc:
+                broken[name] = str(exc)
+    return sorted(found.values(), key=lambda w: w.name), dict(sorted(broken.items()))
 
 
 def resolve_workflow(store: Store | None, name: str, what: str = "--workflow") -> WorkflowDef:
@@ -28,5 +42,6 @@ def resolve_workflow(store: Store | None, name: str, what: str = "--workflow") -
         for stored_name, text in stored_workflows(store):
             if stored_name == name:
                 return parse_workflow_yaml(text, source=f"stored workflow {name}")
-    known = ", ".join(w.name for w in list_workflows(store))
+    usable, broken = workflow_catalog(store)
+    known = ", ".join(sorted([w.name for w in usable] + list(broken)))
     raise NotFound(f"{what}: unknown workflow '{name}' (known: {known})")

@@ -19,7 +19,7 @@ from rich.markup import escape
 from sqlalchemy.exc import DBAPIError
 
 import fleetwave
-from fleetwave.catalog import list_workflows, resolve_workflow
+from fleetwave.catalog import resolve_workflow, workflow_catalog
 from fleetwave.cli import output
 from fleetwave.cli.common import (
     DbOpt,
@@ -322,7 +322,8 @@ def _states_table(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
 @workflow_app.command("list")
 def workflow_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """List workflows."""
-    rows = [
+    usable, broken = workflow_catalog(store_if_any(db))
+    rows: list[dict[str, Any]] = [
         {
             "name": wf.name,
             "version": wf.version,
@@ -330,9 +331,31 @@ def workflow_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
             # JSON: the states as a list; a table: in order, with arrows
             "states": list(wf.state_names) if fmt is Format.json else " -> ".join(wf.state_names),
         }
-        for wf in list_workflows(store_if_any(db))
+        for wf in usable
     ]
-    emit_rows(rows, ["name", "version", "source", "states"], fmt)
+    for name, why in broken.items():
+        # Listed, with why it cannot be used here (the others stay usable).
+        rows.append(
+            {
+                "name": name,
+                "version": None,
+                "source": "yaml",
+                "states": [] if fmt is Format.json else "UNUSABLE HERE (see 'problem')",
+                "problem": why,
+            }
+        )
+    if broken:
+        for row in rows:
+            row.setdefault("problem", None)
+    rows.sort(key=lambda r: str(r["name"]))
+    columns = ["name", "version", "source", "states"] + (["problem"] if broken else [])
+    emit_rows(rows, columns, fmt)
+    if broken and fmt is Format.table:
+        err_console.print(
+            f"warning: {plural(len(broken), 'stored workflow')} cannot be used by this "
+            "process (FLEETWAVE_PLUGINS names the modules of python: actions)",
+            highlight=False,
+        )
 
 
 @workflow_app.command("show")
