@@ -133,6 +133,15 @@ def test_pinned_regression_seeds(seed: int, workflow: str, targets: int) -> None
     assert res.ok, res.violations
 
 
+def test_a_retry_whose_record_a_meddled_row_refused_does_not_run() -> None:
+    """Seed 52077, all faults (found in session 10): another program bumped a step's
+    fence while its retry was being recorded; the record was refused silently and the
+    retry ran anyway, so the row still named attempt 1, and the conductor that took the
+    strategy over later ran attempt 2 of the state a second time on the target."""
+    res = run_simulation(SimConfig(seed=52077, targets=40, workflow="patch"))
+    assert res.ok, res.violations
+
+
 @pytest.mark.slow
 def test_nightly_sweep() -> None:
     workflows = ["patch", "clean"]

@@ -99,6 +99,10 @@ class _StateDeadline(TimeoutError):
     TimeoutError (its client gave up) is not this."""
 
 
+class _RetryRefused(Exception):
+    """The record of a retry was refused (the step's row changed): its worker ends."""
+
+
 class SimulatedCrash(BaseException):
     """Raised by a fault plan to kill the conductor at a chosen point (tests only)."""
 
@@ -746,11 +750,12 @@ class Conductor:
         deadlines: list[rt.AttemptDeadline] = []
         recover: list[InFlight] = []
         claimed_callbacks: list[cbs.CallbackRecord] = []
-        retries: list[asyncio.Future[None]] = []
+        retries: list[tuple[RetryScheduled, asyncio.Future[bool]]] = []
+        refused_retries: set[int] = set()
         for i, msg in enumerate(msgs):
             if isinstance(msg, RetryScheduled):
                 if msg.handled is not None:
-                    retries.append(msg.handled)
+                    retries.append((msg, msg.handled))
                 if self._reported(msg) is not None:
                     deadlines.append(
                         rt.AttemptDeadline(
@@ -863,9 +868,15 @@ class Conductor:
             self._apply(batch, result.rejected, marks)
             for sid in result.lost:
                 self._drop_run(sid)
-        for handled in retries:
-            if not handled.done():
-                handled.set_result(None)  # committed (or stale): the next attempt may run
+            refused_retries = result.retries_refused
+        for retry, handled in retries:
+            if handled.done():
+                continue
+            if retry.step_id in refused_retries:
+                handled.set_result(False)  # not on the record: it must not run
+                self._retry_refused(retry)
+            else:
+                handled.set_result(True)  # committed (or stale): the next attempt may run
         for fl in recover:
             if not self._draining and fl.rec.strategy_id in self.runs:
                 self._release(fl)
@@ -1545,6 +1556,36 @@ class Conductor:
             log.warning("step %s: %s", t.step_id, t.details)
         self._wake_soon()  # its slot is free: fill it without waiting for another message
 
+    def _retry_refused(self, retry: RetryScheduled) -> None:
+        """A retry's record was refused: the step's row changed under this conductor
+        (its fence or state; another program's write). Its worker ends without running
+        the retry; the row is read back and the step taken over at a new fence, its
+        recover hook looking at the attempt the row names (see :meth:`_settle`). Running
+        the retry anyway left the row naming the attempt before, so a later takeover ran
+        the same attempt again."""
+        run = self.runs.get(retry.strategy_id)
+        if run is None:
+            return
+        fl = _free_slot(run, retry.step_id)
+        if fl is not None:
+            run.group_load[fl.rec.group_id] += 1  # it holds its slot until settled
+        run.unsettled[retry.step_id] = Unsettled(
+            None,
+            fl.rec.stage if fl is not None else None,
+            fl.rec.group_id if fl is not None else None,
+            held=fl is not None,
+        )
+        run.settle_due = True
+        self._wake_soon()
+        log.error(
+            "step %s of strategy %s: the record of its retry (attempt %d of %s) was refused: "
+            "its row changed under this conductor; reading it back",
+            retry.step_id,
+            retry.strategy_id,
+            retry.attempt,
+            retry.state,
+        )
+
     def _wait_again(self, entries: list[rt.Transition]) -> None:
         """Entries the commit did not write (an end of their strategy was refused: that
         step still holds its slot and stage): they wait again, first in line, in order."""
@@ -1844,7 +1885,10 @@ class Conductor:
         while True:
             if self.config.measure_latency and not recovering:
                 self.stats.dispatch_latency_s.append(time.perf_counter() - self._committed_at)
-            msg = await self._run_state(run, fl, recovering)
+            try:
+                msg = await self._run_state(run, fl, recovering)
+            except _RetryRefused:
+                return  # the dispatcher reads the step's row back and takes it over
             recovering = False
             go = fl.go = msg.go = loop.create_future()
             self.post(msg)
@@ -1977,7 +2021,8 @@ class Conductor:
                         )
                     )
                     await self._wait_backoff(fl, backoff)
-                    await handled  # on the record before it runs (normally long since)
+                    if not await handled:  # on the record before it runs (normally is)
+                        raise _RetryRefused from None
                     if not fl.stopped:
                         recovering = False
                         continue

@@ -48,8 +48,9 @@ class RetryScheduled:
     details: str
     #: resolved once the dispatcher has handled it (committed with its batch, or found
     #: stale): the next attempt starts only then, so that the row names the attempt
-    #: running (a takeover looks at that one) before it runs
-    handled: asyncio.Future[None] | None = None
+    #: running (a takeover looks at that one) before it runs. False: the record was not
+    #: written (the step's row changed under this conductor): the retry must not run
+    handled: asyncio.Future[bool] | None = None
 
 
 @dataclass(slots=True)

@@ -112,6 +112,9 @@ class CommitResult:
     #: strategies whose entries were written as not started (their lease lapsing here,
     #: by the ``lapsing`` predicate when the commit went through): start none of them
     not_started: set[int] = field(default_factory=set)
+    #: steps whose retry record (:class:`AttemptDeadline`) was not written: their row
+    #: changed under this conductor (its fence or state), so the retry must not run
+    retries_refused: set[int] = field(default_factory=set)
 
 
 def _never(_strategy_id: int) -> bool:
@@ -1002,6 +1005,9 @@ class TransitionWriter:
                 cur.executemany(self._mark_sql, mk)
             if dl:
                 cur.executemany(self._deadline_sql, dl)
+                if cur.rowcount != len(dl):
+                    raw.rollback()  # a retry's row changed: the slower path says which
+                    return False
             raw.commit()
             return True
         except dbapi.IntegrityError:
@@ -1132,13 +1138,16 @@ class TransitionWriter:
             ]
             if mk:
                 conn.exec_driver_sql(self._mark_sql, mk)
-            dl = [
-                (d.deadline_at, d.attempt, d.details, d.step_id, d.state, d.fence)
-                for d in deadlines
-                if d.strategy_id not in lost
-            ]
-            if dl:
-                conn.exec_driver_sql(self._deadline_sql, dl)
+            retries_refused: set[int] = set()
+            for d in deadlines:
+                if d.strategy_id in lost:
+                    continue
+                written = conn.exec_driver_sql(
+                    self._deadline_sql,
+                    (d.deadline_at, d.attempt, d.details, d.step_id, d.state, d.fence),
+                )
+                if written.rowcount != 1:
+                    retries_refused.add(d.step_id)
         refused = {id(t) for t in rejected} | {id(t) for t in deferred}
         return CommitResult(
             rejected,
@@ -1147,6 +1156,7 @@ class TransitionWriter:
             deferred,
             held_back,
             self._lapsed_now,
+            retries_refused,
         )
 
     def close(self) -> None:
