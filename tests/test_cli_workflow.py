@@ -608,3 +608,20 @@ def test_a_stored_workflow_this_process_cannot_load_does_not_hide_the_others(
     assert "UNUSABLE HERE" in table.out and "1 stored workflow cannot be used" in table.err
     res = cli("strategy", "create", "--workflow", "nosuch", "--all")
     assert "pywf" in res.text  # still known by name
+
+
+def test_a_workflow_name_is_at_most_64_characters_and_says_what_is_allowed(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """A 5,000-character name was stored, and then padded every 'workflow list' row and
+    filled every 'unknown workflow' error; a bad name's error quoted a regex."""
+    long = write(tmp_path, "name: " + "w" * 65 + "\nstates:\n  - name: a\n")
+    assert_rejected(cli("workflow", "add", str(long)), "name: at most 64 characters, got 65")
+    bad = write(tmp_path, 'name: "bad name"\nstates:\n  - name: a\n', "bad.yaml")
+    assert_rejected(
+        cli("workflow", "add", str(bad)),
+        "name: 'bad name' is not allowed; use letters, digits and _ . -",
+    )
+    assert "w" * 65 not in workflows(cli)  # nothing stored
+    ok = write(tmp_path, "name: " + "w" * 64 + "\nstates:\n  - name: a\n", "ok.yaml")
+    assert cli("workflow", "add", str(ok)).code == 0

@@ -174,6 +174,19 @@ def _state_name(value: str, info: ValidationInfo) -> str:
     return value
 
 
+def _workflow_name(value: str, info: ValidationInfo) -> str:
+    """A workflow's name: as a state's (letters, digits, _ . -), at most 64 characters
+    for a new one (it is listed in tables and named in every unknown-workflow error)."""
+    if _strict(info) and len(value) > STATE_NAME_MAX:
+        raise ValueError(f"at most {STATE_NAME_MAX} characters, got {len(value)}")
+    if not STATE_NAME.fullmatch(value):
+        raise ValueError(
+            f"{shown(value)} is not allowed; use letters, digits and _ . -, starting with "
+            "a letter or digit"
+        )
+    return value
+
+
 _Seconds = Annotated[float, BeforeValidator(_not_bool), AfterValidator(_seconds_cap)]
 _Count = Annotated[int, BeforeValidator(_not_bool)]
 
@@ -210,7 +223,7 @@ class _State(BaseModel):
 
 class _Workflow(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    name: Annotated[str, AfterValidator(_workflow_name)] = Field(min_length=1)
     version: Annotated[_Count, AfterValidator(_version_cap)] = Field(default=1, ge=1)
     description: str = ""
     states: list[_State] = Field(min_length=1)
