@@ -881,3 +881,20 @@ def test_a_retry_starts_only_once_the_row_names_it(store: Store) -> None:
     (first, second) = seen
     assert first[:2] == (1, 1)
     assert second[:2] == (2, 2) and second[2] >= 12  # after the record went through
+
+
+def test_an_abort_of_a_strategy_never_applied_says_it_is_aborted(cli: Cli) -> None:
+    """Its steps are ended in the abort's own transaction: it said "abort requested" (and
+    so that a conductor would finish it) though it was aborted already."""
+    add(cli, "a")
+    sid = create(cli, "--all")
+    res = cli("strategy", "abort", str(sid))
+    assert (res.code, res.out, res.err) == (
+        0,
+        f"strategy {sid}: aborted (it was never applied)\n",
+        "",
+    )
+    shown = cli("strategy", "show", str(sid), "--format", "json").json()
+    assert shown["state"] == "aborted"
+    again = cli("strategy", "abort", str(sid))
+    assert (again.code, again.out) == (0, f"strategy {sid}: already aborted\n")

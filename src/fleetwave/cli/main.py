@@ -633,6 +633,13 @@ def strategy_abort(strategy_id: StrategyId, db: DbOpt = None) -> None:
     if before == StrategyState.ABORTED:
         console.print(f"strategy {strategy_id}: already aborted")
         return
+    if (
+        before is None
+        and queries.get_strategy(store, strategy_id)["state"] == StrategyState.ABORTED
+    ):
+        # never applied: its steps were ended in the same transaction, nothing to wait for
+        console.print(f"strategy {strategy_id}: aborted (it was never applied)")
+        return
     if before is None:
         console.print(f"strategy {strategy_id}: abort requested")
     else:
