@@ -898,3 +898,27 @@ def test_an_abort_of_a_strategy_never_applied_says_it_is_aborted(cli: Cli) -> No
     assert shown["state"] == "aborted"
     again = cli("strategy", "abort", str(sid))
     assert (again.code, again.out) == (0, f"strategy {sid}: already aborted\n")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("target", "add", "a", "--set", "latency_ms=5", "--set", "latency_ms=6"),
+        ("target", "add", "a", "--label", "k=1", "--label", "k=2"),
+    ],
+)
+def test_a_key_given_twice_is_refused(cli: Cli, args: tuple[str, ...]) -> None:
+    """``--set``, ``--label`` and ``--timeout`` kept the last value of a key given twice,
+    silently (``--targets`` refuses a repeat)."""
+    line = one_line(cli(*args))
+    assert line.endswith("given more than once"), line
+    assert cli("target", "list", "--format", "json").json() == []
+
+
+def test_a_timeout_given_twice_is_refused(cli: Cli) -> None:
+    add(cli, "a")
+    res = cli(
+        "strategy", "create", "--workflow", "patch", "--all",
+        "--timeout", "pre-check=5", "--timeout", "pre-check=6",
+    )  # fmt: skip
+    assert one_line(res) == "error: --timeout: 'pre-check' given more than once"

@@ -50,6 +50,9 @@ def parse_pairs(items: list[str] | None, option: str, *, typed: bool = True) -> 
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise InputError(f"{option}: expected key=value, got {shown(item)}")
+        if key.strip() in out:
+            # the last one silently winning hides a typo (another key meant)
+            raise InputError(f"{option}: {shown(key.strip())} given more than once")
         out[key.strip()] = scalar(value.strip()) if typed else value.strip()
     return out
 
