@@ -625,3 +625,27 @@ def test_a_workflow_name_is_at_most_64_characters_and_says_what_is_allowed(
     assert "w" * 65 not in workflows(cli)  # nothing stored
     ok = write(tmp_path, "name: " + "w" * 64 + "\nstates:\n  - name: a\n", "ok.yaml")
     assert cli("workflow", "add", str(ok)).code == 0
+
+
+@pytest.mark.parametrize(
+    ("state", "said"),
+    [
+        (
+            "mode: wait-for-callback\n    retry: {attempts: 3}",
+            "states[0] (a): retry: attempts: a wait-for-callback state is not retried",
+        ),
+        (
+            "mode: poll\n    timeout_s: 60\n    poll_interval_s: 90",
+            "states[0] (a): poll_interval_s: 90s is not shorter than the state's timeout_s (60s)",
+        ),
+    ],
+)
+def test_settings_that_would_do_nothing_are_refused(
+    cli: Cli, tmp_path: Path, state: str, said: str
+) -> None:
+    """A callback wait with retries (never retried, yet 'workflow show' showed them), or
+    a poll interval past the timeout (never a second look), passed validation."""
+    f = write(tmp_path, f"name: nothing\nstates:\n  - name: a\n    {state}\n")
+    assert_rejected(cli("workflow", "validate", str(f), db=None), said)
+    assert_rejected(cli("workflow", "add", str(f)), said)
+    assert "nothing" not in workflows(cli)

@@ -302,6 +302,18 @@ def parse_workflow_yaml(text: str, *, source: str = "<yaml>", strict: bool = Fal
                 f"{source}: states[{i}] ({st.name}): poll_interval_s: only for mode: poll "
                 f"(this state's mode is {st.mode})"
             )
+        where = f"{source}: states[{i}] ({st.name})"
+        if strict and st.mode == "wait-for-callback" and st.retry.attempts > 1:
+            # settings that would do nothing: workflow show would promise retries
+            raise WorkflowError(
+                f"{where}: retry: attempts: a wait-for-callback state is not retried (its "
+                f"target's agent is started once); got {st.retry.attempts}, use 1"
+            )
+        if strict and st.poll_interval_s is not None and st.poll_interval_s >= st.timeout_s:
+            raise WorkflowError(
+                f"{where}: poll_interval_s: {st.poll_interval_s:g}s is not shorter than the "
+                f"state's timeout_s ({st.timeout_s:g}s): it would time out before a second look"
+            )
         action: StateAction
         spec = st.action or st.name
         if spec.startswith("python:"):
