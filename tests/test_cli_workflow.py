@@ -649,3 +649,18 @@ def test_settings_that_would_do_nothing_are_refused(
     assert_rejected(cli("workflow", "validate", str(f), db=None), said)
     assert_rejected(cli("workflow", "add", str(f)), said)
     assert "nothing" not in workflows(cli)
+
+
+def test_strategy_show_names_the_workflow_version_it_runs(cli: Cli, tmp_path: Path) -> None:
+    """After v4 of a stored workflow replaced v3, which version a strategy runs showed
+    only through its list of states."""
+    assert cli("target", "add", "a").code == 0
+    assert cli("workflow", "add", str(write(tmp_path, GOOD))).code == 0
+    made = cli("strategy", "create", "--workflow", "site-patch", "--all", "--format", "json")
+    sid = made.json()["id"]
+    v4 = GOOD.replace("version: 3", "version: 4")
+    assert cli("workflow", "add", str(write(tmp_path, v4, "v4.yaml"))).code == 0
+    shown = cli("strategy", "show", str(sid), "--format", "json").json()
+    assert (shown["workflow"], shown["workflow_version"]) == ("site-patch", 3)
+    listed = cli("strategy", "list", "--format", "json").json()
+    assert [s["workflow_version"] for s in listed] == [3]

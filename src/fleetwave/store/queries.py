@@ -151,6 +151,8 @@ def _strategy_dict(r: Any) -> dict[str, Any]:
     return {
         "id": r.id,
         "workflow": r.workflow,
+        # which version it runs: a stored workflow replaced since keeps its own copy here
+        "workflow_version": r.workflow_version,
         "state": r.state,
         "steps": r.step_count,
         "max_parallel": opts["max_parallel"],
