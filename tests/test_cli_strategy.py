@@ -1086,3 +1086,19 @@ def test_a_conflict_names_every_held_target_by_strategy(cli: Cli) -> None:
         "targets when it ends)"
     ) in line, line
     assert [s["id"] for s in strategies(cli)] == [first, second]  # nothing written
+
+
+def test_step_list_takes_one_target_like_history(cli: Cli) -> None:
+    add(cli, "a", "b", "c")
+    sid = create(cli, "--targets", "a,b")
+    res = cli("step", "list", "--strategy", str(sid), "--target", "b", "--format", "json")
+    assert res.code == 0, res.text
+    assert [s["target"] for s in res.json()] == ["b"]
+    assert_rejected(
+        cli("step", "list", "--strategy", str(sid), "--target", "c"),
+        f"--target: target 'c' is not in strategy {sid}",
+    )
+    assert_rejected(
+        cli("step", "list", "--strategy", str(sid), "--target", "nope"),
+        "--target: no target named 'nope'",
+    )

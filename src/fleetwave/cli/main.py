@@ -711,14 +711,16 @@ def strategy_delete(strategy_id: StrategyId, db: DbOpt = None) -> None:
 def step_list(
     strategy: Annotated[int, typer.Option(parser=whole_number, metavar="ID", help="strategy id")],
     state: Annotated[str | None, typer.Option(help="only steps in this state")] = None,
+    target: Annotated[str | None, typer.Option(help="only this target's step")] = None,
     fmt: FormatOpt = Format.table,
     db: DbOpt = None,
 ) -> None:
     """List the steps of a strategy."""
     store = existing_store(db)
-    rows = queries.iter_steps(store, strategy, state)  # refuses an unknown strategy now
+    # refuses an unknown strategy (or target) now
+    rows = queries.iter_steps(store, strategy, state, target=target)
     emit_rows(
-        _first_then(rows, lambda: queries.iter_steps(store, strategy, state)),
+        _first_then(rows, lambda: queries.iter_steps(store, strategy, state, target=target)),
         # the step id last: what `step show` takes
         ["target", "stage", "state", "details", "started_at", "finished_at", "step"],
         fmt,

@@ -380,7 +380,12 @@ def list_steps(
 
 
 def iter_steps(
-    store: Store, sid: int, state: str | None = None, limit: int | None = None
+    store: Store,
+    sid: int,
+    state: str | None = None,
+    limit: int | None = None,
+    *,
+    target: str | None = None,
 ) -> Iterator[dict[str, Any]]:
     """A strategy's steps one at a time, as read; an unknown strategy is refused at
     once, before the first row is asked for, and so is a state it has no step can be in."""
@@ -397,11 +402,26 @@ def iter_steps(
             raise InputError(
                 f"--state: '{state}' is not a state of strategy {sid} ({', '.join(known)})"
             )
-    return _iter_steps(store, sid, state, limit)
+    if target is not None:
+        _target_in(store, sid, target)
+    return _iter_steps(store, sid, state, limit, target)
+
+
+def _target_in(store: Store, sid: int, target: str) -> None:
+    """Refuse ``--target`` naming no target, or one the strategy has no step for."""
+    with store.read() as conn:
+        tid = conn.execute(select(targets.c.id).where(targets.c.name == target)).scalar()
+        if tid is None:
+            raise NotFound(f"--target: no target named {shown(target)}")
+        in_it = conn.execute(
+            select(steps.c.id).where(steps.c.strategy_id == sid, steps.c.target_id == tid)
+        ).first()
+        if in_it is None:
+            raise NotFound(f"--target: target {shown(target)} is not in strategy {sid}")
 
 
 def _iter_steps(
-    store: Store, sid: int, state: str | None, limit: int | None
+    store: Store, sid: int, state: str | None, limit: int | None, target: str | None = None
 ) -> Iterator[dict[str, Any]]:
     q = (
         select(
@@ -421,6 +441,8 @@ def _iter_steps(
     )
     if state is not None:
         q = q.where(steps.c.state == state)
+    if target is not None:
+        q = q.where(targets.c.name == target)
     rows = _pages(store, q, steps.c.ordinal, -1)
     for r in rows if limit is None else islice(rows, limit):
         yield {
@@ -494,15 +516,7 @@ def iter_history(
         .where(journal.c.strategy_id == sid)
     )
     if target is not None:
-        with store.read() as conn:
-            tid = conn.execute(select(targets.c.id).where(targets.c.name == target)).scalar()
-            if tid is None:
-                raise NotFound(f"--target: no target named '{target}'")
-            in_it = conn.execute(
-                select(steps.c.id).where(steps.c.strategy_id == sid, steps.c.target_id == tid)
-            ).first()
-            if in_it is None:
-                raise NotFound(f"--target: target '{target}' is not in strategy {sid}")
+        _target_in(store, sid, target)
         q = q.where(targets.c.name == target)
     if step_id is not None:
         q = q.where(journal.c.step_id == step_id)
