@@ -312,3 +312,35 @@ def test_a_serve_whose_database_is_restored_from_a_backup_in_place_stops(tmp_pat
     with store.read() as conn:
         assert conn.execute(select(conductors.c.id)).all() == []
     store.dispose()
+
+
+def test_a_second_ctrl_c_of_apply_wait_says_how_to_go_on(tmp_path: Path) -> None:
+    """The second Ctrl-C stops ``apply --wait`` at once: it exited 130 without a word,
+    where the first one's clean stop says what is left and how to go on."""
+    db = str(tmp_path / "twice.db")
+    assert _cli(db, "init").returncode == 0
+    assert _cli(db, "target", "add", "slow", "--set", "latency_ms=60000").returncode == 0
+    created = _cli(db, "strategy", "create", "--workflow", "patch", "--all", "--format", "json")
+    sid = json.loads(created.stdout)["id"]
+    proc = subprocess.Popen(
+        [*FLEETWAVE, "strategy", "apply", str(sid), "--wait", "--db", db],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for("it to claim the strategy", lambda: _owner(db, sid) is not None)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == (
+        f"stopped at once: strategy {sid} is still applying; its leases were not handed "
+        f"back and run out within 30 s. Go on with 'fleetwave strategy apply {sid} --wait' "
+        "or 'fleetwave serve' (they take over then)"
+    ), err

@@ -579,7 +579,21 @@ def strategy_apply(
                 highlight=False,
             )
         return
-    result = drive_strategy(store, strategy_id, show_progress=fmt is Format.table, config=config)
+    try:
+        result = drive_strategy(
+            store, strategy_id, show_progress=fmt is Format.table, config=config
+        )
+    except KeyboardInterrupt:
+        # The second Ctrl-C: stopped at once, nothing handed back.
+        now = queries.get_strategy(store, strategy_id)["state"]
+        ttl = config.lease_ttl_s
+        err_console.print(
+            f"stopped at once: strategy {strategy_id} is still {now}; its leases were not "
+            f"handed back and run out within {ttl:g} s. Go on with 'fleetwave strategy "
+            f"apply {strategy_id} --wait' or 'fleetwave serve' (they take over then)",
+            highlight=False,
+        )
+        raise typer.Exit(130) from None
     if result.state == "interrupted":
         now = queries.get_strategy(store, strategy_id)["state"]
         err_console.print(
