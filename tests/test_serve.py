@@ -101,6 +101,34 @@ def _owner(db: str, sid: int) -> str | None:
     return json.loads(shown.stdout)["owner"]  # type: ignore[no-any-return]
 
 
+def _slow_strategy(db: str) -> int:
+    """A new database with one target whose operations take a minute, and a ``patch``
+    strategy over it (not applied): its id."""
+    assert _cli(db, "init").returncode == 0
+    assert _cli(db, "target", "add", "slow", "--set", "latency_ms=60000").returncode == 0
+    created = _cli(db, "strategy", "create", "--workflow", "patch", "--all", "--format", "json")
+    return int(json.loads(created.stdout)["id"])
+
+
+def _once_claimed(
+    db: str, sid: int, args: list[str], act: Callable[[subprocess.Popen[str]], None]
+) -> tuple[int, str]:
+    """Run ``fleetwave ARGS --db DB``; once it has claimed strategy ``sid``, ``act`` on
+    it; then wait for it to end (30 s at most). Its exit code and stderr."""
+    proc = subprocess.Popen(
+        [*FLEETWAVE, *args, "--db", db], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _wait_for(f"{args[0]} to claim strategy {sid}", lambda: _owner(db, sid) is not None)
+        act(proc)
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, err
+
+
 def _wait_for(what: str, cond: Callable[[], bool], timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
@@ -200,25 +228,13 @@ def test_a_serve_whose_database_file_is_replaced_stops_and_says_so(tmp_path: Pat
     `serve` ran: the conductor went on writing into the old file, which nobody reads,
     and drove nothing of the new one. It stops within a tick, saying why (exit 1)."""
     db = str(tmp_path / "live.db")
-    assert _cli(db, "init").returncode == 0
-    assert _cli(db, "target", "add", "slow", "--set", "latency_ms=60000").returncode == 0
-    created = _cli(db, "strategy", "create", "--workflow", "patch", "--all", "--format", "json")
-    sid = json.loads(created.stdout)["id"]
+    sid = _slow_strategy(db)
     backup = tmp_path / "backup.db"
     shutil.copyfile(db, backup)
     assert _cli(db, "strategy", "apply", str(sid)).returncode == 0
-    serve = subprocess.Popen(
-        [*FLEETWAVE, "serve", "--db", db], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        _wait_for("serve to claim it", lambda: _owner(db, sid) is not None)
-        os.replace(backup, db)  # the backup, restored over the live file
-        _out, err = serve.communicate(timeout=30)
-    finally:
-        if serve.poll() is None:
-            serve.kill()
-            serve.communicate()
-    assert serve.returncode == 1, err
+    # the backup, restored over the live file
+    code, err = _once_claimed(db, sid, ["serve"], lambda _p: os.replace(backup, db))
+    assert code == 1, err
     assert err.strip().splitlines()[-1] == (
         f"error: the database file {db} was removed or replaced while this conductor had it "
         "open (its writes would go to the old file): stopped; move the old file's -wal and "
@@ -276,32 +292,20 @@ def test_a_serve_whose_database_is_restored_from_a_backup_in_place_stops(tmp_pat
     import sqlite3
 
     db = str(tmp_path / "live.db")
-    assert _cli(db, "init").returncode == 0
-    assert _cli(db, "target", "add", "slow", "--set", "latency_ms=60000").returncode == 0
-    created = _cli(db, "strategy", "create", "--workflow", "patch", "--all", "--format", "json")
-    sid = json.loads(created.stdout)["id"]
+    sid = _slow_strategy(db)
     assert _cli(db, "strategy", "apply", str(sid)).returncode == 0
     backup = tmp_path / "backup.db"
     with sqlite3.connect(db) as src, sqlite3.connect(backup) as dst:
         src.backup(dst)  # taken before the conductor started: it has no row there
     inode = os.stat(db).st_ino
-    serve = subprocess.Popen(
-        [*FLEETWAVE, "serve", "--lease-ttl", "15", "--db", db],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        _wait_for("serve to claim it", lambda: _owner(db, sid) is not None)
+
+    def restore(_proc: subprocess.Popen[str]) -> None:
         with sqlite3.connect(backup) as src, sqlite3.connect(db) as dst:
             src.backup(dst)  # restored in place, through SQLite's locks
         assert os.stat(db).st_ino == inode
-        _out, err = serve.communicate(timeout=30)
-    finally:
-        if serve.poll() is None:
-            serve.kill()
-            serve.communicate()
-    assert serve.returncode == 1, err
+
+    code, err = _once_claimed(db, sid, ["serve", "--lease-ttl", "15"], restore)
+    assert code == 1, err
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"error: the database {db} no longer knows this conductor"), err
     assert "run 'fleetwave check'" in last, last
@@ -318,27 +322,15 @@ def test_a_second_ctrl_c_of_apply_wait_says_how_to_go_on(tmp_path: Path) -> None
     """The second Ctrl-C stops ``apply --wait`` at once: it exited 130 without a word,
     where the first one's clean stop says what is left and how to go on."""
     db = str(tmp_path / "twice.db")
-    assert _cli(db, "init").returncode == 0
-    assert _cli(db, "target", "add", "slow", "--set", "latency_ms=60000").returncode == 0
-    created = _cli(db, "strategy", "create", "--workflow", "patch", "--all", "--format", "json")
-    sid = json.loads(created.stdout)["id"]
-    proc = subprocess.Popen(
-        [*FLEETWAVE, "strategy", "apply", str(sid), "--wait", "--db", db],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        _wait_for("it to claim the strategy", lambda: _owner(db, sid) is not None)
+    sid = _slow_strategy(db)
+
+    def ctrl_c_twice(proc: subprocess.Popen[str]) -> None:
         proc.send_signal(signal.SIGINT)
         time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
-        _out, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 130, err
+
+    code, err = _once_claimed(db, sid, ["strategy", "apply", str(sid), "--wait"], ctrl_c_twice)
+    assert code == 130, err
     assert err.strip().splitlines()[-1] == (
         f"stopped at once: strategy {sid} is still applying; its leases were not handed "
         f"back and run out within 30 s. Go on with 'fleetwave strategy apply {sid} --wait' "

@@ -1556,6 +1556,29 @@ class Conductor:
             log.warning("step %s: %s", t.step_id, t.details)
         self._wake_soon()  # its slot is free: fill it without waiting for another message
 
+    def _read_back(
+        self,
+        run: StrategyRun,
+        step_id: int,
+        fl: InFlight | None,
+        refused: rt.Transition | None,
+        mark: rt.CallbackMark | None = None,
+    ) -> None:
+        """The step's row is not what this conductor believed: read it back (see
+        :meth:`_settle`). ``fl``: its in-flight entry, just freed; the step keeps its slot,
+        its group's and its stage until then."""
+        if fl is not None:
+            run.group_load[fl.rec.group_id] += 1
+        run.unsettled[step_id] = Unsettled(
+            refused,
+            fl.rec.stage if fl is not None else None,
+            fl.rec.group_id if fl is not None else None,
+            held=fl is not None,
+            mark=mark,
+        )
+        run.settle_due = True
+        self._wake_soon()  # settle it without waiting for a message
+
     def _retry_refused(self, retry: RetryScheduled) -> None:
         """A retry's record was refused: the step's row changed under this conductor
         (its fence or state; another program's write). Its worker ends without running
@@ -1566,17 +1589,7 @@ class Conductor:
         run = self.runs.get(retry.strategy_id)
         if run is None:
             return
-        fl = _free_slot(run, retry.step_id)
-        if fl is not None:
-            run.group_load[fl.rec.group_id] += 1  # it holds its slot until settled
-        run.unsettled[retry.step_id] = Unsettled(
-            None,
-            fl.rec.stage if fl is not None else None,
-            fl.rec.group_id if fl is not None else None,
-            held=fl is not None,
-        )
-        run.settle_due = True
-        self._wake_soon()
+        self._read_back(run, retry.step_id, _free_slot(run, retry.step_id), None)
         log.error(
             "step %s of strategy %s: the record of its retry (attempt %d of %s) was refused: "
             "its row changed under this conductor; reading it back",
@@ -1753,20 +1766,8 @@ class Conductor:
             run = self.runs.get(t.strategy_id)
             if run is None:
                 continue
-            # Its row is not what this conductor believed: read it back (see _settle). It
-            # keeps its slot, its group's and its stage until then.
             fl = _free_slot(run, t.step_id) or self._freed.get(t.step_id)
-            if fl is not None:
-                run.group_load[fl.rec.group_id] += 1
-            run.unsettled[t.step_id] = Unsettled(
-                t,
-                fl.rec.stage if fl is not None else None,
-                fl.rec.group_id if fl is not None else None,
-                held=fl is not None,
-                mark=applied_by.get(t.step_id),
-            )
-            run.settle_due = True
-            self._wake_soon()  # settle it without waiting for a message
+            self._read_back(run, t.step_id, fl, t, applied_by.get(t.step_id))
             log.error(
                 "transition %s -> %s of step %s rejected: fenced off or already entered",
                 t.from_state,
@@ -2077,7 +2078,7 @@ class Conductor:
         if fl.stopped:
             return
         done = fl.backoff = self._loop.create_future()
-        timer = self._loop.call_later(delay, _resolve_none, done)
+        timer = self._loop.call_later(delay, _resolve, done, None)
         try:
             await done
         finally:
@@ -2124,12 +2125,7 @@ def _stop_flights(run: StrategyRun) -> None:
     """The strategy stops: its workers start no new attempt of their current state."""
     for fl in run.inflight.values():
         fl.stopped = True
-        _resolve_none(fl.backoff)  # a retry waiting out its backoff ends now
-
-
-def _resolve_none(fut: asyncio.Future[None] | None) -> None:
-    if fut is not None and not fut.done():
-        fut.set_result(None)
+        _resolve(fl.backoff, None)  # a retry waiting out its backoff ends now
 
 
 def _stop_details(options: StrategyOptions, failed: int, who: str | None = None) -> str:
@@ -2144,7 +2140,7 @@ def _stop_details(options: StrategyOptions, failed: int, who: str | None = None)
     )
 
 
-def _resolve(fut: asyncio.Future[bool] | None, value: bool) -> None:
+def _resolve(fut: asyncio.Future[R] | None, value: R) -> None:
     if fut is not None and not fut.done():
         fut.set_result(value)
 

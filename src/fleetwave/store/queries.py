@@ -206,18 +206,7 @@ def serving_conductors(store: Store, now: float | None = None) -> list[dict[str,
     not stopped, renewed lately, and (on this host) their process is there."""
     now = time.time() if now is None else now
     with store.read() as conn:
-        rows = conn.execute(
-            select(conductors.c.id, conductors.c.hostname, conductors.c.pid).where(
-                conductors.c.serves_all.is_(True),
-                conductors.c.stopped_at.is_(None),
-                conductors.c.heartbeat_at >= now - SERVING_WITHIN_S,
-            )
-        ).all()
-    return [
-        {"id": r.id, "hostname": r.hostname, "pid": r.pid}
-        for r in rows
-        if not conductor_gone(r.hostname, r.pid, None)
-    ]
+        return list(_Conductors.read(conn, now).serving)
 
 
 def running_conductors(store: Store, now: float | None = None) -> list[dict[str, Any]]:
@@ -247,7 +236,8 @@ class _Conductors:
 
     gone: frozenset[str]
     present: frozenset[str]
-    serving: tuple[str, ...]
+    #: id, hostname and pid of each serving one (see :func:`serving_conductors`)
+    serving: tuple[dict[str, Any], ...]
 
     @classmethod
     def read(cls, conn: Any, now: float) -> _Conductors:
@@ -263,7 +253,7 @@ class _Conductors:
         ).all()
         gone = {r.id for r in rows if conductor_gone(r.hostname, r.pid, r.stopped_at)}
         serving = tuple(
-            r.id
+            {"id": r.id, "hostname": r.hostname, "pid": r.pid}
             for r in rows
             if r.serves_all and r.id not in gone and r.heartbeat_at >= now - SERVING_WITHIN_S
         )
@@ -318,7 +308,7 @@ def _driving(r: Any, now: float, known: _Conductors) -> Driving:
     expired = r.lease_expires_at is None or r.lease_expires_at < now
     if r.owner is not None and not expired and not known.owner_gone(r.owner):
         return Driving(r.owner, None, f"conductor {r.owner}")
-    serving = [c for c in known.serving if c != r.owner]
+    serving = [c["id"] for c in known.serving if c["id"] != r.owner]
     if r.owner is None:
         lapsed = ""
     elif expired:
