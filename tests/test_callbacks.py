@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 from sqlalchemy import update
@@ -15,7 +16,7 @@ from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.registry import get_workflow, register_workflow
 from fleetwave.domain.workflow import StateDef, StepFailed, WorkflowDef
-from fleetwave.engine.conductor import Conductor
+from fleetwave.engine.conductor import Conductor, EngineConfig
 from fleetwave.engine.messages import LeaseLost, StrategyClaimed
 from fleetwave.store import admin, queries
 from fleetwave.store import runtime as rt
@@ -211,4 +212,59 @@ def test_a_callback_handed_to_a_wait_that_then_failed_is_answered_with_why(
     assert cb["outcome"] == "ignored"
     assert cb["reason"] == (
         "its step's state ended first: wait: the action broke after the target called back"
+    )
+
+
+async def _until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def _waiting(store: Store, sid: int, state: str) -> int:
+    return sum(s["state"] == state for s in queries.list_steps(store, sid))
+
+
+def test_an_abort_ends_a_wait_for_a_callback_at_once(store: Store) -> None:
+    """It waited out the state's timeout (30 min for 'wait-for-agent', 2 h for
+    'clean-steps'), the strategy 'aborting' all the while, and the step then ended
+    failed (timed out), not aborted. Nothing of ours runs on the target during a wait:
+    the abort ends it, and says the target may still be at it."""
+    add_sim_targets(store, 4, settings={"latency_ms": 1, "callback_lost_rate": 1.0})
+    sid = applied(store, "clean", max_parallel=2)
+    c = Conductor(store, config=EngineConfig(tick_s=0.05))
+
+    async def go() -> dict[int, str]:
+        task = asyncio.create_task(c.run(strategy_ids=[sid]))
+        await _until(lambda: _waiting(store, sid, "wait-for-agent") == 2)
+        admin.request_abort(store, sid)
+        return await asyncio.wait_for(task, 10.0)
+
+    assert asyncio.run(go()) == {sid: "aborted"}
+    details = Counter(s["details"] for s in queries.list_steps(store, sid))
+    assert details == {
+        "wait-for-agent: aborted by operator while waiting for the target's callback; "
+        "what the target was started on may still be running there": 2,
+        "not started: aborted by operator": 2,
+    }
+    assert check(store, sid).ok
+
+
+def test_a_failure_limit_lets_a_wait_for_a_callback_end_its_state(store: Store) -> None:
+    """Only an operator's abort ends a wait early: past a failure limit, in-flight
+    steps finish their state as they do in any other mode (here: its timeout)."""
+    add_sim_targets(store, 1, settings={"latency_ms": 1, "fail_at": "clean-steps"})
+    add_sim_targets(store, 1, settings={"latency_ms": 1, "callback_lost_rate": 1.0}, prefix="late")
+    sid, final, _ = rollout(
+        store,
+        "clean",
+        max_parallel=2,
+        stop_on_failure=True,
+        timeouts_s={"wait-for-agent": 0.5},
+    )
+    assert final == "failed"
+    by_target = {s["target"]: s["details"] for s in queries.list_steps(store, sid)}
+    assert by_target["late00000"] == (
+        "wait-for-agent: timed out after 0.5s waiting for the target's callback (attempt 1 of 1)"
     )

@@ -22,7 +22,7 @@ from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.clock import LoopClock
 from fleetwave.engine.conductor import Conductor, EngineConfig
-from fleetwave.store import queries
+from fleetwave.store import admin, queries
 from fleetwave.store.db import Store
 from fleetwave.testing.invariants import check
 
@@ -212,3 +212,34 @@ def test_poll_settings_are_checked(store: Store) -> None:
         parse_workflow_yaml("name: w\nstates:\n  - {name: a, mode: poll, poll_interval_s: 0}\n")
     with pytest.raises(WorkflowError, match="poll_interval_s: must be a positive, finite"):
         WorkflowDef("w", (StateDef("a", ReadyAfter(1), mode="poll", poll_interval_s=0),))
+
+
+def test_an_abort_ends_a_poll_state_between_two_polls(store: Store) -> None:
+    """It polled on until the state advanced or timed out (an hour here), the strategy
+    'aborting' all the while. The call in progress ends; no further poll is made."""
+    add_sim_targets(store, 1)
+    action = ReadyAfter(1000)
+    sid = applied(
+        store,
+        _one_state("poll-long", action, mode="poll", poll_interval_s=60, timeout_s=3600),
+    )
+    c = Conductor(store, clock=LoopClock(), config=EngineConfig(tick_s=1))
+
+    async def abort_mid_poll() -> tuple[str, float]:
+        loop = asyncio.get_running_loop()
+        task = asyncio.create_task(c.run(strategy_ids=[sid]))
+        await asyncio.sleep(150)  # polls at 0, 60 and 120 s
+        admin.request_abort(store, sid)
+        aborted_at = loop.time()
+        result = await asyncio.wait_for(task, 10_000)
+        return result[sid], loop.time() - aborted_at
+
+    final, took = on_virtual_time(abort_mid_poll())
+    assert final == "aborted"
+    assert took < 5  # the next periodic pass sees the abort; the poll's wait ends then
+    assert [p for p, _ in action.calls] == [0, 1, 2]
+    assert _details(store, sid) == [
+        "s: aborted by operator while polling the target (last answer: 75% done); what "
+        "it was doing may still be running there"
+    ]
+    assert check(store, sid).ok

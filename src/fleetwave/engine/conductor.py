@@ -103,6 +103,10 @@ class _RetryRefused(Exception):
     """The record of a retry was refused (the step's row changed): its worker ends."""
 
 
+class _WaitEnded(Exception):
+    """An operator's abort ended a wait on the target (its callback, the next poll)."""
+
+
 class SimulatedCrash(BaseException):
     """Raised by a fault plan to kill the conductor at a chosen point (tests only)."""
 
@@ -1941,11 +1945,22 @@ class Conductor:
                         outcome = await st.action.run(ctx)
                     while isinstance(outcome, NotYet):
                         last_poll = outcome.details
-                        await self._poll_again(st, ctx, outcome)
+                        if not await self._poll_again(st, ctx, outcome, fl):
+                            raise _WaitEnded(
+                                "aborted by operator while polling the target (last "
+                                f"answer: {last_poll or 'not yet'}); what it was doing "
+                                "may still be running there"
+                            )
                         ctx = replace(ctx, poll=ctx.poll + 1, recovering=False)
                         outcome = await st.action.run(ctx)
                     if waiter is not None and isinstance(outcome, Advance):
-                        answered = await asyncio.shield(waiter)
+                        answered = await self._callback(fl, waiter)
+                        if answered is None:
+                            raise _WaitEnded(
+                                "aborted by operator while waiting for the target's "
+                                "callback; what the target was started on may still be "
+                                "running there"
+                            )
                         callback_id = answered.id
                         outcome = _callback_outcome(answered, outcome)
                 except asyncio.CancelledError:
@@ -1971,6 +1986,8 @@ class Conductor:
                         assert task is not None
                         task.uncancel()
                 decision = decide(run.workflow.state_names, state, outcome)
+            except _WaitEnded as exc:
+                decision = Decision(STEP_ABORTED, f"{state}: {exc}")
             except NoRecoverHook:
                 decision = failure(state, f"conductor lost during {state}")
             except StepFailed as exc:
@@ -2085,9 +2102,11 @@ class Conductor:
             timer.cancel()
             fl.backoff = None
 
-    @staticmethod
-    async def _poll_again(st: StateDef, ctx: ActionContext, answer: NotYet) -> None:
-        """A poll state's action answered "not yet": wait before asking again."""
+    async def _poll_again(
+        self, st: StateDef, ctx: ActionContext, answer: NotYet, fl: InFlight
+    ) -> bool:
+        """A poll state's action answered "not yet": wait before asking again. False:
+        an operator's abort came first (nothing of ours runs on the target meanwhile)."""
         if not ctx.polling:
             raise StepFailed(
                 f"the action answered 'not yet', but the state does not poll (mode: {st.mode})"
@@ -2095,7 +2114,40 @@ class Conductor:
         delay = st.poll_interval_s if answer.after_s is None else answer.after_s
         if not (0 <= delay < math.inf):
             raise StepFailed(f"the action asked to be called again after {delay!r} s")
-        await asyncio.sleep(delay)
+        if fl.aborted:
+            return False
+        ended = fl.waiting = self._loop.create_future()
+        timer = self._loop.call_later(delay, _resolve, ended, None)
+        try:
+            await ended
+        finally:
+            timer.cancel()
+            fl.waiting = None
+        return not fl.aborted
+
+    async def _callback(
+        self, fl: InFlight, waiter: asyncio.Future[cbs.CallbackRecord]
+    ) -> cbs.CallbackRecord | None:
+        """The target's callback for a wait-for-callback state; None when an operator's
+        abort came first. The waiter itself is never cancelled here: the dispatcher may
+        still hand it a callback, which it then answers as ignored."""
+        if not waiter.done():
+            if fl.aborted:
+                return None
+            ended = fl.waiting = self._loop.create_future()
+
+            def answered(_: object) -> None:
+                _resolve(ended, None)
+
+            waiter.add_done_callback(answered)
+            try:
+                await ended
+            finally:
+                waiter.remove_done_callback(answered)
+                fl.waiting = None
+            if not waiter.done():
+                return None
+        return waiter.result()
 
 
 def _put_in_flight(
@@ -2105,6 +2157,7 @@ def _put_in_flight(
     once the strategy stops, it starts no new attempt."""
     fl = InFlight(step, state, step.fence, recovering=recovering)
     fl.stopped = run.stopping is not None
+    fl.aborted = run.stopping == "abort"
     run.inflight[step.step_id] = fl
     run.group_load[step.group_id] += 1
     return fl
@@ -2122,10 +2175,16 @@ def _free_slot(run: StrategyRun, step_id: int) -> InFlight | None:
 
 
 def _stop_flights(run: StrategyRun) -> None:
-    """The strategy stops: its workers start no new attempt of their current state."""
+    """The strategy stops: its workers start no new attempt of their current state. An
+    operator's abort also ends their waits on the target (a callback, the next poll):
+    nothing of ours runs there meanwhile, and a wait may last hours."""
+    abort = run.stopping == "abort"
     for fl in run.inflight.values():
         fl.stopped = True
         _resolve(fl.backoff, None)  # a retry waiting out its backoff ends now
+        if abort:
+            fl.aborted = True
+            _resolve(fl.waiting, None)
 
 
 def _stop_details(options: StrategyOptions, failed: int, who: str | None = None) -> str:

@@ -41,6 +41,12 @@ class InFlight:
     #: while the worker waits out a retry's backoff: resolved early when the strategy
     #: stops (an abort does not wait for a retry that will not run)
     backoff: asyncio.Future[None] | None = None
+    #: set by the dispatcher on an operator's abort: a wait on the target (for its
+    #: callback, or between two polls) ends at once, and the step ends aborted
+    aborted: bool = False
+    #: while the worker waits on the target (its callback, a poll's interval):
+    #: resolved early by an operator's abort
+    waiting: asyncio.Future[None] | None = None
 
 
 @dataclass(slots=True)
