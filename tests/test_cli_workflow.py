@@ -664,3 +664,25 @@ def test_strategy_show_names_the_workflow_version_it_runs(cli: Cli, tmp_path: Pa
     assert (shown["workflow"], shown["workflow_version"]) == ("site-patch", 3)
     listed = cli("strategy", "list", "--format", "json").json()
     assert [s["workflow_version"] for s in listed] == [3]
+
+
+@pytest.mark.parametrize(
+    ("state", "said"),
+    [
+        (
+            "retry: {attempts: 2.0}",
+            "states[0] (a): retry: attempts: expected a whole number, got 2.0",
+        ),
+        ("action: ''", "states[0] (a): action: empty; leave it out to run the operation"),
+        ("action: do it", "states[0] (a): action: 'do it' is not an operation name (one word"),
+    ],
+)
+def test_loose_values_are_refused_in_a_new_workflow(
+    cli: Cli, tmp_path: Path, state: str, said: str
+) -> None:
+    """pydantic's lax mode took them: 2.0 as 2, an empty action ran the operation named
+    as the state, and an action with spaces could never name an operation."""
+    f = write(tmp_path, f"name: loose\nstates:\n  - name: a\n    {state}\n")
+    assert_rejected(cli("workflow", "validate", str(f), db=None), said)
+    assert_rejected(cli("workflow", "add", str(f)), said)
+    assert "loose" not in workflows(cli)

@@ -149,6 +149,29 @@ def _not_bool(value: Any, info: ValidationInfo) -> Any:
     return value
 
 
+def _whole(value: Any, info: ValidationInfo) -> Any:
+    """A count is a whole number: 2.0 is refused (pydantic would take it as 2)."""
+    value = _not_bool(value, info)
+    if _strict(info) and isinstance(value, float):
+        raise ValueError(f"expected a whole number, got {value!r}")
+    return value
+
+
+def _action(value: str | None, info: ValidationInfo) -> str | None:
+    """Not empty (an empty action ran the operation named as the state), and one word:
+    a driver operation, or python:NAME / python:module:Class."""
+    if value is None or not _strict(info):
+        return value
+    if not value.strip():
+        raise ValueError("empty; leave it out to run the operation named as the state")
+    if not value.isprintable() or any(c.isspace() for c in value) or len(value) > 200:
+        raise ValueError(
+            f"{shown(value)} is not an operation name (one word, at most 200 characters) "
+            "nor python:NAME or python:module:Class"
+        )
+    return value
+
+
 def _seconds_cap(value: float, info: ValidationInfo) -> float:
     if _strict(info) and value > MAX_SECONDS:
         raise ValueError(f"at most {MAX_SECONDS} seconds (30 days), got {value:.15g}")
@@ -188,7 +211,7 @@ def _workflow_name(value: str, info: ValidationInfo) -> str:
 
 
 _Seconds = Annotated[float, BeforeValidator(_not_bool), AfterValidator(_seconds_cap)]
-_Count = Annotated[int, BeforeValidator(_not_bool)]
+_Count = Annotated[int, BeforeValidator(_whole)]
 
 
 class _Retry(BaseModel):
@@ -211,7 +234,7 @@ class _Retry(BaseModel):
 class _State(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: Annotated[str, AfterValidator(_state_name)] = Field(min_length=1)
-    action: str | None = None
+    action: Annotated[str | None, AfterValidator(_action)] = None
     timeout_s: _Seconds = Field(default=600.0, gt=0, allow_inf_nan=False)
     retry: _Retry = Field(default_factory=_Retry)
     skip_when_done: bool = False
