@@ -142,6 +142,16 @@ def test_a_retry_whose_record_a_meddled_row_refused_does_not_run() -> None:
     assert res.ok, res.violations
 
 
+def test_a_simulated_agent_rides_out_a_long_outage_and_a_stray_error() -> None:
+    """Seed 61142, clean, all faults (found in session 11): the simulated agent gave up
+    after ten tries (about four minutes), nine of them in a three-minute database
+    outage and the tenth hitting an injected error, so its callback was never stored
+    and the run reported G6. A harness fault, not the engine's: a real agent keeps
+    trying, and so does the simulated one now (up to an hour)."""
+    res = run_simulation(SimConfig(seed=61142, targets=40, workflow="clean"))
+    assert res.ok, res.violations
+
+
 @pytest.mark.slow
 def test_nightly_sweep() -> None:
     workflows = ["patch", "clean"]

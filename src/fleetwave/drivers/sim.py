@@ -74,6 +74,10 @@ CALLBACK_RATES = (
 CallbackSink = Callable[[int, str, str, str], object]
 
 
+#: how long a simulated agent keeps trying to deliver its callback (virtual seconds)
+AGENT_RETRY_S = 3600.0
+
+
 class SimSettingError(ValueError):
     pass
 
@@ -435,13 +439,21 @@ class SimDriver:
     ) -> None:
         await asyncio.sleep(delay)
         self.callbacks_sent += 1
-        for attempt in range(10):  # a real agent retries while the endpoint is unavailable
-            if self.callback_sink is None:
-                return
+        # A real agent retries while the endpoint is unavailable, for as long as its work
+        # matters: backoff doubling to a minute, for up to an hour. (Ten tries, about four
+        # minutes, lost a callback to a three-minute database outage and then one more
+        # error: simulator seed 61142.)
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + AGENT_RETRY_S
+        attempt = 0
+        while self.callback_sink is not None:
             try:
                 self.callback_sink(step_id, state, kind, details)
             except Exception:
-                await asyncio.sleep(0.5 * 2**attempt)
+                if loop.time() >= give_up:
+                    return
+                await asyncio.sleep(min(60.0, 0.5 * 2**attempt))
+                attempt += 1
                 continue
             self.callbacks_delivered += 1
             return
