@@ -686,3 +686,32 @@ def test_loose_values_are_refused_in_a_new_workflow(
     assert_rejected(cli("workflow", "validate", str(f), db=None), said)
     assert_rejected(cli("workflow", "add", str(f)), said)
     assert "loose" not in workflows(cli)
+
+
+def test_validate_with_a_database_says_what_add_would_say_of_the_version(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """validate said "is valid" of a version that add then refused (older than the
+    stored one, or the same version with other states): it looked at no database."""
+    assert cli("workflow", "add", str(write(tmp_path, GOOD))).code == 0  # v3
+    older = write(tmp_path, GOOD.replace("version: 3", "version: 2"), "v2.yaml")
+    changed = write(tmp_path, GOOD.replace("timeout_s: 30", "timeout_s: 31"), "v3b.yaml")
+    newer = write(tmp_path, GOOD.replace("version: 3", "version: 4"), "v4.yaml")
+    said = "version 2 is older than the stored version 3"
+    assert_rejected(cli("workflow", "validate", str(older)), said)
+    assert_rejected(cli("workflow", "add", str(older)), said)
+    said = "version 3 is already stored with other states or settings"
+    assert_rejected(cli("workflow", "validate", str(changed)), said)
+    res = cli("workflow", "validate", str(tmp_path / "wf.yaml"))
+    assert res.code == 0 and res.out.strip().endswith("already stored as v3, unchanged")
+    res = cli("workflow", "validate", str(newer))
+    assert res.code == 0 and res.out.strip().endswith("'workflow add' would replace the stored v3")
+    # nothing was written by validate: v3 is still the stored one
+    assert cli("workflow", "show", "site-patch", "--format", "json").json()["version"] == 3
+    # no database given and none in the working directory: the file alone
+    monkeypatch.chdir(tmp_path / "..")
+    monkeypatch.delenv("FLEETWAVE_DB", raising=False)
+    res = cli("workflow", "validate", str(older), db=None)
+    assert res.code == 0 and res.out.strip().endswith("is valid (3 states)"), res.text
+    # a database named that is not there is an error, as for every other command
+    assert_rejected(cli("workflow", "validate", str(older), db=tmp_path / "nope.db"), "no database")

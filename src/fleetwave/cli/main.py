@@ -371,12 +371,24 @@ def workflow_show(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) ->
 
 
 @workflow_app.command("validate")
-def workflow_validate(file: Path) -> None:
-    """Check a YAML workflow file; errors name the state and field."""
+def workflow_validate(file: Path, db: DbOpt = None) -> None:
+    """Check a YAML workflow file; errors name the state and field. With a database
+    (--db, $FLEETWAVE_DB, or ./fleetwave.db if there), also what 'workflow add' would
+    say of its version there."""
     _check_file(file)
     wf = parse_workflow_yaml(read_text_file(file), source=str(file), strict=True)
     _not_builtin(file, wf.name)
-    console.print(f"{file}: workflow {wf.name} v{wf.version} is valid ({len(wf.states)} states)")
+    said = f"{file}: workflow {wf.name} v{wf.version} is valid ({len(wf.states)} states)"
+    store = store_if_any(db)
+    if store is not None:
+        stored = admin.check_workflow_version(store, wf)
+        if stored is None:
+            said += "; 'workflow add' would store it"
+        elif stored == wf.version:
+            said += f"; already stored as v{stored}, unchanged"
+        else:
+            said += f"; 'workflow add' would replace the stored v{stored}"
+    console.print(said)
 
 
 def _check_file(file: Path) -> None:

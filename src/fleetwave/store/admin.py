@@ -247,30 +247,45 @@ def save_workflow(store: Store, wf: WorkflowDef, source_yaml: str) -> int | None
     Returns the version replaced, if any (None: nothing was stored under the name).
     """
     with store.write() as conn:
-        row = conn.execute(
-            select(workflows.c.version, workflows.c.source_yaml).where(workflows.c.name == wf.name)
-        ).first()
-        if row is not None:
-            stored = int(row.version)
-            if stored > wf.version:
-                raise Conflict(
-                    f"workflow {wf.name}: version {wf.version} is older than the stored "
-                    f"version {stored}; to replace it, give a version above {stored}"
-                )
-            if stored == wf.version:
-                if _same_workflow(row.source_yaml, wf):
-                    return stored
-                raise Conflict(
-                    f"workflow {wf.name}: version {stored} is already stored with other "
-                    f"states or settings; to store the change, raise version to {stored + 1}"
-                )
+        stored = _stored_version(conn, wf)
+        if stored == wf.version:
+            return stored
+        if stored is not None:
             conn.execute(delete(workflows).where(workflows.c.name == wf.name))
         conn.execute(
             insert(workflows).values(
                 name=wf.name, version=wf.version, source_yaml=source_yaml, created_at=_now()
             )
         )
-        return None if row is None else int(row.version)
+        return stored
+
+
+def check_workflow_version(store: Store, wf: WorkflowDef) -> int | None:
+    """What :func:`save_workflow` would say of ``wf``, without storing it: the version
+    it would replace (its own: already stored, unchanged), or None; raises
+    :class:`Conflict` as it would (``workflow validate --db``)."""
+    with store.read() as conn:
+        return _stored_version(conn, wf)
+
+
+def _stored_version(conn: Connection, wf: WorkflowDef) -> int | None:
+    row = conn.execute(
+        select(workflows.c.version, workflows.c.source_yaml).where(workflows.c.name == wf.name)
+    ).first()
+    if row is None:
+        return None
+    stored = int(row.version)
+    if stored > wf.version:
+        raise Conflict(
+            f"workflow {wf.name}: version {wf.version} is older than the stored "
+            f"version {stored}; to replace it, give a version above {stored}"
+        )
+    if stored == wf.version and not _same_workflow(row.source_yaml, wf):
+        raise Conflict(
+            f"workflow {wf.name}: version {stored} is already stored with other "
+            f"states or settings; to store the change, raise version to {stored + 1}"
+        )
+    return stored
 
 
 def _same_workflow(stored_yaml: str, wf: WorkflowDef) -> bool:
