@@ -40,9 +40,8 @@ def test_import_of_a_file_that_is_not_utf8_is_one_line(
     f.write_bytes(body.encode("latin-1"))
     line = one_line(cli("target", "import", str(f)))
     where = "line 3, column 4" if suffix == ".csv" else "line 2, column 12"
-    assert line == (
-        f"error: {f}: not UTF-8 text (byte 0xe9 at {where}); save it as UTF-8 (Excel: 'CSV UTF-8')"
-    )
+    excel = " (Excel: 'CSV UTF-8')" if suffix == ".csv" else ""  # a CSV's usual source
+    assert line == f"error: {f}: not UTF-8 text (byte 0xe9 at {where}); save it as UTF-8{excel}"
     assert targets(cli) == {}
 
 
@@ -81,6 +80,37 @@ def test_workflow_file_that_is_not_utf8_is_one_line(cli: Cli, tmp_path: Path, co
     line = one_line(cli("workflow", command, str(f), **db))
     assert line.startswith(f"error: {f}: not UTF-8 text (byte 0xe9 at line 2"), line
     assert "w" not in workflow_names(cli)
+
+
+def test_a_utf16_workflow_file_is_named_as_such_without_excel(cli: Cli, tmp_path: Path) -> None:
+    """A UTF-16 YAML file (Windows editors) was told to use Excel's 'CSV UTF-8'."""
+    f = tmp_path / "w16.yaml"
+    f.write_bytes("name: w\nstates:\n  - name: a\n".encode("utf-16"))
+    line = one_line(cli("workflow", "validate", str(f), db=None))
+    assert line.endswith("it is UTF-16 (a byte-order mark says so); save it as UTF-8"), line
+
+
+def test_a_workflow_file_that_is_a_device_is_not_called_missing(cli: Cli) -> None:
+    """`workflow validate /dev/null` said it does not exist."""
+    res = cli("workflow", "validate", "/dev/null", db=None)
+    assert one_line(res) == (
+        "error: FILE: /dev/null is not a regular file (a device, pipe or socket)"
+    )
+
+
+def test_a_workflow_file_given_to_strategy_create_says_to_add_it_first(
+    cli: Cli, tmp_path: Path
+) -> None:
+    cli("target", "add", "a1")
+    res = cli("strategy", "create", "--workflow", "site.yaml", "--all")
+    line = one_line(res)
+    assert line.startswith("error: --workflow: unknown workflow 'site.yaml' (known: "), line
+    assert line.endswith(
+        "; to use a workflow file, store it first with 'fleetwave workflow add "
+        "site.yaml', then give its name"
+    ), line
+    res = cli("strategy", "create", "--workflow", "nosuch", "--all")
+    assert "workflow add" not in res.text  # a plain unknown name gets no file hint
 
 
 # -- YAML syntax, CSV shape -----------------------------------------------------------------

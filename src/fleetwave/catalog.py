@@ -44,4 +44,11 @@ def resolve_workflow(store: Store | None, name: str, what: str = "--workflow") -
                 return parse_workflow_yaml(text, source=f"stored workflow {name}")
     usable, broken = workflow_catalog(store)
     known = ", ".join(sorted([w.name for w in usable] + list(broken)))
-    raise NotFound(f"{what}: unknown workflow '{name}' (known: {known})")
+    hint = ""
+    if name.lower().endswith((".yaml", ".yml")) or "/" in name:
+        # a workflow file given where its name goes
+        hint = (
+            f"; to use a workflow file, store it first with 'fleetwave workflow add {name}', "
+            "then give its name"
+        )
+    raise NotFound(f"{what}: unknown workflow '{name}' (known: {known}){hint}")

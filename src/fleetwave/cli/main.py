@@ -394,8 +394,10 @@ def workflow_validate(file: Path, db: DbOpt = None) -> None:
 def _check_file(file: Path) -> None:
     if file.is_dir():
         raise InputError(f"FILE: {file} is a directory, not a workflow file")
-    if not file.is_file():
+    if not file.exists():
         raise InputError(f"FILE: {file} does not exist")
+    if not file.is_file():
+        raise InputError(f"FILE: {file} is not a regular file (a device, pipe or socket)")
 
 
 def _not_builtin(file: Path, name: str) -> None:

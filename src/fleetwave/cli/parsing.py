@@ -102,9 +102,14 @@ def read_text_file(path: Path) -> str:
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        how = "save it as UTF-8"
+        if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+            how = "it is UTF-16 (a byte-order mark says so); save it as UTF-8"
+        if path.suffix.lower() == ".csv":
+            how += " (Excel: 'CSV UTF-8')"
         raise InputError(
             f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at line {line}, "
-            f"column {column}); save it as UTF-8 (Excel: 'CSV UTF-8')"
+            f"column {column}); {how}"
         ) from None
 
 
