@@ -424,3 +424,67 @@ def test_workflow_validate_and_add_refuse_what_strict_refuses(
     line = one_line(cli("workflow", command, str(f), **db))
     assert line.startswith(f"error: {f}: {problem}"), line
     assert not workflow_names(cli) & {"w", "x", "y"}
+
+
+# -- what an import used to take, or explain wrongly (session 11) -------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        (
+            'name,group\na1,"east\na2,west\n',
+            # was: a bad name 'east\na2,west\n'
+            "line 2: not valid CSV: a quote opened in this record is never closed",
+        ),
+        (
+            "host,site\na1,east\n",
+            "line 1: no 'name' column (the first line reads 'host', 'site'); the first line "
+            "must name the columns: name, then any of group, driver, managed, and driver "
+            "settings",
+        ),
+        ("name,,latency_ms\na1,,5\n", "line 1: column 2 has no name (an extra comma?)"),
+        ("name,labels\na1,x\n", "line 1: labels: not a CSV column"),
+        (
+            "name,group,latency_ms\na1,east,5\na2\n",
+            "line 3: 1 field, but the first line names 3 columns (leave a field empty",
+        ),
+    ],
+    ids=["open-quote", "no-name-column", "empty-column", "labels-column", "short-row"],
+)
+def test_csv_shape_problems_say_what_is_wrong(
+    cli: Cli, tmp_path: Path, text: str, said: str
+) -> None:
+    f = tmp_path / "fleet.csv"
+    line = import_refused(cli, f, text)
+    assert line.startswith(f"error: {f} "), line
+    assert said in line, line
+
+
+def test_a_decomposed_name_is_told_to_be_written_composed(cli: Cli, tmp_path: Path) -> None:
+    """macOS may save 'é' as 'e' and a combining accent: refused as if the name used
+    a forbidden character, with no word of why."""
+    decomposed = "cafe\u0301-1"
+    line = import_refused(cli, tmp_path / "fleet.csv", f"name\n{decomposed}\n")
+    assert "is written with combining accents (decomposed Unicode" in line, line
+    assert line.endswith("write it composed: 'café-1'"), line
+    res = cli("target", "add", decomposed)
+    assert res.code == 2 and "write it composed" in res.text
+
+
+def test_yaml_target_file_extra_top_level_fields_and_label_values(cli: Cli, tmp_path: Path) -> None:
+    """An extra top-level field was ignored (a misplaced 'settings:' did nothing), a
+    label true was stored as Python's 'True', and one with no value as 'None'."""
+    f = tmp_path / "fleet.yaml"
+    line = import_refused(cli, f, "targets:\n  - name: a1\nsettings: {latency_ms: 5}\n")
+    assert line.endswith(
+        "settings: unknown top-level field (the file is a list of targets, or one 'targets:' list)"
+    ), line
+    line = import_refused(cli, f, "- name: a1\n  labels: {rack: }\n")
+    assert line.endswith("targets[0] (a1): labels: rack: no value (give one, or leave it out)")
+    f.write_text("- name: a1\n  labels: {canary: true, tier: 2}\n", encoding="utf-8")
+    assert cli("target", "import", str(f)).code == 0
+    assert cli("target", "add", "a2", "--label", "canary=true").code == 0
+    got = targets(cli)
+    assert got["a1"]["labels"] == {"canary": "true", "tier": "2"}
+    assert got["a2"]["labels"]["canary"] == got["a1"]["labels"]["canary"]

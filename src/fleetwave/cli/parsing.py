@@ -114,25 +114,31 @@ def read_text_file(path: Path) -> str:
 
 
 def targets_from_csv(text: str, source: str) -> TargetBatch:
-    reader = csv.DictReader(io.StringIO(text.removeprefix("\ufeff")))
+    # strict: a quote left open is an error, not a field running to the end of the file
+    reader = csv.DictReader(io.StringIO(text.removeprefix("\ufeff")), strict=True)
     out = TargetBatch()
     try:
         header = reader.fieldnames
-        if header is None or "name" not in [h.strip() for h in header]:
-            raise InputError(f"{source}: the first line must name the columns, including 'name'")
+        if header is None:
+            raise InputError(f"{source}: the file is empty; its first line must name the columns")
         header = reader.fieldnames = [h.strip() for h in header]
-        for column in header:
-            if column and header.count(column) > 1:
-                raise InputError(f"{source} line 1: column '{column}' appears twice")
+        _check_header(header, source)
+        columns = f"{len(header)} column{'' if len(header) == 1 else 's'}"
         first_seen: dict[str, int] = {}
         for row in reader:
             where = f"{source} line {reader.line_num}"
             extra = row.pop(None, None)
             if extra and any(str(v).strip() for v in extra):
-                columns = f"{len(header)} column{'' if len(header) == 1 else 's'}"
                 raise InputError(
                     f"{where}: {len(header) + len(extra)} fields, but the first line names "
                     f"{columns}"
+                )
+            if any(v is None for v in row.values()):
+                # a short row: which columns it lacks cannot be told apart from empty ones
+                given = sum(v is not None for v in row.values())
+                raise InputError(
+                    f"{where}: {given} field{'' if given == 1 else 's'}, but the first line "
+                    f"names {columns} (leave a field empty with nothing between its commas)"
                 )
             name = (row.get("name") or "").strip()
             if not name:
@@ -160,10 +166,36 @@ def targets_from_csv(text: str, source: str) -> TargetBatch:
             out.origins.append(where)
     except csv.Error as exc:
         # the record that failed starts on the line after the last one read whole
-        raise InputError(f"{source} line {reader.line_num + 1}: not valid CSV: {exc}") from None
+        why = str(exc)
+        if why == "unexpected end of data":
+            why = "a quote opened in this record is never closed"
+        raise InputError(f"{source} line {reader.line_num + 1}: not valid CSV: {why}") from None
     if not out:
         raise InputError(f"{source}: no targets (the file has only its header line)")
     return out
+
+
+def _check_header(header: list[str], source: str) -> None:
+    """The first line names the columns: name (required), group, driver, managed, and
+    every other column a driver setting."""
+    where = f"{source} line 1"
+    if "name" not in header:
+        said = ", ".join(shown(h) for h in header[:5]) + (", ..." if len(header) > 5 else "")
+        raise InputError(
+            f"{where}: no 'name' column (the first line reads {said}); the first line must "
+            "name the columns: name, then any of group, driver, managed, and driver settings"
+        )
+    for i, column in enumerate(header, 1):
+        if not column:
+            raise InputError(f"{where}: column {i} has no name (an extra comma?)")
+        if header.count(column) > 1:
+            raise InputError(f"{where}: column '{column}' appears twice")
+        if column == "labels":
+            raise InputError(
+                f"{where}: labels: not a CSV column (every column past name, group, driver "
+                "and managed is a driver setting); give labels in a YAML file, or with "
+                "'fleetwave target add NAME --label k=v'"
+            )
 
 
 class _TargetsLoader(Yaml12Loader):
@@ -219,6 +251,12 @@ def targets_from_yaml(text: str, source: str) -> TargetBatch:
     except yaml.YAMLError as exc:
         raise InputError(f"{source}: {yaml_problem(exc)}") from None
     if isinstance(data, dict) and "targets" in data:
+        others = sorted(str(k) for k in data if k != "targets")
+        if others:
+            raise InputError(
+                f"{source}: {others[0]}: unknown top-level field (the file is a list of "
+                "targets, or one 'targets:' list)"
+            )
         data = data["targets"]
     if not isinstance(data, list):
         raise InputError(f"{source}: expected a list of targets (or a 'targets:' list)")
@@ -256,12 +294,17 @@ def targets_from_yaml(text: str, source: str) -> TargetBatch:
         for k, v in labels.items():
             if isinstance(v, list | dict):
                 raise InputError(f"{named}: labels: {k}: expected text, got {_kind(v)}")
+            if v is None:
+                raise InputError(f"{named}: labels: {k}: no value (give one, or leave it out)")
         t = Target(
             name=name,
             group=_text(item, "group", named) or None,
             driver=_text(item, "driver", named) or "sim",
             settings=dict(item.get("settings") or {}),
-            labels={str(k): str(v) for k, v in labels.items()},
+            # true stays "true", as --label k=true stores it (not Python's "True")
+            labels={
+                str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in labels.items()
+            },
             managed=_truthy(item.get("managed", True), named),
         )
         _check_row(t, named)

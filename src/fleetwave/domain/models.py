@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -69,6 +70,14 @@ def name_problem(name: str) -> str | None:
     if len(name) > NAME_MAX:
         return f"{shown(name)} is {len(name)} characters long; use {NAME_RULE}"
     if not _NAME.fullmatch(name):
+        composed = unicodedata.normalize("NFC", name)
+        if composed != name and _NAME.fullmatch(composed) and len(composed) <= NAME_MAX:
+            # "e" + a combining accent, as macOS may write a file's text: the accent is
+            # not a letter of its own
+            return (
+                f"{shown(name)} is written with combining accents (decomposed Unicode, as "
+                f"macOS may save it); write it composed: {shown(composed)}"
+            )
         return f"{shown(name)} is not allowed; use {NAME_RULE}"
     return None
 
