@@ -9,10 +9,11 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from sqlalchemy import update
 from sqlalchemy.exc import OperationalError
 
 from cli_harness import Cli, assert_rejected, one_line
-from conftest import add_sim_targets, on_virtual_time
+from conftest import add_sim_targets, applied, on_virtual_time
 from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.registry import register_workflow
 from fleetwave.domain.workflow import (
@@ -25,9 +26,10 @@ from fleetwave.domain.workflow import (
     WorkflowDef,
 )
 from fleetwave.engine.clock import LoopClock
-from fleetwave.engine.conductor import Conductor
+from fleetwave.engine.conductor import Conductor, EngineConfig
 from fleetwave.store import admin, queries
 from fleetwave.store.db import Store
+from fleetwave.store.schema import steps
 from test_cli_strategy import add, apply_wait, create, history
 from test_cli_workflow import GOOD, workflows, write
 
@@ -922,3 +924,50 @@ def test_a_timeout_given_twice_is_refused(cli: Cli) -> None:
         "--timeout", "pre-check=5", "--timeout", "pre-check=6",
     )  # fmt: skip
     assert one_line(res) == "error: --timeout: 'pre-check' given more than once"
+
+
+def test_step_list_says_what_an_in_flight_step_without_details_is_doing(
+    store: Store,
+) -> None:
+    """A step whose conductor was interrupted showed its state and empty details: not
+    whether anything ran it, nor what happens next."""
+    add_sim_targets(store, 2, settings={"latency_ms": 60_000})
+    sid = applied(store, "patch", max_parallel=2)
+    c = Conductor(store, config=EngineConfig(tick_s=0.05))
+
+    def details() -> set[str]:
+        return {s["details"] for s in queries.list_steps(store, sid)}
+
+    async def killed_mid_action() -> set[str]:
+        task = asyncio.create_task(c.run(strategy_ids=[sid]))
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if all(s["state"] == "pre-check" for s in queries.list_steps(store, sid)):
+                break
+        running = details()
+        task.cancel()  # killed: its leases are left to run out
+        await asyncio.gather(task, return_exceptions=True)
+        return running
+
+    assert asyncio.run(killed_mid_action()) == {f"running on conductor {c.id}"}
+    with store.write() as conn:  # its lease ran out meanwhile
+        conn.execute(update(steps).values(lease_expires_at=0.0))
+    (gone,) = details()
+    assert gone.startswith(f"its conductor {c.id} is gone (its lease ran out at 1970-01-01"), gone
+    assert gone.endswith(
+        "the step is taken over when a conductor drives the strategy again (serve, or "
+        "strategy apply --wait), and its recover hook looks at the target"
+    ), gone
+    with store.write() as conn:  # handed back (a clean stop) while the action ran
+        conn.execute(update(steps).values(owner=None, lease_expires_at=None))
+    assert details() == {
+        "interrupted (its conductor stopped); the step is taken over when a conductor "
+        "drives the strategy again (serve, or strategy apply --wait), and its recover "
+        "hook looks at the target"
+    }
+    with store.write() as conn:  # entered while its conductor was stopping
+        conn.execute(update(steps).values(not_started=True))
+    assert details() == {
+        "entered, its action not started: it starts when a conductor drives the "
+        "strategy again (serve, or strategy apply --wait)"
+    }

@@ -425,6 +425,8 @@ def _iter_steps(
             steps.c.attempt,
             steps.c.owner,
             steps.c.ordinal,
+            steps.c.lease_expires_at,
+            steps.c.not_started,
         )
         .join(targets, targets.c.id == steps.c.target_id)
         .where(steps.c.strategy_id == sid)
@@ -434,18 +436,42 @@ def _iter_steps(
     if target is not None:
         q = q.where(targets.c.name == target)
     rows = _pages(store, q, steps.c.ordinal, -1)
+    now = time.time()
     for r in rows if limit is None else islice(rows, limit):
+        details = r.details
+        if not details and r.state != STEP_INITIAL and r.state not in STEP_TERMINAL:
+            details = _in_flight(r.owner, r.lease_expires_at, bool(r.not_started), now)
         yield {
             "step": r.id,
             "target": r.name,
             "stage": r.stage,
             "state": r.state,
-            "details": r.details,
+            "details": details,
             "started_at": r.started_at,
             "finished_at": r.finished_at,
             "attempt": r.attempt,
             "owner": r.owner,
         }
+
+
+def _in_flight(owner: str | None, lease_until: float | None, not_started: bool, now: float) -> str:
+    """What a step in one of its workflow's states is doing, when it has no details of
+    its own (a step whose conductor was interrupted showed nothing at all)."""
+    if owner is not None and lease_until is not None and lease_until > now:
+        return f"running on conductor {owner}"
+    resumes = "when a conductor drives the strategy again (serve, or strategy apply --wait)"
+    if owner is not None:
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(lease_until or 0))
+        return (
+            f"its conductor {owner} is gone (its lease ran out at {at}Z); the step is "
+            f"taken over {resumes}, and its recover hook looks at the target"
+        )
+    if not_started:
+        return f"entered, its action not started: it starts {resumes}"
+    return (
+        f"interrupted (its conductor stopped); the step is taken over {resumes}, and its "
+        "recover hook looks at the target"
+    )
 
 
 def get_step(store: Store, step_id: int) -> dict[str, Any]:
