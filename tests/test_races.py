@@ -17,7 +17,7 @@ from fleetwave.domain.registry import register_workflow
 from fleetwave.domain.workflow import StateDef, WorkflowDef
 from fleetwave.engine.clock import LoopClock
 from fleetwave.engine.conductor import Conductor, EngineConfig
-from fleetwave.engine.messages import LeaseLost
+from fleetwave.engine.messages import LeaseLost, RetryScheduled
 from fleetwave.store import admin, queries
 from fleetwave.store.db import Store
 from fleetwave.store.schema import journal, strategies
@@ -313,3 +313,37 @@ def test_a_state_never_started_is_not_started_by_the_next_owner_of_an_aborted_st
     details = {s["details"] for s in queries.list_steps(store, sid)}
     assert details == {"stopped before b started: aborted by operator"}
     assert check(store, sid).ok
+
+
+class ReportsAStaleRetry(StateAction):
+    """Posts a retry record for its own step at a fence it no longer holds (as a worker
+    fenced off by a takeover would), and keeps the answer."""
+
+    def __init__(self) -> None:
+        self.conductor: Conductor | None = None
+        self.answer: bool | None = None
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        assert self.conductor is not None
+        handled: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self.conductor.post(
+            RetryScheduled(ctx.strategy_id, ctx.step_id, ctx.state, 999, 0.0, 2, "stale", handled)
+        )
+        self.answer = await handled
+        return Advance()
+
+
+def test_a_stale_retry_record_is_refused_not_allowed(store: Store) -> None:
+    """A retry reported at a fence the step no longer has (its worker fenced off, the
+    step another worker's) was answered "go ahead": only cancelling that worker kept
+    it from running the state beside the step's new worker (G2)."""
+    add_sim_targets(store, 1)
+    action = ReportsAStaleRetry()
+    wf = register_workflow(WorkflowDef("stale-retry", (StateDef("a", action),)), replace=True)
+    sid = applied(store, wf.name)
+    c = Conductor(store)
+    action.conductor = c
+    assert asyncio.run(asyncio.wait_for(c.run(strategy_ids=[sid]), 10))[sid] == "complete"
+    assert action.answer is False
+    (step,) = queries.list_steps(store, sid)
+    assert step["attempt"] == 1 and step["details"] == ""  # nothing of it was recorded

@@ -758,20 +758,24 @@ class Conductor:
         refused_retries: set[int] = set()
         for i, msg in enumerate(msgs):
             if isinstance(msg, RetryScheduled):
+                if self._reported(msg) is None:
+                    # Stale: the step moved on, or is another worker's now (taken over
+                    # at a new fence). This worker must not run the retry.
+                    _resolve(msg.handled, False)
+                    continue
                 if msg.handled is not None:
                     retries.append((msg, msg.handled))
-                if self._reported(msg) is not None:
-                    deadlines.append(
-                        rt.AttemptDeadline(
-                            msg.step_id,
-                            msg.strategy_id,
-                            msg.state,
-                            msg.fence,
-                            msg.deadline_at,
-                            msg.attempt,
-                            msg.details,
-                        )
+                deadlines.append(
+                    rt.AttemptDeadline(
+                        msg.step_id,
+                        msg.strategy_id,
+                        msg.state,
+                        msg.fence,
+                        msg.deadline_at,
+                        msg.attempt,
+                        msg.details,
                     )
+                )
             elif isinstance(msg, CallbackArrived):
                 self._on_callback(msg.record, marks)
             elif isinstance(msg, StrategyClaimed):
@@ -880,7 +884,7 @@ class Conductor:
                 handled.set_result(False)  # not on the record: it must not run
                 self._retry_refused(retry)
             else:
-                handled.set_result(True)  # committed (or stale): the next attempt may run
+                handled.set_result(True)  # on the record: the next attempt may run
         for fl in recover:
             if not self._draining and fl.rec.strategy_id in self.runs:
                 self._release(fl)

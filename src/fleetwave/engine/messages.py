@@ -46,10 +46,11 @@ class RetryScheduled:
     #: the attempt about to run (2 for the first retry)
     attempt: int
     details: str
-    #: resolved once the dispatcher has handled it (committed with its batch, or found
-    #: stale): the next attempt starts only then, so that the row names the attempt
-    #: running (a takeover looks at that one) before it runs. False: the record was not
-    #: written (the step's row changed under this conductor): the retry must not run
+    #: resolved once the dispatcher has handled it: True once committed with its batch
+    #: (the next attempt starts only then, so that the row names the attempt running,
+    #: which a takeover looks at, before it runs). False: the retry must not run, either
+    #: because the record was not written (the step's row changed under this conductor)
+    #: or because the report is stale (the step moved on, or is another worker's now)
     handled: asyncio.Future[bool] | None = None
 
 
