@@ -655,7 +655,8 @@ def strategy_resume(strategy_id: StrategyId, db: DbOpt = None) -> None:
 
 @strategy_app.command("abort")
 def strategy_abort(strategy_id: StrategyId, db: DbOpt = None) -> None:
-    """Abort: nothing new starts; in-flight steps finish their current state."""
+    """Abort: nothing new starts; running actions finish their current state, and waits
+    on a target (for its callback, between polls) end at once."""
     store = existing_store(db)
     before = admin.request_abort(store, strategy_id)
     if before == StrategyState.ABORTED:
