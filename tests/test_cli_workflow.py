@@ -532,6 +532,8 @@ def test_workflow_show_says_hook_for_a_driver_operation_with_its_own_recover(
         (100000.25, "27h46m40.25s"),  # was 100000s
         (1234567.5, "342h56m7.5s"),  # was 1.23457e+06s
         (59.9999999, "1m"),  # was 60s
+        (0.0001, "0.0001s"),  # was 0s
+        (0, "0s"),
     ],
 )
 def test_durations_read_at_a_glance(seconds: float, shown: str) -> None:

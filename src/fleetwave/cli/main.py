@@ -278,6 +278,8 @@ def _duration(seconds: float) -> str:
     """600 -> 10m, 5400 -> 1h30m, 0.25 -> 0.25s, 100000.25 -> 27h46m40.25s: read at a
     glance, to the millisecond."""
     millis = round(seconds * 1000)
+    if 0 < seconds < 0.001:
+        return f"{seconds:g}s"  # not "0s": a timeout under a millisecond is not none
     if millis < 60_000:
         return f"{millis / 1000:g}s"
     hours, rest = divmod(millis, 3_600_000)
