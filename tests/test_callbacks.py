@@ -268,3 +268,62 @@ def test_a_failure_limit_lets_a_wait_for_a_callback_end_its_state(store: Store) 
     assert by_target["late00000"] == (
         "wait-for-agent: timed out after 0.5s waiting for the target's callback (attempt 1 of 1)"
     )
+
+
+class StartsAnAgent(StateAction):
+    """Starts the target's agent; after a takeover, finds it started (and waits on)."""
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        return Advance()
+
+    async def recover(self, ctx: ActionContext) -> Outcome:
+        return Advance()
+
+
+@pytest.mark.parametrize(
+    ("kind", "step_ends", "callback"),
+    [
+        ("done", ("complete", "agent finished"), "applied"),  # its last state
+        ("failed", ("failed", "w: target reported failure: agent finished"), "applied"),
+    ],
+)
+def test_a_callback_stored_before_a_takeover_of_an_aborting_strategy_counts(
+    store: Store, kind: str, step_ends: tuple[str, str], callback: str
+) -> None:
+    """The target answered while its conductor was gone; then the operator aborted. The
+    next owner's worker reached the wait (its recover hook returned at once) before the
+    stored callback was handed to it, so the abort ended the wait and the target's
+    answer was ignored: a finished target recorded as "may still be running", a failed
+    one as aborted, its failure never counted (review of session 11)."""
+    add_sim_targets(store, 1)
+    wf = register_workflow(
+        WorkflowDef(
+            "agent-takeover",
+            (StateDef("w", StartsAnAgent(), mode="wait-for-callback", timeout_s=600),),
+        ),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    first = Conductor(store, config=EngineConfig(tick_s=0.05))
+
+    async def go() -> dict[int, str]:
+        task = asyncio.create_task(first.run(strategy_ids=[sid]))
+        await _until(lambda: _waiting(store, sid, "w") == 1)
+        task.cancel()  # killed while the step waits: its lease is left behind
+        await asyncio.gather(task, return_exceptions=True)
+        with store.write() as conn:  # ... and has run out
+            conn.execute(
+                update(strategies).where(strategies.c.id == sid).values(lease_expires_at=1.0)
+            )
+        (step,) = queries.list_steps(store, sid)
+        accept_callback(store, step["step"], "w", kind, "agent finished", time.time())
+        admin.request_abort(store, sid)
+        return await asyncio.wait_for(
+            Conductor(store, config=EngineConfig(tick_s=0.05)).run(strategy_ids=[sid]), 20
+        )
+
+    assert asyncio.run(go()) == {sid: "aborted"}
+    (step,) = queries.list_steps(store, sid)
+    assert (step["state"], step["details"]) == step_ends
+    assert [cb["outcome"] for cb in callback_outcomes(store, sid)] == [callback]
+    assert check(store, sid).ok

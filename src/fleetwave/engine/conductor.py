@@ -266,6 +266,9 @@ class Conductor:
         self._freed: dict[int, InFlight | None] = {}
         #: outcomes of steps that had moved on, in the batch being handled
         self._stale: list[ActionFinished] = []
+        #: callback waits an operator's abort ends, once no callback for their step is
+        #: queued (one stored before a takeover is handed to its wait first)
+        self._ending_waits: list[InFlight] = []
         self._lease_watch: asyncio.TimerHandle | None = None
         #: the database file's identity when :meth:`run` began (see StoreReplaced)
         self._db_identity: tuple[int, int] | None = None
@@ -893,6 +896,8 @@ class Conductor:
                 await self._settle(run)
         for record in claimed_callbacks:
             self.post(CallbackArrived(record))
+        if self._ending_waits:
+            self._ending_waits_end()
         await self._mark_aborting()
         await self._finish_done_runs()
 
@@ -1201,7 +1206,7 @@ class Conductor:
             return
         run.stopping = "abort"
         run.stop_details = "aborted by operator"
-        _stop_flights(run)
+        _stop_flights(run, self._end_wait)
         run.db_state = StrategyState.ABORT_REQUESTED.value
         events.append(rt.Event("abort-seen", "operator abort requested", sid))
         log.info("strategy %s: abort requested; in-flight steps finish their current state", sid)
@@ -1644,7 +1649,7 @@ class Conductor:
         if run.stopping is None and limit is not None and run.failed > limit:
             run.stopping = "failure"
             run.stop_details = self._failure_details(run, who)
-            _stop_flights(run)
+            _stop_flights(run, self._end_wait)
             log.warning("strategy %s: %s", run.id, run.stop_details)
 
     def _wake_soon(self) -> None:
@@ -2106,6 +2111,23 @@ class Conductor:
             timer.cancel()
             fl.backoff = None
 
+    def _end_wait(self, fl: InFlight) -> None:
+        """End ``fl``'s callback wait (an operator's abort) on the dispatcher's next turn,
+        or once the callbacks queued for its step have been handed out: a callback stored
+        before a takeover, offered to the wait just after it began, still counts."""
+        self._ending_waits.append(fl)
+        self._wake_soon()
+
+    def _ending_waits_end(self) -> None:
+        queued = {m.record.step_id for m in self._inbox if isinstance(m, CallbackArrived)}
+        keep: list[InFlight] = []
+        for fl in self._ending_waits:
+            if fl.rec.step_id in queued:
+                keep.append(fl)  # the inbox is not empty: the next turn comes at once
+            else:
+                _resolve(fl.waiting, None)
+        self._ending_waits = keep
+
     async def _poll_again(
         self, st: StateDef, ctx: ActionContext, answer: NotYet, fl: InFlight
     ) -> bool:
@@ -2136,14 +2158,14 @@ class Conductor:
         abort came first. The waiter itself is never cancelled here: the dispatcher may
         still hand it a callback, which it then answers as ignored."""
         if not waiter.done():
-            if fl.aborted:
-                return None
             ended = fl.waiting = self._loop.create_future()
 
             def answered(_: object) -> None:
                 _resolve(ended, None)
 
             waiter.add_done_callback(answered)
+            if fl.aborted:
+                self._end_wait(fl)  # after a callback already on its way, if any
             try:
                 await ended
             finally:
@@ -2178,17 +2200,21 @@ def _free_slot(run: StrategyRun, step_id: int) -> InFlight | None:
     return fl
 
 
-def _stop_flights(run: StrategyRun) -> None:
+def _stop_flights(run: StrategyRun, end_wait: Callable[[InFlight], None]) -> None:
     """The strategy stops: its workers start no new attempt of their current state. An
     operator's abort also ends their waits on the target (a callback, the next poll):
-    nothing of ours runs there meanwhile, and a wait may last hours."""
+    nothing of ours runs there meanwhile, and a wait may last hours. A callback wait
+    ends through ``end_wait`` (after a callback already queued for it)."""
     abort = run.stopping == "abort"
     for fl in run.inflight.values():
         fl.stopped = True
         _resolve(fl.backoff, None)  # a retry waiting out its backoff ends now
         if abort:
             fl.aborted = True
-            _resolve(fl.waiting, None)
+            if fl.waiter is not None:
+                end_wait(fl)
+            else:
+                _resolve(fl.waiting, None)
 
 
 def _stop_details(options: StrategyOptions, failed: int, who: str | None = None) -> str:
