@@ -16,7 +16,8 @@ from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.registry import get_workflow, register_workflow
 from fleetwave.domain.workflow import StateDef, StepFailed, WorkflowDef
-from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.drivers.sim import SimDriver
+from fleetwave.engine.conductor import Conductor, EngineConfig, SimulatedCrash
 from fleetwave.engine.messages import LeaseLost, StrategyClaimed
 from fleetwave.store import admin, queries
 from fleetwave.store import runtime as rt
@@ -326,4 +327,41 @@ def test_a_callback_stored_before_a_takeover_of_an_aborting_strategy_counts(
     (step,) = queries.list_steps(store, sid)
     assert (step["state"], step["details"]) == step_ends
     assert [cb["outcome"] for cb in callback_outcomes(store, sid)] == [callback]
+    assert check(store, sid).ok
+
+
+def test_a_takeover_of_an_aborting_strategy_starts_no_action_that_never_began(
+    store: Store,
+) -> None:
+    """A conductor dies right after committing its first wave (their actions never
+    reached the targets); the operator aborts; the next owner's recover hooks find the
+    operations never started. They started them, after the abort was seen; now the
+    steps end aborted and the targets see nothing."""
+    add_sim_targets(store, 3, settings={"latency_ms": 1})
+    sid = applied(store, "patch", max_parallel=3)
+    sim = SimDriver()
+    sim.count_starts = True
+
+    def crash(point: str) -> None:
+        if point == "after-commit":
+            raise SimulatedCrash(point)
+
+    async def go() -> dict[int, str]:
+        first = Conductor(store, drivers={"sim": sim}, crash_hook=crash)
+        with pytest.raises(SimulatedCrash):
+            await first.run(strategy_ids=[sid])
+        assert _waiting(store, sid, "pre-check") == 3  # entered, never dispatched
+        with store.write() as conn:  # its lease ran out
+            conn.execute(
+                update(strategies).where(strategies.c.id == sid).values(lease_expires_at=1.0)
+            )
+        admin.request_abort(store, sid)
+        second = Conductor(store, drivers={"sim": sim}, config=EngineConfig(tick_s=0.05))
+        return await asyncio.wait_for(second.run(strategy_ids=[sid]), 20)
+
+    assert asyncio.run(go()) == {sid: "aborted"}
+    assert sim.starts == {}  # no target saw pre-check start
+    assert {s["details"] for s in queries.list_steps(store, sid)} == {
+        "pre-check: pre-check never started on the target; not started: aborted by operator"
+    }
     assert check(store, sid).ok

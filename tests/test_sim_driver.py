@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -10,7 +11,14 @@ from hypothesis import strategies as st
 
 from conftest import add_sim_targets, applied
 from fleetwave.domain.models import StrategyOptions, Target
-from fleetwave.domain.workflow import ActionContext, RemoteResult, StepFailed
+from fleetwave.domain.workflow import (
+    ActionContext,
+    Advance,
+    DriverOperation,
+    NotStarted,
+    RemoteResult,
+    StepFailed,
+)
 from fleetwave.drivers.sim import SimDriver, _Sleeps
 from fleetwave.engine.conductor import Conductor
 from fleetwave.store.db import Store
@@ -176,3 +184,25 @@ def test_a_bad_setting_value_is_quoted_short_and_on_one_line() -> None:
     with pytest.raises(SimSettingError) as key:
         validate_settings({"bad\nkey": 1})
     assert "\n" not in str(key.value) and "'bad\\nkey': unknown" in str(key.value)
+
+
+def test_a_recover_hook_does_not_start_an_operation_once_the_strategy_is_stopping() -> None:
+    """After a takeover, the recover hook of a driver operation that never reached the
+    target started it: an attempt begun after the operator's abort had been seen.
+    Stopping, it says so instead (the step ends aborted); otherwise it starts it."""
+    driver = SimDriver()
+    driver.count_starts = True
+    t = Target(name="t1", settings={"latency_ms": 1})
+    op = DriverOperation("apply")
+
+    def ctx(stopping: bool) -> ActionContext:
+        return replace(_ctx(driver, t, "apply"), recovering=True, is_stopping=lambda: stopping)
+
+    async def main() -> None:
+        with pytest.raises(NotStarted, match="apply never started on the target"):
+            await op.recover(ctx(True))
+        assert driver.starts == {}
+        assert isinstance(await op.recover(ctx(False)), Advance)
+        assert driver.starts == {("t1", "apply", 1): 1}
+
+    asyncio.run(main())

@@ -152,6 +152,17 @@ def test_a_simulated_agent_rides_out_a_long_outage_and_a_stray_error() -> None:
     assert res.ok, res.violations
 
 
+def test_a_conductor_taken_over_during_a_retry_backoff_does_not_start_the_retry() -> None:
+    """Seed 77004, clean, all faults (found by review in session 11): a stalled conductor
+    (no renewals, no self-fencing) recorded a retry, waited out its backoff, and was
+    taken over meanwhile by a conductor that saw the operator's abort; it then started
+    attempt 2 on the target, 3.2 s after the abort was seen. The record's commit had
+    checked its lease before the backoff, not after: now the record is committed again
+    just before the attempt starts, and a conductor fenced off starts nothing."""
+    res = run_simulation(SimConfig(seed=77004, targets=40, workflow="clean"))
+    assert res.ok, res.violations
+
+
 @pytest.mark.slow
 def test_nightly_sweep() -> None:
     workflows = ["patch", "clean"]

@@ -7,6 +7,7 @@ from fleetwave.domain.registry import register_action, register_workflow
 from fleetwave.domain.workflow import (
     ActionContext,
     Advance,
+    NotStarted,
     NotYet,
     Outcome,
     Skip,
@@ -20,6 +21,7 @@ from fleetwave.domain.workflow import (
 __all__ = [
     "ActionContext",
     "Advance",
+    "NotStarted",
     "NotYet",
     "Outcome",
     "Skip",

@@ -16,6 +16,7 @@ Anything else an action raises fails the step with ``"<state>: <message>"``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Literal, Protocol
@@ -33,6 +34,13 @@ class TransientError(Exception):
 
 class NoRecoverHook(Exception):
     """The state has no ``recover`` hook: a step lost mid-state cannot be resumed."""
+
+
+class NotStarted(Exception):
+    """Raised by a recover hook that found its operation never started on the target
+    while the strategy is stopping (:attr:`ActionContext.stopping`): it is not started
+    now (nothing new starts once an abort or a failure limit is seen), and the step
+    ends ``aborted``."""
 
 
 class WorkflowError(ValueError):
@@ -117,6 +125,15 @@ class ActionContext:
     #: how many times the action answered :class:`NotYet` in this attempt (0: its
     #: first call, which starts the work; later calls look at how far it got)
     poll: int = 0
+    #: set by the engine for a recover hook: whether the strategy is stopping now
+    is_stopping: Callable[[], bool] | None = None
+
+    @property
+    def stopping(self) -> bool:
+        """The strategy is stopping (an operator's abort, a failure limit). A recover
+        hook that finds its operation never started on the target must not start it
+        then: raise :class:`NotStarted`."""
+        return self.is_stopping is not None and self.is_stopping()
 
 
 class StateAction:
@@ -186,6 +203,8 @@ class DriverOperation(StateAction):
 
     async def recover(self, ctx: ActionContext) -> Outcome:
         result = await ctx.driver.observe(ctx.target, self.operation, ctx)
+        if result is RemoteResult.NOT_STARTED and ctx.stopping:
+            raise NotStarted(f"{self.operation} never started on the target")
         if ctx.polling and result is RemoteResult.IN_PROGRESS:
             return NotYet(f"{self.operation} in progress")
         if ctx.polling and result is RemoteResult.NOT_STARTED:

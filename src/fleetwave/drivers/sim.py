@@ -319,18 +319,21 @@ class SimDriver:
     async def perform(self, target: Target, operation: str, ctx: ActionContext) -> RemoteResult:
         """Start the operation on the target, or join the run already going; wait for it."""
         prof = self._profile(target)
-        if not ctx.recovering:
+        key = (ctx.strategy_id, target.name, operation)
+        running = self._remote.get(key) if self._remote else None
+        joins = running is not None and not running.future.done()
+        # A recover hook that joins the run going on starts nothing; one that finds the
+        # operation never started starts it here, as the action would have.
+        if not (ctx.recovering and joins):
             if self.count_starts:
                 self.starts[(target.name, operation, ctx.attempt)] += 1
-                if ctx.attempt > 1:  # when each retry began (loop time)
+                if ctx.attempt > 1 or ctx.recovering:  # when it began (loop time)
                     self.retried_at.append(
                         (target.name, operation, ctx.attempt, asyncio.get_running_loop().time())
                     )
             if self.record:
                 self.performed.append((target.name, operation, ctx.attempt))
-        key = (ctx.strategy_id, target.name, operation)
-        running = self._remote.get(key) if self._remote else None
-        if running is not None and not running.future.done():
+        if running is not None and joins:
             return await asyncio.shield(running.future)  # idempotent: join, don't restart
         if prof.plain and not ctx.callback_expected:
             # A plain operation (fixed latency, no faults) runs in the caller's task: cheap,

@@ -57,6 +57,7 @@ from fleetwave.domain.workflow import (
     ActionContext,
     Advance,
     NoRecoverHook,
+    NotStarted,
     NotYet,
     Outcome,
     StateDef,
@@ -1942,6 +1943,7 @@ class Conductor:
                     callback_expected=waiter is not None,
                     recovering=recovering,
                     polling=st.mode == "poll",
+                    is_stopping=(lambda: fl.stopped) if recovering else None,
                 )
                 self._attempts += 1
                 attempt = fl.running = self._attempts
@@ -1997,6 +1999,12 @@ class Conductor:
                 decision = decide(run.workflow.state_names, state, outcome)
             except _WaitEnded as exc:
                 decision = Decision(STEP_ABORTED, f"{state}: {exc}")
+            except NotStarted as exc:
+                # a recover hook found the attempt never began: nothing starts now
+                why = str(exc) or "never started on the target"
+                decision = Decision(
+                    STEP_ABORTED, f"{state}: {why}; not started: {run.stop_details}"
+                )
             except NoRecoverHook:
                 decision = failure(state, f"conductor lost during {state}")
             except StepFailed as exc:
@@ -2031,25 +2039,32 @@ class Conductor:
                     # the state's recorded deadline was its first attempt's, the next
                     # one's, so a takeover gives the recover hook what is left of it.
                     due = self.clock.now() + backoff
-                    handled = loop.create_future()
-                    self.post(
-                        RetryScheduled(
-                            run.id,
-                            rec.step_id,
-                            state,
-                            fence,
-                            due + timeout_s,
-                            attempts + 1,
-                            # a time, not "in 5s": the row is read while the attempt runs
-                            f"{state}: {reason} (attempt {attempts} of {st.attempts_max}); "
-                            f"attempt {attempts + 1} from "
-                            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(due))}Z",
-                            handled,
-                        )
+                    record = RetryScheduled(
+                        run.id,
+                        rec.step_id,
+                        state,
+                        fence,
+                        due + timeout_s,
+                        attempts + 1,
+                        # a time, not "in 5s": the row is read while the attempt runs
+                        f"{state}: {reason} (attempt {attempts} of {st.attempts_max}); "
+                        f"attempt {attempts + 1} from "
+                        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(due))}Z",
                     )
+                    handled = record.handled = loop.create_future()
+                    self.post(record)
                     await self._wait_backoff(fl, backoff)
                     if not await handled:  # on the record before it runs (normally is)
                         raise _RetryRefused from None
+                    if not fl.stopped:
+                        # The backoff may have lasted minutes: the strategy's lease and
+                        # the step's row are checked again, in a commit, just before the
+                        # attempt starts (the same record again). A conductor that
+                        # stalled meanwhile and was taken over starts nothing.
+                        checked: asyncio.Future[bool] = loop.create_future()
+                        self.post(replace(record, handled=checked))
+                        if not await checked:
+                            raise _RetryRefused from None
                     if not fl.stopped:
                         recovering = False
                         continue
