@@ -362,6 +362,6 @@ def test_a_takeover_of_an_aborting_strategy_starts_no_action_that_never_began(
     assert asyncio.run(go()) == {sid: "aborted"}
     assert sim.starts == {}  # no target saw pre-check start
     assert {s["details"] for s in queries.list_steps(store, sid)} == {
-        "pre-check: pre-check never started on the target; not started: aborted by operator"
+        "pre-check: the target reports pre-check not started; not started now: aborted by operator"
     }
     assert check(store, sid).ok

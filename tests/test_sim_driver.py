@@ -199,7 +199,7 @@ def test_a_recover_hook_does_not_start_an_operation_once_the_strategy_is_stoppin
         return replace(_ctx(driver, t, "apply"), recovering=True, is_stopping=lambda: stopping)
 
     async def main() -> None:
-        with pytest.raises(NotStarted, match="apply never started on the target"):
+        with pytest.raises(NotStarted, match="the target reports apply not started"):
             await op.recover(ctx(True))
         assert driver.starts == {}
         assert isinstance(await op.recover(ctx(False)), Advance)

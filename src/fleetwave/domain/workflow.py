@@ -204,7 +204,7 @@ class DriverOperation(StateAction):
     async def recover(self, ctx: ActionContext) -> Outcome:
         result = await ctx.driver.observe(ctx.target, self.operation, ctx)
         if result is RemoteResult.NOT_STARTED and ctx.stopping:
-            raise NotStarted(f"{self.operation} never started on the target")
+            raise NotStarted(f"the target reports {self.operation} not started")
         if ctx.polling and result is RemoteResult.IN_PROGRESS:
             return NotYet(f"{self.operation} in progress")
         if ctx.polling and result is RemoteResult.NOT_STARTED:
