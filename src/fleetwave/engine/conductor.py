@@ -2001,9 +2001,9 @@ class Conductor:
                 decision = Decision(STEP_ABORTED, f"{state}: {exc}")
             except NotStarted as exc:
                 # a recover hook found the attempt never began: nothing starts now
-                why = str(exc) or "never started on the target"
+                why = str(exc) or "the target reports it not started"
                 decision = Decision(
-                    STEP_ABORTED, f"{state}: {why}; not started: {run.stop_details}"
+                    STEP_ABORTED, f"{state}: {why}; not started now: {run.stop_details}"
                 )
             except NoRecoverHook:
                 decision = failure(state, f"conductor lost during {state}")
