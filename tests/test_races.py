@@ -15,6 +15,8 @@ from fleetwave import ActionContext, Advance, Outcome, StateAction
 from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.registry import register_workflow
 from fleetwave.domain.workflow import StateDef, WorkflowDef
+from fleetwave.domain.yaml_workflow import parse_workflow_yaml
+from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.clock import LoopClock
 from fleetwave.engine.conductor import Conductor, EngineConfig
 from fleetwave.engine.messages import LeaseLost, RetryScheduled
@@ -347,3 +349,53 @@ def test_a_stale_retry_record_is_refused_not_allowed(store: Store) -> None:
     assert action.answer is False
     (step,) = queries.list_steps(store, sid)
     assert step["attempt"] == 1 and step["details"] == ""  # nothing of it was recorded
+
+
+BACKOFF_YAML = """\
+name: backoff-100
+states:
+  - name: op
+    timeout_s: 600
+    retry: {attempts: 3, backoff_s: 100, backoff_max_s: 100}
+"""
+
+
+def test_a_clean_stop_during_a_backoff_starts_no_retry_and_the_next_owner_waits_for_it(
+    store: Store,
+) -> None:
+    """A clean stop waited out the grace period with nothing running and started the
+    retry meanwhile ("starts nothing new" said the README); the next owner then ran the
+    retry at once, cutting its backoff short. Now the stop returns at once, leaving the
+    recorded retry, and the next owner starts it when it is due (audit of session 11)."""
+    add_sim_targets(store, 1, settings={"latency_ms": 1, "flaky_rate": 1.0})
+    register_workflow(parse_workflow_yaml(BACKOFF_YAML, strict=True), replace=True)
+    sid = applied(store, "backoff-100")
+    sim = SimDriver(seed=1)
+    sim.count_starts = True
+    config = EngineConfig(tick_s=1, shutdown_grace_s=30)
+    first, second = (
+        Conductor(store, clock=LoopClock(), drivers={"sim": sim}, config=config) for _ in range(2)
+    )
+    times: dict[str, float] = {}
+
+    async def go() -> dict[int, str]:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        loop.call_later(10, stop.set)  # attempt 1 failed at once; attempt 2 is due at 100
+        await first.run(strategy_ids=[sid], stop=stop)
+        times["first_returned"] = loop.time()
+        (step,) = queries.list_steps(store, sid)
+        assert step["attempt"] == 2 and "attempt 2 from" in step["details"], step
+        return await second.run(strategy_ids=[sid])
+
+    loop = VirtualTimeLoop()
+    try:
+        assert loop.run_until_complete(go())[sid] == "failed"
+    finally:
+        loop.close()
+    assert times["first_returned"] < 11  # not after the 30 s grace
+    started = {attempt: t for _, _, attempt, t in sim.retried_at}
+    assert sorted(started) == [2, 3]
+    assert started[2] >= 100  # due 100 s after attempt 1, not at the takeover (10 s)
+    assert started[3] >= started[2] + 100
+    assert sim.starts[("t00000", "op", 2)] == 1

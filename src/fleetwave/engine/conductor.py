@@ -104,6 +104,11 @@ class _RetryRefused(Exception):
     """The record of a retry was refused (the step's row changed): its worker ends."""
 
 
+class _HandedOver(Exception):
+    """A clean stop came while the step waited out a retry's backoff: the retry is
+    left, as recorded on the step's row, to the next owner; its worker ends."""
+
+
 class _WaitEnded(Exception):
     """An operator's abort ended a wait on the target (its callback, the next poll)."""
 
@@ -713,6 +718,10 @@ class Conductor:
                     # commit their outcomes for a grace period, then hand leases back.
                     drain_until = loop.time() + self.config.shutdown_grace_s
                     self._draining = True
+                    for run in self.runs.values():
+                        for fl in run.inflight.values():
+                            # a retry waiting out its backoff is left to the next owner
+                            _resolve(fl.backoff, None)
                     log.info("stopping: draining %d running actions", len(self._workers))
                 if drain_until is not None and (
                     (not self._workers and not self._inbox) or loop.time() >= drain_until
@@ -1904,6 +1913,8 @@ class Conductor:
                 msg = await self._run_state(run, fl, recovering)
             except _RetryRefused:
                 return  # the dispatcher reads the step's row back and takes it over
+            except _HandedOver:
+                return  # a clean stop: the next owner runs the recorded retry
             recovering = False
             go = fl.go = msg.go = loop.create_future()
             self.post(msg)
@@ -1915,6 +1926,22 @@ class Conductor:
         rec, state, fence, waiter = fl.rec, fl.state, fl.fence, fl.waiter
         st = run.workflow.state(state)
         timeout_s = st.timeout_s
+        #: the attempt the row names (a takeover goes on from there, not from 1 again)
+        resume = recovering
+        if recovering and rec.attempt > 1 and rec.deadline_at is not None:
+            # A retry was recorded and is not due yet (its deadline is the time it is due
+            # plus the state's timeout): a takeover does not cut its backoff short, or a
+            # restarted conductor would hit every backed-off target at once.
+            wait = rec.deadline_at - st.timeout_s - self.clock.now()
+            if wait > 0:
+                await self._wait_backoff(fl, wait)
+                if self._draining:
+                    raise _HandedOver
+                if not fl.stopped:
+                    # It could not have started (it was not due): it runs now as the
+                    # retry it is. A recover hook would look at the attempt before it
+                    # (the target's last run) and take its failure for this one's.
+                    recovering = False
         if recovering and rec.deadline_at is not None:
             # The state's time kept running while its conductor was lost.
             left = max(0.0, rec.deadline_at - self.clock.now())
@@ -1923,7 +1950,7 @@ class Conductor:
         loop = self._loop
         # After a takeover the recover hook looks at the attempt that was running (the
         # row's attempt): the state's attempts go on from there, not from 1 again.
-        attempts = min(max(rec.attempt, 1), st.attempts_max) - 1 if recovering else 0
+        attempts = min(max(rec.attempt, 1), st.attempts_max) - 1 if resume else 0
         callback_id: int | None = None
         decision: Decision
         #: a poll state's last "not yet" (its details): said when the state times out
@@ -2056,6 +2083,8 @@ class Conductor:
                     await self._wait_backoff(fl, backoff)
                     if not await handled:  # on the record before it runs (normally is)
                         raise _RetryRefused from None
+                    if self._draining:
+                        raise _HandedOver from None
                     if not fl.stopped:
                         # The backoff may have lasted minutes: the strategy's lease and
                         # the step's row are checked again, in a commit, just before the
@@ -2116,7 +2145,7 @@ class Conductor:
     async def _wait_backoff(self, fl: InFlight, delay: float) -> None:
         """A retry's backoff; over at once when the strategy stops meanwhile (nothing
         runs on the target during it: the step ends now, not when the retry was due)."""
-        if fl.stopped:
+        if fl.stopped or self._draining:
             return
         done = fl.backoff = self._loop.create_future()
         timer = self._loop.call_later(delay, _resolve, done, None)
