@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from sqlalchemy import select
 
 from fleetwave.store.db import open_store
@@ -336,3 +337,60 @@ def test_a_second_ctrl_c_of_apply_wait_says_how_to_go_on(tmp_path: Path) -> None
         f"back and run out within 30 s. Go on with 'fleetwave strategy apply {sid} --wait' "
         "or 'fleetwave serve' (they take over then)"
     ), err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_stops_serve_at_once_and_says_so(tmp_path: Path, sig: int) -> None:
+    """serve stopped silently on the second signal: exit 130 for Ctrl-C and 143 (killed
+    by SIGTERM) for a service manager's second SIGTERM. Now both say what is left, 130."""
+    db = str(tmp_path / "serve2.db")
+    sid = _slow_strategy(db)
+    assert _cli(db, "strategy", "apply", str(sid)).returncode == 0
+
+    def twice(proc: subprocess.Popen[str]) -> None:
+        proc.send_signal(sig)
+        time.sleep(0.5)
+        proc.send_signal(sig)
+
+    code, err = _once_claimed(db, sid, ["serve", "--lease-ttl", "15"], twice)
+    assert code == 130, err
+    assert err.strip().splitlines()[-1] == (
+        "stopped at once: the leases were not handed back and run out within 15 s; the "
+        "next conductor takes over then"
+    ), err
+
+
+def test_ctrl_c_of_an_apply_wait_that_only_watches_says_who_drives_on(tmp_path: Path) -> None:
+    """It said the stop of a conductor it was not (running actions finish, leases handed
+    back) while serve drove the strategy on."""
+    db = str(tmp_path / "watch.db")
+    sid = _slow_strategy(db)
+    serve = subprocess.Popen(
+        [*FLEETWAVE, "serve", "--db", db], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert _cli(db, "strategy", "apply", str(sid)).returncode == 0
+        _wait_for("serve to claim it", lambda: _owner(db, sid) is not None)
+        owner = _owner(db, sid)
+        watcher = subprocess.Popen(
+            [*FLEETWAVE, "strategy", "apply", str(sid), "--wait", "--db", db],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(2)  # it has started and is watching
+        watcher.send_signal(signal.SIGINT)
+        _out, err = watcher.communicate(timeout=30)
+        assert watcher.returncode == 130, err
+        lines = err.strip().splitlines()
+        assert (
+            f"stopping: this command only watches strategy {sid}; conductor {owner} drives it on"
+            in lines
+        ), err
+        assert lines[-1] == (
+            f"stopped watching: strategy {sid} is still applying, driven by conductor {owner}"
+        ), err
+        assert _owner(db, sid) == owner  # serve drives on
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.communicate(timeout=30)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -28,27 +29,40 @@ class DriveResult:
     #: the strategy's final state; ``interrupted`` when Ctrl-C stopped this conductor
     state: str
     conductor: Conductor | None
+    #: whether this command was driving the strategy when it was stopped (else it only
+    #: watched another conductor drive it)
+    held: bool = True
 
 
-def stop_on_signals(stop: asyncio.Event, grace_s: float) -> None:
-    """Ctrl-C (or SIGTERM) stops the conductor cleanly: nothing new starts, running
-    actions finish for up to ``grace_s``, leases are handed back. A second one stops
-    at once (the leases then run out by themselves)."""
+def stop_on_signals(
+    stop: asyncio.Event, grace_s: float, said: Callable[[], str] | None = None
+) -> None:
+    """Ctrl-C, SIGTERM or SIGHUP (a closed terminal) stops the conductor cleanly:
+    nothing new starts, running actions finish for up to ``grace_s``, leases are handed
+    back. A second one stops at once (the leases then run out by themselves): it is
+    raised as KeyboardInterrupt whichever signal it was, so that every command says so
+    the same way and exits 130. ``said``: what the first one prints."""
     loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def first(sig: signal.Signals) -> None:
         if stop.is_set():  # again: stop now
-            loop.remove_signal_handler(sig)
-            signal.raise_signal(sig)
+            for each in signals:
+                loop.remove_signal_handler(each)
+            signal.raise_signal(signal.SIGINT)  # KeyboardInterrupt, out of the loop
             return
         stop.set()
         err_console.print(
-            f"stopping: running actions finish (up to {grace_s:g} s), then the leases are "
-            "handed back; Ctrl-C again to stop now",
+            said()
+            if said is not None
+            else (
+                f"stopping: running actions finish (up to {grace_s:g} s), then the leases "
+                "are handed back; Ctrl-C again to stop now"
+            ),
             highlight=False,
         )
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in signals:
         loop.add_signal_handler(sig, first, sig)
 
 
@@ -95,8 +109,22 @@ async def _drive(store: Store, sid: int, show_progress: bool, config: EngineConf
         progress.start()
     watcher = asyncio.create_task(_watch(store, sid, total, progress, done))
     stop = asyncio.Event()
+    driving = [conductor]
+    held = [True]
+
+    def said() -> str:
+        held[0] = sid in driving[0].runs
+        if held[0]:
+            return (
+                f"stopping: running actions finish (up to {config.shutdown_grace_s:g} s), "
+                "then the leases are handed back; Ctrl-C again to stop now"
+            )
+        who = queries.driving(store, sid)
+        by = f"conductor {who.owner}" if who.owner else "another conductor"
+        return f"stopping: this command only watches strategy {sid}; {by} drives it on"
+
     with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
-        stop_on_signals(stop, config.shutdown_grace_s)
+        stop_on_signals(stop, config.shutdown_grace_s, said)
     try:
         # Patient: while another live conductor drives it, this one waits for the end,
         # and takes over if that conductor dies (its lease runs out). Fenced off by
@@ -104,7 +132,7 @@ async def _drive(store: Store, sid: int, show_progress: bool, config: EngineConf
         result = await conductor.run(strategy_ids=[sid], patient=True, stop=stop)
         state = result.get(sid, "unknown")
         while state == "lost" and not stop.is_set():
-            conductor = Conductor(store, config=config)
+            conductor = driving[0] = Conductor(store, config=config)
             result = await conductor.run(strategy_ids=[sid], patient=True, stop=stop)
             state = result.get(sid, "unknown")
         if stop.is_set() and state not in STRATEGY_TERMINAL:
@@ -115,7 +143,7 @@ async def _drive(store: Store, sid: int, show_progress: bool, config: EngineConf
         watcher.cancel()
         if progress is not None:
             progress.stop()
-    return DriveResult(state, conductor)
+    return DriveResult(state, conductor, held[0])
 
 
 def drive_strategy(

@@ -612,6 +612,14 @@ def strategy_apply(
         raise typer.Exit(130) from None
     if result.state == "interrupted":
         now = queries.get_strategy(store, strategy_id)["state"]
+        if not result.held:
+            who = queries.driving(store, strategy_id)
+            by = f"conductor {who.owner}" if who.owner else "another conductor"
+            err_console.print(
+                f"stopped watching: strategy {strategy_id} is still {now}, driven by {by}",
+                highlight=False,
+            )
+            raise typer.Exit(130)
         err_console.print(
             f"stopped: strategy {strategy_id} is still {now}"
             f"; leases handed back. Go on with 'fleetwave strategy apply {strategy_id} --wait' "
@@ -876,7 +884,16 @@ def serve(lease_ttl: LeaseTtlOpt = None, db: DbOpt = None) -> None:
         )
         err_console.print(f"conductor {conductor.id} stopped; leases handed back")
 
-    event_loop.run(_serve())
+    try:
+        event_loop.run(_serve())
+    except KeyboardInterrupt:
+        # The second Ctrl-C (or SIGTERM): stopped at once, nothing handed back.
+        err_console.print(
+            f"stopped at once: the leases were not handed back and run out within "
+            f"{config.lease_ttl_s:g} s; the next conductor takes over then",
+            highlight=False,
+        )
+        raise typer.Exit(130) from None
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
