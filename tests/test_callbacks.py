@@ -365,3 +365,18 @@ def test_a_takeover_of_an_aborting_strategy_starts_no_action_that_never_began(
         "pre-check: the target reports pre-check not started; not started now: aborted by operator"
     }
     assert check(store, sid).ok
+
+
+def test_step_show_lists_what_the_target_reported(store: Store) -> None:
+    """An operator told "the target may still be running it" had no way to see the
+    target's later report: step show had the journal and events, not the callbacks."""
+    add_sim_targets(store, 1, settings={"latency_ms": 1})
+    sid, final, _ = rollout(store, "clean")
+    assert final == "complete"
+    (step,) = queries.list_steps(store, sid)
+    got = queries.get_step(store, step["step"])["callbacks"]
+    assert [(c["state"], c["kind"], c["outcome"], c["reason"]) for c in got] == [
+        ("wait-for-agent", "done", "applied", "moved the step on from wait-for-agent"),
+        ("clean-steps", "done", "applied", "moved the step on from clean-steps"),
+    ]
+    assert all(c["received_at"] > 0 for c in got)

@@ -29,7 +29,7 @@ from fleetwave.engine.clock import LoopClock
 from fleetwave.engine.conductor import Conductor, EngineConfig
 from fleetwave.store import admin, queries
 from fleetwave.store.db import Store
-from fleetwave.store.schema import steps
+from fleetwave.store.schema import conductors, steps
 from test_cli_strategy import add, apply_wait, create, history
 from test_cli_workflow import GOOD, workflows, write
 
@@ -950,6 +950,15 @@ def test_step_list_says_what_an_in_flight_step_without_details_is_doing(
         return running
 
     assert asyncio.run(killed_mid_action()) == {f"running on conductor {c.id}"}
+    # step show says the same as step list
+    first = queries.list_steps(store, sid)[0]
+    assert queries.get_step(store, first["step"])["details"] == first["details"]
+    with store.write() as conn:  # its conductor is known gone before its lease runs out
+        conn.execute(update(conductors).values(stopped_at=1.0))
+    (gone_early,) = details()
+    assert gone_early.startswith(f"its conductor {c.id} is gone (its process ended); "), gone_early
+    with store.write() as conn:
+        conn.execute(update(conductors).values(stopped_at=None))
     with store.write() as conn:  # its lease ran out meanwhile
         conn.execute(update(steps).values(lease_expires_at=0.0))
     (gone,) = details()
@@ -970,4 +979,10 @@ def test_step_list_says_what_an_in_flight_step_without_details_is_doing(
     assert details() == {
         "entered, its action not started: it starts when a conductor drives the "
         "strategy again (serve, or strategy apply --wait)"
+    }
+    with store.write() as conn:  # ... with the details of the move into it
+        conn.execute(update(steps).values(details="pre-check: done at attempt 2"))
+    assert details() == {
+        "entered, its action not started: it starts when a conductor drives the "
+        "strategy again (serve, or strategy apply --wait) (pre-check: done at attempt 2)"
     }

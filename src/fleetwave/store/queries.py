@@ -16,6 +16,7 @@ from fleetwave.domain.models import STEP_INITIAL, STEP_TERMINAL, shown
 from fleetwave.store.db import Store
 from fleetwave.store.runtime import DRIVEN_STATES, conductor_gone
 from fleetwave.store.schema import (
+    callbacks,
     conductors,
     events,
     groups,
@@ -437,10 +438,11 @@ def _iter_steps(
         q = q.where(targets.c.name == target)
     rows = _pages(store, q, steps.c.ordinal, -1)
     now = time.time()
+    gone = _gone_conductors(store, now)
     for r in rows if limit is None else islice(rows, limit):
-        details = r.details
-        if not details and r.state != STEP_INITIAL and r.state not in STEP_TERMINAL:
-            details = _in_flight(r.owner, r.lease_expires_at, bool(r.not_started), now)
+        details = _shown_details(
+            r.state, r.details, r.owner, r.lease_expires_at, bool(r.not_started), now, gone
+        )
         yield {
             "step": r.id,
             "target": r.name,
@@ -454,27 +456,54 @@ def _iter_steps(
         }
 
 
-def _in_flight(owner: str | None, lease_until: float | None, not_started: bool, now: float) -> str:
-    """What a step in one of its workflow's states is doing, when it has no details of
-    its own (a step whose conductor was interrupted showed nothing at all)."""
-    if owner is not None and lease_until is not None and lease_until > now:
-        return f"running on conductor {owner}"
+def _gone_conductors(store: Store, now: float) -> frozenset[str]:
+    with store.read() as conn:
+        known = _Conductors.read(conn, now)
+    return known.gone
+
+
+def _shown_details(
+    state: str,
+    details: str,
+    owner: str | None,
+    lease_until: float | None,
+    not_started: bool,
+    now: float,
+    gone: frozenset[str],
+) -> str:
+    """A step's details as shown: for one in its workflow's states with nothing to say
+    (a step whose conductor was interrupted showed nothing at all), or entered but not
+    started, what is happening to it and what comes next."""
+    if state == STEP_INITIAL or state in STEP_TERMINAL:
+        return details
+    if details and not (not_started and owner is None):
+        return details
     resumes = "when a conductor drives the strategy again (serve, or strategy apply --wait)"
-    if owner is not None:
-        at = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(lease_until or 0))
-        return (
-            f"its conductor {owner} is gone (its lease ran out at {at}Z); the step is "
-            f"taken over {resumes}, and its recover hook looks at the target"
+    live = owner is not None and lease_until is not None and lease_until > now
+    if live and owner not in gone:
+        said = f"running on conductor {owner}"
+    elif owner is not None:
+        why = "its process ended"
+        if not live:
+            at = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(lease_until or 0))
+            why = f"its lease ran out at {at}Z"
+        said = (
+            f"its conductor {owner} is gone ({why}); the step is taken over {resumes}, "
+            "and its recover hook looks at the target"
         )
-    if not_started:
-        return f"entered, its action not started: it starts {resumes}"
-    return (
-        f"interrupted (its conductor stopped); the step is taken over {resumes}, and its "
-        "recover hook looks at the target"
-    )
+    elif not_started:
+        said = f"entered, its action not started: it starts {resumes}"
+    else:
+        said = (
+            f"interrupted (its conductor stopped); the step is taken over {resumes}, and "
+            "its recover hook looks at the target"
+        )
+    return f"{said} ({details})" if details else said
 
 
 def get_step(store: Store, step_id: int) -> dict[str, Any]:
+    now = time.time()
+    gone = _gone_conductors(store, now)
     with store.read() as conn:
         r = conn.execute(
             select(steps, targets.c.name.label("target"))
@@ -489,7 +518,15 @@ def get_step(store: Store, step_id: int) -> dict[str, Any]:
             "target": r.target,
             "stage": r.stage,
             "state": r.state,
-            "details": r.details,
+            "details": _shown_details(
+                r.state,
+                r.details,
+                r.owner,
+                r.lease_expires_at,
+                bool(r.not_started),
+                now,
+                gone,
+            ),
             "started_at": r.started_at,
             "finished_at": r.finished_at,
             "attempt": r.attempt,
@@ -503,7 +540,27 @@ def get_step(store: Store, step_id: int) -> dict[str, Any]:
         }
     out["history"] = history(store, int(out["strategy"]), step_id=step_id)
     out["events"] = step_events(store, step_id)
+    out["callbacks"] = step_callbacks(store, step_id)
     return out
+
+
+def step_callbacks(store: Store, step_id: int) -> list[dict[str, Any]]:
+    """What the step's target reported (callbacks), oldest first, with what became of
+    each (applied, ignored and why; open until a conductor has handled it)."""
+    with store.read() as conn:
+        return [
+            {
+                "received_at": r.received_at,
+                "state": r.state,
+                "kind": r.kind,
+                "details": r.details,
+                "outcome": r.outcome or "open",
+                "reason": r.reason or "",
+            }
+            for r in conn.execute(
+                select(callbacks).where(callbacks.c.step_id == step_id).order_by(callbacks.c.id)
+            )
+        ]
 
 
 def history(
