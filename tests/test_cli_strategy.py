@@ -1102,3 +1102,29 @@ def test_step_list_takes_one_target_like_history(cli: Cli) -> None:
         cli("step", "list", "--strategy", str(sid), "--target", "nope"),
         "--target: no target named 'nope'",
     )
+
+
+def test_apply_without_wait_answers_in_json_and_resume_and_abort_warn_when_undriven(
+    cli: Cli, db_path: Path
+) -> None:
+    """apply --format json printed text; resume, and an abort asked again, said nothing
+    of nobody being there to act on them (apply and a first abort warned)."""
+    add(cli, "a")
+    sid = create(cli, "--all")
+    res = cli("strategy", "apply", str(sid), "--format", "json")
+    assert res.code == 0
+    assert res.json() == {"id": sid, "state": "applying", "driven_by": "nothing drives it yet"}
+    assert "warning: no conductor serves" in res.err
+    assert cli("strategy", "pause", str(sid)).code == 0
+    res = cli("strategy", "resume", str(sid))
+    assert res.code == 0
+    assert res.err.strip() == (
+        f"warning: no conductor serves {db_path}: strategy {sid} goes on once 'fleetwave "
+        f"serve' runs (or drive it here: 'fleetwave strategy apply {sid} --wait')"
+    ), res.err
+    for _ in range(2):
+        res = cli("strategy", "abort", str(sid))
+        assert res.code == 0
+        assert res.err.startswith(
+            f"warning: no conductor serves {db_path}: the abort of strategy {sid} finishes"
+        ), res.err

@@ -66,6 +66,7 @@ from fleetwave.store.admin import MAX_PARALLEL
 from fleetwave.store.db import (
     HEAD_REVISION,
     SchemaOutdated,
+    Store,
     StoreError,
     default_db_path,
     migrate,
@@ -583,11 +584,16 @@ def strategy_apply(
         if now != "applying":
             now += " (apply does not undo an abort: a conductor finishes it)"
         if who.owner is not None:
-            console.print(f"strategy {strategy_id} {now}; driven by conductor {who.owner}")
+            said = f"driven by conductor {who.owner}"
         elif who.claimer is not None:
-            console.print(f"strategy {strategy_id} {now}; {who.claim}")
+            said = str(who.claim)
         else:
-            console.print(f"strategy {strategy_id} {now}; nothing drives it yet")
+            said = "nothing drives it yet"
+        if fmt is Format.json:
+            print_json({"id": strategy_id, "state": now.split(" ")[0], "driven_by": said})
+        else:
+            console.print(f"strategy {strategy_id} {now}; {said}")
+        if who.owner is None and who.claimer is None:
             err_console.print(
                 f"warning: no conductor serves {store.url}: strategy {strategy_id} waits until "
                 f"'fleetwave serve' runs (or drive it here: 'fleetwave strategy apply "
@@ -656,11 +662,13 @@ def strategy_pause(strategy_id: StrategyId, db: DbOpt = None) -> None:
 @strategy_app.command("resume")
 def strategy_resume(strategy_id: StrategyId, db: DbOpt = None) -> None:
     """Resume a paused strategy: its waiting steps start again."""
-    before = admin.resume_strategy(existing_store(db), strategy_id)
+    store = existing_store(db)
+    before = admin.resume_strategy(store, strategy_id)
     if before == "applying":
         console.print(f"strategy {strategy_id}: not paused (applying)")
     else:
         console.print(f"strategy {strategy_id}: resumed")
+    _warn_if_undriven(store, strategy_id, "strategy {sid} goes on", "drive")
 
 
 @strategy_app.command("abort")
@@ -683,13 +691,20 @@ def strategy_abort(strategy_id: StrategyId, db: DbOpt = None) -> None:
         console.print(f"strategy {strategy_id}: abort requested")
     else:
         console.print(f"strategy {strategy_id}: abort already requested ({before})")
-    who = queries.driving(store, strategy_id)
+    # Its abort waits for a conductor (none drives it): said each time it is asked.
+    _warn_if_undriven(store, strategy_id, "the abort of strategy {sid} finishes", "finish")
+
+
+def _warn_if_undriven(store: Store, sid: int, what: str, verb: str) -> None:
+    """Warn on stderr when no conductor drives strategy ``sid`` nor will claim it: what
+    was just asked waits until one does (``what`` says what waits; ``verb`` how the
+    operator does it here)."""
+    who = queries.driving(store, sid)
     if who.owner is None and who.claimer is None and who.text is not None:
-        # Its abort waits for a conductor (none drives it): said each time it is asked.
         err_console.print(
-            f"warning: no conductor serves {store.url}: the abort of strategy "
-            f"{strategy_id} finishes once 'fleetwave serve' runs (or finish it here: "
-            f"'fleetwave strategy apply {strategy_id} --wait')",
+            f"warning: no conductor serves {store.url}: {what.format(sid=sid)} once "
+            f"'fleetwave serve' runs (or {verb} it here: 'fleetwave strategy apply {sid} "
+            "--wait')",
             highlight=False,
         )
 
