@@ -4,11 +4,13 @@ broken engine, a bug elsewhere or a hand edit would leave it), and only those.""
 from __future__ import annotations
 
 from collections import namedtuple
+from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import select
 
+from cli_harness import Cli
 from conftest import add_sim_targets
 from fleetwave.domain.models import Group, StrategyOptions
 from fleetwave.domain.registry import get_workflow
@@ -205,3 +207,23 @@ def test_a_state_entered_twice_is_a_g1_violation(store: Store) -> None:
         result.violations
     )
     assert result.transitions == 3
+
+
+def test_check_notes_a_strategy_nobody_drives(cli: Cli, db_path: Path) -> None:
+    """After a kill -9 with no serve, check said only "ok": the strategy waiting for a
+    conductor is not a violation, but it is work left waiting (audit of session 11)."""
+    assert cli("target", "add", "a").code == 0
+    created = cli("strategy", "create", "--workflow", "patch", "--all", "--format", "json")
+    sid = created.json()["id"]
+    assert cli("strategy", "apply", str(sid)).code == 0
+    note = (
+        f"strategy {sid} is applying and no conductor drives it: it goes on once "
+        f"'fleetwave serve' runs (or 'fleetwave strategy apply {sid} --wait')"
+    )
+    res = cli("check")
+    assert res.code == 0
+    assert f"note: {note}" in res.out.splitlines(), res.out
+    got = cli("check", "--format", "json").json()
+    assert got["ok"] is True and got["notes"] == [note]
+    shown = cli("strategy", "show", str(sid), "--format", "json").json()
+    assert shown["done"] == 0  # as strategy list has it

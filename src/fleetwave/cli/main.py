@@ -823,6 +823,27 @@ def history(
     )
 
 
+def _undriven_notes(store: Store, only: int | None) -> list[str]:
+    """Strategies that should be moving and that no conductor drives nor will claim (a
+    conductor killed, none serving): not a violation, but work left waiting."""
+    notes = []
+    for row in queries.list_strategies(store, brief=True):
+        sid = int(row["id"])
+        if (only is not None and sid != only) or row["state"] not in (
+            StrategyState.APPLYING,
+            StrategyState.ABORT_REQUESTED,
+            StrategyState.ABORTING,
+        ):
+            continue
+        who = queries.driving(store, sid)
+        if who.owner is None and who.claimer is None:
+            notes.append(
+                f"strategy {sid} is {row['state']} and no conductor drives it: it goes on "
+                f"once 'fleetwave serve' runs (or 'fleetwave strategy apply {sid} --wait')"
+            )
+    return notes
+
+
 @app.command()
 def check(
     strategy: Annotated[
@@ -841,8 +862,9 @@ def check(
             f"strategy {strategy}: is being deleted (part of its journal is gone already); "
             f"'fleetwave strategy delete {strategy}' finishes it"
         )
+    notes = _undriven_notes(store, strategy)
     if fmt is Format.json:
-        print_json(result.to_json())
+        print_json(result.to_json() | {"notes": notes})
     else:
         console.print(
             f"checked {plural(result.strategies, 'strategy', 'strategies')}, "
@@ -853,6 +875,8 @@ def check(
                 f"not checked: strategy {sid} is being deleted "
                 f"('fleetwave strategy delete {sid}' finishes it)"
             )
+        for note in notes:
+            console.print(f"note: {note}", highlight=False)
         for v in result.violations:
             console.print(f"[red]violation[/red] {escape(v)}", markup=True)
         if result.truncated:

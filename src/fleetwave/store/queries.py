@@ -343,6 +343,8 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
         out["options"] = json.loads(r.options)
         out["driven_by"] = _driving(r, now, _Conductors.read(conn, now)).text
     out["step_states"] = step_counts(store, sid)
+    # steps ended, as strategy list has it
+    out["done"] = sum(n for state, n in out["step_states"].items() if state in STEP_TERMINAL)
     return out
 
 
