@@ -980,6 +980,14 @@ def test_step_list_says_what_an_in_flight_step_without_details_is_doing(
         "entered, its action not started: it starts when a conductor drives the "
         "strategy again (serve, or strategy apply --wait)"
     }
+    with store.write() as conn:  # entered while its live conductor is stopping
+        conn.execute(update(steps).values(owner=c.id, lease_expires_at=4e9))
+    assert details() == {
+        f"entered while conductor {c.id} was stopping; its action starts when a "
+        "conductor drives the strategy again (serve, or strategy apply --wait)"
+    }
+    with store.write() as conn:
+        conn.execute(update(steps).values(owner=None, lease_expires_at=None))
     with store.write() as conn:  # ... with the details of the move into it
         conn.execute(update(steps).values(details="pre-check: done at attempt 2"))
     assert details() == {

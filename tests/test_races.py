@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from sqlalchemy import select, update
 
 from conftest import add_sim_targets, applied
@@ -360,13 +361,16 @@ states:
 """
 
 
-def test_a_clean_stop_during_a_backoff_starts_no_retry_and_the_next_owner_waits_for_it(
-    store: Store,
+@pytest.mark.parametrize("restart_at", [10.0, 150.0])
+def test_a_clean_stop_during_a_backoff_starts_no_retry_and_the_next_owner_runs_it(
+    store: Store, restart_at: float
 ) -> None:
     """A clean stop waited out the grace period with nothing running and started the
     retry meanwhile ("starts nothing new" said the README); the next owner then ran the
-    retry at once, cutting its backoff short. Now the stop returns at once, leaving the
-    recorded retry, and the next owner starts it when it is due (audit of session 11)."""
+    retry at once, cutting its backoff short, or (taking over after it was due) had its
+    recover hook take attempt 1's failure for attempt 2's, so attempt 2 never ran. Now
+    the stop returns at once, the row marks the retry not started, and the next owner
+    starts it as attempt 2 when it is due (audit and review of session 11)."""
     add_sim_targets(store, 1, settings={"latency_ms": 1, "flaky_rate": 1.0})
     register_workflow(parse_workflow_yaml(BACKOFF_YAML, strict=True), replace=True)
     sid = applied(store, "backoff-100")
@@ -385,7 +389,10 @@ def test_a_clean_stop_during_a_backoff_starts_no_retry_and_the_next_owner_waits_
         await first.run(strategy_ids=[sid], stop=stop)
         times["first_returned"] = loop.time()
         (step,) = queries.list_steps(store, sid)
-        assert step["attempt"] == 2 and "attempt 2 from" in step["details"], step
+        assert step["attempt"] == 2 and step["details"].startswith(
+            "attempt 2 not started: it starts, once due, when a conductor drives"
+        ), step
+        await asyncio.sleep(restart_at - loop.time())
         return await second.run(strategy_ids=[sid])
 
     loop = VirtualTimeLoop()
@@ -396,6 +403,56 @@ def test_a_clean_stop_during_a_backoff_starts_no_retry_and_the_next_owner_waits_
     assert times["first_returned"] < 11  # not after the 30 s grace
     started = {attempt: t for _, _, attempt, t in sim.retried_at}
     assert sorted(started) == [2, 3]
-    assert started[2] >= 100  # due 100 s after attempt 1, not at the takeover (10 s)
+    assert started[2] >= max(100, restart_at)  # when due, not at the takeover
     assert started[3] >= started[2] + 100
-    assert sim.starts[("t00000", "op", 2)] == 1
+    assert dict(sim.starts) == {("t00000", "op", n): 1 for n in (1, 2, 3)}
+
+
+@pytest.mark.parametrize("abort_at", [None, 93.0])
+def test_a_stalled_owner_waiting_out_a_taken_over_retry_starts_nothing(
+    store: Store, abort_at: float | None
+) -> None:
+    """A conductor that takes a recorded retry over waits until it is due; stalled
+    meanwhile (no renewals, no self-fencing) and taken over by another, it started the
+    attempt anyway, beside the new owner, or after the new owner saw an abort: its start
+    was not checked in a commit (review of session 11)."""
+    add_sim_targets(store, 1, settings={"latency_ms": 1, "flaky_rate": 1.0})
+    register_workflow(parse_workflow_yaml(BACKOFF_YAML, strict=True), replace=True)
+    sid = applied(store, "backoff-100")
+    sim = SimDriver(seed=1)
+    sim.count_starts = True
+    clock = LoopClock()
+    first = Conductor(store, clock=clock, drivers={"sim": sim}, config=EngineConfig(tick_s=1))
+    stalled = Conductor(
+        store,
+        clock=clock,
+        drivers={"sim": sim},
+        config=EngineConfig(tick_s=25, lease_ttl_s=80, renew_leases=False),
+    )
+    rival = Conductor(store, clock=clock, drivers={"sim": sim}, config=EngineConfig(tick_s=1))
+
+    async def go() -> dict[int, str]:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        loop.call_later(10, stop.set)
+        await first.run(strategy_ids=[sid], stop=stop)
+        zombie = asyncio.ensure_future(stalled.run(strategy_ids=[sid], patient=True))
+        await asyncio.sleep(1)
+        if abort_at is not None:
+            loop.call_at(abort_at, admin.request_abort, store, sid)
+        result = await rival.run(strategy_ids=[sid], patient=True)
+        await asyncio.wait_for(zombie, 1000)
+        return result
+
+    loop = VirtualTimeLoop()
+    try:
+        final = loop.run_until_complete(go())[sid]
+    finally:
+        loop.close()
+    assert all(n == 1 for n in sim.starts.values()), sim.starts
+    if abort_at is None:
+        assert final == "failed"
+    else:
+        assert final == "aborted"
+        assert all(t < abort_at for *_, t in sim.retried_at), sim.retried_at
+    assert check(store, sid).ok

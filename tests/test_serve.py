@@ -394,3 +394,27 @@ def test_ctrl_c_of_an_apply_wait_that_only_watches_says_who_drives_on(tmp_path: 
     finally:
         serve.send_signal(signal.SIGTERM)
         serve.communicate(timeout=30)
+
+
+def test_serve_started_with_sighup_ignored_keeps_serving_on_sighup(tmp_path: Path) -> None:
+    """Under nohup (SIGHUP ignored from the start) a SIGHUP stopped serve: the handler
+    for a closed terminal replaced the ignore its operator asked for."""
+    db = str(tmp_path / "nohup.db")
+    sid = _slow_strategy(db)
+    assert _cli(db, "strategy", "apply", str(sid)).returncode == 0
+    proc = subprocess.Popen(
+        [*FLEETWAVE, "serve", "--db", db],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # as nohup does
+    )
+    try:
+        _wait_for("serve to claim it", lambda: _owner(db, sid) is not None)
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(2)
+        assert proc.poll() is None, proc.communicate()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err

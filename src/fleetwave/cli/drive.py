@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,22 +37,30 @@ class DriveResult:
 
 
 def stop_on_signals(
-    stop: asyncio.Event, grace_s: float, said: Callable[[], str] | None = None
+    stop: asyncio.Event,
+    grace_s: float,
+    said: Callable[[], str] | None = None,
+    at_once: Callable[[], str] | None = None,
 ) -> None:
     """Ctrl-C, SIGTERM or SIGHUP (a closed terminal) stops the conductor cleanly:
     nothing new starts, running actions finish for up to ``grace_s``, leases are handed
-    back. A second one stops at once (the leases then run out by themselves): it is
-    raised as KeyboardInterrupt whichever signal it was, so that every command says so
-    the same way and exits 130. ``said``: what the first one prints."""
+    back. A second one, of any of them, stops at once: it prints ``at_once()`` and
+    exits 130 there and then (the leases run out by themselves), without waiting for
+    anything, not even an action blocked in a thread. ``said``: what the first one
+    prints. A SIGHUP ignored when the process started (``nohup``) stays ignored."""
     loop = asyncio.get_running_loop()
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    signals = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signals.append(signal.SIGHUP)
 
     def first(sig: signal.Signals) -> None:
         if stop.is_set():  # again: stop now
-            for each in signals:
-                loop.remove_signal_handler(each)
-            signal.raise_signal(signal.SIGINT)  # KeyboardInterrupt, out of the loop
-            return
+            if at_once is not None:
+                with contextlib.suppress(Exception):  # the database may not answer
+                    err_console.print(at_once(), highlight=False)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
         stop.set()
         err_console.print(
             said()
@@ -123,8 +133,20 @@ async def _drive(store: Store, sid: int, show_progress: bool, config: EngineConf
         by = f"conductor {who.owner}" if who.owner else "another conductor"
         return f"stopping: this command only watches strategy {sid}; {by} drives it on"
 
+    def at_once() -> str:
+        now = queries.get_strategy(store, sid)["state"]
+        if not held[0]:
+            who = queries.driving(store, sid)
+            by = f"conductor {who.owner}" if who.owner else "another conductor"
+            return f"stopped watching: strategy {sid} is still {now}, driven by {by}"
+        return (
+            f"stopped at once: strategy {sid} is still {now}; its leases were not handed "
+            f"back and run out within {config.lease_ttl_s:g} s. Go on with 'fleetwave "
+            f"strategy apply {sid} --wait' or 'fleetwave serve' (they take over then)"
+        )
+
     with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
-        stop_on_signals(stop, config.shutdown_grace_s, said)
+        stop_on_signals(stop, config.shutdown_grace_s, said, at_once)
     try:
         # Patient: while another live conductor drives it, this one waits for the end,
         # and takes over if that conductor dies (its lease runs out). Fenced off by

@@ -913,7 +913,14 @@ def serve(lease_ttl: LeaseTtlOpt = None, db: DbOpt = None) -> None:
     async def _serve() -> None:
         stop = asyncio.Event()
         conductor = Conductor(store, config=config)
-        stop_on_signals(stop, conductor.config.shutdown_grace_s)
+        stop_on_signals(
+            stop,
+            conductor.config.shutdown_grace_s,
+            at_once=lambda: (
+                f"stopped at once: the leases were not handed back and run out within "
+                f"{config.lease_ttl_s:g} s; the next conductor takes over then"
+            ),
+        )
         # Said once registered: a database locked at start is waited for (logged) first.
         await conductor.run(
             stop=stop,

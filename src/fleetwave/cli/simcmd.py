@@ -57,8 +57,28 @@ def sim_command(
         chosen = parse_faults(faults)
     except ValueError as exc:
         raise InputError(str(exc)) from None
+    engine_log = logging.getLogger("fleetwave")
+    level = engine_log.level
     if not verbose:
-        logging.getLogger("fleetwave").setLevel(logging.CRITICAL)
+        engine_log.setLevel(logging.CRITICAL)
+    try:
+        _sweep(seed, runs, targets, workflow, faults, chosen, keep_db, fmt, verbose)
+    finally:
+        engine_log.setLevel(level)  # as it was (the command may run in a test's process)
+
+
+def _sweep(
+    seed: int,
+    runs: int,
+    targets: int,
+    workflow: str,
+    faults: str,
+    chosen: frozenset[str],
+    keep_db: Path | None,
+    fmt: Format,
+    verbose: bool,
+) -> None:
+    """The runs, one seed after the other; what ``sim_command`` prints and exits with."""
     failed: list[int] = []
     results = []
     interrupted = False

@@ -735,6 +735,8 @@ class Conductor:
                             await asyncio.sleep(0)  # what came due meanwhile goes first
                             continue
                         await self._wake.wait()
+                        if stop is not None and stop.is_set():
+                            continue  # a clean stop that woke it is seen before the inbox
                     else:
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(
@@ -771,9 +773,10 @@ class Conductor:
         refused_retries: set[int] = set()
         for i, msg in enumerate(msgs):
             if isinstance(msg, RetryScheduled):
-                if self._reported(msg) is None:
+                if self._reported(msg) is None or (msg.started and self._draining):
                     # Stale: the step moved on, or is another worker's now (taken over
-                    # at a new fence). This worker must not run the retry.
+                    # at a new fence): this worker must not run the retry. Or a clean
+                    # stop: nothing starts, the retry is left (marked) to the next owner.
                     _resolve(msg.handled, False)
                     continue
                 if msg.handled is not None:
@@ -787,6 +790,7 @@ class Conductor:
                         msg.deadline_at,
                         msg.attempt,
                         msg.details,
+                        0 if msg.started else 1,
                     )
                 )
             elif isinstance(msg, CallbackArrived):
@@ -1028,10 +1032,15 @@ class Conductor:
                 why = f"{row.state}: set back after it had entered {refused.to_state}"
                 end(row, STEP_FAILED, why, f"{why}: failed")
             elif row.not_started and run.stopping is not None:
-                why = f"stopped before {row.state} started: {run.stop_details}"
+                what = (
+                    f"{row.state}: attempt {row.attempt} not started"
+                    if row.attempt > 1
+                    else f"stopped before {row.state} started"
+                )
+                why = f"{what}: {run.stop_details}"
                 end(row, STEP_ABORTED, why, f"{why}: aborted")
             else:
-                if row.not_started:
+                if row.not_started and row.attempt <= 1:
                     row.deadline_at = self._deadline_of(run, row.state, now)
                 to_take.append(row)
         taken = await self._io(
@@ -1276,8 +1285,9 @@ class Conductor:
             run.stop_details = "aborted by operator"
             events.append(rt.Event("abort-seen", "operator abort requested (on takeover)", rec.id))
         for step in lost:
-            if step.not_started:
-                # It starts afresh here: its time starts now.
+            if step.not_started and step.attempt <= 1:
+                # It starts afresh here: its time starts now. (A recorded retry keeps
+                # its deadline: its due time and timeout.)
                 step.deadline_at = self._deadline_of(run, step.state, now)
         taken = await self._io(
             rt.take_over_steps, self.store, lost, self.id, self._NOW, self._LEASE
@@ -1308,7 +1318,12 @@ class Conductor:
         # as at an admission, and that may stop the strategy before any other starts.
         failed_now: set[int] = set()
         for step in taken:
-            if step.not_started and not step.target.managed and run.stopping is None:
+            if (
+                step.not_started
+                and step.attempt <= 1
+                and not step.target.managed
+                and run.stopping is None
+            ):
                 end(step, STEP_FAILED, unmanaged_reason(step.target.name))
                 self._count_failure(run, step.target.name)
                 failed_now.add(step.step_id)
@@ -1316,8 +1331,14 @@ class Conductor:
             if step.step_id in failed_now:
                 continue
             if step.not_started and run.stopping is not None:
-                # Nothing of this state ran, and nothing new may start: end it here.
-                end(step, STEP_ABORTED, f"stopped before {step.state} started: {run.stop_details}")
+                # Nothing of this state (or of this attempt of it) ran, and nothing new
+                # may start: end it here.
+                what = (
+                    f"{step.state}: attempt {step.attempt} not started"
+                    if step.attempt > 1
+                    else f"stopped before {step.state} started"
+                )
+                end(step, STEP_ABORTED, f"{what}: {run.stop_details}")
                 continue
             # A clean stop records the states it entered but never started: those start
             # afresh; any other may have started, so its recover hook looks first.
@@ -1928,20 +1949,35 @@ class Conductor:
         timeout_s = st.timeout_s
         #: the attempt the row names (a takeover goes on from there, not from 1 again)
         resume = recovering
-        if recovering and rec.attempt > 1 and rec.deadline_at is not None:
-            # A retry was recorded and is not due yet (its deadline is the time it is due
-            # plus the state's timeout): a takeover does not cut its backoff short, or a
-            # restarted conductor would hit every backed-off target at once.
-            wait = rec.deadline_at - st.timeout_s - self.clock.now()
+        start_retry = False
+        if fl.retry_due is not None:
+            # A retry recorded and never started (its row says so), taken over: it runs
+            # as that attempt once due (a takeover does not cut its backoff short, or a
+            # restarted conductor would hit every backed-off target at once), never
+            # through a recover hook (which would see the attempt before it, and take
+            # its failure for this one's). Its wait is bounded by the state's longest
+            # backoff (the due time is derived from the recorded deadline).
+            due, fl.retry_due = fl.retry_due, None
+            resume = start_retry = True
+            wait = min(due - self.clock.now(), st.backoff_max_s)
             if wait > 0:
                 await self._wait_backoff(fl, wait)
-                if self._draining:
-                    raise _HandedOver
-                if not fl.stopped:
-                    # It could not have started (it was not due): it runs now as the
-                    # retry it is. A recover hook would look at the attempt before it
-                    # (the target's last run) and take its failure for this one's.
-                    recovering = False
+            if self._draining:
+                raise _HandedOver
+            if fl.stopped:
+                return ActionFinished(
+                    run.id,
+                    rec.step_id,
+                    state,
+                    fence,
+                    Decision(
+                        STEP_ABORTED,
+                        f"{state}: attempt {rec.attempt} of {st.attempts_max} not started: "
+                        f"{run.stop_details}",
+                    ),
+                    rec.attempt,
+                    None,
+                )
         if recovering and rec.deadline_at is not None:
             # The state's time kept running while its conductor was lost.
             left = max(0.0, rec.deadline_at - self.clock.now())
@@ -1951,6 +1987,14 @@ class Conductor:
         # After a takeover the recover hook looks at the attempt that was running (the
         # row's attempt): the state's attempts go on from there, not from 1 again.
         attempts = min(max(rec.attempt, 1), st.attempts_max) - 1 if resume else 0
+        if start_retry:
+            # its start on the record (the mark cleared, the fence checked) before it runs
+            assert rec.deadline_at is not None
+            started = RetryScheduled(
+                run.id, rec.step_id, state, fence, rec.deadline_at, rec.attempt, None
+            )
+            if not await self._record(started, started=True):
+                raise _HandedOver if self._draining else _RetryRefused
         callback_id: int | None = None
         decision: Decision
         #: a poll state's last "not yet" (its details): said when the state times out
@@ -2084,16 +2128,14 @@ class Conductor:
                     if not await handled:  # on the record before it runs (normally is)
                         raise _RetryRefused from None
                     if self._draining:
-                        raise _HandedOver from None
-                    if not fl.stopped:
-                        # The backoff may have lasted minutes: the strategy's lease and
-                        # the step's row are checked again, in a commit, just before the
-                        # attempt starts (the same record again). A conductor that
-                        # stalled meanwhile and was taken over starts nothing.
-                        checked: asyncio.Future[bool] = loop.create_future()
-                        self.post(replace(record, handled=checked))
-                        if not await checked:
-                            raise _RetryRefused from None
+                        raise _HandedOver from None  # left, marked, to the next owner
+                    # The backoff may have lasted minutes: the strategy's lease and the
+                    # step's row are checked again, in a commit, just before the attempt
+                    # starts, which also clears the row's not-started mark. A conductor
+                    # that stalled meanwhile and was taken over starts nothing; nor does
+                    # one stopping cleanly.
+                    if not fl.stopped and not await self._record(record, started=True):
+                        raise (_HandedOver if self._draining else _RetryRefused) from None
                     if not fl.stopped:
                         recovering = False
                         continue
@@ -2141,6 +2183,12 @@ class Conductor:
                 )
             break
         return ActionFinished(run.id, rec.step_id, state, fence, decision, attempts, callback_id)
+
+    async def _record(self, record: RetryScheduled, *, started: bool) -> bool:
+        """Commit a retry's record (again), as ``started`` or not; whether it was."""
+        done: asyncio.Future[bool] = self._loop.create_future()
+        self.post(replace(record, handled=done, started=started))
+        return await done
 
     async def _wait_backoff(self, fl: InFlight, delay: float) -> None:
         """A retry's backoff; over at once when the strategy stops meanwhile (nothing
@@ -2228,6 +2276,11 @@ def _put_in_flight(
     fl = InFlight(step, state, step.fence, recovering=recovering)
     fl.stopped = run.stopping is not None
     fl.aborted = run.stopping == "abort"
+    if not recovering and step.not_started and step.attempt > 1:
+        # a retry recorded and never started: due at its recorded deadline less the
+        # state's timeout (each attempt has the whole timeout)
+        due = (step.deadline_at or 0.0) - run.workflow.state(state).timeout_s
+        fl.retry_due = due
     run.inflight[step.step_id] = fl
     run.group_load[step.group_id] += 1
     return fl

@@ -45,13 +45,19 @@ class RetryScheduled:
     deadline_at: float
     #: the attempt about to run (2 for the first retry)
     attempt: int
-    details: str
+    #: None: the row's details are kept (a taken-over retry's start)
+    details: str | None
     #: resolved once the dispatcher has handled it: True once committed with its batch
     #: (the next attempt starts only then, so that the row names the attempt running,
     #: which a takeover looks at, before it runs). False: the retry must not run, either
     #: because the record was not written (the step's row changed under this conductor)
     #: or because the report is stale (the step moved on, or is another worker's now)
     handled: asyncio.Future[bool] | None = None
+    #: False: the retry is recorded, to start after its backoff (the row is marked not
+    #: started: a takeover runs it as this attempt, once due); True: it starts now (the
+    #: mark cleared, the fence checked again just before). A clean stop refuses the
+    #: latter: the retry is left to the next owner.
+    started: bool = False
 
 
 @dataclass(slots=True)

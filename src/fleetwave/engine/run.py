@@ -47,6 +47,9 @@ class InFlight:
     #: while the worker waits on the target (its callback, a poll's interval):
     #: resolved early by an operator's abort
     waiting: asyncio.Future[None] | None = None
+    #: a retry recorded and never started, taken over: when it is due (engine clock);
+    #: it then runs as that attempt (never through the recover hook)
+    retry_due: float | None = None
 
 
 @dataclass(slots=True)

@@ -443,7 +443,14 @@ def _iter_steps(
     gone = _gone_conductors(store, now)
     for r in rows if limit is None else islice(rows, limit):
         details = _shown_details(
-            r.state, r.details, r.owner, r.lease_expires_at, bool(r.not_started), now, gone
+            r.state,
+            r.details,
+            r.owner,
+            r.lease_expires_at,
+            bool(r.not_started),
+            now,
+            gone,
+            r.attempt,
         )
         yield {
             "step": r.id,
@@ -472,29 +479,39 @@ def _shown_details(
     not_started: bool,
     now: float,
     gone: frozenset[str],
+    attempt: int = 1,
 ) -> str:
     """A step's details as shown: for one in its workflow's states with nothing to say
     (a step whose conductor was interrupted showed nothing at all), or entered but not
     started, what is happening to it and what comes next."""
     if state == STEP_INITIAL or state in STEP_TERMINAL:
         return details
-    if details and not (not_started and owner is None):
-        return details
     resumes = "when a conductor drives the strategy again (serve, or strategy apply --wait)"
     live = owner is not None and lease_until is not None and lease_until > now
-    if live and owner not in gone:
+    live = live and owner not in gone
+    if not_started and attempt > 1:
+        # a retry recorded, waiting to start
+        if live:
+            return details or f"attempt {attempt} waits out its backoff on conductor {owner}"
+        said = f"attempt {attempt} not started: it starts, once due, {resumes}"
+    elif not_started:
+        # entered by a conductor that was stopping: the next owner starts it afresh
+        said = f"entered, its action not started: it starts {resumes}"
+        if live:
+            said = f"entered while conductor {owner} was stopping; its action starts {resumes}"
+    elif details:
+        return details
+    elif live:
         said = f"running on conductor {owner}"
     elif owner is not None:
         why = "its process ended"
-        if not live:
+        if lease_until is None or lease_until <= now:
             at = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(lease_until or 0))
             why = f"its lease ran out at {at}Z"
         said = (
             f"its conductor {owner} is gone ({why}); the step is taken over {resumes}, "
             "and its recover hook looks at the target"
         )
-    elif not_started:
-        said = f"entered, its action not started: it starts {resumes}"
     else:
         said = (
             f"interrupted (its conductor stopped); the step is taken over {resumes}, and "
@@ -528,6 +545,7 @@ def get_step(store: Store, step_id: int) -> dict[str, Any]:
                 bool(r.not_started),
                 now,
                 gone,
+                r.attempt,
             ),
             "started_at": r.started_at,
             "finished_at": r.finished_at,

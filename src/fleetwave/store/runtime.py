@@ -145,7 +145,11 @@ class AttemptDeadline:
     fence: int
     deadline_at: float
     attempt: int
-    details: str
+    #: None: the row's details are kept
+    details: str | None
+    #: 1 while the retry waits to start (a takeover then runs it as this attempt, once
+    #: due), 0 once it starts
+    not_started: int = 0
 
 
 @dataclass(slots=True)
@@ -606,7 +610,9 @@ def take_over_steps(
     """Fence off the previous owner of in-flight steps: fence+1, owner=us (CAS per step).
 
     ``not_started`` is cleared in the same write: from here on this owner may start
-    the action, so a later owner must treat it as possibly started (recover hook).
+    the action, so a later owner must treat it as possibly started (recover hook). A
+    retry recorded and not started (attempt above 1) keeps its mark until its start is
+    recorded: this owner waits for it to be due first, and may be lost meanwhile.
     ``held`` (strategy id, fence): take nothing unless this conductor still holds that
     strategy at that fence (checked in the same transaction).
     """
@@ -633,7 +639,7 @@ def take_over_steps(
                     owner=cid,
                     fence=rec.fence + 1,
                     lease_expires_at=lease_until,
-                    not_started=False,
+                    not_started=rec.not_started and rec.attempt > 1,
                     deadline_at=rec.deadline_at,
                 )
             )
@@ -715,8 +721,8 @@ class TransitionWriter:
         #: a retry: its deadline, attempt and why; a step that has moved on since is
         #: left alone
         self._deadline_sql = (
-            f"UPDATE steps SET deadline_at={p}, attempt={p}, details={p} "
-            f"WHERE id={p} AND state={p} AND fence={p}"
+            f"UPDATE steps SET deadline_at={p}, attempt={p}, details=COALESCE({p}, details), "
+            f"not_started={p} WHERE id={p} AND state={p} AND fence={p}"
         )
         self._mark_sql = (
             f"UPDATE callbacks SET outcome={p}, reason={p}, processed_at={p} "
@@ -803,7 +809,7 @@ class TransitionWriter:
         self._lapsed_now = set()
         mk = [(m.outcome, m.reason, now, m.callback_id) for m in marks or ()]
         dl = [
-            (d.deadline_at, d.attempt, d.details, d.step_id, d.state, d.fence)
+            (d.deadline_at, d.attempt, d.details, d.not_started, d.step_id, d.state, d.fence)
             for d in deadlines or ()
         ]
         ups: list[tuple[str, tuple[Any, ...]]] = []
@@ -1144,7 +1150,15 @@ class TransitionWriter:
                     continue
                 written = conn.exec_driver_sql(
                     self._deadline_sql,
-                    (d.deadline_at, d.attempt, d.details, d.step_id, d.state, d.fence),
+                    (
+                        d.deadline_at,
+                        d.attempt,
+                        d.details,
+                        d.not_started,
+                        d.step_id,
+                        d.state,
+                        d.fence,
+                    ),
                 )
                 if written.rowcount != 1:
                     retries_refused.add(d.step_id)
