@@ -1989,10 +1989,8 @@ class Conductor:
         attempts = min(max(rec.attempt, 1), st.attempts_max) - 1 if resume else 0
         if start_retry:
             # its start on the record (the mark cleared, the fence checked) before it runs
-            assert rec.deadline_at is not None
-            started = RetryScheduled(
-                run.id, rec.step_id, state, fence, rec.deadline_at, rec.attempt, None
-            )
+            deadline = rec.deadline_at or self.clock.now() + st.timeout_s
+            started = RetryScheduled(run.id, rec.step_id, state, fence, deadline, rec.attempt, None)
             if not await self._record(started, started=True):
                 raise _HandedOver if self._draining else _RetryRefused
         callback_id: int | None = None
