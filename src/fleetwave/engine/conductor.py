@@ -1032,12 +1032,7 @@ class Conductor:
                 why = f"{row.state}: set back after it had entered {refused.to_state}"
                 end(row, STEP_FAILED, why, f"{why}: failed")
             elif row.not_started and run.stopping is not None:
-                what = (
-                    f"{row.state}: attempt {row.attempt} not started"
-                    if row.attempt > 1
-                    else f"stopped before {row.state} started"
-                )
-                why = f"{what}: {run.stop_details}"
+                why = _not_started(run, row.state, row.attempt)
                 end(row, STEP_ABORTED, why, f"{why}: aborted")
             else:
                 if row.not_started and row.attempt <= 1:
@@ -1333,12 +1328,7 @@ class Conductor:
             if step.not_started and run.stopping is not None:
                 # Nothing of this state (or of this attempt of it) ran, and nothing new
                 # may start: end it here.
-                what = (
-                    f"{step.state}: attempt {step.attempt} not started"
-                    if step.attempt > 1
-                    else f"stopped before {step.state} started"
-                )
-                end(step, STEP_ABORTED, f"{what}: {run.stop_details}")
+                end(step, STEP_ABORTED, _not_started(run, step.state, step.attempt))
                 continue
             # A clean stop records the states it entered but never started: those start
             # afresh; any other may have started, so its recover hook looks first.
@@ -1970,11 +1960,7 @@ class Conductor:
                     rec.step_id,
                     state,
                     fence,
-                    Decision(
-                        STEP_ABORTED,
-                        f"{state}: attempt {rec.attempt} of {st.attempts_max} not started: "
-                        f"{run.stop_details}",
-                    ),
+                    Decision(STEP_ABORTED, _not_started(run, state, rec.attempt)),
                     rec.attempt,
                     None,
                 )
@@ -2193,13 +2179,19 @@ class Conductor:
         runs on the target during it: the step ends now, not when the retry was due)."""
         if fl.stopped or self._draining:
             return
-        done = fl.backoff = self._loop.create_future()
-        timer = self._loop.call_later(delay, _resolve, done, None)
+        fl.backoff = self._loop.create_future()
         try:
-            await done
+            await self._sleep(delay, fl.backoff)
+        finally:
+            fl.backoff = None
+
+    async def _sleep(self, delay: float, early: asyncio.Future[None]) -> None:
+        """``delay`` seconds, or until ``early`` is resolved (by a stop or an abort)."""
+        timer = self._loop.call_later(delay, _resolve, early, None)
+        try:
+            await early
         finally:
             timer.cancel()
-            fl.backoff = None
 
     def _end_wait(self, fl: InFlight) -> None:
         """End ``fl``'s callback wait (an operator's abort) on the dispatcher's next turn,
@@ -2232,12 +2224,10 @@ class Conductor:
             raise StepFailed(f"the action asked to be called again after {delay!r} s")
         if fl.aborted:
             return False
-        ended = fl.waiting = self._loop.create_future()
-        timer = self._loop.call_later(delay, _resolve, ended, None)
+        fl.waiting = self._loop.create_future()
         try:
-            await ended
+            await self._sleep(delay, fl.waiting)
         finally:
-            timer.cancel()
             fl.waiting = None
         return not fl.aborted
 
@@ -2310,6 +2300,15 @@ def _stop_flights(run: StrategyRun, end_wait: Callable[[InFlight], None]) -> Non
                 end_wait(fl)
             else:
                 _resolve(fl.waiting, None)
+
+
+def _not_started(run: StrategyRun, state: str, attempt: int) -> str:
+    """Why a step entered but not started (its state, or a recorded retry of it: its
+    ``attempt``) ends aborted once its strategy stops."""
+    if attempt > 1:
+        attempts_max = run.workflow.state(state).attempts_max
+        return f"{state}: attempt {attempt} of {attempts_max} not started: {run.stop_details}"
+    return f"stopped before {state} started: {run.stop_details}"
 
 
 def _stop_details(options: StrategyOptions, failed: int, who: str | None = None) -> str:
