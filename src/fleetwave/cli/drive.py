@@ -76,6 +76,28 @@ def stop_on_signals(
         loop.add_signal_handler(sig, first, sig)
 
 
+def driven_by(store: Store, sid: int) -> str:
+    """Who drives strategy ``sid`` now, for a line that says so."""
+    who = queries.driving(store, sid)
+    return f"conductor {who.owner}" if who.owner else "another conductor"
+
+
+def stopped_watching(store: Store, sid: int) -> str:
+    """What an ``apply --wait`` that only watched says when stopped."""
+    now = queries.get_strategy(store, sid)["state"]
+    return f"stopped watching: strategy {sid} is still {now}, driven by {driven_by(store, sid)}"
+
+
+def stopped_at_once(store: Store, sid: int, lease_ttl_s: float) -> str:
+    """What an ``apply --wait`` that drove the strategy says when stopped at once."""
+    now = queries.get_strategy(store, sid)["state"]
+    return (
+        f"stopped at once: strategy {sid} is still {now}; its leases were not handed "
+        f"back and run out within {lease_ttl_s:g} s. Go on with 'fleetwave strategy "
+        f"apply {sid} --wait' or 'fleetwave serve' (they take over then)"
+    )
+
+
 async def _watch(
     store: Store, sid: int, total: int, progress: Progress | None, done: asyncio.Event
 ) -> None:
@@ -129,21 +151,13 @@ async def _drive(store: Store, sid: int, show_progress: bool, config: EngineConf
                 f"stopping: running actions finish (up to {config.shutdown_grace_s:g} s), "
                 "then the leases are handed back; Ctrl-C again to stop now"
             )
-        who = queries.driving(store, sid)
-        by = f"conductor {who.owner}" if who.owner else "another conductor"
+        by = driven_by(store, sid)
         return f"stopping: this command only watches strategy {sid}; {by} drives it on"
 
     def at_once() -> str:
-        now = queries.get_strategy(store, sid)["state"]
         if not held[0]:
-            who = queries.driving(store, sid)
-            by = f"conductor {who.owner}" if who.owner else "another conductor"
-            return f"stopped watching: strategy {sid} is still {now}, driven by {by}"
-        return (
-            f"stopped at once: strategy {sid} is still {now}; its leases were not handed "
-            f"back and run out within {config.lease_ttl_s:g} s. Go on with 'fleetwave "
-            f"strategy apply {sid} --wait' or 'fleetwave serve' (they take over then)"
-        )
+            return stopped_watching(store, sid)
+        return stopped_at_once(store, sid, config.lease_ttl_s)
 
     with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
         stop_on_signals(stop, config.shutdown_grace_s, said, at_once)

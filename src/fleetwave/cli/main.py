@@ -35,7 +35,12 @@ from fleetwave.cli.common import (
     whole_number,
 )
 from fleetwave.cli.demo import demo_command
-from fleetwave.cli.drive import drive_strategy, stop_on_signals
+from fleetwave.cli.drive import (
+    drive_strategy,
+    stop_on_signals,
+    stopped_at_once,
+    stopped_watching,
+)
 from fleetwave.cli.output import Format, console, emit_one, emit_rows, err_console, print_json
 from fleetwave.cli.parsing import check_target, parse_pairs, read_text_file, targets_from_file
 from fleetwave.cli.simcmd import sim_command
@@ -606,26 +611,14 @@ def strategy_apply(
             store, strategy_id, show_progress=fmt is Format.table, config=config
         )
     except KeyboardInterrupt:
-        # The second Ctrl-C: stopped at once, nothing handed back.
-        now = queries.get_strategy(store, strategy_id)["state"]
-        ttl = config.lease_ttl_s
-        err_console.print(
-            f"stopped at once: strategy {strategy_id} is still {now}; its leases were not "
-            f"handed back and run out within {ttl:g} s. Go on with 'fleetwave strategy "
-            f"apply {strategy_id} --wait' or 'fleetwave serve' (they take over then)",
-            highlight=False,
-        )
+        # Ctrl-C before the signal handlers were in place: stopped at once.
+        err_console.print(stopped_at_once(store, strategy_id, config.lease_ttl_s), highlight=False)
         raise typer.Exit(130) from None
     if result.state == "interrupted":
-        now = queries.get_strategy(store, strategy_id)["state"]
         if not result.held:
-            who = queries.driving(store, strategy_id)
-            by = f"conductor {who.owner}" if who.owner else "another conductor"
-            err_console.print(
-                f"stopped watching: strategy {strategy_id} is still {now}, driven by {by}",
-                highlight=False,
-            )
+            err_console.print(stopped_watching(store, strategy_id), highlight=False)
             raise typer.Exit(130)
+        now = queries.get_strategy(store, strategy_id)["state"]
         err_console.print(
             f"stopped: strategy {strategy_id} is still {now}"
             f"; leases handed back. Go on with 'fleetwave strategy apply {strategy_id} --wait' "

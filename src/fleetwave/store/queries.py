@@ -442,16 +442,7 @@ def _iter_steps(
     now = time.time()
     gone = _gone_conductors(store, now)
     for r in rows if limit is None else islice(rows, limit):
-        details = _shown_details(
-            r.state,
-            r.details,
-            r.owner,
-            r.lease_expires_at,
-            bool(r.not_started),
-            now,
-            gone,
-            r.attempt,
-        )
+        details = _shown_details(r, now, gone)
         yield {
             "step": r.id,
             "target": r.name,
@@ -471,19 +462,15 @@ def _gone_conductors(store: Store, now: float) -> frozenset[str]:
     return known.gone
 
 
-def _shown_details(
-    state: str,
-    details: str,
-    owner: str | None,
-    lease_until: float | None,
-    not_started: bool,
-    now: float,
-    gone: frozenset[str],
-    attempt: int = 1,
-) -> str:
-    """A step's details as shown: for one in its workflow's states with nothing to say
-    (a step whose conductor was interrupted showed nothing at all), or entered but not
-    started, what is happening to it and what comes next."""
+def _shown_details(r: Any, now: float, gone: frozenset[str]) -> str:
+    """A step's details as shown (``r``: its row): for one in its workflow's states with
+    nothing to say (a step whose conductor was interrupted showed nothing at all), or
+    entered but not started, what is happening to it and what comes next."""
+    state: str = r.state
+    details: str = r.details
+    owner: str | None = r.owner
+    lease_until: float | None = r.lease_expires_at
+    not_started, attempt = bool(r.not_started), int(r.attempt)
     if state == STEP_INITIAL or state in STEP_TERMINAL:
         return details
     resumes = "when a conductor drives the strategy again (serve, or strategy apply --wait)"
@@ -537,16 +524,7 @@ def get_step(store: Store, step_id: int) -> dict[str, Any]:
             "target": r.target,
             "stage": r.stage,
             "state": r.state,
-            "details": _shown_details(
-                r.state,
-                r.details,
-                r.owner,
-                r.lease_expires_at,
-                bool(r.not_started),
-                now,
-                gone,
-                r.attempt,
-            ),
+            "details": _shown_details(r, now, gone),
             "started_at": r.started_at,
             "finished_at": r.finished_at,
             "attempt": r.attempt,
