@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable
 
 import pytest
 from sqlalchemy import update
@@ -25,6 +24,7 @@ from fleetwave.store.callbacks import accept_callback, callback_outcomes
 from fleetwave.store.db import Store
 from fleetwave.store.schema import strategies
 from fleetwave.testing.invariants import check
+from test_pause import _until
 
 
 def test_clean_workflow_waits_for_agent_callbacks(store: Store) -> None:
@@ -214,13 +214,6 @@ def test_a_callback_handed_to_a_wait_that_then_failed_is_answered_with_why(
     assert cb["reason"] == (
         "its step's state ended first: wait: the action broke after the target called back"
     )
-
-
-async def _until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 def _waiting(store: Store, sid: int, state: str) -> int:
