@@ -230,8 +230,11 @@ def test_a_callback_for_a_strategy_aborted_before_it_started_is_answered(store: 
     sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
     (step,) = queries.list_steps(store, sid)
     accept_callback(store, step["step"], "wait-for-agent", "done", "agent up", 1.0)
-    admin.request_abort(store, sid)
+    # the caller is told it was never applied (aborted at once), and asking again is
+    # answered with the state it is in
+    assert admin.request_abort(store, sid) == "initial"
     assert queries.get_strategy(store, sid)["state"] == "aborted"
+    assert admin.request_abort(store, sid) == "aborted"
     outcomes = [(o["outcome"], o["reason"]) for o in callback_outcomes(store, sid)]
     assert all(o is not None and r for o, r in outcomes), outcomes
 

@@ -673,10 +673,7 @@ def strategy_abort(strategy_id: StrategyId, db: DbOpt = None) -> None:
     if before == StrategyState.ABORTED:
         console.print(f"strategy {strategy_id}: already aborted")
         return
-    if (
-        before is None
-        and queries.get_strategy(store, strategy_id)["state"] == StrategyState.ABORTED
-    ):
+    if before == StrategyState.INITIAL:
         # never applied: its steps were ended in the same transaction, nothing to wait for
         console.print(f"strategy {strategy_id}: aborted (it was never applied)")
         return

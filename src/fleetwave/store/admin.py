@@ -556,10 +556,11 @@ ABORT_UNDER_WAY = frozenset(
 
 
 def request_abort(store: Store, sid: int) -> str | None:
-    """Ask for the strategy's abort. None when this call asked for it; the state it is
-    in when an abort was asked for before (abort-requested, aborting, aborted): asking
-    twice is no error (a script, or two operators, may). Refused (Conflict) once it
-    ended otherwise (complete, failed) or is being deleted."""
+    """Ask for the strategy's abort. None when this call asked for it; ``initial`` when
+    it was never applied (this call aborted it and every step, at once); the state it
+    is in when an abort was asked for before (abort-requested, aborting, aborted):
+    asking twice is no error (a script, or two operators, may). Refused (Conflict) once
+    it ended otherwise (complete, failed) or is being deleted."""
     with store.write() as conn:
         state = _strategy_state(conn, sid)
         if state in ABORT_UNDER_WAY:
@@ -616,7 +617,7 @@ def request_abort(store: Store, sid: int) -> str | None:
                     processed_at=now,
                 )
             )
-            return None
+            return StrategyState.INITIAL.value
         if state not in (StrategyState.APPLYING, StrategyState.PAUSED):
             raise Conflict(
                 f"strategy {sid}: is {state}; only a strategy not yet ended can be aborted"
