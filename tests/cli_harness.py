@@ -85,6 +85,13 @@ def cli(db_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.M
     return run
 
 
+def as_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Print as to a terminal (drawn tables, "(none)"), without colour codes: the
+    harness captures output, which is otherwise printed as to a pipe."""
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")
+    monkeypatch.setenv("TERM", "dumb")
+
+
 def assert_rejected(res: Result, *words: str) -> None:
     """Exit code 2 and one 'error: ...' line on stderr naming every word."""
     assert res.code == 2, res.text

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from cli_harness import Cli, assert_rejected
+from cli_harness import Cli, as_terminal, assert_rejected
 
 FLEETWAVE = Path(sys.executable).with_name("fleetwave")
 
@@ -262,10 +262,14 @@ def test_duplicate_group_is_rejected(cli: Cli) -> None:
     assert groups(cli)["g"]["max_parallel"] == 4
 
 
-def test_group_list_when_empty(cli: Cli) -> None:
+def test_group_list_when_empty(cli: Cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    # piped: the header alone (a script counting rows counts none)
     res = cli("group", "list")
     assert res.code == 0
-    assert "(none)" in res.out
+    assert res.out.splitlines()[0].split() == ["name", "max_parallel", "apply_type", "targets"]
+    assert len(res.out.splitlines()) == 2
+    as_terminal(monkeypatch)  # on a terminal it says so
+    assert "(none)" in cli("group", "list").out
 
 
 # -- target import -------------------------------------------------------------------------
@@ -497,8 +501,9 @@ def test_a_long_list_prints_as_plain_columns_at_once(
 
     for name in ("alpha", "beta", "gamma-with-a-long-name"):
         assert cli("target", "add", name).code == 0
+    as_terminal(monkeypatch)
     small = cli("target", "list")
-    assert "┃" in small.out  # a few rows: a Rich table
+    assert "┃" in small.out  # a few rows, on a terminal: a Rich table
     monkeypatch.setattr(output, "PLAIN_ABOVE", 2)
     res = cli("target", "list")
     assert res.code == 0

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import update
 from sqlalchemy.exc import OperationalError
 
-from cli_harness import Cli, assert_rejected, one_line
+from cli_harness import Cli, as_terminal, assert_rejected, one_line
 from conftest import add_sim_targets, applied, on_virtual_time
 from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.registry import register_workflow
@@ -594,9 +594,12 @@ def test_bad_values_are_named_plainly(cli: Cli, args: tuple[str, ...], said: str
     assert one_line(res).startswith(said), res.err
 
 
-def test_strategy_list_shows_progress_and_who_drives_each(cli: Cli) -> None:
+def test_strategy_list_shows_progress_and_who_drives_each(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A rollout nobody drives listed exactly like a healthy one (its owner column named
     a dead conductor); the list now says how far each got and who drives it."""
+    as_terminal(monkeypatch)
     add(cli, "a", "b", latency_ms="60000")
     add(cli, "c")
     waiting = create(cli, "--targets", "a,b")
@@ -693,7 +696,7 @@ def test_ctrl_c_on_a_sim_sweep_keeps_the_runs_done(
     real = simcmd.run_simulation
     calls = {"n": 0}
 
-    def two_then_ctrl_c(config: object) -> object:
+    def two_then_ctrl_c(config: object, interrupt: object = None) -> object:
         calls["n"] += 1
         if calls["n"] == 3:
             raise KeyboardInterrupt

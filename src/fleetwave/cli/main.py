@@ -935,7 +935,13 @@ def serve(lease_ttl: LeaseTtlOpt = None, db: DbOpt = None) -> None:
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+#: the exit status when whoever read the output went away (``| head``): what a shell
+#: reports for a process that SIGPIPE ended (128 + 13)
+READER_GONE = 141
+
+
 def main() -> None:
+    _never_fail_to_print()
     level = os.environ.get("FLEETWAVE_LOG", "warning").strip().lower() or "warning"
     if level not in LOG_LEVELS:
         _fail(f"FLEETWAVE_LOG: unknown level '{level}' (choose one of {', '.join(LOG_LEVELS)})", 2)
@@ -947,6 +953,13 @@ def main() -> None:
         # Not standalone: bad usage (an unknown option or value) is reported below as
         # one line, like every other bad input, instead of in a boxed panel.
         code = app(standalone_mode=False)
+        sys.stdout.flush()  # here, not at exit, where a closed pipe could not be told
+    except BrokenPipeError:
+        _reader_gone()
+    except SystemExit:
+        if _stdout_closed_under_click():
+            _reader_gone()
+        raise
     except typer.TyperException as exc:  # usage: exit 2 (Click's code for bad usage)
         discard_created()
         _fail(_usage_problem(exc), exc.exit_code)
@@ -1018,6 +1031,31 @@ def _option_value(opts: list[str]) -> str | None:
             elif arg.startswith(opt + "="):
                 given = arg[len(opt) + 1 :]
     return given
+
+
+def _never_fail_to_print() -> None:
+    """A terminal or pipe whose encoding cannot show a name (``PYTHONIOENCODING=ascii``,
+    an old locale) gets it backslash-escaped, not a traceback: names may be in any
+    script."""
+    for stream in (sys.stdout, sys.stderr):
+        encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "")
+        reconfigure = getattr(stream, "reconfigure", None)
+        if encoding != "utf8" and reconfigure is not None:
+            reconfigure(errors="backslashreplace")
+
+
+def _stdout_closed_under_click() -> bool:
+    """Click answers a closed stdout (EPIPE) by wrapping the streams and exiting 1."""
+    return type(sys.stdout).__name__ == "PacifyFlushWrapper"
+
+
+def _reader_gone() -> None:
+    """The reader of stdout went away (``fleetwave target list | head -1``): no more
+    output, no message, exit 141, as for any command ended by SIGPIPE."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.__stdout__.fileno() if sys.__stdout__ is not None else 1)
+    os.close(devnull)
+    os._exit(READER_GONE)
 
 
 def _fail(message: str, code: int) -> None:

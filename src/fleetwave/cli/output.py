@@ -91,6 +91,13 @@ def emit_rows(
     if fmt is Format.json:
         _json_rows(it)
         return
+    if not console.is_terminal:
+        # Piped or redirected: plain columns, one line per row whatever the width (a
+        # drawn table wrapped long cells over several lines, and changed its shape with
+        # $COLUMNS and the data): grep and awk see whole rows. No "(none)" line either:
+        # no rows is a header alone.
+        _plain_rows(it, read, columns, title)
+        return
     head = list(islice(it, PLAIN_ABOVE + 1))
     if len(head) > PLAIN_ABOVE:
         _plain_rows(chain(head, it), read, columns, title)
@@ -210,6 +217,23 @@ def emit_one(obj: dict[str, Any], fmt: Format) -> None:
     if fmt is Format.json:
         print_json(obj)
         return
+    if not console.is_terminal:
+        # piped: one "field  value" line each, never wrapped (as emit_rows' plain rows)
+        fields = [
+            (key, _plain_cells({key: value}, [key])[0])
+            for key, value in obj.items()
+            if not (isinstance(value, list) and value and isinstance(value[0], dict))
+        ]
+        width = max((_width(key) for key, _ in fields), default=0)
+        sys.stdout.write("".join(_line([k, v], [width, 0]) + "\n" for k, v in fields))
+    else:
+        _boxed_fields(obj)
+    for key, value in obj.items():
+        if isinstance(value, list) and value and isinstance(value[0], dict):
+            emit_rows(value, list(value[0].keys()), fmt, title=key)
+
+
+def _boxed_fields(obj: dict[str, Any]) -> None:
     table = Table(show_header=False)
     table.add_column("field", style="bold", no_wrap=True)
     table.add_column("value", overflow="fold")
@@ -218,6 +242,3 @@ def emit_one(obj: dict[str, Any], fmt: Format) -> None:
             continue
         table.add_row(key, _cell(key, value))
     console.print(table, soft_wrap=False)  # a drawn table: its title centred
-    for key, value in obj.items():
-        if isinstance(value, list) and value and isinstance(value[0], dict):
-            emit_rows(value, list(value[0].keys()), fmt, title=key)

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import logging
 import shlex
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Annotated
 
 import typer
@@ -14,7 +18,7 @@ from fleetwave.cli.output import Format, console, err_console, print_json
 from fleetwave.domain.errors import InputError
 from fleetwave.domain.models import plural
 from fleetwave.domain.registry import get_workflow
-from fleetwave.testing.simulate import FAULTS, SimConfig, parse_faults, run_simulation
+from fleetwave.testing.simulate import FAULTS, Interrupt, SimConfig, parse_faults, run_simulation
 
 
 def sim_command(
@@ -61,10 +65,34 @@ def sim_command(
     level = engine_log.level
     if not verbose:
         engine_log.setLevel(logging.CRITICAL)
+    interrupt = Interrupt()
     try:
-        _sweep(seed, runs, targets, workflow, faults, chosen, keep_db, fmt, verbose)
+        with _interrupted_by_signals(interrupt):
+            _sweep(seed, runs, targets, workflow, faults, chosen, keep_db, fmt, verbose, interrupt)
     finally:
         engine_log.setLevel(level)  # as it was (the command may run in a test's process)
+
+
+@contextmanager
+def _interrupted_by_signals(interrupt: Interrupt) -> Iterator[None]:
+    """Ctrl-C, SIGTERM (a CI job's timeout) and SIGHUP (a closed terminal) stop the
+    sweep: the run going on is cut short, the runs done so far are printed with how to
+    go on, exit 130. As for ``demo`` and ``apply --wait``, also a SIGINT ignored when the
+    process started (a background job of a script); a SIGHUP ignored then (``nohup``)
+    stays ignored."""
+    signals = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signals.append(signal.SIGHUP)
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        interrupt.request()
+
+    before = {sig: signal.signal(sig, handler) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, previous in before.items():
+            signal.signal(sig, previous)
 
 
 def _sweep(
@@ -77,6 +105,7 @@ def _sweep(
     keep_db: Path | None,
     fmt: Format,
     verbose: bool,
+    interrupt: Interrupt | None = None,
 ) -> None:
     """The runs, one seed after the other; what ``sim_command`` prints and exits with."""
     failed: list[int] = []
@@ -87,7 +116,8 @@ def _sweep(
             res = run_simulation(
                 SimConfig(
                     seed=s, targets=targets, workflow=workflow, faults=chosen, keep_db=keep_db
-                )
+                ),
+                interrupt,
             )
             results.append(res)
             if fmt is Format.table:

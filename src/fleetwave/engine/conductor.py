@@ -188,7 +188,9 @@ class EngineConfig:
     recover_grace_s: float = 30.0
     #: after loading a strategy, move what is loaded out of the collector's sight
     #: (gc.freeze): full collections otherwise rescan every loaded step, pausing
-    #: dispatch for 50-200 ms at a time, while they find almost nothing to free
+    #: dispatch for 50-200 ms at a time, while they find almost nothing to free. Given
+    #: back to the collector when a strategy ends and when the conductor stops (what
+    #: a freeze holds is never freed otherwise, if it is part of a reference cycle)
     gc_freeze: bool = True
     #: False makes a stalled conductor (a long GC pause, SIGSTOP, a partition from the
     #: database): it keeps running but stops renewing its leases. For fault injection.
@@ -276,6 +278,11 @@ class Conductor:
         #: queued (one stored before a takeover is handed to its wait first)
         self._ending_waits: list[InFlight] = []
         self._lease_watch: asyncio.TimerHandle | None = None
+        #: this conductor's gc.freeze is in force; or was lifted while other strategies
+        #: go on, to be made again after the next full collection (the count of full
+        #: collections when it was lifted)
+        self._frozen = False
+        self._refreeze_after: int | None = None
         #: the database file's identity when :meth:`run` began (see StoreReplaced)
         self._db_identity: tuple[int, int] | None = None
         #: the stop asked of :meth:`run` (a store call riding out an outage gives up)
@@ -476,7 +483,37 @@ class Conductor:
                 held = [i for run in self.runs.values() for i in run.inflight]
                 await self._io(rt.release_conductor, self.store, self.id, self._NOW, held)
             self._writer.close()
+            self._thaw(refreeze=False)
         return self.finished
+
+    # -- the garbage collector ------------------------------------------------------------
+
+    def _freeze(self) -> None:
+        """Move what is loaded now out of the collector's sight (``gc_freeze``)."""
+        if self.config.gc_freeze:
+            gc.freeze()
+            self._frozen, self._refreeze_after = True, None
+
+    def _thaw(self, *, refreeze: bool) -> None:
+        """A strategy ended (or the conductor stops): give what the freeze holds back to
+        the collector, which frees what of it is garbage now (an ended strategy's steps,
+        a finished run's reference cycles: a freeze never frees them). ``refreeze``: other
+        strategies go on, so freeze again once a full collection has run (until then,
+        full collections rescan their steps)."""
+        if not self._frozen:
+            if not refreeze:
+                self._refreeze_after = None
+            return
+        gc.unfreeze()
+        self._frozen = False
+        self._refreeze_after = gc.get_stats()[2]["collections"] if refreeze else None
+
+    def _refreeze_if_collected(self) -> None:
+        if (
+            self._refreeze_after is not None
+            and gc.get_stats()[2]["collections"] > self._refreeze_after
+        ):
+            self._freeze()
 
     def _watch_leases(self) -> None:
         """Self-fencing, every tick: a strategy whose lease has not been renewed for most
@@ -527,6 +564,8 @@ class Conductor:
         self._fatal = exc or RuntimeError("periodic pass ended")
         if isinstance(exc, StoreReplaced):
             log.critical("%s", exc)
+        elif isinstance(exc, KeyboardInterrupt | SystemExit):
+            pass  # the process is interrupted (Ctrl-C in a sweep): whoever stops it says so
         elif isinstance(exc, StoreUnavailable):
             log.error("stopping during a database outage: %s", exc)
         else:
@@ -561,6 +600,7 @@ class Conductor:
         last_renew = asyncio.get_running_loop().time()
         while True:
             await asyncio.sleep(self.config.tick_s)
+            self._refreeze_if_collected()
             try:
                 # (no file to watch when it began: nothing to compare)
                 now_file = self.store.file_identity() if self._db_identity else None
@@ -1177,6 +1217,7 @@ class Conductor:
         run = self.runs.pop(sid, None)
         if run is None:
             return
+        self._thaw(refreeze=bool(self.runs))
         # Callbacks still queued for it stay seen (each is let go as it comes up, not
         # ours: posting it again on a claim back would apply it twice). The others were
         # handed to a wait, kept as early, or answered in a commit that may not happen:
@@ -1352,8 +1393,7 @@ class Conductor:
                 len(out) - recovering,
             )
         self.runs[rec.id] = run
-        if self.config.gc_freeze:
-            gc.freeze()
+        self._freeze()
         if run.stopping is None and rec.state == StrategyState.APPLYING and not lost:
             log.info("strategy %s: driving its waiting steps", rec.id)
         return out
@@ -1898,6 +1938,7 @@ class Conductor:
                 rt.end_strategy, self.store, run.id, self.id, final.value, details, self._NOW
             )
             del self.runs[run.id]
+            self._thaw(refreeze=bool(self.runs))
             self._callbacks_seen.pop(run.id, None)
             self.finished[run.id] = final.value if ok else "lost"
             for driver in self.drivers.values() if ok else ():

@@ -771,13 +771,51 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
     )
 
 
-def run_simulation(cfg: SimConfig) -> SimResult:
-    """Run one seed on a fresh virtual-time loop and database."""
+class Interrupt:
+    """Stops a sweep of runs from a signal handler, as ``asyncio.run`` handles Ctrl-C:
+    the run going on is cancelled and its tasks unwound (an exception raised at a
+    random point of the engine's tasks left the loop's tasks pending and logged
+    hundreds of errors), then :func:`run_simulation` raises ``KeyboardInterrupt``."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._cancel: Callable[[], None] | None = None
+
+    def request(self) -> None:
+        """Safe from a signal handler (the run's loop is woken through its self-pipe)."""
+        self.requested = True
+        if self._cancel is not None:
+            self._cancel()
+
+
+def run_simulation(cfg: SimConfig, interrupt: Interrupt | None = None) -> SimResult:
+    """Run one seed on a fresh virtual-time loop and database.
+
+    ``interrupt``: requested before or during the run, it raises ``KeyboardInterrupt``
+    once the run's tasks are cancelled and unwound."""
+    if interrupt is not None and interrupt.requested:
+        raise KeyboardInterrupt
     tmp = Path(tempfile.mkdtemp(prefix=f"fleetwave-sim-{cfg.seed}-"))
     db_path = cfg.keep_db or tmp / "sim.db"
     loop = VirtualTimeLoop()
+    main = loop.create_task(_simulate(cfg, db_path))
+    if interrupt is not None:
+
+        def cancel() -> None:
+            loop.call_soon_threadsafe(main.cancel)
+
+        interrupt._cancel = cancel
     try:
-        return loop.run_until_complete(_simulate(cfg, db_path))
+        return loop.run_until_complete(main)
+    except asyncio.CancelledError:
+        if interrupt is None or not interrupt.requested:
+            raise
+        left = asyncio.all_tasks(loop)
+        for task in left:
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        raise KeyboardInterrupt from None
     except (Livelock, Deadlock) as exc:
         return SimResult(
             seed=cfg.seed,
@@ -795,6 +833,8 @@ def run_simulation(cfg: SimConfig) -> SimResult:
             wall_s=0.0,
         )
     finally:
+        if interrupt is not None:
+            interrupt._cancel = None
         with contextlib.suppress(Livelock, Deadlock):
             loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()

@@ -1,0 +1,88 @@
+"""The CLI as scripts and pipelines use it: piped tables, a reader that goes away, a
+stdout that cannot show every name. From a scripting audit (session 12)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli_harness import Cli
+
+FLEETWAVE = [sys.executable, "-m", "fleetwave.cli.main"]
+
+
+def _run(
+    db: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*FLEETWAVE, *args, "--db", str(db)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_piped_tables_are_one_line_per_row_whatever_the_width(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Piped, a drawn table wrapped a long settings cell over two lines (grep saw half a
+    row) and changed its shape with $COLUMNS: now plain columns, a line per row."""
+    monkeypatch.setenv("COLUMNS", "40")
+    assert (
+        cli("target", "add", "t05", "--set", "flaky_rate=0.05", "--set", "latency_ms=250").code == 0
+    )
+    assert cli("target", "add", "t06").code == 0
+    lines = cli("target", "list").out.splitlines()
+    assert lines[0].split() == ["name", "group", "driver", "managed", "settings", "labels"]
+    assert set(lines[1]) <= {"-", " "}
+    assert len(lines) == 4  # header, rule, two rows
+    assert lines[2].split()[0] == "t05" and '"latency_ms": 250}' in lines[2]
+    assert not any(c in "".join(lines) for c in "┃│┏━")
+    shown = cli("target", "show", "t05").out.splitlines()
+    assert shown[0].split() == ["name", "t05"]
+    settings = next(line for line in shown if line.startswith("settings"))
+    assert settings.split(None, 1)[1] == '{"flaky_rate": 0.05, "latency_ms": 250}'
+
+
+def test_a_reader_that_goes_away_ends_the_command_with_141_and_no_message(
+    tmp_path: Path,
+) -> None:
+    """`fleetwave target list | head -1` exited 1 (Click's answer to EPIPE), which the
+    exit-code table says means "no" or "the database failed"; racy too (0 when the
+    output fit in the pipe). Now 141, as for any command SIGPIPE ends, and silent."""
+    db = tmp_path / "f.db"
+    rows = "name,driver\n" + "".join(f"t{i:05d},sim\n" for i in range(3000))
+    (tmp_path / "t.csv").write_text(rows, encoding="utf-8")
+    assert _run(db, "target", "import", str(tmp_path / "t.csv")).returncode == 0
+    for fmt in ("json", "table"):
+        proc = subprocess.Popen(
+            [*FLEETWAVE, "target", "list", "--format", fmt, "--db", str(db)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.readline()
+        proc.stdout.close()  # as `head -1` does
+        err = proc.stderr.read()
+        assert proc.wait(timeout=60) == 141, err
+        assert err == b"", err
+
+
+def test_a_stdout_that_cannot_show_a_name_gets_it_escaped_not_a_traceback(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "f.db"
+    assert _run(db, "target", "add", "ñandú").returncode == 0
+    for args in (("target", "list"), ("target", "show", "ñandú")):
+        res = _run(db, *args, env={"PYTHONIOENCODING": "ascii"})
+        assert res.returncode == 0, res.stderr
+        assert "Traceback" not in res.stderr
+        assert "\\xf1and\\xfa" in res.stdout
+    listed = _run(db, "target", "list", "--format", "json", env={"PYTHONIOENCODING": "ascii"})
+    assert json.loads(listed.stdout)[0]["name"] == "ñandú"

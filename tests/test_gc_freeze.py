@@ -1,0 +1,94 @@
+"""The conductor's gc.freeze (full collections would rescan every loaded step) must not
+keep what it froze for ever: a frozen object in a reference cycle is never freed, so a
+`serve` that drove strategy after strategy, or `fleetwave sim --runs N`, grew without
+bound (about 1.3 MB a run of 40 targets)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import Iterator
+
+import pytest
+
+from conftest import add_sim_targets, rollout
+from fleetwave import ActionContext, Advance, Outcome, StateAction
+from fleetwave.domain.models import StrategyOptions
+from fleetwave.domain.registry import register_workflow
+from fleetwave.domain.workflow import StateDef, WorkflowDef
+from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.store import admin
+from fleetwave.store.db import Store
+
+
+@pytest.fixture(autouse=True)
+def nothing_frozen_before() -> Iterator[None]:
+    gc.unfreeze()  # whatever an earlier test left frozen
+    yield
+    gc.unfreeze()
+
+
+class Observe(StateAction):
+    """Records how many objects are frozen while it runs; waits for ``release`` when
+    its target's name says so."""
+
+    frozen_seen: list[int] = []
+    release: asyncio.Event | None = None
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        Observe.frozen_seen.append(gc.get_freeze_count())
+        if ctx.target.name.startswith("slow") and Observe.release is not None:
+            await Observe.release.wait()
+        return Advance()
+
+
+WF = WorkflowDef("observe-gc", (StateDef("look", Observe()),))
+register_workflow(WF, replace=True)  # a conductor drives registered Python workflows
+
+
+def test_a_conductor_leaves_nothing_frozen_when_it_ends(store: Store) -> None:
+    add_sim_targets(store, 5)
+    Observe.frozen_seen = []
+    _, final, _ = rollout(store, WF, max_parallel=2)
+    assert final == "complete"
+    assert Observe.frozen_seen and min(Observe.frozen_seen) > 0  # frozen while it ran
+    assert gc.get_freeze_count() == 0  # given back when it ended
+
+
+def test_a_strategy_ending_gives_back_what_was_frozen_and_the_rest_is_frozen_again(
+    store: Store,
+) -> None:
+    add_sim_targets(store, 2, prefix="fast")
+    fast = admin.create_strategy(
+        store, WF, StrategyOptions(), target_names=["fast00000", "fast00001"]
+    )
+    add_sim_targets(store, 1, prefix="slow")
+    slow = admin.create_strategy(store, WF, StrategyOptions(), target_names=["slow00000"])
+    admin.apply_strategy(store, fast)
+    admin.apply_strategy(store, slow)
+    Observe.frozen_seen = []
+    conductor = Conductor(store, config=EngineConfig(tick_s=0.02))
+    seen: dict[str, int] = {}
+
+    async def main() -> dict[int, str]:
+        Observe.release = asyncio.Event()
+        task = asyncio.create_task(conductor.run(strategy_ids=[fast, slow]))
+        for _ in range(500):  # the fast strategy ends while the slow one waits
+            await asyncio.sleep(0.01)
+            if conductor.finished.get(fast) == "complete":
+                break
+        seen["after the fast one ended"] = gc.get_freeze_count()
+        gc.collect()  # the full collection it waits for before freezing again
+        await asyncio.sleep(0.1)  # a few ticks
+        seen["after a full collection"] = gc.get_freeze_count()
+        Observe.release.set()
+        return await task
+
+    try:
+        final = asyncio.run(main())
+    finally:
+        Observe.release = None
+    assert final == {fast: "complete", slow: "complete"}
+    assert seen["after the fast one ended"] == 0
+    assert seen["after a full collection"] > 0  # the slow one's steps, out of sight again
+    assert gc.get_freeze_count() == 0
