@@ -488,7 +488,10 @@ def test_console_script_turns_bad_input_into_one_error_line_and_exit_2(
     )
     assert dup.returncode == 2
     assert dup.stdout == ""
-    assert dup.stderr == "error: target s1: already exists\n"
+    assert dup.stderr == (
+        "error: target s1: already exists with another definition "
+        '(settings: {} stored, {"latency_ms": 3} given)\n'
+    )
     assert targets(cli) == before
 
 

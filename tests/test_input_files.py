@@ -171,19 +171,57 @@ def test_unknown_group_names_the_csv_line(cli: Cli, tmp_path: Path) -> None:
 
 def test_existing_target_names_the_line_of_the_first_clash(cli: Cli, tmp_path: Path) -> None:
     for name in ("sc-001", "sc-003"):
-        assert cli("target", "add", name).code == 0
+        assert cli("target", "add", name, "--set", "latency_ms=5").code == 0
     before = targets(cli)
     f = tmp_path / "fleet.csv"
     f.write_text("name\nnew1\nsc-003\nsc-001\n", encoding="utf-8")
     line = one_line(cli("target", "import", str(f)))
-    assert line == f"error: {f} line 3: target sc-003: already exists and 1 more"
+    differs = 'another definition (settings: {"latency_ms": 5} stored, {} given)'
+    assert line == f"error: {f} line 3: target sc-003: already exists with {differs} and 1 more"
     y = tmp_path / "fleet.yaml"
     y.write_text("- name: new1\n- name: sc-001\n", encoding="utf-8")
     line = one_line(cli("target", "import", str(y)))
-    assert line == f"error: {y} targets[1]: target sc-001: already exists"
+    assert line == f"error: {y} targets[1]: target sc-001: already exists with {differs}"
     assert targets(cli) == before
     # target add keeps its own message (no file)
-    assert one_line(cli("target", "add", "sc-001")) == "error: target sc-001: already exists"
+    assert one_line(cli("target", "add", "sc-001")) == (
+        f"error: target sc-001: already exists with {differs}"
+    )
+
+
+def test_an_inventory_imported_again_adds_what_is_new_and_leaves_the_rest(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """A script that imports its inventory again (grown by a few rows) was refused
+    ("already exists", exit 2, the same code as a typo): the same definition again is
+    left as it is, and only another definition is refused. So for `target add` and
+    `group add` run twice. Whether a target is managed is the operator's, not compared."""
+    assert cli("group", "add", "east", "--max-parallel", "5").code == 0
+    again = cli("group", "add", "east", "--max-parallel", "5")
+    assert (again.code, again.out) == (0, "group east already exists, unchanged\n")
+    assert one_line(cli("group", "add", "east", "--max-parallel", "4")) == (
+        "error: group 'east' already exists with other settings (max-parallel 5 stored, "
+        "4 given); a group's settings cannot be changed"
+    )
+    f = tmp_path / "fleet.csv"
+    f.write_text("name,group,latency_ms\nb,east,7\nc,east,7\n", encoding="utf-8")
+    assert cli("target", "import", str(f)).out == f"2 targets imported from {f}\n"
+    assert cli("target", "unmanage", "b").code == 0  # an operator's, during an incident
+    f.write_text("name,group,latency_ms\nb,east,7\nc,east,7\nd,,1\n", encoding="utf-8")
+    res = cli("target", "import", str(f))
+    assert (res.code, res.out) == (0, f"1 target imported from {f}; 2 already there, unchanged\n")
+    listed = targets(cli)
+    assert sorted(listed) == ["b", "c", "d"]
+    assert listed["b"]["managed"] is False  # left as the operator set it
+    before = targets(cli)
+    f.write_text("name,group,latency_ms\nb,east,7\nc,,7\ne,,1\n", encoding="utf-8")
+    assert one_line(cli("target", "import", str(f))) == (
+        f"error: {f} line 3: target c: already exists with another definition "
+        "(group: east stored, none given)"
+    )
+    assert targets(cli) == before  # nothing written, not even e
+    res = cli("target", "add", "d", "--set", "latency_ms=1")
+    assert (res.code, res.out) == (0, "target d already exists, unchanged\n")
 
 
 @pytest.mark.parametrize(

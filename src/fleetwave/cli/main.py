@@ -169,16 +169,22 @@ def target_add(
         managed=not unmanaged,
     )
     check_target(t, f"target {name}")
-    admin.add_targets(store_for(db), [t])
-    console.print(f"target {name} added")
+    if admin.ensure_targets(store_for(db), [t]):
+        console.print(f"target {name} added")
+    else:
+        console.print(f"target {name} already exists, unchanged")
 
 
 @target_app.command("import")
 def target_import(file: Path, db: DbOpt = None) -> None:
     """Add targets from CSV (name,group,driver,<settings...>) or YAML, in one transaction."""
     items = targets_from_file(file)
-    n = admin.add_targets(store_for(db), items)
-    console.print(f"{n} target{'' if n == 1 else 's'} imported from {file}")
+    n = admin.ensure_targets(store_for(db), items)
+    same = len(items) - n
+    console.print(
+        f"{n} target{'' if n == 1 else 's'} imported from {file}"
+        + (f"; {same} already there, unchanged" if same else "")
+    )
 
 
 @target_app.command("list")
@@ -259,8 +265,10 @@ def group_add(
 ) -> None:
     """Add a group."""
     parallel = _parallel(max_parallel, apply_type, "group")
-    admin.add_group(store_for(db), Group(name, parallel, apply_type))
-    console.print(f"group {name} added")
+    if admin.ensure_group(store_for(db), Group(name, parallel, apply_type)):
+        console.print(f"group {name} added")
+    else:
+        console.print(f"group {name} already exists, unchanged")
 
 
 @group_app.command("list")

@@ -54,14 +54,44 @@ def _now() -> float:
 
 
 def add_group(store: Store, group: Group) -> int:
+    return _add_group(store, group, existing_ok=False)[0]
+
+
+def ensure_group(store: Store, group: Group) -> bool:
+    """Add the group; False when it is there already with the same settings (a script
+    run again). Refused (Conflict) when it is there with other settings."""
+    return _add_group(store, group, existing_ok=True)[1]
+
+
+def _add_group(store: Store, group: Group, *, existing_ok: bool) -> tuple[int, bool]:
     problem = name_problem(group.name)
     if problem:
         raise InputError(f"group name: {problem}")
     if group.max_parallel < 1:
         raise InputError(f"--max-parallel: must be at least 1, got {group.max_parallel}")
     with store.write() as conn:
-        if conn.execute(select(groups.c.id).where(groups.c.name == group.name)).first():
-            raise Conflict(f"group '{group.name}' already exists")
+        there = conn.execute(
+            select(groups.c.id, groups.c.max_parallel, groups.c.apply_type).where(
+                groups.c.name == group.name
+            )
+        ).first()
+        if there is not None:
+            other = [
+                f"{field} {stored} stored, {given} given"
+                for field, stored, given in (
+                    ("max-parallel", there.max_parallel, group.max_parallel),
+                    ("apply-type", there.apply_type, group.apply_type.value),
+                )
+                if stored != given
+            ]
+            if other:
+                raise Conflict(
+                    f"group '{group.name}' already exists with other settings "
+                    f"({'; '.join(other)}); a group's settings cannot be changed"
+                )
+            if not existing_ok:
+                raise Conflict(f"group '{group.name}' already exists")
+            return int(there.id), False
         res = conn.execute(
             insert(groups).values(
                 name=group.name,
@@ -69,7 +99,7 @@ def add_group(store: Store, group: Group) -> int:
                 apply_type=group.apply_type.value,
             )
         )
-        return int(res.inserted_primary_key[0])  # type: ignore[index]
+        return int(res.inserted_primary_key[0]), True  # type: ignore[index]
 
 
 def _group_ids(conn: Connection) -> dict[str, int]:
@@ -95,6 +125,21 @@ def add_targets(store: Store, items: Sequence[Target], *, origins: Sequence[str]
     ``origins`` (or a :class:`TargetBatch`'s own): where each item came from, for the
     errors. New names must follow the name rule (:data:`~fleetwave.domain.models.NAME_RULE`).
     """
+    return _add_targets(store, items, origins=origins, existing_ok=False)
+
+
+def ensure_targets(store: Store, items: Sequence[Target], *, origins: Sequence[str] = ()) -> int:
+    """As :func:`add_targets`, but a target already there with the same group, driver,
+    settings and labels is left as it is (an inventory imported again, grown): how many
+    were added. One there with another definition is refused, and nothing is written.
+    Whether it is managed is not compared: that is the operator's to change (``target
+    manage|unmanage``), not the inventory's."""
+    return _add_targets(store, items, origins=origins, existing_ok=True)
+
+
+def _add_targets(
+    store: Store, items: Sequence[Target], *, origins: Sequence[str], existing_ok: bool
+) -> int:
     if not items:
         raise InputError("no targets given")
     if not origins and isinstance(items, TargetBatch):
@@ -135,10 +180,15 @@ def add_targets(store: Store, items: Sequence[Target], *, origins: Sequence[str]
                 r[0] for r in conn.execute(select(targets.c.name).where(targets.c.name.in_(chunk)))
             ]
         if existing:
-            more = f" and {len(existing) - 1} more" if len(existing) > 1 else ""
-            pos = {n: i for i, n in enumerate(names)}
-            first = min(pos[n] for n in existing)  # the first in the input's order
-            raise Conflict(f"{at(first)}target {names[first]}: already exists{more}")
+            refused = _clashes(conn, items, existing, existing_ok)
+            if refused:
+                more = f" and {len(refused) - 1} more" if len(refused) > 1 else ""
+                first, why = refused[0]  # the first in the input's order
+                raise Conflict(f"{at(first)}target {names[first]}: already exists{why}{more}")
+            there = set(existing)
+            items = [t for t in items if t.name not in there]
+            if not items:
+                return 0
         conn.execute(
             insert(targets),
             [
@@ -155,6 +205,55 @@ def add_targets(store: Store, items: Sequence[Target], *, origins: Sequence[str]
             ],
         )
     return len(items)
+
+
+def _clashes(
+    conn: Connection, items: Sequence[Target], existing: list[str], existing_ok: bool
+) -> list[tuple[int, str]]:
+    """The items that may not be added over a target of the same name, in input order,
+    with what differs (empty: it is there; ``existing_ok`` lets the same one through)."""
+    stored: dict[str, tuple[str | None, str, str, str]] = {}
+    for start in range(0, len(existing), 500):
+        rows = conn.execute(
+            select(
+                targets.c.name,
+                groups.c.name,
+                targets.c.driver,
+                targets.c.settings,
+                targets.c.labels,
+            )
+            .select_from(targets.outerjoin(groups, groups.c.id == targets.c.group_id))
+            .where(targets.c.name.in_(existing[start : start + 500]))
+        )
+        for name, group, driver, settings, labels in rows:
+            stored[name] = (group, driver, settings, labels)
+    out: list[tuple[int, str]] = []
+    for i, t in enumerate(items):
+        there = stored.get(t.name)
+        if there is None:
+            continue
+        given = (
+            t.group,
+            t.driver,
+            json.dumps(t.settings, sort_keys=True),
+            json.dumps(t.labels, sort_keys=True),
+        )
+        other = [
+            f"{field}: {_shown_value(a)} stored, {_shown_value(b)} given"
+            for field, a, b in zip(
+                ("group", "driver", "settings", "labels"), there, given, strict=True
+            )
+            if a != b
+        ]
+        if other:
+            out.append((i, f" with another definition ({'; '.join(other)})"))
+        elif not existing_ok:
+            out.append((i, ""))
+    return out
+
+
+def _shown_value(value: str | None) -> str:
+    return "none" if value is None else value
 
 
 def _target_id(conn: Connection, name: str) -> int:
