@@ -86,3 +86,39 @@ def test_a_stdout_that_cannot_show_a_name_gets_it_escaped_not_a_traceback(
         assert "\\xf1and\\xfa" in res.stdout
     listed = _run(db, "target", "list", "--format", "json", env={"PYTHONIOENCODING": "ascii"})
     assert json.loads(listed.stdout)[0]["name"] == "ñandú"
+
+
+def test_output_printed_by_rich_also_ends_with_141_when_the_reader_goes_away() -> None:
+    """Rich answered a closed pipe itself, with exit 1 (the sim's lines, messages)."""
+    proc = subprocess.Popen(
+        [*FLEETWAVE, "sim", "--runs", "20", "--targets", "40"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == b"", err
+
+
+def test_a_closed_stdout_does_not_fail_a_command_that_did_its_work(tmp_path: Path) -> None:
+    """`fleetwave target add x >&-` (cron, some daemons): Python has no stdout then."""
+    db = tmp_path / "f.db"
+    for args in (
+        ("target", "add", "x"),
+        ("target", "list"),
+        ("target", "list", "--format", "json"),
+    ):
+        res = subprocess.run(
+            [*FLEETWAVE, *args, "--db", str(db)],
+            capture_output=False,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            preexec_fn=lambda: os.close(1),
+        )
+        assert res.returncode == 0, res.stderr
+        assert res.stderr == "", res.stderr
+    assert json.loads(_run(db, "target", "list", "--format", "json").stdout)[0]["name"] == "x"

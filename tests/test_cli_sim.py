@@ -55,22 +55,44 @@ def test_a_signal_stops_a_sweep_with_the_runs_done_and_one_line(sig: signal.Sign
     """SIGTERM (a CI job's timeout) and SIGHUP exited 143 and 129 with nothing printed;
     raised at random points of the engine's tasks, an interrupt logged a CRITICAL line
     (or hundreds of asyncio errors). Now each stops the sweep as the README says: the
-    runs done as JSON, one line on stderr saying how to go on, exit 130. SIGINT too
-    when the process started with it ignored (a script's background job)."""
+    runs done, one line on stderr saying how to go on, exit 130. SIGINT too when the
+    process started with it ignored (a script's background job)."""
     proc = subprocess.Popen(
-        [*FLEETWAVE, "sim", "--runs", "100", "--targets", "300", "--format", "json"],
+        [*FLEETWAVE, "sim", "--runs", "100", "--targets", "300"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         # as a non-interactive shell starts a background job: SIGINT ignored
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
-    time.sleep(4)  # started, and into its runs
+    assert proc.stdout is not None
+    first = proc.stdout.readline()  # a run done: the handlers are in place
+    assert first.startswith("seed 1: ok"), first
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
-    done = json.loads(out)
+    done = 1 + sum(1 for line in out.splitlines() if line.startswith("seed "))
     assert err.count("\n") == 1, err
-    assert err.startswith(f"interrupted after {len(done)} finished run"), err
-    cut = len(done) + 1
+    assert err.startswith(f"interrupted after {done} finished run"), err
+    cut = done + 1
     assert f"seed {cut} was cut short. Go on with: fleetwave sim --seed {cut} " in err, err
+
+
+def test_a_sweep_interrupted_in_its_last_run_is_cut_short_not_reported_ok() -> None:
+    """An interrupt cancelled the run's main task while it awaited its conductor: the
+    simulator took that for a crash, started another conductor, and reported the run
+    (wrongly) as ok; a single-run or last-run sweep exited 0."""
+    import threading
+
+    from fleetwave.testing.simulate import Interrupt, SimConfig, run_simulation
+
+    interrupt = Interrupt()
+    timer = threading.Timer(1.5, interrupt.request)  # as a signal handler would, mid-run
+    timer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_simulation(SimConfig(seed=2, targets=5000), interrupt)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - started < 6  # the whole run takes several times that

@@ -92,3 +92,19 @@ def test_a_strategy_ending_gives_back_what_was_frozen_and_the_rest_is_frozen_aga
     assert seen["after the fast one ended"] == 0
     assert seen["after a full collection"] > 0  # the slow one's steps, out of sight again
     assert gc.get_freeze_count() == 0
+
+
+def test_one_conductor_lifting_the_freeze_makes_the_others_freeze_again(store: Store) -> None:
+    """gc.freeze is the process's: a conductor that lifted it (its strategy ended)
+    lifted it for another in the same process (a simulator's, a test's), which then
+    believed itself frozen and never froze again."""
+    a, b = Conductor(store), Conductor(store)
+    a._freeze()
+    b._freeze()
+    assert gc.get_freeze_count() > 0
+    a._thaw(refreeze=False)
+    assert gc.get_freeze_count() == 0
+    assert a._refreeze_after is None  # a is done
+    assert b._refreeze_after is not None  # b freezes again after the next full collection
+    b._thaw(refreeze=False)  # b stops: nothing left to do
+    assert b._refreeze_after is None

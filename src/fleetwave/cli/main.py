@@ -1044,7 +1044,12 @@ def _option_value(opts: list[str]) -> str | None:
 def _never_fail_to_print() -> None:
     """A terminal or pipe whose encoding cannot show a name (``PYTHONIOENCODING=ascii``,
     an old locale) gets it backslash-escaped, not a traceback: names may be in any
-    script."""
+    script. A closed stdout or stderr (``>&-``: Python then has none) swallows what is
+    printed, as before, instead of failing the command after its work is done."""
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 (for the process)
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
     for stream in (sys.stdout, sys.stderr):
         encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "")
         reconfigure = getattr(stream, "reconfigure", None)

@@ -16,13 +16,22 @@ from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 
+
 # A message is one line however long (the terminal wraps it on screen; a pipe, grep or
 # a log keeps it whole): Rich would break it at 80 columns when not writing to a
 # terminal. Tables are still drawn to the width.
 # No markup unless a call asks for it: what is printed, table cells too, holds
 # operators' and targets' text (a message with "[/tmp/sock]" made Rich fail).
-console = Console(soft_wrap=True, markup=False)
-err_console = Console(stderr=True, soft_wrap=True, markup=False)
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """The reader went away: as for a plain write (Rich's own answer exits 1, which
+        the exit codes keep for "no"); ``main`` exits 141."""
+        self.quiet = True
+        raise BrokenPipeError
+
+
+console = _Console(soft_wrap=True, markup=False)
+err_console = _Console(stderr=True, soft_wrap=True, markup=False)
 
 
 class ConsoleLogHandler(logging.Handler):

@@ -32,6 +32,7 @@ import logging
 import math
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, ParamSpec, TypeVar
@@ -93,6 +94,11 @@ R = TypeVar("R")
 
 #: what :meth:`Conductor.run` says of a strategy whose workflow this process lacks
 NOT_DRIVABLE_HERE = "not-drivable-here"
+
+
+#: the conductors of this process whose gc.freeze is in force: a freeze is the
+#: process's, so one conductor lifting it lifts it for all of them
+_FREEZERS: weakref.WeakSet[Conductor] = weakref.WeakSet()
 
 
 class _StateDeadline(TimeoutError):
@@ -475,6 +481,8 @@ class Conductor:
                 await asyncio.gather(periodic, return_exceptions=True)
             clean = True
         finally:
+            # first: what follows may raise (a stop during an outage), or be cancelled
+            self._thaw(refreeze=False)
             if self._lease_watch is not None:
                 self._lease_watch.cancel()
                 self._lease_watch = None
@@ -483,7 +491,6 @@ class Conductor:
                 held = [i for run in self.runs.values() for i in run.inflight]
                 await self._io(rt.release_conductor, self.store, self.id, self._NOW, held)
             self._writer.close()
-            self._thaw(refreeze=False)
         return self.finished
 
     # -- the garbage collector ------------------------------------------------------------
@@ -493,27 +500,36 @@ class Conductor:
         if self.config.gc_freeze:
             gc.freeze()
             self._frozen, self._refreeze_after = True, None
+            _FREEZERS.add(self)
 
     def _thaw(self, *, refreeze: bool) -> None:
         """A strategy ended (or the conductor stops): give what the freeze holds back to
         the collector, which frees what of it is garbage now (an ended strategy's steps,
         a finished run's reference cycles: a freeze never frees them). ``refreeze``: other
         strategies go on, so freeze again once a full collection has run (until then,
-        full collections rescan their steps)."""
+        full collections rescan their steps). The freeze is the process's: the other
+        conductors that froze (a simulator's, tests') freeze again then too."""
         if not self._frozen:
             if not refreeze:
                 self._refreeze_after = None
             return
         gc.unfreeze()
+        collections = gc.get_stats()[2]["collections"]
         self._frozen = False
-        self._refreeze_after = gc.get_stats()[2]["collections"] if refreeze else None
+        self._refreeze_after = collections if refreeze else None
+        _FREEZERS.discard(self)
+        for other in list(_FREEZERS):
+            other._frozen, other._refreeze_after = False, collections
+            _FREEZERS.discard(other)
 
     def _refreeze_if_collected(self) -> None:
         if (
             self._refreeze_after is not None
             and gc.get_stats()[2]["collections"] > self._refreeze_after
         ):
-            self._freeze()
+            self._refreeze_after = None
+            if self.runs:
+                self._freeze()
 
     def _watch_leases(self) -> None:
         """Self-fencing, every tick: a strategy whose lease has not been renewed for most

@@ -703,6 +703,9 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
             result = await task
             state = result.get(sid, "unknown")
         except (SimulatedCrash, asyncio.CancelledError, StoreUnavailable):
+            me = asyncio.current_task()
+            if me is not None and me.cancelling():
+                raise  # the run itself is cancelled (an interrupted sweep): no crash
             # (StoreUnavailable: stopped during an outage without handing its leases
             # back; as with a crash, the next conductor takes over once they run out)
             crashes += 1
@@ -788,6 +791,16 @@ class Interrupt:
             self._cancel()
 
 
+def _unwind(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel every task left on ``loop`` and let them finish (as ``asyncio.run`` does)."""
+    left = asyncio.all_tasks(loop)
+    for task in left:
+        task.cancel()
+    if left:
+        with contextlib.suppress(BaseException):
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+
+
 def run_simulation(cfg: SimConfig, interrupt: Interrupt | None = None) -> SimResult:
     """Run one seed on a fresh virtual-time loop and database.
 
@@ -805,16 +818,19 @@ def run_simulation(cfg: SimConfig, interrupt: Interrupt | None = None) -> SimRes
             loop.call_soon_threadsafe(main.cancel)
 
         interrupt._cancel = cancel
+        if interrupt.requested:  # asked for while this run was being set up
+            main.cancel()
     try:
-        return loop.run_until_complete(main)
+        result = loop.run_until_complete(main)
+        if interrupt is not None and interrupt.requested:
+            # asked for as the run was ending: its result may be cut short, not kept
+            _unwind(loop)
+            raise KeyboardInterrupt
+        return result
     except asyncio.CancelledError:
         if interrupt is None or not interrupt.requested:
             raise
-        left = asyncio.all_tasks(loop)
-        for task in left:
-            task.cancel()
-        with contextlib.suppress(BaseException):
-            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        _unwind(loop)
         raise KeyboardInterrupt from None
     except (Livelock, Deadlock) as exc:
         return SimResult(
