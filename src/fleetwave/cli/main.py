@@ -603,7 +603,8 @@ def strategy_apply(
         else:
             said = "nothing drives it yet"
         if fmt is Format.json:
-            print_json({"id": strategy_id, "state": now.split(" ")[0], "driven_by": said})
+            # driven_by as `strategy show --format json` says it, word for word
+            print_json({"id": strategy_id, "state": now.split(" ")[0], "driven_by": who.text})
         else:
             console.print(f"strategy {strategy_id} {now}; {said}")
         if who.owner is None and who.claimer is None:
