@@ -122,3 +122,56 @@ def test_a_closed_stdout_does_not_fail_a_command_that_did_its_work(tmp_path: Pat
         assert res.returncode == 0, res.stderr
         assert res.stderr == "", res.stderr
     assert json.loads(_run(db, "target", "list", "--format", "json").stdout)[0]["name"] == "x"
+
+
+def test_commands_that_change_something_answer_in_json(cli: Cli, tmp_path: Path) -> None:
+    """A script had to parse sentences to tell 'added' from 'already there', or an abort
+    asked now from one asked before."""
+
+    def answer(*args: str) -> object:
+        res = cli(*args, "--format", "json")
+        assert res.code == 0, res.text
+        return res.json()
+
+    assert answer("group", "add", "east") == {"name": "east", "added": True}
+    assert answer("group", "add", "east") == {"name": "east", "added": False}
+    assert answer("target", "add", "a", "--group", "east") == {"name": "a", "added": True}
+    assert answer("target", "add", "a", "--group", "east") == {"name": "a", "added": False}
+    f = tmp_path / "fleet.csv"
+    f.write_text("name,group\na,east\nb,east\n", encoding="utf-8")
+    assert answer("target", "import", str(f)) == {"file": str(f), "imported": 1, "unchanged": 1}
+    sid = int(cli("strategy", "create", "--workflow", "patch", "--all").out.split()[1])
+    assert answer("strategy", "abort", str(sid)) == {
+        "id": sid,
+        "state": "aborted",
+        "asked_now": True,
+    }  # never applied: aborted at once
+    assert answer("strategy", "abort", str(sid)) == {
+        "id": sid,
+        "state": "aborted",
+        "asked_now": False,
+    }
+    assert cli("strategy", "delete", str(sid)).code == 0
+    sid = int(cli("strategy", "create", "--workflow", "patch", "--all").out.split()[1])
+    assert cli("strategy", "apply", str(sid)).code == 0
+    assert answer("strategy", "pause", str(sid)) == {
+        "id": sid,
+        "state": "paused",
+        "was": "applying",
+    }
+    assert answer("strategy", "pause", str(sid)) == {"id": sid, "state": "paused", "was": "paused"}
+    assert answer("strategy", "resume", str(sid)) == {
+        "id": sid,
+        "state": "applying",
+        "was": "paused",
+    }
+    assert answer("strategy", "abort", str(sid)) == {
+        "id": sid,
+        "state": "abort-requested",
+        "asked_now": True,
+    }
+    assert answer("strategy", "abort", str(sid)) == {
+        "id": sid,
+        "state": "abort-requested",
+        "asked_now": False,
+    }

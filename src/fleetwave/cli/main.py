@@ -157,6 +157,7 @@ def target_add(
     ] = None,
     label: Annotated[list[str] | None, typer.Option(help="label k=v (repeatable)")] = None,
     unmanaged: Annotated[bool, typer.Option("--unmanaged", help="add as unmanaged")] = False,
+    fmt: FormatOpt = Format.table,
     db: DbOpt = None,
 ) -> None:
     """Add one target."""
@@ -169,22 +170,35 @@ def target_add(
         managed=not unmanaged,
     )
     check_target(t, f"target {name}")
-    if admin.ensure_targets(store_for(db), [t]):
-        console.print(f"target {name} added")
-    else:
-        console.print(f"target {name} already exists, unchanged")
+    added = bool(admin.ensure_targets(store_for(db), [t]))
+    _done(
+        fmt,
+        f"target {name} added" if added else f"target {name} already exists, unchanged",
+        {"name": name, "added": added},
+    )
 
 
 @target_app.command("import")
-def target_import(file: Path, db: DbOpt = None) -> None:
+def target_import(file: Path, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Add targets from CSV (name,group,driver,<settings...>) or YAML, in one transaction."""
     items = targets_from_file(file)
     n = admin.ensure_targets(store_for(db), items)
     same = len(items) - n
-    console.print(
+    _done(
+        fmt,
         f"{n} target{'' if n == 1 else 's'} imported from {file}"
-        + (f"; {same} already there, unchanged" if same else "")
+        + (f"; {same} already there, unchanged" if same else ""),
+        {"file": str(file), "imported": n, "unchanged": same},
     )
+
+
+def _done(fmt: Format, text: str, answer: dict[str, Any]) -> None:
+    """What a command that changes something did: a line, or (``--format json``) one
+    JSON object a script can read."""
+    if fmt is Format.json:
+        print_json(answer)
+    else:
+        console.print(text)
 
 
 @target_app.command("list")
@@ -261,14 +275,17 @@ def group_add(
     apply_type: Annotated[
         ApplyType, typer.Option(help="parallel, or serial (one at a time)")
     ] = ApplyType.PARALLEL,
+    fmt: FormatOpt = Format.table,
     db: DbOpt = None,
 ) -> None:
     """Add a group."""
     parallel = _parallel(max_parallel, apply_type, "group")
-    if admin.ensure_group(store_for(db), Group(name, parallel, apply_type)):
-        console.print(f"group {name} added")
-    else:
-        console.print(f"group {name} already exists, unchanged")
+    added = admin.ensure_group(store_for(db), Group(name, parallel, apply_type))
+    _done(
+        fmt,
+        f"group {name} added" if added else f"group {name} already exists, unchanged",
+        {"name": name, "added": added},
+    )
 
 
 @group_app.command("list")
@@ -649,47 +666,66 @@ def _ended(summary: dict[str, Any], fmt: Format) -> None:
 
 
 @strategy_app.command("pause")
-def strategy_pause(strategy_id: StrategyId, db: DbOpt = None) -> None:
+def strategy_pause(
+    strategy_id: StrategyId, fmt: FormatOpt = Format.table, db: DbOpt = None
+) -> None:
     """Pause: no new step starts; steps in flight go on to their end. Undo with resume."""
     before = admin.pause_strategy(existing_store(db), strategy_id)
-    if before == "paused":
-        console.print(f"strategy {strategy_id}: already paused")
-    else:
-        console.print(
+    _done(
+        fmt,
+        f"strategy {strategy_id}: already paused"
+        if before == "paused"
+        else (
             f"strategy {strategy_id}: paused; no new step starts, steps in flight go on to "
             f"their end ('fleetwave strategy resume {strategy_id}' to go on)"
-        )
+        ),
+        {"id": strategy_id, "state": "paused", "was": str(before)},
+    )
 
 
 @strategy_app.command("resume")
-def strategy_resume(strategy_id: StrategyId, db: DbOpt = None) -> None:
+def strategy_resume(
+    strategy_id: StrategyId, fmt: FormatOpt = Format.table, db: DbOpt = None
+) -> None:
     """Resume a paused strategy: its waiting steps start again."""
     store = existing_store(db)
     before = admin.resume_strategy(store, strategy_id)
-    if before == "applying":
-        console.print(f"strategy {strategy_id}: not paused (applying)")
-    else:
-        console.print(f"strategy {strategy_id}: resumed")
+    _done(
+        fmt,
+        f"strategy {strategy_id}: not paused (applying)"
+        if before == "applying"
+        else f"strategy {strategy_id}: resumed",
+        {"id": strategy_id, "state": "applying", "was": str(before)},
+    )
     _warn_if_undriven(store, strategy_id, "strategy {sid} goes on", "drive")
 
 
 @strategy_app.command("abort")
-def strategy_abort(strategy_id: StrategyId, db: DbOpt = None) -> None:
+def strategy_abort(
+    strategy_id: StrategyId, fmt: FormatOpt = Format.table, db: DbOpt = None
+) -> None:
     """Abort: nothing new starts; running actions finish their current state, and waits
     on a target (for its callback, between polls) end at once."""
     store = existing_store(db)
     before = admin.request_abort(store, strategy_id)
+    # its state now, and whether this call asked for the abort
+    answer = {
+        "id": strategy_id,
+        "state": StrategyState.ABORT_REQUESTED.value if before is None else str(before),
+        "asked_now": before is None or before == StrategyState.INITIAL,
+    }
     if before == StrategyState.ABORTED:
-        console.print(f"strategy {strategy_id}: already aborted")
+        _done(fmt, f"strategy {strategy_id}: already aborted", answer)
         return
     if before == StrategyState.INITIAL:
         # never applied: its steps were ended in the same transaction, nothing to wait for
-        console.print(f"strategy {strategy_id}: aborted (it was never applied)")
+        answer["state"] = StrategyState.ABORTED.value
+        _done(fmt, f"strategy {strategy_id}: aborted (it was never applied)", answer)
         return
     if before is None:
-        console.print(f"strategy {strategy_id}: abort requested")
+        _done(fmt, f"strategy {strategy_id}: abort requested", answer)
     else:
-        console.print(f"strategy {strategy_id}: abort already requested ({before})")
+        _done(fmt, f"strategy {strategy_id}: abort already requested ({before})", answer)
     # Its abort waits for a conductor (none drives it): said each time it is asked.
     _warn_if_undriven(store, strategy_id, "the abort of strategy {sid} finishes", "finish")
 
