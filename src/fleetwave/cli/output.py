@@ -210,7 +210,8 @@ def _plain_rows(
                 widths[i] = w
     write = sys.stdout.write
     if title:
-        write(title + "\n")
+        # after a blank line, ending in a colon: not read as a field with no value
+        write(f"\n{title}:\n")
     write(_line(columns, widths) + "\n" + _line(["-" * w for w in widths], widths) + "\n")
     for row in again():
         write(_line(_plain_cells(row, columns), widths) + "\n")
