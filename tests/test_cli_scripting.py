@@ -175,3 +175,12 @@ def test_commands_that_change_something_answer_in_json(cli: Cli, tmp_path: Path)
         "state": "abort-requested",
         "asked_now": False,
     }
+    assert answer("target", "unmanage", "b") == {"name": "b", "managed": False}
+    assert answer("target", "manage", "b") == {"name": "b", "managed": True}
+    assert cli("strategy", "delete", str(sid)).code == 2  # still aborting: refused
+    assert answer("group", "add", "west") == {"name": "west", "added": True}
+    assert answer("target", "add", "c") == {"name": "c", "added": True}
+    assert answer("target", "delete", "c") == {"name": "c", "deleted": True}
+    assert cli("target", "add", "d").code == 0
+    other = int(cli("strategy", "create", "--workflow", "patch", "--targets", "d").out.split()[1])
+    assert answer("strategy", "delete", str(other)) == {"id": other, "deleted": True}

@@ -108,3 +108,55 @@ def test_one_conductor_lifting_the_freeze_makes_the_others_freeze_again(store: S
     assert b._refreeze_after is not None  # b freezes again after the next full collection
     b._thaw(refreeze=False)  # b stops: nothing left to do
     assert b._refreeze_after is None
+
+
+def test_a_strategy_lost_to_another_conductor_gives_back_what_was_frozen(store: Store) -> None:
+    """The other way a strategy leaves a conductor: taken over (fenced off)."""
+    from sqlalchemy import update
+
+    from fleetwave.store.schema import strategies
+
+    add_sim_targets(store, 1, prefix="slowlost")
+    lost = admin.create_strategy(store, WF, StrategyOptions(), target_names=["slowlost00000"])
+    add_sim_targets(store, 1, prefix="slowkept")
+    kept = admin.create_strategy(store, WF, StrategyOptions(), target_names=["slowkept00000"])
+    admin.apply_strategy(store, lost)
+    admin.apply_strategy(store, kept)
+    conductor = Conductor(store, config=EngineConfig(tick_s=0.02))
+    seen: dict[str, int] = {}
+
+    async def main() -> dict[int, str]:
+        Observe.release = asyncio.Event()
+        task = asyncio.create_task(conductor.run(strategy_ids=[lost, kept]))
+        for _ in range(500):  # both in their action
+            await asyncio.sleep(0.01)
+            if len(Observe.frozen_seen) == 2:
+                break
+        seen["while both run"] = gc.get_freeze_count()
+        with store.write() as conn:  # another conductor claims it (a new fence)
+            conn.execute(
+                update(strategies)
+                .where(strategies.c.id == lost)
+                .values(owner="c-other", fence=strategies.c.fence + 1)
+            )
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if conductor.finished.get(lost) == "lost":
+                break
+        seen["after the loss"] = gc.get_freeze_count()
+        gc.collect()
+        await asyncio.sleep(0.1)
+        seen["after a full collection"] = gc.get_freeze_count()
+        Observe.release.set()
+        return await task
+
+    Observe.frozen_seen = []
+    try:
+        final = asyncio.run(main())
+    finally:
+        Observe.release = None
+    assert final == {lost: "lost", kept: "complete"}
+    assert seen["while both run"] > 0
+    assert seen["after the loss"] == 0
+    assert seen["after a full collection"] > 0
+    assert gc.get_freeze_count() == 0

@@ -223,24 +223,24 @@ def target_show(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> N
 
 
 @target_app.command("manage")
-def target_manage(name: str, db: DbOpt = None) -> None:
+def target_manage(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Mark a target managed: rollouts may touch it."""
     admin.set_managed(existing_store(db), name, True)
-    console.print(f"target {name} is managed")
+    _done(fmt, f"target {name} is managed", {"name": name, "managed": True})
 
 
 @target_app.command("unmanage")
-def target_unmanage(name: str, db: DbOpt = None) -> None:
+def target_unmanage(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Mark a target unmanaged: its step fails when its turn comes, nothing touches it."""
     admin.set_managed(existing_store(db), name, False)
-    console.print(f"target {name} is unmanaged")
+    _done(fmt, f"target {name} is unmanaged", {"name": name, "managed": False})
 
 
 @target_app.command("delete")
-def target_delete(name: str, db: DbOpt = None) -> None:
+def target_delete(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Delete a target that is in no strategy."""
     admin.delete_target(existing_store(db), name)
-    console.print(f"target {name} deleted")
+    _done(fmt, f"target {name} deleted", {"name": name, "deleted": True})
 
 
 # -- groups ---------------------------------------------------------------------------
@@ -764,7 +764,9 @@ def strategy_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
 
 
 @strategy_app.command("delete")
-def strategy_delete(strategy_id: StrategyId, db: DbOpt = None) -> None:
+def strategy_delete(
+    strategy_id: StrategyId, fmt: FormatOpt = Format.table, db: DbOpt = None
+) -> None:
     """Delete a strategy that is not running, with its steps and journal."""
     store = existing_store(db)
     try:
@@ -779,7 +781,7 @@ def strategy_delete(strategy_id: StrategyId, db: DbOpt = None) -> None:
         except NotFound:
             now = None
         if now is None:
-            console.print(f"strategy {strategy_id} deleted")
+            _done(fmt, f"strategy {strategy_id} deleted", {"id": strategy_id, "deleted": True})
             return
         if now == StrategyState.DELETING:
             said = (
@@ -790,7 +792,7 @@ def strategy_delete(strategy_id: StrategyId, db: DbOpt = None) -> None:
             said = f"stopped: nothing deleted; strategy {strategy_id} is still {now}"
         err_console.print(said, highlight=False)
         raise typer.Exit(130) from None
-    console.print(f"strategy {strategy_id} deleted")
+    _done(fmt, f"strategy {strategy_id} deleted", {"id": strategy_id, "deleted": True})
 
 
 # -- steps, history, check ---------------------------------------------------------------------
