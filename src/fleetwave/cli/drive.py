@@ -36,6 +36,15 @@ class DriveResult:
     held: bool = True
 
 
+def stop_signals() -> list[signal.Signals]:
+    """What stops a command: Ctrl-C, SIGTERM, and SIGHUP (a closed terminal) unless it
+    was ignored when the process started (``nohup``: it stays ignored)."""
+    signals = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signals.append(signal.SIGHUP)
+    return signals
+
+
 def stop_on_signals(
     stop: asyncio.Event,
     grace_s: float,
@@ -49,9 +58,6 @@ def stop_on_signals(
     anything, not even an action blocked in a thread. ``said``: what the first one
     prints. A SIGHUP ignored when the process started (``nohup``) stays ignored."""
     loop = asyncio.get_running_loop()
-    signals = [signal.SIGINT, signal.SIGTERM]
-    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
-        signals.append(signal.SIGHUP)
 
     def first(sig: signal.Signals) -> None:
         if stop.is_set():  # again: stop now
@@ -72,7 +78,7 @@ def stop_on_signals(
             highlight=False,
         )
 
-    for sig in signals:
+    for sig in stop_signals():
         loop.add_signal_handler(sig, first, sig)
 
 

@@ -624,7 +624,7 @@ def strategy_apply(
             print_json({"id": strategy_id, "state": now.split(" ")[0], "driven_by": who.text})
         else:
             console.print(f"strategy {strategy_id} {now}; {said}")
-        if who.owner is None and who.claimer is None:
+        if who.nobody:
             err_console.print(
                 f"warning: no conductor serves {store.url}: strategy {strategy_id} waits until "
                 f"'fleetwave serve' runs (or drive it here: 'fleetwave strategy apply "
@@ -708,10 +708,16 @@ def strategy_abort(
     on a target (for its callback, between polls) end at once."""
     store = existing_store(db)
     before = admin.request_abort(store, strategy_id)
-    # its state now, and whether this call asked for the abort
+    # its state now (a never-applied one is aborted by this very call), and whether
+    # this call asked for the abort
+    after: dict[str | None, str] = {
+        None: StrategyState.ABORT_REQUESTED.value,
+        StrategyState.INITIAL.value: StrategyState.ABORTED.value,
+    }
+    now = after.get(before, str(before))
     answer = {
         "id": strategy_id,
-        "state": StrategyState.ABORT_REQUESTED.value if before is None else str(before),
+        "state": now,
         "asked_now": before is None or before == StrategyState.INITIAL,
     }
     if before == StrategyState.ABORTED:
@@ -719,7 +725,6 @@ def strategy_abort(
         return
     if before == StrategyState.INITIAL:
         # never applied: its steps were ended in the same transaction, nothing to wait for
-        answer["state"] = StrategyState.ABORTED.value
         _done(fmt, f"strategy {strategy_id}: aborted (it was never applied)", answer)
         return
     if before is None:
@@ -735,7 +740,7 @@ def _warn_if_undriven(store: Store, sid: int, what: str, verb: str) -> None:
     was just asked waits until one does (``what`` says what waits; ``verb`` how the
     operator does it here)."""
     who = queries.driving(store, sid)
-    if who.owner is None and who.claimer is None and who.text is not None:
+    if who.nobody and who.text is not None:
         err_console.print(
             f"warning: no conductor serves {store.url}: {what.format(sid=sid)} once "
             f"'fleetwave serve' runs (or {verb} it here: 'fleetwave strategy apply {sid} "
@@ -873,7 +878,7 @@ def _undriven_notes(store: Store, only: int | None) -> list[str]:
         ):
             continue
         who = queries.driving(store, sid)
-        if who.owner is None and who.claimer is None:
+        if who.nobody:
             notes.append(
                 f"strategy {sid} is {row['state']} and no conductor drives it: it goes on "
                 f"once 'fleetwave serve' runs (or 'fleetwave strategy apply {sid} --wait')"
@@ -947,17 +952,16 @@ def serve(lease_ttl: LeaseTtlOpt = None, db: DbOpt = None) -> None:
             highlight=False,
         )
 
+    def stopped_now() -> str:
+        return (
+            f"stopped at once: the leases were not handed back and run out within "
+            f"{config.lease_ttl_s:g} s; the next conductor takes over then"
+        )
+
     async def _serve() -> None:
         stop = asyncio.Event()
         conductor = Conductor(store, config=config)
-        stop_on_signals(
-            stop,
-            conductor.config.shutdown_grace_s,
-            at_once=lambda: (
-                f"stopped at once: the leases were not handed back and run out within "
-                f"{config.lease_ttl_s:g} s; the next conductor takes over then"
-            ),
-        )
+        stop_on_signals(stop, conductor.config.shutdown_grace_s, at_once=stopped_now)
         # Said once registered: a database locked at start is waited for (logged) first.
         await conductor.run(
             stop=stop,
@@ -971,11 +975,7 @@ def serve(lease_ttl: LeaseTtlOpt = None, db: DbOpt = None) -> None:
         event_loop.run(_serve())
     except KeyboardInterrupt:
         # The second Ctrl-C (or SIGTERM): stopped at once, nothing handed back.
-        err_console.print(
-            f"stopped at once: the leases were not handed back and run out within "
-            f"{config.lease_ttl_s:g} s; the next conductor takes over then",
-            highlight=False,
-        )
+        err_console.print(stopped_now(), highlight=False)
         raise typer.Exit(130) from None
 
 

@@ -17,11 +17,6 @@ from rich.console import Console
 from rich.table import Table
 
 
-# A message is one line however long (the terminal wraps it on screen; a pipe, grep or
-# a log keeps it whole): Rich would break it at 80 columns when not writing to a
-# terminal. Tables are still drawn to the width.
-# No markup unless a call asks for it: what is printed, table cells too, holds
-# operators' and targets' text (a message with "[/tmp/sock]" made Rich fail).
 class _Console(Console):
     def on_broken_pipe(self) -> None:
         """The reader went away: as for a plain write (Rich's own answer exits 1, which
@@ -30,6 +25,11 @@ class _Console(Console):
         raise BrokenPipeError
 
 
+# A message is one line however long (the terminal wraps it on screen; a pipe, grep or
+# a log keeps it whole): Rich would break it at 80 columns when not writing to a
+# terminal. Tables are still drawn to the width.
+# No markup unless a call asks for it: what is printed, table cells too, holds
+# operators' and targets' text (a message with "[/tmp/sock]" made Rich fail).
 console = _Console(soft_wrap=True, markup=False)
 err_console = _Console(stderr=True, soft_wrap=True, markup=False)
 
@@ -232,15 +232,20 @@ def emit_one(obj: dict[str, Any], fmt: Format) -> None:
         fields = [
             (key, _plain_cells({key: value}, [key])[0])
             for key, value in obj.items()
-            if not (isinstance(value, list) and value and isinstance(value[0], dict))
+            if not _is_section(value)
         ]
         width = max((_width(key) for key, _ in fields), default=0)
         sys.stdout.write("".join(_line([k, v], [width, 0]) + "\n" for k, v in fields))
     else:
         _boxed_fields(obj)
     for key, value in obj.items():
-        if isinstance(value, list) and value and isinstance(value[0], dict):
+        if _is_section(value):
             emit_rows(value, list(value[0].keys()), fmt, title=key)
+
+
+def _is_section(value: Any) -> bool:
+    """A list of rows in a shown object: a table of its own after the fields."""
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
 
 
 def _boxed_fields(obj: dict[str, Any]) -> None:
@@ -248,7 +253,6 @@ def _boxed_fields(obj: dict[str, Any]) -> None:
     table.add_column("field", style="bold", no_wrap=True)
     table.add_column("value", overflow="fold")
     for key, value in obj.items():
-        if isinstance(value, list) and value and isinstance(value[0], dict):
-            continue
-        table.add_row(key, _cell(key, value))
+        if not _is_section(value):
+            table.add_row(key, _cell(key, value))
     console.print(table, soft_wrap=False)  # a drawn table: its title centred

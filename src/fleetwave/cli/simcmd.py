@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from fleetwave.cli.common import MAX_SIM_TARGETS
+from fleetwave.cli.drive import stop_signals
 from fleetwave.cli.output import Format, console, err_console, print_json
 from fleetwave.domain.errors import InputError
 from fleetwave.domain.models import plural
@@ -80,14 +81,11 @@ def _interrupted_by_signals(interrupt: Interrupt) -> Iterator[None]:
     go on, exit 130. As for ``demo`` and ``apply --wait``, also a SIGINT ignored when the
     process started (a background job of a script); a SIGHUP ignored then (``nohup``)
     stays ignored."""
-    signals = [signal.SIGINT, signal.SIGTERM]
-    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
-        signals.append(signal.SIGHUP)
 
     def handler(signum: int, frame: FrameType | None) -> None:
         interrupt.request()
 
-    before = {sig: signal.signal(sig, handler) for sig in signals}
+    before = {sig: signal.signal(sig, handler) for sig in stop_signals()}
     try:
         yield
     finally:

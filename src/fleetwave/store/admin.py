@@ -173,20 +173,14 @@ def _add_targets(
             if t.group is not None and t.group not in gids:
                 raise NotFound(f"{at(i)}target {t.name}: group: no group named {shown(t.group)}")
         names = [t.name for t in items]
-        existing: list[str] = []
-        for chunk_start in range(0, len(names), 500):
-            chunk = names[chunk_start : chunk_start + 500]
-            existing += [
-                r[0] for r in conn.execute(select(targets.c.name).where(targets.c.name.in_(chunk)))
-            ]
-        if existing:
-            refused = _clashes(conn, items, existing, existing_ok)
+        stored = _definitions(conn, names)
+        if stored:
+            refused = _clashes(items, stored, existing_ok)
             if refused:
                 more = f" and {len(refused) - 1} more" if len(refused) > 1 else ""
                 first, why = refused[0]  # the first in the input's order
                 raise Conflict(f"{at(first)}target {names[first]}: already exists{why}{more}")
-            there = set(existing)
-            items = [t for t in items if t.name not in there]
+            items = [t for t in items if t.name not in stored]
             if not items:
                 return 0
         conn.execute(
@@ -207,13 +201,14 @@ def _add_targets(
     return len(items)
 
 
-def _clashes(
-    conn: Connection, items: Sequence[Target], existing: list[str], existing_ok: bool
-) -> list[tuple[int, str]]:
-    """The items that may not be added over a target of the same name, in input order,
-    with what differs (empty: it is there; ``existing_ok`` lets the same one through)."""
-    stored: dict[str, tuple[str | None, str, str, str]] = {}
-    for start in range(0, len(existing), 500):
+#: a stored target's definition: group, driver, settings and labels (as stored, JSON)
+_Definition = tuple[str | None, str, str, str]
+
+
+def _definitions(conn: Connection, names: list[str]) -> dict[str, _Definition]:
+    """The definitions of the targets of these names already stored, 500 names a query."""
+    stored: dict[str, _Definition] = {}
+    for start in range(0, len(names), 500):
         rows = conn.execute(
             select(
                 targets.c.name,
@@ -223,10 +218,18 @@ def _clashes(
                 targets.c.labels,
             )
             .select_from(targets.outerjoin(groups, groups.c.id == targets.c.group_id))
-            .where(targets.c.name.in_(existing[start : start + 500]))
+            .where(targets.c.name.in_(names[start : start + 500]))
         )
         for name, group, driver, settings, labels in rows:
             stored[name] = (group, driver, settings, labels)
+    return stored
+
+
+def _clashes(
+    items: Sequence[Target], stored: dict[str, _Definition], existing_ok: bool
+) -> list[tuple[int, str]]:
+    """The items that may not be added over a target of the same name, in input order,
+    with what differs (empty: it is there; ``existing_ok`` lets the same one through)."""
     out: list[tuple[int, str]] = []
     for i, t in enumerate(items):
         there = stored.get(t.name)

@@ -282,6 +282,11 @@ class Driving:
     claim: str | None = None
 
     @property
+    def nobody(self) -> bool:
+        """No conductor drives it, and none will claim it."""
+        return self.owner is None and self.claimer is None
+
+    @property
     def brief(self) -> str:
         """As a list's column says it: the conductor, or that nobody drives it (and
         whether a serving conductor is about to claim it); ``strategy show`` says more."""
