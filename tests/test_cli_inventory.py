@@ -272,6 +272,208 @@ def test_group_list_when_empty(cli: Cli, monkeypatch: pytest.MonkeyPatch) -> Non
     assert "(none)" in cli("group", "list").out
 
 
+def group(cli: Cli, name: str) -> dict[str, Any]:
+    res = cli("group", "show", name, "--format", "json")
+    assert res.code == 0, res.text
+    return dict(res.json())
+
+
+def test_group_set_changes_what_is_stored_and_says_what_changed(cli: Cli) -> None:
+    assert cli("group", "add", "east", "--max-parallel", "5").code == 0
+    res = cli("group", "set", "east", "--max-parallel", "3")
+    assert (res.code, res.out) == (
+        0,
+        "group east: max parallel 5 -> 3; strategies created from now on use it\n",
+    )
+    assert groups(cli)["east"]["max_parallel"] == 3
+    again = cli("group", "set", "east", "--max-parallel", "3")
+    assert (again.code, again.out) == (0, "group east: unchanged (max parallel 3, parallel)\n")
+    # serial runs one at a time; made parallel again without a number, the default
+    assert cli("group", "set", "east", "--apply-type", "serial").code == 0
+    assert groups(cli)["east"] == {
+        "name": "east",
+        "max_parallel": 1,
+        "apply_type": "serial",
+        "targets": 0,
+    }
+    res = cli("group", "set", "east", "--apply-type", "parallel", "--format", "json")
+    assert res.json() == {
+        "name": "east",
+        "before": {"max_parallel": 1, "apply_type": "serial"},
+        "after": {"max_parallel": 20, "apply_type": "parallel"},
+        "changed": True,
+        "active_strategies_unchanged": [],
+    }
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        ([], ["nothing to change", "--max-parallel", "--apply-type"]),
+        (["--max-parallel", "0"], ["--max-parallel", "at least 1", "0"]),
+        (["--apply-type", "serial", "--max-parallel", "4"], ["--max-parallel", "serial", "4"]),
+    ],
+)
+def test_group_set_refuses_bad_input_and_writes_nothing(
+    cli: Cli, args: list[str], words: list[str]
+) -> None:
+    assert cli("group", "add", "east", "--max-parallel", "5").code == 0
+    assert_rejected(cli("group", "set", "east", *args), *words)
+    assert groups(cli)["east"]["max_parallel"] == 5
+
+
+@pytest.mark.parametrize("verb", [["show"], ["delete"], ["set", "--max-parallel", "2"]])
+def test_group_verbs_on_unknown_group_are_rejected(cli: Cli, verb: list[str]) -> None:
+    assert_rejected(cli("group", verb[0], "ghost", *verb[1:]), "'ghost'", "not found")
+
+
+def test_group_set_applies_to_strategies_created_after_it(cli: Cli) -> None:
+    """A strategy takes its groups' caps when created: the one created before the change
+    keeps 5 (and is named), the one after it runs one target of the group at a time."""
+    assert cli("group", "add", "east", "--max-parallel", "5").code == 0
+    for name in ("a", "b", "c"):
+        assert cli("target", "add", name, "--group", "east", "--set", "latency_ms=30").code == 0
+    assert cli("strategy", "create", "--workflow", "patch", "--targets", "a").code == 0
+    res = cli("group", "set", "east", "--max-parallel", "1")
+    assert res.code == 0, res.text
+    assert "active strategy 1 keeps the cap taken when created" in res.out
+    assert cli("strategy", "create", "--workflow", "patch", "--targets", "b,c").code == 0
+    shown = group(cli, "east")
+    assert [(s["strategy"], s["steps"], s["max_parallel"]) for s in shown["strategies"]] == [
+        (1, 1, 5),
+        (2, 2, 1),
+    ]
+    assert cli("strategy", "apply", "2", "--wait").code == 0
+    rows = cli("step", "list", "--strategy", "2", "--format", "json").json()
+    (first, second) = sorted((r["started_at"], r["finished_at"]) for r in rows)
+    assert first[1] <= second[0], rows  # one of the group in flight at a time
+
+
+def test_group_show_counts_targets_and_unmanaged(cli: Cli) -> None:
+    assert cli("group", "add", "east", "--apply-type", "serial").code == 0
+    assert cli("target", "add", "a", "--group", "east").code == 0
+    assert cli("target", "add", "b", "--group", "east", "--unmanaged").code == 0
+    assert cli("target", "add", "loose").code == 0
+    assert group(cli, "east") == {
+        "name": "east",
+        "max_parallel": 1,
+        "apply_type": "serial",
+        "targets": 2,
+        "unmanaged": 1,
+        "strategies": [],
+    }
+
+
+def test_group_delete_refuses_while_it_has_targets_or_history(cli: Cli) -> None:
+    assert cli("group", "add", "east").code == 0
+    assert cli("target", "add", "a", "--group", "east").code == 0
+    assert_rejected(cli("group", "delete", "east"), "east", "1 target", "'a'", "target set")
+    assert cli("strategy", "create", "--workflow", "patch", "--targets", "a").code == 0
+    assert cli("target", "set", "a", "--no-group").code == 2  # in an active strategy
+    assert cli("strategy", "delete", "1").code == 0
+    assert cli("strategy", "create", "--workflow", "patch", "--targets", "a").code == 0
+    assert cli("strategy", "apply", "2", "--wait").code == 0
+    assert cli("target", "set", "a", "--no-group").code == 0  # ended: it may move
+    assert_rejected(cli("group", "delete", "east"), "east", "history in 1 strategy", "2")
+    assert "east" in groups(cli)
+    assert cli("strategy", "delete", "2").code == 0
+    res = cli("group", "delete", "east", "--format", "json")
+    assert (res.code, res.json()) == (0, {"name": "east", "deleted": True})
+    assert groups(cli) == {}
+
+
+# -- target set ----------------------------------------------------------------------------
+
+
+def test_target_set_changes_settings_labels_and_group_key_by_key(cli: Cli) -> None:
+    assert cli("group", "add", "east").code == 0
+    assert cli("group", "add", "west").code == 0
+    added = cli(
+        "target", "add", "a", "--group", "east", "--set", "latency_ms=5", "--label", "rack=1"
+    )
+    assert added.code == 0
+    assert cli("target", "unmanage", "a").code == 0
+    res = cli(
+        "target",
+        "set",
+        "a",
+        "--set",
+        "latency_ms=10",
+        "--set",
+        "failure_rate=0.1",
+        "--label",
+        "rack=2",
+        "--label",
+        "row=3",
+    )
+    assert (res.code, res.out) == (
+        0,
+        "target a: settings: latency_ms 5 -> 10, failure_rate none -> 0.1; "
+        "labels: rack 1 -> 2, row none -> 3\n",
+    )
+    res = cli(
+        "target", "set", "a", "--unset", "failure_rate", "--unlabel", "row", "--group", "west"
+    )
+    assert res.code == 0, res.text
+    assert targets(cli)["a"] == {
+        "name": "a",
+        "group": "west",
+        "driver": "sim",
+        "managed": False,  # not the definition's: left as the operator set it
+        "settings": {"latency_ms": 10},
+        "labels": {"rack": "2"},
+    }
+    res = cli("target", "set", "a", "--no-group", "--format", "json")
+    assert res.json() == {
+        "name": "a",
+        "changed": True,
+        "changes": {"group": {"before": "west", "after": None}},
+    }
+    again = cli("target", "set", "a", "--no-group")
+    assert (again.code, again.out) == (0, "target a: unchanged (it is so already)\n")
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--unset", "nothere"], ["--unset", "no setting", "'nothere'", "'latency_ms'"]),
+        (["--unlabel", "nothere"], ["--unlabel", "no label", "'nothere'"]),
+        (["--set", "latency_ms=-1"], ["target a", "latency_ms", "-1"]),
+        (["--set", "bogus=1"], ["target a", "bogus", "unknown"]),
+        (["--driver", "nope"], ["--driver", "'nope'", "known: sim"]),
+        (["--group", "nowhere"], ["--group", "'nowhere'"]),
+        (["--group", "east", "--no-group"], ["--group", "--no-group"]),
+        (["--unset", "latency_ms", "--set", "latency_ms=1"], ["--unset", "'latency_ms'"]),
+        (["--unset", "k", "--unset", "k"], ["--unset", "'k'", "more than once"]),
+        (["--set", "x"], ["--set", "key=value"]),
+    ],
+)
+def test_target_set_refuses_bad_input_and_writes_nothing(
+    cli: Cli, args: list[str], words: list[str]
+) -> None:
+    assert cli("group", "add", "east").code == 0
+    assert cli("target", "add", "a", "--set", "latency_ms=5", "--label", "k=v").code == 0
+    before = targets(cli)
+    assert_rejected(cli("target", "set", "a", *args), *words)
+    assert targets(cli) == before
+
+
+def test_target_set_refuses_while_in_an_active_strategy(cli: Cli) -> None:
+    assert cli("target", "add", "a").code == 0
+    assert cli("strategy", "create", "--workflow", "patch", "--targets", "a").code == 0
+    assert_rejected(
+        cli("target", "set", "a", "--set", "latency_ms=1"),
+        "target a",
+        "active strategy 1 (initial)",
+        "strategy delete 1",
+    )
+    assert cli("strategy", "apply", "1").code == 0
+    res = cli("target", "set", "a", "--set", "latency_ms=1")
+    assert_rejected(res, "active strategy 1 (applying)", "target unmanage a")
+    assert targets(cli)["a"]["settings"] == {}
+    assert_rejected(cli("target", "set", "ghost", "--set", "latency_ms=1"), "'ghost'", "not found")
+
+
 # -- target import -------------------------------------------------------------------------
 
 

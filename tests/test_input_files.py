@@ -201,7 +201,7 @@ def test_an_inventory_imported_again_adds_what_is_new_and_leaves_the_rest(
     assert (again.code, again.out) == (0, "group east already exists, unchanged\n")
     assert one_line(cli("group", "add", "east", "--max-parallel", "4")) == (
         "error: group 'east' already exists with other settings (max-parallel 5 stored, "
-        "4 given); a group's settings cannot be changed"
+        "4 given); 'fleetwave group set east' changes them"
     )
     f = tmp_path / "fleet.csv"
     f.write_text("name,group,latency_ms\nb,east,7\nc,east,7\n", encoding="utf-8")

@@ -67,7 +67,7 @@ from fleetwave.engine.conductor import (
     StoreUnavailable,
 )
 from fleetwave.store import admin, queries
-from fleetwave.store.admin import MAX_PARALLEL
+from fleetwave.store.admin import DEFAULT_MAX_PARALLEL, MAX_PARALLEL
 from fleetwave.store.db import (
     HEAD_REVISION,
     SchemaOutdated,
@@ -236,6 +236,61 @@ def target_unmanage(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) 
     _done(fmt, f"target {name} is unmanaged", {"name": name, "managed": False})
 
 
+@target_app.command("set")
+def target_set(
+    name: str,
+    group: Annotated[str | None, typer.Option(help="move it to this group")] = None,
+    no_group: Annotated[bool, typer.Option("--no-group", help="take it out of its group")] = False,
+    driver: Annotated[str | None, typer.Option(help="another driver")] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="driver setting key=value to add or change (repeatable)"),
+    ] = None,
+    unset: Annotated[
+        list[str] | None, typer.Option(help="driver setting to remove (repeatable)")
+    ] = None,
+    label: Annotated[
+        list[str] | None, typer.Option(help="label k=v to add or change (repeatable)")
+    ] = None,
+    unlabel: Annotated[list[str] | None, typer.Option(help="label to remove (repeatable)")] = None,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
+    """Change a target's group, driver, settings or labels (not while in an active strategy)."""
+    if group is not None and no_group:
+        raise InputError("--group and --no-group: give one of them")
+    changes = admin.change_target(
+        existing_store(db),
+        name,
+        group=None if no_group else (group if group is not None else admin.KEEP),
+        driver=driver,
+        settings=parse_pairs(set_, "--set"),
+        unset=[k.strip() for k in unset or []],
+        labels=parse_pairs(label, "--label", typed=False),
+        unlabel=[k.strip() for k in unlabel or []],
+        check=lambda t: check_target(t, f"target {name}"),
+    )
+    said = "; ".join(_said_change(field, c["before"], c["after"]) for field, c in changes.items())
+    _done(
+        fmt,
+        f"target {name}: {said}" if changes else f"target {name}: unchanged (it is so already)",
+        {"name": name, "changed": bool(changes), "changes": changes},
+    )
+
+
+def _said_change(field: str, before: Any, after: Any) -> str:
+    """``group east -> west``; for settings and labels, key by key:
+    ``settings: latency_ms 5 -> 10, failure_rate none -> 0.1``."""
+    if not isinstance(before, dict):
+        return f"{field} {before or 'none'} -> {after or 'none'}"
+    keys = [*before, *(k for k in after if k not in before)]
+    return f"{field}: " + ", ".join(
+        f"{k} {before.get(k, 'none')} -> {after.get(k, 'none')}"
+        for k in keys
+        if before.get(k) != after.get(k)
+    )
+
+
 @target_app.command("delete")
 def target_delete(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Delete a target that is in no strategy."""
@@ -244,10 +299,6 @@ def target_delete(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) ->
 
 
 # -- groups ---------------------------------------------------------------------------
-
-
-#: max parallel when --max-parallel is not given (a parallel group or strategy)
-DEFAULT_MAX_PARALLEL = 20
 
 
 def _parallel(given: int | None, apply_type: ApplyType, what: str) -> int:
@@ -296,6 +347,58 @@ def group_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
         ["name", "max_parallel", "apply_type", "targets"],
         fmt,
     )
+
+
+@group_app.command("show")
+def group_show(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
+    """Show one group: its settings, its targets and the strategies it has been in."""
+    emit_one(queries.get_group(existing_store(db), name), fmt)
+
+
+@group_app.command("set")
+def group_set(
+    name: str,
+    max_parallel: Annotated[
+        int | None,
+        typer.Option(max=MAX_PARALLEL, help="targets of this group in flight at once"),
+    ] = None,
+    apply_type: Annotated[
+        ApplyType | None, typer.Option(help="parallel, or serial (one at a time)")
+    ] = None,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
+    """Change a group's max parallel or apply type, for strategies created from now on."""
+    change = admin.change_group(
+        existing_store(db), name, max_parallel=max_parallel, apply_type=apply_type
+    )
+    before, after = change["before"], change["after"]
+    if not change["changed"]:
+        text = (
+            f"group {name}: unchanged (max parallel {after['max_parallel']}, {after['apply_type']})"
+        )
+    else:
+        said = [
+            f"{what} {before[key]} -> {after[key]}"
+            for what, key in (("max parallel", "max_parallel"), ("apply type", "apply_type"))
+            if before[key] != after[key]
+        ]
+        text = f"group {name}: {', '.join(said)}; strategies created from now on use it"
+        kept = change["active_strategies_unchanged"]
+        if kept:
+            text += (
+                f" (active {'strategies' if len(kept) > 1 else 'strategy'} "
+                f"{', '.join(map(str, kept))} keep{'' if len(kept) > 1 else 's'} the cap "
+                "taken when created)"
+            )
+    _done(fmt, text, change)
+
+
+@group_app.command("delete")
+def group_delete(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
+    """Delete a group with no targets, in no strategy."""
+    admin.delete_group(existing_store(db), name)
+    _done(fmt, f"group {name} deleted", {"name": name, "deleted": True})
 
 
 # -- workflows --------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -87,7 +87,7 @@ def _add_group(store: Store, group: Group, *, existing_ok: bool) -> tuple[int, b
             if other:
                 raise Conflict(
                     f"group '{group.name}' already exists with other settings "
-                    f"({'; '.join(other)}); a group's settings cannot be changed"
+                    f"({'; '.join(other)}); 'fleetwave group set {group.name}' changes them"
                 )
             if not existing_ok:
                 raise Conflict(f"group '{group.name}' already exists")
@@ -100,6 +100,108 @@ def _add_group(store: Store, group: Group, *, existing_ok: bool) -> tuple[int, b
             )
         )
         return int(res.inserted_primary_key[0]), True  # type: ignore[index]
+
+
+#: max parallel of a parallel group or strategy when none is given
+DEFAULT_MAX_PARALLEL = 20
+
+
+def _group_row(conn: Connection, name: str) -> Any:
+    row = conn.execute(
+        select(groups.c.id, groups.c.max_parallel, groups.c.apply_type).where(groups.c.name == name)
+    ).first()
+    if row is None:
+        raise NotFound(f"group '{name}' not found")
+    return row
+
+
+def _strategies_using_group(conn: Connection, gid: int, *, active: bool) -> list[int]:
+    """Strategies with steps of this group (only the active ones when ``active``)."""
+    q = select(steps.c.strategy_id).where(steps.c.group_id == gid).distinct()
+    if active:
+        q = q.join(strategies, strategies.c.id == steps.c.strategy_id).where(
+            strategies.c.state.in_(_ACTIVE)
+        )
+    return sorted(int(r[0]) for r in conn.execute(q))
+
+
+def change_group(
+    store: Store,
+    name: str,
+    *,
+    max_parallel: int | None = None,
+    apply_type: ApplyType | None = None,
+) -> dict[str, Any]:
+    """Change a group's max parallel or apply type: what it was, what it is, and the
+    active strategies that keep the caps they were created with.
+
+    A strategy takes its groups' caps when it is created, so a change applies to the
+    strategies created after it. As with ``group add``: a serial group runs one target
+    at a time (another max parallel is refused), and a group made parallel without a
+    max parallel gets the default (20).
+    """
+    if max_parallel is None and apply_type is None:
+        raise InputError("nothing to change: give --max-parallel or --apply-type")
+    if max_parallel is not None and max_parallel < 1:
+        raise InputError(f"--max-parallel: must be at least 1, got {max_parallel}")
+    with store.write() as conn:
+        row = _group_row(conn, name)
+        old_type = ApplyType(row.apply_type)
+        new_type = apply_type or old_type
+        if new_type is ApplyType.SERIAL:
+            if max_parallel is not None and max_parallel != 1:
+                raise InputError(
+                    f"--max-parallel: a serial group runs one target at a time, got "
+                    f"{max_parallel} (leave --max-parallel out, or use --apply-type parallel)"
+                )
+            new_max = 1
+        elif max_parallel is not None:
+            new_max = max_parallel
+        elif old_type is ApplyType.SERIAL:
+            new_max = DEFAULT_MAX_PARALLEL  # made parallel: as a group added so
+        else:
+            new_max = int(row.max_parallel)
+        conn.execute(
+            update(groups)
+            .where(groups.c.id == row.id)
+            .values(max_parallel=new_max, apply_type=new_type.value)
+        )
+        return {
+            "name": name,
+            "before": {"max_parallel": int(row.max_parallel), "apply_type": old_type.value},
+            "after": {"max_parallel": new_max, "apply_type": new_type.value},
+            "changed": (new_max, new_type) != (int(row.max_parallel), old_type),
+            "active_strategies_unchanged": _strategies_using_group(conn, row.id, active=True),
+        }
+
+
+def delete_group(store: Store, name: str) -> None:
+    """Delete a group with no targets and no steps in any strategy; refused otherwise,
+    naming what holds it."""
+    with store.write() as conn:
+        gid = _group_row(conn, name).id
+        members = [
+            r[0]
+            for r in conn.execute(
+                select(targets.c.name).where(targets.c.group_id == gid).order_by(targets.c.name)
+            )
+        ]
+        if members:
+            raise Conflict(
+                f"group {name}: has {plural(len(members), 'target')} ({_some(members)}); "
+                f"move {'it' if len(members) == 1 else 'them'} to another group "
+                "('fleetwave target set NAME --group OTHER', or --no-group) or delete "
+                f"{'it' if len(members) == 1 else 'them'} first"
+            )
+        used = _strategies_using_group(conn, gid, active=False)
+        if used:
+            raise Conflict(
+                f"group {name}: has history in "
+                f"{plural(len(used), 'strategy', 'strategies')} "
+                f"({', '.join(map(str, used[:5]))}{' ...' if len(used) > 5 else ''}); "
+                "delete those strategies first"
+            )
+        conn.execute(delete(groups).where(groups.c.id == gid))
 
 
 def _group_ids(conn: Connection) -> dict[str, int]:
@@ -315,6 +417,132 @@ def _held_by_active(
         if limit is not None and found >= limit:
             break
     return dict(sorted(held.items()))
+
+
+#: ``change_target(group=KEEP)``: the target stays in its group
+KEEP: Any = object()
+
+
+def change_target(
+    store: Store,
+    name: str,
+    *,
+    group: str | None = KEEP,
+    driver: str | None = None,
+    settings: dict[str, Any] | None = None,
+    unset: Sequence[str] = (),
+    labels: dict[str, str] | None = None,
+    unlabel: Sequence[str] = (),
+    check: Callable[[Target], None] | None = None,
+) -> dict[str, Any]:
+    """Change a target's group (None: no group), driver, settings (set some, unset
+    some) or labels: what changed, field by field (empty: nothing did).
+
+    ``check`` is given the target as it would be (its driver's settings validated
+    there); nothing is written when it raises. Refused while the target is in an
+    active strategy: a step reads its target's definition when it starts, so a change
+    then would apply to some states and not others.
+    """
+    settings = settings or {}
+    labels = labels or {}
+    for option, keys, given in (("--unset", unset, settings), ("--unlabel", unlabel, labels)):
+        both = sorted(set(keys) & set(given))
+        if both:
+            raise InputError(f"{option}: {_some(both)} also given a value")
+        twice = sorted(k for k, n in Counter(keys).items() if n > 1)
+        if twice:
+            raise InputError(f"{option}: {_some(twice)} given more than once")
+    if driver is not None and not driver:
+        raise InputError("--driver: must not be empty")
+    with store.write() as conn:
+        row = conn.execute(
+            select(
+                targets.c.id,
+                groups.c.name.label("group_name"),
+                targets.c.driver,
+                targets.c.settings,
+                targets.c.labels,
+                targets.c.managed,
+            )
+            .select_from(targets.outerjoin(groups, groups.c.id == targets.c.group_id))
+            .where(targets.c.name == name)
+        ).first()
+        if row is None:
+            raise NotFound(f"target '{name}' not found")
+        old_settings: dict[str, Any] = json.loads(row.settings)
+        old_labels: dict[str, str] = json.loads(row.labels)
+        for option, keys, there in (
+            ("--unset", unset, old_settings),
+            ("--unlabel", unlabel, old_labels),
+        ):
+            missing = [k for k in keys if k not in there]
+            if missing:
+                what = "setting" if option == "--unset" else "label"
+                raise InputError(
+                    f"{option}: target {name} has no {what} {_some(missing)}"
+                    + (f" (it has {_some(sorted(there))})" if there else "")
+                )
+        new_settings = {k: v for k, v in old_settings.items() if k not in unset} | settings
+        new_labels = {k: v for k, v in old_labels.items() if k not in unlabel} | labels
+        new = Target(
+            name=name,
+            driver=row.driver if driver is None else driver,
+            group=row.group_name if group is KEEP else group,
+            settings=new_settings,
+            managed=bool(row.managed),
+            labels=new_labels,
+        )
+        from fleetwave.drivers import known_drivers
+
+        if new.driver not in known_drivers():
+            raise InputError(
+                f"--driver: unknown driver {shown(new.driver)} "
+                f"(known: {', '.join(sorted(known_drivers()))})"
+            )
+        if check is not None:
+            check(new)
+        gid = None
+        if new.group is not None:
+            gid = _group_ids(conn).get(new.group)
+            if gid is None:
+                raise NotFound(f"--group: no group named {shown(new.group)}")
+        changes = {
+            field: {"before": before, "after": after}
+            for field, before, after in (
+                ("group", row.group_name, new.group),
+                ("driver", row.driver, new.driver),
+                ("settings", old_settings, new_settings),
+                ("labels", old_labels, new_labels),
+            )
+            if before != after
+        }
+        if not changes:
+            return changes
+        busy = _active_strategy_of(conn, [row.id])
+        if busy:
+            state = _strategy_state(conn, busy[1])
+            raise Conflict(
+                f"target {name}: is in active strategy {busy[1]} ({state}), which uses its "
+                "group, driver and settings; "
+                + _how_it_ends(busy[1], state, "it can be changed")
+                + (
+                    ""
+                    if state == StrategyState.INITIAL
+                    else f" ('fleetwave target unmanage {name}' keeps the rollout off it "
+                    "meanwhile)"
+                )
+            )
+        conn.execute(
+            update(targets)
+            .where(targets.c.id == row.id)
+            .values(
+                group_id=gid,
+                driver=new.driver,
+                settings=json.dumps(new_settings, sort_keys=True),
+                labels=json.dumps(new_labels, sort_keys=True),
+            )
+        )
+        return changes
 
 
 def delete_target(store: Store, name: str) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 
 from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.models import STEP_INITIAL, STEP_TERMINAL, shown
@@ -45,6 +45,49 @@ def list_groups(store: Store) -> list[dict[str, Any]]:
             }
             for g in conn.execute(select(groups).order_by(groups.c.name))
         ]
+
+
+def get_group(store: Store, name: str) -> dict[str, Any]:
+    """One group: its settings, its targets (how many, how many unmanaged) and the
+    strategies with steps of it, with the caps those strategies took when created."""
+    with store.read() as conn:
+        g = conn.execute(select(groups).where(groups.c.name == name)).first()
+        if g is None:
+            raise NotFound(f"group '{name}' not found")
+        total, unmanaged = conn.execute(
+            select(func.count(), func.sum(case((targets.c.managed, 0), else_=1))).where(
+                targets.c.group_id == g.id
+            )
+        ).one()
+        used = conn.execute(
+            select(
+                strategies.c.id,
+                strategies.c.state,
+                strategies.c.group_caps,
+                func.count(steps.c.id).label("steps"),
+            )
+            .join(steps, steps.c.strategy_id == strategies.c.id)
+            .where(steps.c.group_id == g.id)
+            .group_by(strategies.c.id, strategies.c.state, strategies.c.group_caps)
+            .order_by(strategies.c.id)
+        ).all()
+        return {
+            "name": g.name,
+            "max_parallel": 1 if g.apply_type == "serial" else g.max_parallel,
+            "apply_type": g.apply_type,
+            "targets": int(total),
+            "unmanaged": int(unmanaged or 0),
+            "strategies": [
+                {
+                    "strategy": int(s.id),
+                    "strategy_state": s.state,
+                    "steps": int(s.steps),
+                    # the group's cap as the strategy took it when it was created
+                    "max_parallel": json.loads(s.group_caps).get(str(g.id)),
+                }
+                for s in used
+            ],
+        }
 
 
 def _target_dict(r: Any) -> dict[str, Any]:
