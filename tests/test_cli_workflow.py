@@ -717,3 +717,41 @@ def test_validate_with_a_database_says_what_add_would_say_of_the_version(
     assert res.code == 0 and res.out.strip().endswith("is valid (3 states)"), res.text
     # a database named that is not there is an error, as for every other command
     assert_rejected(cli("workflow", "validate", str(older), db=tmp_path / "nope.db"), "no database")
+
+
+def test_validate_and_add_answer_in_json_for_scripts(cli: Cli, tmp_path: Path) -> None:
+    f = write(tmp_path, GOOD)
+    res = cli("workflow", "validate", str(f), "--format", "json")
+    assert res.code == 0, res.text
+    assert res.json() == {
+        "file": str(f),
+        "valid": True,
+        "name": "site-patch",
+        "version": 3,
+        "states": 3,
+        "add_would": "store",
+        "stored_version": None,
+    }
+    res = cli("workflow", "add", str(f), "--format", "json")
+    assert res.json() == {
+        "name": "site-patch",
+        "version": 3,
+        "stored": True,
+        "replaced_version": None,
+    }
+    again = cli("workflow", "add", str(f), "--format", "json")
+    assert again.json() == {
+        "name": "site-patch",
+        "version": 3,
+        "stored": False,
+        "replaced_version": None,
+    }
+    assert cli("workflow", "validate", str(f), "--format", "json").json()["add_would"] == "nothing"
+    v4 = write(tmp_path, GOOD.replace("version: 3", "version: 4"), "v4.yaml")
+    res = cli("workflow", "validate", str(v4), "--format", "json")
+    assert (res.json()["add_would"], res.json()["stored_version"]) == ("replace", 3)
+    res = cli("workflow", "add", str(v4), "--format", "json")
+    assert (res.json()["stored"], res.json()["replaced_version"]) == (True, 3)
+    # a bad file: the same one error line and exit 2, no JSON on stdout
+    bad = write(tmp_path, GOOD.replace("version: 3", "version: zero"), "bad.yaml")
+    assert_rejected(cli("workflow", "validate", str(bad), "--format", "json"), "version")

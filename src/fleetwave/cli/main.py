@@ -507,7 +507,7 @@ def workflow_show(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) ->
 
 
 @workflow_app.command("validate")
-def workflow_validate(file: Path, db: DbOpt = None) -> None:
+def workflow_validate(file: Path, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Check a YAML workflow file; errors name the state and field. With a database
     (--db, $FLEETWAVE_DB, or ./fleetwave.db if there), also what 'workflow add' would
     say of its version there."""
@@ -515,16 +515,29 @@ def workflow_validate(file: Path, db: DbOpt = None) -> None:
     wf = parse_workflow_yaml(read_text_file(file), source=str(file), strict=True)
     _not_builtin(file, wf.name)
     said = f"{file}: workflow {wf.name} v{wf.version} is valid ({len(wf.states)} states)"
+    answer: dict[str, Any] = {
+        "file": str(file),
+        "valid": True,
+        "name": wf.name,
+        "version": wf.version,
+        "states": len(wf.states),
+        # what 'workflow add' would do (None: no database to ask)
+        "add_would": None,
+        "stored_version": None,
+    }
     store = store_if_any(db)
     if store is not None:
-        stored = admin.check_workflow_version(store, wf)
+        stored = answer["stored_version"] = admin.check_workflow_version(store, wf)
         if stored is None:
             said += "; 'workflow add' would store it"
+            answer["add_would"] = "store"
         elif stored == wf.version:
             said += f"; already stored as v{stored}, unchanged"
+            answer["add_would"] = "nothing"
         else:
             said += f"; 'workflow add' would replace the stored v{stored}"
-    console.print(said)
+            answer["add_would"] = "replace"
+    _done(fmt, said, answer)
 
 
 def _check_file(file: Path) -> None:
@@ -544,22 +557,29 @@ def _not_builtin(file: Path, name: str) -> None:
 
 
 @workflow_app.command("add")
-def workflow_add(file: Path, db: DbOpt = None) -> None:
+def workflow_add(file: Path, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Validate a YAML workflow and store it, so strategies can use it."""
     _check_file(file)
     text = read_text_file(file)
     wf = parse_workflow_yaml(text, source=str(file), strict=True)
     _not_builtin(file, wf.name)
     replaced = admin.save_workflow(store_for(db), wf, text)
+    answer = {
+        "name": wf.name,
+        "version": wf.version,
+        "stored": replaced != wf.version,
+        "replaced_version": replaced if replaced != wf.version else None,
+    }
     if replaced == wf.version:
-        console.print(f"workflow {wf.name} v{wf.version} is already stored, unchanged")
+        said = f"workflow {wf.name} v{wf.version} is already stored, unchanged"
     elif replaced is not None:
-        console.print(
+        said = (
             f"workflow {wf.name} v{wf.version} stored, replacing v{replaced} "
             f"(strategies created from v{replaced} keep it)"
         )
     else:
-        console.print(f"workflow {wf.name} v{wf.version} stored")
+        said = f"workflow {wf.name} v{wf.version} stored"
+    _done(fmt, said, answer)
 
 
 # -- strategies ---------------------------------------------------------------------------
