@@ -111,6 +111,50 @@ def test_create_by_group_takes_only_that_group(cli: Cli) -> None:
     assert sorted(steps(cli, sid)) == ["e1", "e2"]
 
 
+def test_create_by_label_takes_the_targets_with_every_label(cli: Cli) -> None:
+    assert cli("group", "add", "east").code == 0
+    for name, group, labels in (
+        ("e1", "east", ["region=eu", "tier=canary"]),
+        ("e2", "east", ["region=eu"]),
+        ("x1", None, ["region=eu", "tier=canary"]),
+        ("x2", None, ["region=us", "tier=canary"]),
+        ("x3", None, []),
+    ):
+        args = ["--group", group] if group else []
+        for label in labels:
+            args += ["--label", label]
+        assert cli("target", "add", name, *args).code == 0, name
+    listed = cli("target", "list", "--label", "tier=canary", "--format", "json").json()
+    assert [t["name"] for t in listed] == ["e1", "x1", "x2"]
+    sid = create(cli, "--label", "region=eu", "--label", "tier=canary")  # alone: of all
+    assert sorted(steps(cli, sid)) == ["e1", "x1"]
+    assert_rejected(
+        cli("strategy", "create", "--workflow", "patch", "--group", "east", "--label", "region=eu"),
+        "e1",
+        "already in active strategy 1",
+    )
+    sid = create(cli, "--all", "--label", "region=us")
+    assert sorted(steps(cli, sid)) == ["x2"]
+    # a label with no target, or none in that group: said, nothing created
+    before = strategies(cli)
+    assert_rejected(
+        cli("strategy", "create", "--workflow", "patch", "--label", "region=mars"),
+        "--label",
+        "no target has region=mars",
+    )
+    assert_rejected(
+        cli("strategy", "create", "--workflow", "patch", "--group", "east", "--label", "tier=x"),
+        "--label",
+        "of group 'east'",
+    )
+    assert_rejected(
+        cli("strategy", "create", "--workflow", "patch", "--targets", "x3", "--label", "a=b"),
+        "--label",
+        "not with --targets",
+    )
+    assert strategies(cli) == before
+
+
 @pytest.mark.parametrize(
     ("args", "words"),
     [

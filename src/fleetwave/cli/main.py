@@ -204,13 +204,17 @@ def _done(fmt: Format, text: str, answer: dict[str, Any]) -> None:
 @target_app.command("list")
 def target_list(
     group: Annotated[str | None, typer.Option(help="only this group")] = None,
+    label: Annotated[
+        list[str] | None, typer.Option(help="only targets with this label k=v (repeatable)")
+    ] = None,
     fmt: FormatOpt = Format.table,
     db: DbOpt = None,
 ) -> None:
     """List targets."""
     store = existing_store(db)
+    labels = parse_pairs(label, "--label", typed=False)
     emit_rows(
-        lambda: queries.iter_targets(store, group),
+        lambda: queries.iter_targets(store, group, labels),
         ["name", "group", "driver", "managed", "settings", "labels"],
         fmt,
     )
@@ -608,6 +612,10 @@ def strategy_create(
     targets: Annotated[str | None, typer.Option(help="comma-separated target names")] = None,
     group: Annotated[str | None, typer.Option(help="every target of this group")] = None,
     all_: Annotated[bool, typer.Option("--all", help="every target")] = False,
+    label: Annotated[
+        list[str] | None,
+        typer.Option(help="only targets with this label k=v (repeatable; alone: of all)"),
+    ] = None,
     max_parallel: Annotated[
         int | None, typer.Option(max=MAX_PARALLEL, help="steps in flight at once (default 20)")
     ] = None,
@@ -666,6 +674,7 @@ def strategy_create(
         target_names=targets.split(",") if targets is not None else None,
         group=group,
         all_targets=all_,
+        labels=parse_pairs(label, "--label", typed=False),
     )
     if fmt is Format.json:
         print_json(queries.get_strategy(store, sid))

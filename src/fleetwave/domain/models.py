@@ -87,6 +87,11 @@ def name_problem(name: str) -> str | None:
 UNDRIVABLE = "cannot drive it"
 
 
+def has_labels(labels: dict[str, str], wanted: dict[str, str]) -> bool:
+    """Whether a target's labels include every one of ``wanted`` (key and value)."""
+    return all(labels.get(k) == v for k, v in wanted.items())
+
+
 def plural(n: int, noun: str, nouns: str | None = None) -> str:
     """``1 step``, ``2 steps`` (``nouns`` where adding an s is wrong)."""
     return f"{n} {noun if n == 1 else (nouns or noun + 's')}"

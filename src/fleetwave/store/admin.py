@@ -24,6 +24,7 @@ from fleetwave.domain.models import (
     StrategyOptions,
     StrategyState,
     Target,
+    has_labels,
     name_problem,
     plural,
     shown,
@@ -523,13 +524,12 @@ def change_target(
             state = _strategy_state(conn, busy[1])
             raise Conflict(
                 f"target {name}: is in active strategy {busy[1]} ({state}), which uses its "
-                "group, driver and settings; "
+                "group, driver, settings and labels; "
                 + _how_it_ends(busy[1], state, "it can be changed")
                 + (
                     ""
                     if state == StrategyState.INITIAL
-                    else f" ('fleetwave target unmanage {name}' keeps the rollout off it "
-                    "meanwhile)"
+                    else f" ('fleetwave target unmanage {name}' keeps the rollout off it meanwhile)"
                 )
             )
         conn.execute(
@@ -677,20 +677,34 @@ def create_strategy(
     target_names: Iterable[str] | None = None,
     group: str | None = None,
     all_targets: bool = False,
+    labels: dict[str, str] | None = None,
 ) -> int:
+    """Create a strategy over the targets named, those of a group, or all of them;
+    ``labels`` keeps only the targets with every one of these labels (of the group,
+    or of all targets when neither a group nor names are given)."""
     if opts.max_parallel < 1:
         raise InputError(f"--max-parallel: must be at least 1, got {opts.max_parallel}")
     if opts.max_parallel > MAX_PARALLEL:
         raise InputError(f"--max-parallel: must be at most {MAX_PARALLEL}, got {opts.max_parallel}")
     if opts.max_failures is not None and opts.max_failures < 0:
         raise InputError(f"--max-failures: must not be negative, got {opts.max_failures}")
+    if labels and target_names is not None:
+        raise InputError(
+            "--label: picks among the targets of --group, or of all; not with --targets "
+            "(a named target without the label would be left out without a word)"
+        )
+    if labels and group is None:
+        all_targets = True
     chosen = sum([target_names is not None, group is not None, all_targets])
     if chosen != 1:
-        raise InputError("choose the targets with exactly one of --targets, --group or --all")
+        raise InputError(
+            "choose the targets with exactly one of --targets, --group or --all "
+            "(--label alone: all targets with those labels)"
+        )
     wf.with_timeouts(opts.timeouts_s)  # validates the state names
     now = _now()
     with store.write() as conn:
-        q = select(targets.c.id, targets.c.name, targets.c.group_id)
+        q = select(targets.c.id, targets.c.name, targets.c.group_id, targets.c.labels)
         if target_names is not None:
             given = [n.strip() for n in target_names if n.strip()]
             names = list(dict.fromkeys(given))
@@ -727,6 +741,14 @@ def create_strategy(
             if not rows:
                 raise InputError(
                     "--all: there are no targets; add some with 'fleetwave target add'"
+                )
+        if labels:
+            rows = [r for r in rows if has_labels(json.loads(r.labels), labels)]
+            if not rows:
+                among = f"of group '{group}'" if group is not None else ""
+                raise InputError(
+                    f"--label: no target {among}{' ' if among else ''}has "
+                    + ", ".join(f"{k}={v}" for k, v in labels.items())
                 )
         held = _held_by_active(conn, [r.id for r in rows])
         if held:

@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy import case, func, select
 
 from fleetwave.domain.errors import InputError, NotFound
-from fleetwave.domain.models import STEP_INITIAL, STEP_TERMINAL, shown
+from fleetwave.domain.models import STEP_INITIAL, STEP_TERMINAL, has_labels, shown
 from fleetwave.store.db import Store
 from fleetwave.store.runtime import DRIVEN_STATES, conductor_gone
 from fleetwave.store.schema import (
@@ -133,8 +133,11 @@ def _pages(store: Store, q: Any, key: Any, after: Any) -> Iterator[Any]:
         after = getattr(page[-1], key.key)
 
 
-def iter_targets(store: Store, group: str | None = None) -> Iterator[dict[str, Any]]:
-    """The targets a page at a time, as read (a fleet of 100,000 is not held in memory)."""
+def iter_targets(
+    store: Store, group: str | None = None, labels: dict[str, str] | None = None
+) -> Iterator[dict[str, Any]]:
+    """The targets (of a group; with every one of ``labels``) a page at a time, as read
+    (a fleet of 100,000 is not held in memory)."""
     q = _target_query()
     if group is not None:
         with store.read() as conn:
@@ -142,7 +145,9 @@ def iter_targets(store: Store, group: str | None = None) -> Iterator[dict[str, A
                 raise NotFound(f"--group: no group named {shown(group)}")
         q = q.where(groups.c.name == group)
     for r in _pages(store, q, targets.c.name, ""):
-        yield _target_dict(r)
+        t = _target_dict(r)
+        if not labels or has_labels(t["labels"], labels):
+            yield t
 
 
 def get_target(store: Store, name: str) -> dict[str, Any]:
