@@ -124,6 +124,59 @@ def test_a_target_remembers_its_last_operation_for_a_recover_hook() -> None:
     asyncio.run(main())
 
 
+def test_a_plain_operation_is_on_the_target_record_and_outlives_a_lost_caller() -> None:
+    """A plain target (fixed latency, no faults) runs its operation in the caller's task.
+    It kept no record: a conductor that crashed after (or while) the operation ran was
+    followed by a recover hook that found it 'not started' and started it again, which
+    the simulator counted as a second start of attempt 1 (`fleetwave sim --seed 1
+    --faults crash,db`, the README's example, failed with G1 at the target)."""
+    driver = SimDriver()
+    driver.count_starts = True
+    plain = Target(name="p", settings={"latency_ms": 10})
+    lost = Target(name="q", settings={"latency_ms": 10})
+    failing = Target(name="f", settings={"latency_ms": 1, "fail_at": "apply"})
+    op = DriverOperation("apply")
+
+    def recovering(target: Target, step_id: int) -> ActionContext:
+        return replace(_ctx(driver, target, "apply", step_id=step_id), recovering=True)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        # ends: recorded as a remote run's end is
+        assert await driver.perform(plain, "apply", _ctx(driver, plain, "apply")) is (
+            RemoteResult.DONE
+        )
+        assert await driver.observe(plain, "apply", _ctx(driver, plain, "apply")) is (
+            RemoteResult.DONE
+        )
+        assert await op.recover(recovering(plain, 7)) == Advance()
+        with pytest.raises(StepFailed):
+            await driver.perform(failing, "apply", _ctx(driver, failing, "apply", step_id=8))
+        with pytest.raises(StepFailed, match="fail_at=apply"):
+            await driver.observe(failing, "apply", _ctx(driver, failing, "apply", step_id=8))
+        # its caller lost mid-way: the rest runs on the target, and a recover hook joins it
+        started = loop.time()
+        caller = asyncio.create_task(
+            driver.perform(lost, "apply", _ctx(driver, lost, "apply", step_id=9))
+        )
+        await asyncio.sleep(0.004)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        assert await driver.observe(lost, "apply", _ctx(driver, lost, "apply", step_id=9)) is (
+            RemoteResult.IN_PROGRESS
+        )
+        assert await op.recover(recovering(lost, 9)) == Advance()
+        assert loop.time() - started == pytest.approx(0.010, abs=0.004)  # its own 10 ms
+        assert await driver.observe(lost, "apply", _ctx(driver, lost, "apply", step_id=9)) is (
+            RemoteResult.DONE
+        )
+
+    asyncio.run(main())
+    # each run started once: the recover hooks observed or joined, and started nothing
+    assert dict(driver.starts) == {("p", "apply", 1): 1, ("f", "apply", 1): 1, ("q", "apply", 1): 1}
+
+
 def test_a_driver_keeps_nothing_of_a_strategy_once_it_ended(store: Store) -> None:
     """Every finished operation's record (a future each) was kept for the driver's life:
     a third slower at 100,000 targets, and a serve using the sim grew without end."""

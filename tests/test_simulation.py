@@ -36,14 +36,17 @@ PINNED: list[tuple[int, str, int]] = [
 CI_SEEDS = int(os.environ.get("FLEETWAVE_SIM_SEEDS", "200"))
 
 
-def _run(args: tuple[int, str, int]) -> SimResult:
-    seed, workflow, targets = args
-    return run_simulation(SimConfig(seed=seed, targets=targets, workflow=workflow))
+def _run(args: tuple[int, str, int, frozenset[str]]) -> SimResult:
+    seed, workflow, targets, faults = args
+    return run_simulation(SimConfig(seed=seed, targets=targets, workflow=workflow, faults=faults))
 
 
-def _sweep(cases: list[tuple[int, str, int]]) -> list[SimResult]:
+def _sweep(
+    cases: list[tuple[int, str, int]], faults: frozenset[str] = frozenset(FAULTS)
+) -> list[SimResult]:
+    """The runs (seed, workflow, targets) with these faults, two processes at a time."""
     with ProcessPoolExecutor(max_workers=2) as pool:
-        return list(pool.map(_run, cases, chunksize=4))
+        return list(pool.map(_run, [(*c, faults) for c in cases], chunksize=4))
 
 
 def test_same_seed_same_journal_byte_for_byte() -> None:
@@ -119,6 +122,49 @@ def test_ci_sweep_with_poll_states() -> None:
     for r in failed:
         print(r.line(), r.violations[:5])
     assert not failed, f"failing seeds: {[r.seed for r in failed]}"
+
+
+#: fault sets run alone: with every fault at once, each run's targets have faults of
+#: their own, so the targets with none (the sim's cheap path) met a crash or a stall
+#: only in these (`--faults crash,db` failed, the README's example)
+FAULT_SETS = [
+    *({f} for f in sorted(FAULTS)),
+    {"crash", "db"},
+    {"crash", "hangs"},
+    {"crash", "stop"},
+    {"stall", "stop"},
+    {"outage", "stall"},
+]
+
+
+def test_ci_sweep_fault_by_fault() -> None:
+    """Each fault alone, and a few pairs: CI_SEEDS // 20 seeds each (10 by default)."""
+    workflows = ["patch", "clean", "firmware"]
+    per_set = max(1, CI_SEEDS // 20)
+    failed = []
+    for i, faults in enumerate(FAULT_SETS):
+        first = 40000 + 100 * i
+        cases = [(seed, workflows[seed % 3], 30) for seed in range(first, first + per_set)]
+        failed += [r for r in _sweep(cases, frozenset(faults)) if not r.ok]
+    for r in failed:
+        print(r.line(), r.violations[:5])
+    assert not failed, f"failing seeds: {[(r.seed, r.workflow) for r in failed]}"
+
+
+@pytest.mark.parametrize(
+    ("seed", "faults", "targets"),
+    [(1, {"crash", "db"}, 200), (202004, {"stall"}, 60)],
+)
+def test_a_recover_hook_never_starts_again_what_a_plain_target_ran(
+    seed: int, faults: set[str], targets: int
+) -> None:
+    """A target with no faults of its own ran its operation in the conductor's task and
+    kept no record of it: after a crash (or beside a stalled conductor) the next
+    conductor's recover hook found it 'not started' and started attempt 1 again."""
+    res = run_simulation(
+        SimConfig(seed=seed, targets=targets, workflow="patch", faults=frozenset(faults))
+    )
+    assert res.ok, res.violations
 
 
 @pytest.mark.parametrize(

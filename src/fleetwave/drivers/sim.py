@@ -336,11 +336,7 @@ class SimDriver:
         if running is not None and joins:
             return await asyncio.shield(running.future)  # idempotent: join, don't restart
         if prof.plain and not ctx.callback_expected:
-            # A plain operation (fixed latency, no faults) runs in the caller's task: cheap,
-            # and if the caller is lost mid-way the target reports it never finished.
-            if prof.latency_s > 0:
-                await self._sleeps.sleep(prof.latency_s)
-            return self._finish(prof, ctx)
+            return await self._run_inline(prof, target, operation, ctx)
         execution = _Execution(asyncio.get_running_loop().create_future())
         self._remote[key] = execution
         task = asyncio.create_task(self._execute(prof, target, operation, ctx, execution))
@@ -355,11 +351,18 @@ class SimDriver:
         operation: str,
         ctx: ActionContext,
         execution: _Execution,
+        left: float | None = None,
     ) -> None:
-        """The remote side's work: runs on even if the conductor that asked is lost."""
+        """The remote side's work: runs on even if the conductor that asked is lost.
+        ``left``: what is left of a plain run whose caller was lost (:meth:`_run_on`)."""
         error: tuple[str, bool] | None = None
         try:
-            result = await self._remote_work(prof, target, operation, ctx)
+            if left is None:
+                result = await self._remote_work(prof, target, operation, ctx)
+            else:
+                if left > 0:
+                    await self._sleeps.sleep(left)
+                result = self._finish(prof, ctx)
         except Exception as exc:
             execution.future.set_exception(exc)
             execution.future.exception()  # retrieved: the step may have stopped waiting
@@ -369,12 +372,56 @@ class SimDriver:
         key = (ctx.strategy_id, target.name, operation)
         if self._remote.get(key) is execution:
             del self._remote[key]
+        self._ran(ctx, operation, error)
+
+    def _ran(self, ctx: ActionContext, operation: str, error: tuple[str, bool] | None) -> None:
+        """The target's record of how this step's last run of an operation ended (what
+        :meth:`observe` reports), kept until the strategy ends."""
         if ctx.strategy_id not in self._ended:
             self._finished.setdefault(ctx.strategy_id, {})[ctx.step_id] = (
                 ctx.state,
                 operation,
                 error,
             )
+
+    async def _run_inline(
+        self, prof: _Profile, target: Target, operation: str, ctx: ActionContext
+    ) -> RemoteResult:
+        """A plain operation (fixed latency, no faults) runs in the caller's task: no
+        task of its own, which costs more than the operation. On the target's side it is
+        a remote run all the same: in progress while it runs (a recover hook joins it),
+        its end recorded, and if its caller is lost mid-way (its conductor crashed or
+        stalled, its state timed out) the rest of it runs on, as its own task."""
+        loop = asyncio.get_running_loop()
+        key = (ctx.strategy_id, target.name, operation)
+        execution = self._remote[key] = _Execution(loop.create_future())
+        handed_over = False
+        try:
+            if prof.latency_s > 0:
+                due = loop.time() + prof.latency_s
+                try:
+                    await self._sleeps.sleep(prof.latency_s)
+                except asyncio.CancelledError:
+                    task = asyncio.create_task(
+                        self._execute(prof, target, operation, ctx, execution, due - loop.time())
+                    )
+                    self._work.add(task)
+                    task.add_done_callback(self._work.discard)
+                    handed_over = True
+                    raise
+            try:
+                result = self._finish(prof, ctx)
+            except StepFailed as exc:
+                execution.future.set_exception(exc)
+                execution.future.exception()  # retrieved: joiners see it, or nobody does
+                self._ran(ctx, operation, (str(exc), False))
+                raise
+            execution.future.set_result(result)
+            self._ran(ctx, operation, None)
+            return result
+        finally:
+            if not handed_over and self._remote.get(key) is execution:
+                del self._remote[key]
 
     def strategy_ended(self, strategy_id: int) -> None:
         """The conductor ended the strategy: what its targets did is no longer asked."""
