@@ -50,8 +50,8 @@ Run it from the repository root::
 It prints the figures and a PASS/FAIL per target, and writes them to
 ``bench/RESULTS.md`` (``--results`` to write elsewhere): one section per scenario and
 size, replaced when that scenario is run again, with the command, date and machine
-that produced it. A missed target is reported, never an error: the exit status is 0
-unless a scenario could not be measured at all (its process failed).
+that produced it. The exit status is 1 when a target is missed, or a scenario could
+not be measured at all (its process failed), and 0 when every target is met.
 
 The figures are only as quiet as the machine: each run records the load average and
 how often its process was preempted, and a digest of ``src/`` before and after.
@@ -733,7 +733,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {'PASS' if c.passed else 'FAIL'}  {report.scenario}: {c.name}")
     for err in errors:
         print(f"  ERROR {err}")
-    return 1 if errors else 0
+    # 1 when a goal is missed, as when a scenario could not run: a script sees it
+    missed = any(not c.passed for report in reports for c in report.checks)
+    return 1 if errors or missed else 0
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def test_a_plugin_module_that_does_not_import(cli: Cli, monkeypatch: pytest.Monk
 @pytest.mark.parametrize(
     ("setting", "problem"),
     [
-        ("already_done=maybe", "already_done: 'maybe' is not true or false"),
+        ("already_done=maybe", "already_done: 'maybe' is not true or false (also yes/no"),
         ("fail_at=", "fail_at: '' is not a state name"),
         ("hang_at=two words", "hang_at: 'two words' is not a state name"),
         ("remote_state=", "remote_state: '' must be 1-255 printable characters"),

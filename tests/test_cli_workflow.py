@@ -184,7 +184,7 @@ def test_validate_minimal_file(cli: Cli, tmp_path: Path) -> None:
     f = write(tmp_path, "name: tiny\nstates:\n  - name: only\n")
     res = cli("workflow", "validate", str(f), db=None)
     assert res.code == 0, res.text
-    assert "tiny v1 is valid (1 states)" in res.text
+    assert "tiny v1 is valid (1 state)" in res.text
 
 
 BAD = {
@@ -262,6 +262,19 @@ BAD = {
     "version 0": ("name: w\nversion: 0\nstates:\n  - name: a\n", ["version"]),
     "not a mapping": ("- name: a\n", ["expected a mapping"]),
     "not yaml": ("name: [w\n", ["not valid YAML"]),
+    # pydantic's own words were "Input should be a valid number, unable to parse ..."
+    "timeout as a clock time": (
+        "name: w\nstates:\n  - name: a\n    timeout_s: '1:30'\n",
+        ["states[0]", "timeout_s: expected a number, got '1:30'"],
+    ),
+    "timeout as a list": (
+        "name: w\nstates:\n  - name: a\n    timeout_s: [1]\n",
+        ["timeout_s: expected a number, got a list"],
+    ),
+    "attempts as text": (
+        "name: w\nstates:\n  - name: a\n    retry: {attempts: few}\n",
+        ["retry: attempts: expected a whole number, got 'few'"],
+    ),
 }
 
 

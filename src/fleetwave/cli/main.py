@@ -53,6 +53,7 @@ from fleetwave.domain.models import (
     StrategyState,
     Target,
     plural,
+    shown,
 )
 from fleetwave.domain.registry import get_workflow, load_plugins
 from fleetwave.domain.workflow import WorkflowError, describe_workflow
@@ -67,7 +68,7 @@ from fleetwave.engine.conductor import (
     StoreUnavailable,
 )
 from fleetwave.store import admin, queries
-from fleetwave.store.admin import DEFAULT_MAX_PARALLEL, MAX_PARALLEL
+from fleetwave.store.admin import DEFAULT_MAX_PARALLEL
 from fleetwave.store.db import (
     HEAD_REVISION,
     SchemaOutdated,
@@ -325,7 +326,7 @@ def group_add(
     name: str,
     max_parallel: Annotated[
         int | None,
-        typer.Option(max=MAX_PARALLEL, help="targets of this group in flight at once (default 20)"),
+        typer.Option(help="targets of this group in flight at once (default 20)"),
     ] = None,
     apply_type: Annotated[
         ApplyType, typer.Option(help="parallel, or serial (one at a time)")
@@ -364,7 +365,7 @@ def group_set(
     name: str,
     max_parallel: Annotated[
         int | None,
-        typer.Option(max=MAX_PARALLEL, help="targets of this group in flight at once"),
+        typer.Option(help="targets of this group in flight at once"),
     ] = None,
     apply_type: Annotated[
         ApplyType | None, typer.Option(help="parallel, or serial (one at a time)")
@@ -518,7 +519,7 @@ def workflow_validate(file: Path, fmt: FormatOpt = Format.table, db: DbOpt = Non
     _check_file(file)
     wf = parse_workflow_yaml(read_text_file(file), source=str(file), strict=True)
     _not_builtin(file, wf.name)
-    said = f"{file}: workflow {wf.name} v{wf.version} is valid ({len(wf.states)} states)"
+    said = f"{file}: workflow {wf.name} v{wf.version} is valid ({plural(len(wf.states), 'state')})"
     answer: dict[str, Any] = {
         "file": str(file),
         "valid": True,
@@ -591,16 +592,19 @@ def workflow_add(file: Path, fmt: FormatOpt = Format.table, db: DbOpt = None) ->
 
 def _timeouts(items: list[str] | None) -> dict[str, float]:
     out: dict[str, float] = {}
+    typed = parse_pairs(items, "--timeout", typed=False)  # as given, for the errors
     for key, value in parse_pairs(items, "--timeout").items():
         if (
             isinstance(value, bool)
             or not isinstance(value, int | float)
             or not 0 < value < float("inf")
         ):
-            raise InputError(f"--timeout: {key}: expected a positive number of seconds")
+            raise InputError(
+                f"--timeout: {key}: expected a positive number of seconds, got {shown(typed[key])}"
+            )
         if value > MAX_SECONDS:
             raise InputError(
-                f"--timeout: {key}: at most {MAX_SECONDS} seconds (30 days), got {value:g}"
+                f"--timeout: {key}: at most {MAX_SECONDS} seconds (30 days), got {typed[key]}"
             )
         out[key] = float(value)
     return out
@@ -617,7 +621,7 @@ def strategy_create(
         typer.Option(help="only targets with this label k=v (repeatable; alone: of all)"),
     ] = None,
     max_parallel: Annotated[
-        int | None, typer.Option(max=MAX_PARALLEL, help="steps in flight at once (default 20)")
+        int | None, typer.Option(help="steps in flight at once (default 20)")
     ] = None,
     apply_type: Annotated[
         ApplyType, typer.Option(help="parallel, or serial (one at a time)")

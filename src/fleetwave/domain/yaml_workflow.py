@@ -142,6 +142,21 @@ def _strict(info: ValidationInfo) -> bool:
     return bool(isinstance(info.context, dict) and info.context.get("strict"))
 
 
+#: pydantic's "Input should be a valid number ..." errors
+_NUMBER_ERRORS = {"float_parsing", "float_type", "int_parsing", "int_type", "int_from_float"}
+
+
+def _given(value: Any) -> str:
+    """A value as an error quotes it: text quoted, a list or mapping named."""
+    if isinstance(value, str):
+        return shown(value)
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return "nothing" if value is None else str(value)
+
+
 def _not_bool(value: Any, info: ValidationInfo) -> Any:
     """YAML's true/false are not numbers (pydantic would take true as 1)."""
     if isinstance(value, bool) and _strict(info):
@@ -317,6 +332,10 @@ def parse_workflow_yaml(text: str, *, source: str = "<yaml>", strict: bool = Fal
         msg = err["msg"]
         if err["type"] == "value_error" and "error" in err.get("ctx", {}):
             msg = str(err["ctx"]["error"])  # our own message, without "Value error, "
+        elif err["type"] in _NUMBER_ERRORS:
+            # worded as our own checks (true, 2.0), with what was given
+            what = "a whole number" if err["type"].startswith("int") else "a number"
+            msg = f"expected {what}, got {_given(err.get('input'))}"
         raise WorkflowError(f"{source}: {_where(err['loc'], data)}: {msg}") from exc
     states: list[StateDef] = []
     for i, st in enumerate(model.states):

@@ -108,7 +108,9 @@ def _bool(settings: dict[str, Any], key: str) -> bool:
     raw = settings.get(key, False)
     word = str(raw).strip().lower()
     if word not in _TRUE | _FALSE:
-        raise SimSettingError(f"sim setting {key}: {shown(str(raw))} is not true or false")
+        raise SimSettingError(
+            f"sim setting {key}: {shown(str(raw))} is not true or false (also yes/no, on/off, 1/0)"
+        )
     return word in _TRUE
 
 

@@ -68,8 +68,7 @@ def _add_group(store: Store, group: Group, *, existing_ok: bool) -> tuple[int, b
     problem = name_problem(group.name)
     if problem:
         raise InputError(f"group name: {problem}")
-    if group.max_parallel < 1:
-        raise InputError(f"--max-parallel: must be at least 1, got {group.max_parallel}")
+    _check_max_parallel(group.max_parallel)
     with store.write() as conn:
         there = conn.execute(
             select(groups.c.id, groups.c.max_parallel, groups.c.apply_type).where(
@@ -143,8 +142,8 @@ def change_group(
     """
     if max_parallel is None and apply_type is None:
         raise InputError("nothing to change: give --max-parallel or --apply-type")
-    if max_parallel is not None and max_parallel < 1:
-        raise InputError(f"--max-parallel: must be at least 1, got {max_parallel}")
+    if max_parallel is not None:
+        _check_max_parallel(max_parallel)
     with store.write() as conn:
         row = _group_row(conn, name)
         old_type = ApplyType(row.apply_type)
@@ -654,6 +653,13 @@ def options_to_json(opts: StrategyOptions) -> str:
 MAX_PARALLEL = 1_000_000
 
 
+def _check_max_parallel(value: int) -> None:
+    if value < 1:
+        raise InputError(f"--max-parallel: must be at least 1, got {value}")
+    if value > MAX_PARALLEL:
+        raise InputError(f"--max-parallel: must be at most {MAX_PARALLEL}, got {value}")
+
+
 def options_from_json(raw: str) -> StrategyOptions:
     data = json.loads(raw)
     data["apply_type"] = ApplyType(data["apply_type"])
@@ -682,10 +688,7 @@ def create_strategy(
     """Create a strategy over the targets named, those of a group, or all of them;
     ``labels`` keeps only the targets with every one of these labels (of the group,
     or of all targets when neither a group nor names are given)."""
-    if opts.max_parallel < 1:
-        raise InputError(f"--max-parallel: must be at least 1, got {opts.max_parallel}")
-    if opts.max_parallel > MAX_PARALLEL:
-        raise InputError(f"--max-parallel: must be at most {MAX_PARALLEL}, got {opts.max_parallel}")
+    _check_max_parallel(opts.max_parallel)
     if opts.max_failures is not None and opts.max_failures < 0:
         raise InputError(f"--max-failures: must not be negative, got {opts.max_failures}")
     if labels and target_names is not None:
