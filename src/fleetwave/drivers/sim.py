@@ -37,8 +37,7 @@ import math
 import random
 import re
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fleetwave.domain.models import Target, shown
@@ -255,11 +254,32 @@ class _Sleeps:
             self._timer = self._loop.call_at(self._at, self._fire)
 
 
-@dataclass
-class _Execution:
-    """One run of one operation on one target, as the target sees it."""
+class _Run:
+    """One run of one operation on one target, as the target sees it, while it runs.
 
-    future: asyncio.Future[RemoteResult]
+    What a caller that joins it awaits is made when one does: most runs are never
+    joined, and a future costs more than the rest of a plain run's bookkeeping.
+    """
+
+    __slots__ = ("joiners",)
+
+    def __init__(self) -> None:
+        self.joiners: asyncio.Future[RemoteResult] | None = None
+
+    def joined(self) -> asyncio.Future[RemoteResult]:
+        if self.joiners is None:
+            self.joiners = asyncio.get_running_loop().create_future()
+        return self.joiners
+
+    def ended(self, result: RemoteResult | None, error: Exception | None = None) -> None:
+        joined = self.joiners
+        if joined is None or joined.done():
+            return
+        if error is not None:
+            joined.set_exception(error)
+            joined.exception()  # retrieved: a joiner may have stopped waiting
+        else:
+            joined.set_result(result)  # type: ignore[arg-type]
 
 
 class SimDriver:
@@ -296,7 +316,7 @@ class SimDriver:
         #: all a recover hook or a poll can ask about). Kept small: the
         #: futures of every finished operation, kept before, slowed a 100,000-target
         #: rollout by a third. Forgotten when the strategy ends.
-        self._remote: dict[tuple[int, str, str], _Execution] = {}
+        self._remote: dict[tuple[int, str, str], _Run] = {}
         #: (state, operation, error): two states may run the same operation
         self._finished: dict[int, dict[int, tuple[str, str, tuple[str, bool] | None]]] = {}
         #: strategies ended: an operation still running on a target (its step timed out)
@@ -323,7 +343,7 @@ class SimDriver:
         prof = self._profile(target)
         key = (ctx.strategy_id, target.name, operation)
         running = self._remote.get(key) if self._remote else None
-        joins = running is not None and not running.future.done()
+        joins = running is not None  # a run is in progress until it is removed
         # A recover hook that joins the run going on starts nothing; one that finds the
         # operation never started starts it here, as the action would have.
         if not (ctx.recovering and joins):
@@ -336,15 +356,50 @@ class SimDriver:
             if self.record:
                 self.performed.append((target.name, operation, ctx.attempt))
         if running is not None and joins:
-            return await asyncio.shield(running.future)  # idempotent: join, don't restart
+            return await asyncio.shield(running.joined())  # idempotent: join, don't restart
         if prof.plain and not ctx.callback_expected:
-            return await self._run_inline(prof, target, operation, ctx)
-        execution = _Execution(asyncio.get_running_loop().create_future())
-        self._remote[key] = execution
-        task = asyncio.create_task(self._execute(prof, target, operation, ctx, execution))
+            # A plain operation (fixed latency, no faults) runs in the caller's task: no
+            # task of its own, which costs more than the operation (nor a coroutine). On
+            # the target's side it is a remote run all the same: in progress while it
+            # runs (a recover hook joins it), its end recorded, and if its caller is lost
+            # mid-way (its conductor crashed or stalled, its state timed out) the rest of
+            # it runs on, as its own task.
+            run = self._remote[key] = _Run()
+            if prof.latency_s > 0:
+                loop = asyncio.get_running_loop()
+                due = loop.time() + prof.latency_s
+                try:
+                    await self._sleeps.sleep(prof.latency_s)
+                except asyncio.CancelledError:
+                    self._spawn(self._execute(prof, target, operation, ctx, run, due - loop.time()))
+                    raise
+            try:
+                result = self._finish(prof, ctx)
+            except StepFailed as exc:
+                run.ended(None, exc)
+                self._ran(ctx, key, run, (str(exc), False))
+                raise
+            if run.joiners is not None:
+                run.ended(result)
+            # as _ran, written out: this is the cheap path of every plain operation
+            if self._remote.get(key) is run:
+                del self._remote[key]
+            sid = ctx.strategy_id
+            if sid not in self._ended:
+                finished = self._finished.get(sid)
+                if finished is None:
+                    finished = self._finished[sid] = {}
+                finished[ctx.step_id] = (ctx.state, operation, None)
+            return result
+        run = self._remote[key] = _Run()
+        self._spawn(self._execute(prof, target, operation, ctx, run))
+        return await asyncio.shield(run.joined())
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """The target's side of a run, as its own task (kept until it ends)."""
+        task = asyncio.create_task(work)
         self._work.add(task)
         task.add_done_callback(self._work.discard)
-        return await asyncio.shield(execution.future)
 
     async def _execute(
         self,
@@ -352,11 +407,11 @@ class SimDriver:
         target: Target,
         operation: str,
         ctx: ActionContext,
-        execution: _Execution,
+        run: _Run,
         left: float | None = None,
     ) -> None:
         """The remote side's work: runs on even if the conductor that asked is lost.
-        ``left``: what is left of a plain run whose caller was lost (:meth:`_run_on`)."""
+        ``left``: what is left of a plain run whose caller was lost (:meth:`perform`)."""
         error: tuple[str, bool] | None = None
         try:
             if left is None:
@@ -366,64 +421,30 @@ class SimDriver:
                     await self._sleeps.sleep(left)
                 result = self._finish(prof, ctx)
         except Exception as exc:
-            execution.future.set_exception(exc)
-            execution.future.exception()  # retrieved: the step may have stopped waiting
+            run.ended(None, exc)
             error = (str(exc) or type(exc).__name__, isinstance(exc, TransientError))
         else:
-            execution.future.set_result(result)
-        key = (ctx.strategy_id, target.name, operation)
-        if self._remote.get(key) is execution:
+            run.ended(result)
+        self._ran(ctx, (ctx.strategy_id, target.name, operation), run, error)
+
+    def _ran(
+        self,
+        ctx: ActionContext,
+        key: tuple[int, str, str],
+        run: _Run,
+        error: tuple[str, bool] | None,
+    ) -> None:
+        """A run ended: no longer in progress, and the target's record of how this
+        step's last run of an operation ended (what :meth:`observe` reports), kept until
+        the strategy ends."""
+        if self._remote.get(key) is run:
             del self._remote[key]
-        self._ran(ctx, operation, error)
-
-    def _ran(self, ctx: ActionContext, operation: str, error: tuple[str, bool] | None) -> None:
-        """The target's record of how this step's last run of an operation ended (what
-        :meth:`observe` reports), kept until the strategy ends."""
-        if ctx.strategy_id not in self._ended:
-            self._finished.setdefault(ctx.strategy_id, {})[ctx.step_id] = (
-                ctx.state,
-                operation,
-                error,
-            )
-
-    async def _run_inline(
-        self, prof: _Profile, target: Target, operation: str, ctx: ActionContext
-    ) -> RemoteResult:
-        """A plain operation (fixed latency, no faults) runs in the caller's task: no
-        task of its own, which costs more than the operation. On the target's side it is
-        a remote run all the same: in progress while it runs (a recover hook joins it),
-        its end recorded, and if its caller is lost mid-way (its conductor crashed or
-        stalled, its state timed out) the rest of it runs on, as its own task."""
-        loop = asyncio.get_running_loop()
-        key = (ctx.strategy_id, target.name, operation)
-        execution = self._remote[key] = _Execution(loop.create_future())
-        handed_over = False
-        try:
-            if prof.latency_s > 0:
-                due = loop.time() + prof.latency_s
-                try:
-                    await self._sleeps.sleep(prof.latency_s)
-                except asyncio.CancelledError:
-                    task = asyncio.create_task(
-                        self._execute(prof, target, operation, ctx, execution, due - loop.time())
-                    )
-                    self._work.add(task)
-                    task.add_done_callback(self._work.discard)
-                    handed_over = True
-                    raise
-            try:
-                result = self._finish(prof, ctx)
-            except StepFailed as exc:
-                execution.future.set_exception(exc)
-                execution.future.exception()  # retrieved: joiners see it, or nobody does
-                self._ran(ctx, operation, (str(exc), False))
-                raise
-            execution.future.set_result(result)
-            self._ran(ctx, operation, None)
-            return result
-        finally:
-            if not handed_over and self._remote.get(key) is execution:
-                del self._remote[key]
+        sid = ctx.strategy_id
+        if sid not in self._ended:
+            finished = self._finished.get(sid)
+            if finished is None:
+                finished = self._finished[sid] = {}
+            finished[ctx.step_id] = (ctx.state, key[2], error)
 
     def strategy_ended(self, strategy_id: int) -> None:
         """The conductor ended the strategy: what its targets did is no longer asked."""
@@ -542,8 +563,7 @@ class SimDriver:
         of it succeeded (idempotent: a run going on is joined, a finished one kept)."""
         prof = self._profile(target)
         key = (ctx.strategy_id, target.name, operation)
-        running = self._remote.get(key)
-        if running is not None and not running.future.done():
+        if key in self._remote:
             return RemoteResult.IN_PROGRESS
         last = self._finished.get(ctx.strategy_id, {}).get(ctx.step_id)
         if last is not None and last[:2] == (ctx.state, operation) and last[2] is None:
@@ -552,11 +572,8 @@ class SimDriver:
             self.starts[(target.name, operation, ctx.attempt)] += 1
         if self.record:
             self.performed.append((target.name, operation, ctx.attempt))
-        execution = _Execution(asyncio.get_running_loop().create_future())
-        self._remote[key] = execution
-        task = asyncio.create_task(self._execute(prof, target, operation, ctx, execution))
-        self._work.add(task)
-        task.add_done_callback(self._work.discard)
+        run = self._remote[key] = _Run()
+        self._spawn(self._execute(prof, target, operation, ctx, run))
         return RemoteResult.IN_PROGRESS
 
     @staticmethod
