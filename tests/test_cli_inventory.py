@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -327,6 +328,14 @@ def test_group_verbs_on_unknown_group_are_rejected(cli: Cli, verb: list[str]) ->
     assert_rejected(cli("group", verb[0], "ghost", *verb[1:]), "'ghost'", "not found")
 
 
+def test_group_set_says_what_ran_before_for_an_old_serial_row(cli: Cli, db_path: Path) -> None:
+    assert cli("group", "add", "legacy", "--apply-type", "serial").code == 0
+    with sqlite3.connect(db_path) as conn:  # as an earlier version stored it
+        conn.execute("UPDATE groups SET max_parallel = 5 WHERE name = 'legacy'")
+    res = cli("group", "set", "legacy", "--max-parallel", "1")
+    assert (res.code, res.out) == (0, "group legacy: unchanged (max parallel 1, serial)\n")
+
+
 def test_group_set_applies_to_strategies_created_after_it(cli: Cli) -> None:
     """A strategy takes its groups' caps when created: the one created before the change
     keeps 5 (and is named), the one after it runs one target of the group at a time."""
@@ -408,8 +417,8 @@ def test_target_set_changes_settings_labels_and_group_key_by_key(cli: Cli) -> No
     )
     assert (res.code, res.out) == (
         0,
-        "target a: settings: latency_ms 5 -> 10, failure_rate none -> 0.1; "
-        "labels: rack 1 -> 2, row none -> 3\n",
+        "target a: settings: latency_ms 5 -> 10, failure_rate (unset) -> 0.1; "
+        "labels: rack 1 -> 2, row (unset) -> 3\n",
     )
     res = cli(
         "target", "set", "a", "--unset", "failure_rate", "--unlabel", "row", "--group", "west"
@@ -433,9 +442,47 @@ def test_target_set_changes_settings_labels_and_group_key_by_key(cli: Cli) -> No
     assert (again.code, again.out) == (0, "target a: unchanged (it is so already)\n")
 
 
+def test_target_set_compares_values_as_stored_and_says_so_key_by_key(cli: Cli) -> None:
+    """1 and true, 5 and 5.0 are stored as other JSON values: target add of the new
+    definition was refused after target set had said 'unchanged'."""
+    assert cli("target", "add", "a", "--set", "already_done=1", "--set", "latency_ms=5").code == 0
+    assert cli("target", "set", "a", "--label", "tier=x").code == 0
+    res = cli(
+        "target", "set", "a", "--set", "already_done=true", "--set", "latency_ms=5.0",
+        "--label", "tier=",
+    )  # fmt: skip
+    assert (res.code, res.out) == (
+        0,
+        'target a: settings: already_done 1 -> true, latency_ms 5 -> 5.0; labels: tier x -> ""\n',
+    )
+    again = cli(
+        "target", "add", "a", "--set", "already_done=true", "--set", "latency_ms=5.0",
+        "--label", "tier=",
+    )  # fmt: skip
+    assert (again.code, again.out) == (0, "target a already exists, unchanged\n")
+    # another definition given to add names the way to change it
+    assert_rejected(cli("target", "add", "a"), "another definition", "'fleetwave target set a'")
+
+
+def test_target_set_blames_the_stored_driver_when_no_driver_is_given(
+    cli: Cli, db_path: Path
+) -> None:
+    assert cli("target", "add", "a").code == 0
+    with sqlite3.connect(db_path) as conn:  # stored by a fleetwave that had this driver
+        conn.execute("UPDATE targets SET driver = 'ghost' WHERE name = 'a'")
+    assert_rejected(
+        cli("target", "set", "a", "--label", "k=v"),
+        "target a: driver 'ghost' is unknown here",
+        "give --driver",
+    )
+    res = cli("target", "set", "a", "--driver", "sim", "--label", "k=v")
+    assert res.code == 0 and "driver ghost -> sim" in res.out, res.text
+
+
 @pytest.mark.parametrize(
     ("args", "words"),
     [
+        ([], ["nothing to change", "--group", "--set", "--unlabel"]),
         (["--unset", "nothere"], ["--unset", "no setting", "'nothere'", "'latency_ms'"]),
         (["--unlabel", "nothere"], ["--unlabel", "no label", "'nothere'"]),
         (["--set", "latency_ms=-1"], ["target a", "latency_ms", "-1"]),
@@ -692,7 +739,8 @@ def test_console_script_turns_bad_input_into_one_error_line_and_exit_2(
     assert dup.stdout == ""
     assert dup.stderr == (
         "error: target s1: already exists with another definition "
-        '(settings: {} stored, {"latency_ms": 3} given)\n'
+        '(settings: {} stored, {"latency_ms": 3} given); '
+        "'fleetwave target set s1' changes it\n"
     )
     assert targets(cli) == before
 

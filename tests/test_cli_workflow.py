@@ -271,6 +271,14 @@ BAD = {
         "name: w\nstates:\n  - name: a\n    timeout_s: [1]\n",
         ["timeout_s: expected a number, got a list"],
     ),
+    "timeout zero": (
+        "name: w\nstates:\n  - name: a\n    timeout_s: 0\n",
+        ["timeout_s: must be more than 0, got 0"],
+    ),
+    "timeout beyond floats": (
+        "name: w\nstates:\n  - name: a\n    timeout_s: 1e400\n",
+        ["timeout_s: must be a finite number, got inf"],
+    ),
     "attempts as text": (
         "name: w\nstates:\n  - name: a\n    retry: {attempts: few}\n",
         ["retry: attempts: expected a whole number, got 'few'"],
@@ -738,7 +746,6 @@ def test_validate_and_add_answer_in_json_for_scripts(cli: Cli, tmp_path: Path) -
     assert res.code == 0, res.text
     assert res.json() == {
         "file": str(f),
-        "valid": True,
         "name": "site-patch",
         "version": 3,
         "states": 3,

@@ -177,15 +177,19 @@ def test_existing_target_names_the_line_of_the_first_clash(cli: Cli, tmp_path: P
     f.write_text("name\nnew1\nsc-003\nsc-001\n", encoding="utf-8")
     line = one_line(cli("target", "import", str(f)))
     differs = 'another definition (settings: {"latency_ms": 5} stored, {} given)'
-    assert line == f"error: {f} line 3: target sc-003: already exists with {differs} and 1 more"
+    assert line == (
+        f"error: {f} line 3: target sc-003: already exists with {differs} and 1 more; "
+        "'fleetwave target set sc-003' changes it"
+    )
     y = tmp_path / "fleet.yaml"
     y.write_text("- name: new1\n- name: sc-001\n", encoding="utf-8")
     line = one_line(cli("target", "import", str(y)))
-    assert line == f"error: {y} targets[1]: target sc-001: already exists with {differs}"
+    how = "; 'fleetwave target set sc-001' changes it"
+    assert line == f"error: {y} targets[1]: target sc-001: already exists with {differs}{how}"
     assert targets(cli) == before
     # target add keeps its own message (no file)
     assert one_line(cli("target", "add", "sc-001")) == (
-        f"error: target sc-001: already exists with {differs}"
+        f"error: target sc-001: already exists with {differs}{how}"
     )
 
 
@@ -217,7 +221,7 @@ def test_an_inventory_imported_again_adds_what_is_new_and_leaves_the_rest(
     f.write_text("name,group,latency_ms\nb,east,7\nc,,7\ne,,1\n", encoding="utf-8")
     assert one_line(cli("target", "import", str(f))) == (
         f"error: {f} line 3: target c: already exists with another definition "
-        "(group: east stored, none given)"
+        "(group: east stored, none given); 'fleetwave target set c' changes it"
     )
     assert targets(cli) == before  # nothing written, not even e
     res = cli("target", "add", "d", "--set", "latency_ms=1")

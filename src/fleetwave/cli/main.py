@@ -6,6 +6,7 @@ Bad input prints one line naming the problem on stderr and exits 2; nothing is w
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -264,6 +265,16 @@ def target_set(
     """Change a target's group, driver, settings or labels (not while in an active strategy)."""
     if group is not None and no_group:
         raise InputError("--group and --no-group: give one of them")
+    if (
+        group is None
+        and not no_group
+        and driver is None
+        and not (set_ or unset or label or unlabel)
+    ):
+        raise InputError(
+            "nothing to change: give --group, --no-group, --driver, --set, --unset, --label "
+            "or --unlabel"
+        )
     changes = admin.change_target(
         existing_store(db),
         name,
@@ -285,14 +296,21 @@ def target_set(
 
 def _said_change(field: str, before: Any, after: Any) -> str:
     """``group east -> west``; for settings and labels, key by key:
-    ``settings: latency_ms 5 -> 10, failure_rate none -> 0.1``."""
+    ``settings: latency_ms 5 -> 10, failure_rate (unset) -> 0.1``."""
     if not isinstance(before, dict):
-        return f"{field} {before or 'none'} -> {after or 'none'}"
+        return f"{field} {before or '(none)'} -> {after or '(none)'}"
+
+    def value(d: dict[str, Any], k: str) -> str:
+        if k not in d:
+            return "(unset)"
+        v = d[k]
+        return json.dumps(v) if isinstance(v, bool) or v in ("", None) else str(v)
+
     keys = [*before, *(k for k in after if k not in before)]
     return f"{field}: " + ", ".join(
-        f"{k} {before.get(k, 'none')} -> {after.get(k, 'none')}"
+        f"{k} {value(before, k)} -> {value(after, k)}"
         for k in keys
-        if before.get(k) != after.get(k)
+        if json.dumps(before.get(k)) != json.dumps(after.get(k)) or (k in before) != (k in after)
     )
 
 
@@ -522,7 +540,6 @@ def workflow_validate(file: Path, fmt: FormatOpt = Format.table, db: DbOpt = Non
     said = f"{file}: workflow {wf.name} v{wf.version} is valid ({plural(len(wf.states), 'state')})"
     answer: dict[str, Any] = {
         "file": str(file),
-        "valid": True,
         "name": wf.name,
         "version": wf.version,
         "states": len(wf.states),

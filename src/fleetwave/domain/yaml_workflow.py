@@ -146,6 +146,16 @@ def _strict(info: ValidationInfo) -> bool:
 _NUMBER_ERRORS = {"float_parsing", "float_type", "int_parsing", "int_type", "int_from_float"}
 
 
+#: pydantic's "Input should be greater than 0" and the like, in our words
+_BOUND_ERRORS = {
+    "greater_than": "more than {}",
+    "greater_than_equal": "at least {}",
+    "less_than": "less than {}",
+    "less_than_equal": "at most {}",
+    "finite_number": "a finite number",
+}
+
+
 def _given(value: Any) -> str:
     """A value as an error quotes it: text quoted, a list or mapping named."""
     if isinstance(value, str):
@@ -336,6 +346,12 @@ def parse_workflow_yaml(text: str, *, source: str = "<yaml>", strict: bool = Fal
             # worded as our own checks (true, 2.0), with what was given
             what = "a whole number" if err["type"].startswith("int") else "a number"
             msg = f"expected {what}, got {_given(err.get('input'))}"
+        elif err["type"] in _BOUND_ERRORS:
+            ctx = err.get("ctx", {})
+            bound = _BOUND_ERRORS[err["type"]].format(
+                *(f"{v:g}" if isinstance(v, int | float) else v for v in ctx.values())
+            )
+            msg = f"must be {bound}, got {_given(err.get('input'))}"
         raise WorkflowError(f"{source}: {_where(err['loc'], data)}: {msg}") from exc
     states: list[StateDef] = []
     for i, st in enumerate(model.states):

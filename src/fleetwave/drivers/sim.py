@@ -420,6 +420,14 @@ class SimDriver:
                 if left > 0:
                     await self._sleeps.sleep(left)
                 result = self._finish(prof, ctx)
+        except asyncio.CancelledError:
+            # the driver is closing: the run is gone, and whoever joined it hears so
+            key = (ctx.strategy_id, target.name, operation)
+            if self._remote.get(key) is run:
+                del self._remote[key]
+            if run.joiners is not None:
+                run.joiners.cancel()
+            raise
         except Exception as exc:
             run.ended(None, exc)
             error = (str(exc) or type(exc).__name__, isinstance(exc, TransientError))

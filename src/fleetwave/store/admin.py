@@ -166,11 +166,13 @@ def change_group(
             .where(groups.c.id == row.id)
             .values(max_parallel=new_max, apply_type=new_type.value)
         )
+        # what ran before: a serial group one at a time, whatever an old row says
+        old_max = 1 if old_type is ApplyType.SERIAL else int(row.max_parallel)
         return {
             "name": name,
-            "before": {"max_parallel": int(row.max_parallel), "apply_type": old_type.value},
+            "before": {"max_parallel": old_max, "apply_type": old_type.value},
             "after": {"max_parallel": new_max, "apply_type": new_type.value},
-            "changed": (new_max, new_type) != (int(row.max_parallel), old_type),
+            "changed": (new_max, new_type) != (old_max, old_type),
             "active_strategies_unchanged": _strategies_using_group(conn, row.id, active=True),
         }
 
@@ -281,7 +283,8 @@ def _add_targets(
             if refused:
                 more = f" and {len(refused) - 1} more" if len(refused) > 1 else ""
                 first, why = refused[0]  # the first in the input's order
-                raise Conflict(f"{at(first)}target {names[first]}: already exists{why}{more}")
+                how = f"; 'fleetwave target set {names[first]}' changes it" if why else ""
+                raise Conflict(f"{at(first)}target {names[first]}: already exists{why}{more}{how}")
             items = [t for t in items if t.name not in stored]
             if not items:
                 return 0
@@ -496,8 +499,11 @@ def change_target(
 
         if new.driver not in known_drivers():
             raise InputError(
-                f"--driver: unknown driver {shown(new.driver)} "
-                f"(known: {', '.join(sorted(known_drivers()))})"
+                ("--driver: unknown driver" if driver is not None else f"target {name}: driver")
+                + f" {shown(new.driver)}"
+                + (" is unknown here" if driver is None else "")
+                + f" (known: {', '.join(sorted(known_drivers()))})"
+                + ("" if driver is not None else "; give --driver")
             )
         if check is not None:
             check(new)
@@ -514,7 +520,8 @@ def change_target(
                 ("settings", old_settings, new_settings),
                 ("labels", old_labels, new_labels),
             )
-            if before != after
+            # as stored (JSON): 1 and true, 5 and 5.0 are other values, as for target add
+            if json.dumps(before, sort_keys=True) != json.dumps(after, sort_keys=True)
         }
         if not changes:
             return changes
@@ -743,7 +750,8 @@ def create_strategy(
             rows = list(conn.execute(q))
             if not rows:
                 raise InputError(
-                    "--all: there are no targets; add some with 'fleetwave target add'"
+                    f"{'--label' if labels else '--all'}: there are no targets; add some "
+                    "with 'fleetwave target add'"
                 )
         if labels:
             rows = [r for r in rows if has_labels(json.loads(r.labels), labels)]
