@@ -177,6 +177,31 @@ def test_a_plain_operation_is_on_the_target_record_and_outlives_a_lost_caller() 
     assert dict(driver.starts) == {("p", "apply", 1): 1, ("f", "apply", 1): 1, ("q", "apply", 1): 1}
 
 
+def test_closing_the_driver_ends_the_runs_left_on_targets_and_their_joiners() -> None:
+    """A run left going on by its lost caller, cancelled as the driver closes: it was
+    left in progress for good, and a caller joining it waited for ever."""
+    driver = SimDriver()
+    plain = Target(name="p", settings={"latency_ms": 50})
+
+    async def main() -> None:
+        caller = asyncio.create_task(driver.perform(plain, "apply", _ctx(driver, plain, "apply")))
+        await asyncio.sleep(0.005)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        ctx = replace(_ctx(driver, plain, "apply"), recovering=True)
+        joiner = asyncio.create_task(driver.perform(plain, "apply", ctx))
+        await asyncio.sleep(0)
+        await driver.aclose()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(joiner, 1.0)
+        assert await driver.observe(plain, "apply", _ctx(driver, plain, "apply")) is (
+            RemoteResult.NOT_STARTED
+        )
+
+    asyncio.run(main())
+
+
 def test_a_driver_keeps_nothing_of_a_strategy_once_it_ended(store: Store) -> None:
     """Every finished operation's record (a future each) was kept for the driver's life:
     a third slower at 100,000 targets, and a serve using the sim grew without end."""
