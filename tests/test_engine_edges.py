@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from sqlalchemy import delete
+from sqlalchemy import delete, event
 from sqlalchemy.exc import OperationalError
 
 from conftest import Sleeps, add_sim_targets, applied, on_virtual_time, rollout
@@ -397,6 +397,39 @@ def test_a_conductor_rides_out_a_database_outage_and_goes_on_after_it(
     assert levels[0] == logging.WARNING and levels[-1] == logging.ERROR
     assert any("went through after" in m for m in retries)
     assert sum("lease-lapsing" in m for m in said) == 1
+    assert check(store, sid).ok
+
+
+def test_a_conductor_started_on_a_read_only_file_goes_on_once_it_is_writable(
+    store: Store,
+) -> None:
+    """SQLite opens a file it may not write read-only, and the connection stays so
+    after the file is writable again: a conductor started while the file was chmod 444
+    (a restore, a mistaken mode) retried 'attempt to write a readonly database' for
+    ever after the mode was put back (helper-35's drill, 4 of 4). Here the connections
+    opened during the first minute cannot write (SQLite's query_only, the same error)."""
+    add_sim_targets(store, 5, settings={"latency_ms": 1_000})
+    sid = applied(store, "patch")
+    read_only = [True]
+
+    def opened(dbapi_conn: Any, _record: Any) -> None:
+        if read_only[0]:
+            dbapi_conn.execute("PRAGMA query_only=ON")
+
+    event.listen(store.engine, "connect", opened)
+    store.dispose()  # the connections already open were opened writable
+    conductor = Conductor(store, clock=LoopClock(), config=EngineConfig(lease_ttl_s=30, tick_s=1))
+
+    async def go() -> dict[int, str]:
+        asyncio.get_running_loop().call_later(60, read_only.__setitem__, 0, False)
+        # an hour of virtual time: without new connections it never gets through
+        return await asyncio.wait_for(conductor.run(strategy_ids=[sid]), 3600)
+
+    try:
+        assert on_virtual_time(go())[sid] == "complete"
+    finally:
+        event.remove(store.engine, "connect", opened)
+    assert conductor.stats.store_retries > 0
     assert check(store, sid).ok
 
 

@@ -274,3 +274,28 @@ def test_strategy_list_reads_a_fixed_number_of_statements_however_many_strategie
         many = listed(n)
     assert many == few <= 4, (few, many)
     store.dispose()
+
+
+def test_a_killed_conductor_not_yet_reaped_is_gone() -> None:
+    """A conductor killed whose parent has not reaped it (a zombie: a container's
+    first process that is no init) answers signals, so it counted as alive and its
+    strategies waited for its lease to run out (helper-35's drill: 14 s, 28 s)."""
+    import os
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        assert not rt.conductor_gone(rt.HOSTNAME, proc.pid, None)
+        proc.kill()
+        deadline = time.monotonic() + 10
+        while not rt.conductor_gone(rt.HOSTNAME, proc.pid, None):  # a zombie now
+            assert time.monotonic() < deadline, "a killed, unreaped process counted alive"
+            time.sleep(0.05)
+        with open(f"/proc/{proc.pid}/stat", "rb") as f:
+            assert b") Z " in f.read()  # still there, unreaped: the case itself
+    finally:
+        proc.kill()
+        proc.wait()
+    assert rt.conductor_gone(rt.HOSTNAME, proc.pid, None)
+    assert not rt.conductor_gone(rt.HOSTNAME, os.getpid(), None)

@@ -344,6 +344,13 @@ class Conductor:
                 failures += 1
                 self.stats.store_retries += 1
                 outage = self.config.ride_out_outages and self.store.hooks.is_outage(exc)
+                if self.store.hooks.needs_new_connections(exc):
+                    # A file read-only when a connection opened it (its mode or owner
+                    # changed, a read-only mount): that connection stays read-only once
+                    # the file is writable again, so every attempt opens new ones (it
+                    # never recovered).
+                    self._writer.close()
+                    self.store.dispose()
                 now = self._loop.time()
                 if failures == 1:
                     started = now

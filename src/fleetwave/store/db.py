@@ -62,6 +62,16 @@ class DialectHooks:
         text = str(orig).lower()
         return any(word in text for word in _OUTAGE_WORDS)
 
+    def needs_new_connections(self, exc: BaseException) -> bool:
+        """Whether a failed write says its connection cannot write, for good: SQLite
+        opens a file it may not write read-only, and such a connection stays so after
+        the file is made writable again (the connections are opened anew)."""
+        orig = getattr(exc, "orig", None) or exc
+        code = getattr(orig, "sqlite_errorcode", None)
+        if isinstance(code, int):
+            return code & 0xFF == 8  # SQLITE_READONLY
+        return "readonly" in str(orig).lower()
+
     def set_busy_timeout(self, dbapi_conn: Any, ms: int) -> None:
         """How long a write waits for another writer's lock before it fails."""
         dbapi_conn.execute(f"PRAGMA busy_timeout={int(ms)}")

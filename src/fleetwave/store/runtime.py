@@ -223,14 +223,23 @@ def _register(conn: Connection, store: Store, cid: str, now: float, serves_all: 
 
 
 def _pid_alive(pid: int) -> bool:
-    """Whether a process of this host is still there."""
+    """Whether a process of this host is still there, and not a zombie: one killed
+    whose parent has not reaped it yet (a container's first process that is not an
+    init, a supervisor slow to wait) is dead, but signals still reach its pid."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True  # no /proc (not Linux), or gone meanwhile: the lease decides
+    # "pid (comm) S ...": the state follows the last ')' (comm may hold one)
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    return state not in (b"Z", b"X")
 
 
 def conductor_gone(hostname: str, pid: int, stopped_at: float | None) -> bool:
