@@ -331,11 +331,7 @@ def _parallel(given: int | None, apply_type: ApplyType, what: str) -> int:
         return DEFAULT_MAX_PARALLEL if given is None else given
     if given is not None and given < 1:
         return given  # refused as every max parallel below 1 is, by the store
-    if given is not None and given != 1:
-        raise InputError(
-            f"--max-parallel: a serial {what} runs one target at a time, got {given} "
-            "(leave --max-parallel out, or use --apply-type parallel)"
-        )
+    admin.check_serial(given, what)
     return 1
 
 

@@ -379,17 +379,8 @@ class SimDriver:
                 run.ended(None, exc)
                 self._ran(ctx, key, run, (str(exc), False))
                 raise
-            if run.joiners is not None:
-                run.ended(result)
-            # as _ran, written out: this is the cheap path of every plain operation
-            if self._remote.get(key) is run:
-                del self._remote[key]
-            sid = ctx.strategy_id
-            if sid not in self._ended:
-                finished = self._finished.get(sid)
-                if finished is None:
-                    finished = self._finished[sid] = {}
-                finished[ctx.step_id] = (ctx.state, operation, None)
+            run.ended(result)
+            self._ran(ctx, key, run, None)
             return result
         run = self._remote[key] = _Run()
         self._spawn(self._execute(prof, target, operation, ctx, run))
@@ -413,6 +404,7 @@ class SimDriver:
         """The remote side's work: runs on even if the conductor that asked is lost.
         ``left``: what is left of a plain run whose caller was lost (:meth:`perform`)."""
         error: tuple[str, bool] | None = None
+        key = (ctx.strategy_id, target.name, operation)
         try:
             if left is None:
                 result = await self._remote_work(prof, target, operation, ctx)
@@ -422,7 +414,6 @@ class SimDriver:
                 result = self._finish(prof, ctx)
         except asyncio.CancelledError:
             # the driver is closing: the run is gone, and whoever joined it hears so
-            key = (ctx.strategy_id, target.name, operation)
             if self._remote.get(key) is run:
                 del self._remote[key]
             if run.joiners is not None:
@@ -433,7 +424,7 @@ class SimDriver:
             error = (str(exc) or type(exc).__name__, isinstance(exc, TransientError))
         else:
             run.ended(result)
-        self._ran(ctx, (ctx.strategy_id, target.name, operation), run, error)
+        self._ran(ctx, key, run, error)
 
     def _ran(
         self,

@@ -149,11 +149,7 @@ def change_group(
         old_type = ApplyType(row.apply_type)
         new_type = apply_type or old_type
         if new_type is ApplyType.SERIAL:
-            if max_parallel is not None and max_parallel != 1:
-                raise InputError(
-                    f"--max-parallel: a serial group runs one target at a time, got "
-                    f"{max_parallel} (leave --max-parallel out, or use --apply-type parallel)"
-                )
+            check_serial(max_parallel, "group")
             new_max = 1
         elif max_parallel is not None:
             new_max = max_parallel
@@ -658,6 +654,16 @@ def options_to_json(opts: StrategyOptions) -> str:
 #: the most steps a strategy (or a group) may have in flight: far above any fleet's
 #: need, and below what the database's integers and LIMITs can hold
 MAX_PARALLEL = 1_000_000
+
+
+def check_serial(max_parallel: int | None, what: str) -> None:
+    """A serial group or strategy runs one target at a time: another --max-parallel
+    is refused rather than silently run one by one."""
+    if max_parallel is not None and max_parallel != 1:
+        raise InputError(
+            f"--max-parallel: a serial {what} runs one target at a time, got {max_parallel} "
+            "(leave --max-parallel out, or use --apply-type parallel)"
+        )
 
 
 def _check_max_parallel(value: int) -> None:
