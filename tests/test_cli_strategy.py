@@ -385,6 +385,62 @@ def test_show_names_the_conductor_driving_it_and_a_lapsed_lease(cli: Cli, db_pat
     assert driven_by().startswith("nobody yet: conductor c-1 is gone; conductor c-serve serves")
 
 
+def test_a_stopped_apply_wait_that_does_not_drive_says_who_goes_on(
+    cli: Cli, db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C of an `apply --wait` that did not hold the strategy said "another conductor
+    drives it on" also when none did (its own claim had failed in an outage): now it says
+    who goes on, or that nobody does and how to go on."""
+    from fleetwave.cli import drive
+    from fleetwave.store import queries
+    from fleetwave.store.db import open_store
+
+    add(cli, "a")
+    sid = create(cli, "--all")
+    _conductor_row(db_path, "c-1", serves_all=False)
+    with sqlite3.connect(db_path) as conn:
+        conn.execute(
+            "UPDATE strategies SET state = 'applying', owner = 'c-1', lease_expires_at = ? "
+            "WHERE id = ?",
+            (time.time() + 30, sid),
+        )
+    store = open_store(str(db_path))
+    try:
+        assert drive.stopping_unheld(store, sid) == (
+            f"stopping: this command does not drive strategy {sid}; conductor c-1 drives it on"
+        )
+        assert drive.stopped_watching(store, sid) == (
+            f"stopped: strategy {sid} is still applying; conductor c-1 drives it on"
+        )
+        with sqlite3.connect(db_path) as conn:  # its lease lapsed (an outage), no serve
+            conn.execute("UPDATE strategies SET lease_expires_at = ? WHERE id = ?", (0.0, sid))
+        said = drive.stopping_unheld(store, sid)
+        assert said.startswith(
+            f"stopping: this command does not drive strategy {sid}; nobody drives it: the "
+            "lease of conductor c-1 ran out"
+        ), said
+        assert said.endswith(
+            "no conductor serves this database (start 'fleetwave serve', or "
+            f"'fleetwave strategy apply {sid} --wait')"
+        ), said
+        assert "another conductor" not in said
+        _conductor_row(db_path, "c-serve", serves_all=True)
+        said = drive.stopped_watching(store, sid)
+        assert said.startswith(f"stopped: strategy {sid} is still applying; the lease of"), said
+        assert said.endswith("conductor c-serve serves this database and claims it"), said
+
+        def unavailable(*_: Any, **__: Any) -> Any:
+            raise sqlite3.OperationalError("database is locked")
+
+        monkeypatch.setattr(queries, "driving", unavailable)
+        assert drive.stopping_unheld(store, sid) == (
+            f"stopping: this command does not drive strategy {sid}; who drives it could not "
+            "be read (the database did not answer)"
+        )
+    finally:
+        store.dispose()
+
+
 def _no_such_pid() -> int:
     pid = 4_000_000
     while True:

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -415,11 +416,11 @@ def test_ctrl_c_of_an_apply_wait_that_only_watches_says_who_drives_on(tmp_path: 
         assert watcher.returncode == 130, err
         lines = err.strip().splitlines()
         assert (
-            f"stopping: this command only watches strategy {sid}; conductor {owner} drives it on"
+            f"stopping: this command does not drive strategy {sid}; conductor {owner} drives it on"
             in lines
         ), err
         assert lines[-1] == (
-            f"stopped watching: strategy {sid} is still applying, driven by conductor {owner}"
+            f"stopped: strategy {sid} is still applying; conductor {owner} drives it on"
         ), err
         assert _owner(db, sid) == owner  # serve drives on
     finally:
@@ -449,3 +450,74 @@ def test_serve_started_with_sighup_ignored_keeps_serving_on_sighup(tmp_path: Pat
         proc.send_signal(signal.SIGTERM)
         _out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
+
+
+def _locked(db: str) -> sqlite3.Connection:
+    """Another program holding the database's write lock (until rolled back)."""
+    conn = sqlite3.connect(db, isolation_level=None)
+    conn.execute("BEGIN IMMEDIATE")
+    return conn
+
+
+def test_apply_wait_waits_out_a_database_locked_at_its_start(tmp_path: Path) -> None:
+    """`apply --wait` gave up after 5 s (exit 1) on a database locked by another program
+    when it started, while the conductor it starts rides such an outage out: its first
+    write (the strategy marked applying) now waits too, and says so once."""
+    db = str(tmp_path / "locked.db")
+    assert _cli(db, "init").returncode == 0
+    assert _cli(db, "target", "add", "a", "--set", "latency_ms=10").returncode == 0
+    created = _cli(db, "strategy", "create", "--workflow", "patch", "--all", "--format", "json")
+    sid = int(json.loads(created.stdout)["id"])
+    lock = _locked(db)
+    proc = subprocess.Popen(
+        [*FLEETWAVE, "strategy", "apply", str(sid), "--wait", "--format", "json", "--db", db],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        said = proc.stderr.readline()  # once a write has waited its 5 s
+        assert said.startswith(
+            "waiting: the database does not answer (database is locked: another program "
+            f"holds its write lock); strategy {sid} is applied and driven here once it does"
+        ), said
+        assert proc.poll() is None  # still waiting, not failed
+        lock.rollback()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        lock.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert json.loads(out)["state"] == "complete"
+
+
+def test_ctrl_c_of_apply_wait_waiting_for_a_locked_database_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    db = str(tmp_path / "locked2.db")
+    sid = _slow_strategy(db)
+    lock = _locked(db)
+    proc = subprocess.Popen(
+        [*FLEETWAVE, "strategy", "apply", str(sid), "--wait", "--db", db],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        assert proc.stderr.readline().startswith("waiting: the database does not answer")
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        lock.rollback()
+        lock.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == (
+        f"stopped: strategy {sid} was not applied (the database did not answer); nothing changed"
+    ), err
+    shown = _cli(db, "strategy", "show", str(sid), "--format", "json")
+    assert json.loads(shown.stdout)["state"] == "initial"

@@ -82,16 +82,34 @@ def stop_on_signals(
         loop.add_signal_handler(sig, first, sig)
 
 
-def driven_by(store: Store, sid: int) -> str:
-    """Who drives strategy ``sid`` now, for a line that says so."""
+def driven_on(store: Store, sid: int) -> str:
+    """Who goes on with strategy ``sid`` once this command stops, for a line that says
+    so: the conductor that holds it, the serving one that is about to claim it, or that
+    nobody does and how to go on."""
     who = queries.driving(store, sid)
-    return f"conductor {who.owner}" if who.owner else "another conductor"
+    if who.owner is not None:
+        return f"conductor {who.owner} drives it on"
+    if who.claimer is not None:
+        return str(who.claim)
+    if who.text is None:
+        return "no conductor needs to drive it now"  # ended, or paused meanwhile
+    return who.text.replace("nobody: ", "nobody drives it: ", 1)
+
+
+def stopping_unheld(store: Store, sid: int) -> str:
+    """What the first Ctrl-C of an ``apply --wait`` that does not hold the strategy says
+    (it watched another conductor drive it, or could not claim it, or lost it)."""
+    try:
+        on = driven_on(store, sid)
+    except Exception:  # the database may not answer (an outage): say what is known
+        on = "who drives it could not be read (the database did not answer)"
+    return f"stopping: this command does not drive strategy {sid}; {on}"
 
 
 def stopped_watching(store: Store, sid: int) -> str:
-    """What an ``apply --wait`` that only watched says when stopped."""
+    """What an ``apply --wait`` that did not hold the strategy says when stopped."""
     now = queries.get_strategy(store, sid)["state"]
-    return f"stopped watching: strategy {sid} is still {now}, driven by {driven_by(store, sid)}"
+    return f"stopped: strategy {sid} is still {now}; {driven_on(store, sid)}"
 
 
 def stopped_at_once(store: Store, sid: int, lease_ttl_s: float) -> str:
@@ -157,8 +175,7 @@ async def _drive(store: Store, sid: int, show_progress: bool, config: EngineConf
                 f"stopping: running actions finish (up to {config.shutdown_grace_s:g} s), "
                 "then the leases are handed back; Ctrl-C again to stop now"
             )
-        by = driven_by(store, sid)
-        return f"stopping: this command only watches strategy {sid}; {by} drives it on"
+        return stopping_unheld(store, sid)
 
     def at_once() -> str:
         if not held[0]:

@@ -11,13 +11,14 @@ import logging
 import os
 import re
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, cast
 
 import typer
 from rich.markup import escape
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 import fleetwave
 from fleetwave.catalog import resolve_workflow, workflow_catalog
@@ -756,7 +757,9 @@ def strategy_apply(
             resolve_workflow(store, name, what=f"strategy {strategy_id}: workflow")
         else:
             parse_workflow_yaml(own_copy, source=f"strategy {strategy_id}: workflow {name}")
-    before = admin.apply_strategy(store, strategy_id)
+    before = (
+        _apply_patiently(store, strategy_id) if wait else admin.apply_strategy(store, strategy_id)
+    )
     if not wait:
         who = queries.driving(store, strategy_id)
         now = "applying" if before in ("initial", "paused", "applying") else before
@@ -802,6 +805,40 @@ def strategy_apply(
         )
         raise typer.Exit(130)
     _ended(queries.get_strategy(store, strategy_id), fmt)
+
+
+def _apply_patiently(store: Store, strategy_id: int) -> str:
+    """``apply --wait``'s first write (the strategy marked applying), as patient as the
+    conductor it starts: an outage (the database locked by another program past the
+    time a write waits, read-only, full) is waited out and said once; Ctrl-C stops it
+    with nothing changed. The state the strategy was in."""
+    failures = 0
+    try:
+        while True:
+            try:
+                return admin.apply_strategy(store, strategy_id)
+            except OperationalError as exc:
+                if not store.hooks.is_outage(exc):
+                    raise
+                if store.hooks.needs_new_connections(exc):
+                    store.dispose()  # a connection opened read-only stays so
+                failures += 1
+                if failures == 1:
+                    err_console.print(
+                        f"waiting: the database does not answer ({exc.orig}"
+                        f"{_database_hint(exc, waiting=True)}); strategy {strategy_id} is "
+                        "applied and driven here once it does (Ctrl-C to stop: nothing is "
+                        "changed until then)",
+                        highlight=False,
+                    )
+                time.sleep(min(5.0, 0.05 * 2 ** min(failures, 7)))
+    except KeyboardInterrupt:
+        err_console.print(
+            f"stopped: strategy {strategy_id} was not applied (the database did not "
+            "answer); nothing changed",
+            highlight=False,
+        )
+        raise typer.Exit(130) from None
 
 
 def _ended(summary: dict[str, Any], fmt: Format) -> None:
@@ -1184,9 +1221,11 @@ def main() -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
-def _database_hint(exc: DBAPIError) -> str:
+def _database_hint(exc: DBAPIError, *, waiting: bool = False) -> str:
     text = str(exc.orig).lower()
     if "locked" in text or "busy" in text:
+        if waiting:
+            return ": another program holds its write lock"
         return " (another program holds its write lock: try again when it is done)"
     return ""
 
