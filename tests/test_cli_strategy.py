@@ -1233,3 +1233,33 @@ def test_apply_without_wait_answers_in_json_and_resume_and_abort_warn_when_undri
         assert res.err.startswith(
             f"warning: no conductor serves {db_path}: the abort of strategy {sid} finishes"
         ), res.err
+
+
+def test_json_field_names_follow_the_readmes_rule(cli: Cli) -> None:
+    """The README's rule for JSON field names, over every command that shows a
+    strategy, a step or a target: a strategy's own id is `id`, a step's `step`, a
+    target's `name`; another object's state is prefixed with whose it is."""
+    add(cli, "a", "b")
+    sid = create(cli, "--all")
+    assert apply_wait(cli, sid).code == 0
+    lists = [
+        cli("strategy", "list", "--format", "json").json()[0],
+        cli("strategy", "show", str(sid), "--format", "json").json(),
+    ]
+    for row in lists:
+        assert row["id"] == sid and row["state"] == "complete", row
+    step_rows = cli("step", "list", "--strategy", str(sid), "--format", "json").json()
+    step_id = step_rows[0]["step"]
+    shown = cli("step", "show", str(step_id), "--format", "json").json()
+    for row in [*step_rows, shown, *shown["history"]]:
+        assert "id" not in row and isinstance(row["step"], int), row
+        assert row["target"] in ("a", "b"), row
+    assert shown["strategy"] == sid and shown["state"] == "complete"
+    for row in cli("history", "--strategy", str(sid), "--format", "json").json():
+        assert set(row) >= {"step", "target", "from", "to"} and "id" not in row, row
+    target = cli("target", "show", "a", "--format", "json").json()
+    assert target["name"] == "a" and "id" not in target
+    (used,) = target["strategies"]
+    assert used["strategy"] == sid and used["strategy_state"] == "complete", used
+    assert used["step_state"] == "complete" and "state" not in used, used
+    assert cli("target", "list", "--format", "json").json()[0]["name"] == "a"
