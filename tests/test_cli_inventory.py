@@ -805,3 +805,39 @@ def test_lists_stream_as_json_one_row_per_line_and_refuse_bad_names_first(
     res = cli("history", "--strategy", "1", "--target", "nobody", "--format", "json")
     assert res.code == 2 and res.out == ""
     assert_rejected(res, "--target", "nobody")
+
+
+@pytest.mark.parametrize(
+    ("kind", "missing", "key"),
+    [
+        ("target", "nope", {"name": "nope"}),
+        ("group", "nope", {"name": "nope"}),
+        ("strategy", "99", {"id": 99}),
+    ],
+)
+def test_delete_ignore_missing_makes_a_script_s_delete_idempotent(
+    cli: Cli, kind: str, missing: str, key: dict[str, object]
+) -> None:
+    """A script deleting what may be gone already had to tell "not found" (exit 2) from
+    every other refusal: --ignore-missing answers one that is not there with exit 0."""
+    res = cli(kind, "delete", missing)
+    assert res.code == 2 and "not found" in res.err, res.text
+    res = cli(kind, "delete", missing, "--ignore-missing")
+    assert res.code == 0, res.text
+    assert res.out.strip() == f"{kind} {missing}: not there, nothing deleted"
+    res = cli(kind, "delete", missing, "--ignore-missing", "--format", "json")
+    assert res.code == 0 and res.json() == {**key, "deleted": False}, res.text
+
+
+def test_delete_ignore_missing_still_refuses_what_is_there(cli: Cli) -> None:
+    assert cli("group", "add", "g").code == 0
+    assert cli("target", "add", "a", "--group", "g").code == 0
+    res = cli("group", "delete", "g", "--ignore-missing")
+    assert res.code == 2 and "group g: has 1 target" in res.err, res.text
+    sid = cli("strategy", "create", "--workflow", "patch", "--all", "--format", "json").json()["id"]
+    res = cli("target", "delete", "a", "--ignore-missing")
+    assert res.code == 2 and f"target a: is in active strategy {sid}" in res.err, res.text
+    res = cli("strategy", "delete", str(sid), "--ignore-missing", "--format", "json")
+    assert res.code == 0 and res.json() == {"id": sid, "deleted": True}, res.text
+    res = cli("target", "delete", "a", "--ignore-missing", "--format", "json")
+    assert res.code == 0 and res.json() == {"name": "a", "deleted": True}, res.text

@@ -315,10 +315,36 @@ def _said_change(field: str, before: Any, after: Any) -> str:
     )
 
 
+IgnoreMissingOpt = Annotated[
+    bool,
+    typer.Option(
+        "--ignore-missing",
+        help="one that is not there is no error (exit 0, nothing deleted): for scripts "
+        "that delete what may be gone already",
+    ),
+]
+
+
+def _missing(fmt: Format, what: str, key: dict[str, Any]) -> None:
+    """``delete --ignore-missing`` of one that is not there: said, not an error."""
+    _done(fmt, f"{what}: not there, nothing deleted", {**key, "deleted": False})
+
+
 @target_app.command("delete")
-def target_delete(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
+def target_delete(
+    name: str,
+    ignore_missing: IgnoreMissingOpt = False,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
     """Delete a target that is in no strategy."""
-    admin.delete_target(existing_store(db), name)
+    try:
+        admin.delete_target(existing_store(db), name)
+    except NotFound:
+        if not ignore_missing:
+            raise
+        _missing(fmt, f"target {name}", {"name": name})
+        return
     _done(fmt, f"target {name} deleted", {"name": name, "deleted": True})
 
 
@@ -415,9 +441,20 @@ def group_set(
 
 
 @group_app.command("delete")
-def group_delete(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
+def group_delete(
+    name: str,
+    ignore_missing: IgnoreMissingOpt = False,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
     """Delete a group with no targets, in no strategy."""
-    admin.delete_group(existing_store(db), name)
+    try:
+        admin.delete_group(existing_store(db), name)
+    except NotFound:
+        if not ignore_missing:
+            raise
+        _missing(fmt, f"group {name}", {"name": name})
+        return
     _done(fmt, f"group {name} deleted", {"name": name, "deleted": True})
 
 
@@ -956,12 +993,20 @@ def strategy_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
 
 @strategy_app.command("delete")
 def strategy_delete(
-    strategy_id: StrategyId, fmt: FormatOpt = Format.table, db: DbOpt = None
+    strategy_id: StrategyId,
+    ignore_missing: IgnoreMissingOpt = False,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
 ) -> None:
     """Delete a strategy that is not running, with its steps and journal."""
     store = existing_store(db)
     try:
         admin.delete_strategy(store, strategy_id)
+    except NotFound:
+        if not ignore_missing:
+            raise
+        _missing(fmt, f"strategy {strategy_id}", {"id": strategy_id})
+        return
     except KeyboardInterrupt:
         # Each chunk is its own transaction: what was removed stays removed, the rest
         # stays until the command runs again (the strategy shows `deleting`). Ctrl-C
