@@ -437,6 +437,10 @@ def test_a_stopped_apply_wait_that_does_not_drive_says_who_goes_on(
             f"stopping: this command does not drive strategy {sid}; who drives it could not "
             "be read (the database did not answer)"
         )
+        assert drive.stopped_watching(store, sid) == (
+            f"stopped: this command did not drive strategy {sid}; its state and who drives "
+            "it could not be read (the database did not answer)"
+        )
     finally:
         store.dispose()
 

@@ -108,8 +108,14 @@ def stopping_unheld(store: Store, sid: int) -> str:
 
 def stopped_watching(store: Store, sid: int) -> str:
     """What an ``apply --wait`` that did not hold the strategy says when stopped."""
-    now = queries.get_strategy(store, sid)["state"]
-    return f"stopped: strategy {sid} is still {now}; {driven_on(store, sid)}"
+    try:
+        now = queries.get_strategy(store, sid)["state"]
+        return f"stopped: strategy {sid} is still {now}; {driven_on(store, sid)}"
+    except Exception:  # the database may not answer (an outage)
+        return (
+            f"stopped: this command did not drive strategy {sid}; its state and who "
+            "drives it could not be read (the database did not answer)"
+        )
 
 
 def stopped_at_once(store: Store, sid: int, lease_ttl_s: float) -> str:
