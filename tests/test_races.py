@@ -456,3 +456,39 @@ def test_a_stalled_owner_waiting_out_a_taken_over_retry_starts_nothing(
         assert final == "aborted"
         assert all(t < abort_at for *_, t in sim.retried_at), sim.retried_at
     assert check(store, sid).ok
+
+
+def test_an_abort_just_before_a_taken_over_retry_is_due_stops_it(store: Store) -> None:
+    """The takeover's side of a bug hunt's finding: a conductor that took over a recorded
+    retry waits until it is due, and an abort committed less than a tick before then
+    was not read by the commit recording the retry's start: the retry started after
+    `strategy abort` returned. That commit reads the strategy's state now."""
+    add_sim_targets(store, 1, settings={"latency_ms": 1, "flaky_rate": 1.0})
+    register_workflow(parse_workflow_yaml(BACKOFF_YAML, strict=True), replace=True)
+    sid = applied(store, "backoff-100")
+    sim = SimDriver(seed=1)
+    sim.count_starts = True
+    first = Conductor(store, clock=LoopClock(), drivers={"sim": sim}, config=EngineConfig(tick_s=1))
+    # its ticks at about 60 and 110 s: the abort at 95 s is not read before 100 s
+    second = Conductor(
+        store, clock=LoopClock(), drivers={"sim": sim}, config=EngineConfig(tick_s=50)
+    )
+
+    async def go() -> dict[int, str]:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        loop.call_later(10, stop.set)  # attempt 1 failed at once; attempt 2 is due at 100
+        await first.run(strategy_ids=[sid], stop=stop)
+        loop.call_at(95.0, admin.request_abort, store, sid)
+        return await second.run(strategy_ids=[sid])
+
+    loop = VirtualTimeLoop()
+    try:
+        assert loop.run_until_complete(go())[sid] == "aborted"
+    finally:
+        loop.close()
+    assert dict(sim.starts) == {("t00000", "op", 1): 1}  # attempt 2 never started
+    (step,) = queries.list_steps(store, sid)
+    assert step["state"] == "aborted", step
+    assert step["details"] == "op: attempt 2 of 3 not started: aborted by operator", step
+    assert check(store, sid).ok

@@ -834,6 +834,7 @@ class Conductor:
         claimed_callbacks: list[cbs.CallbackRecord] = []
         retries: list[tuple[RetryScheduled, asyncio.Future[bool]]] = []
         refused_retries: set[int] = set()
+        held_retries: set[int] = set()
         for i, msg in enumerate(msgs):
             if isinstance(msg, RetryScheduled):
                 if self._reported(msg) is None or (msg.started and self._draining):
@@ -957,10 +958,15 @@ class Conductor:
             for sid in result.lost:
                 self._drop_run(sid)
             refused_retries = result.retries_refused
+            held_retries = result.retries_held
         for retry, handled in retries:
             if handled.done():
                 continue
-            if retry.step_id in refused_retries:
+            if retry.step_id in held_retries:
+                # Its strategy's abort was on record first (the stop was requested above,
+                # so its worker ends the step as not retried).
+                handled.set_result(False)
+            elif retry.step_id in refused_retries:
                 handled.set_result(False)  # not on the record: it must not run
                 self._retry_refused(retry)
             else:
@@ -2042,6 +2048,17 @@ class Conductor:
             deadline = rec.deadline_at or self.clock.now() + st.timeout_s
             started = RetryScheduled(run.id, rec.step_id, state, fence, deadline, rec.attempt, None)
             if not await self._record(started, started=True):
+                if fl.stopped and not self._draining:
+                    # held back: an abort was on record before it could start
+                    return ActionFinished(
+                        run.id,
+                        rec.step_id,
+                        state,
+                        fence,
+                        Decision(STEP_ABORTED, _not_started(run, state, rec.attempt)),
+                        rec.attempt,
+                        None,
+                    )
                 raise _HandedOver if self._draining else _RetryRefused
         callback_id: int | None = None
         decision: Decision
@@ -2182,7 +2199,11 @@ class Conductor:
                     # starts, which also clears the row's not-started mark. A conductor
                     # that stalled meanwhile and was taken over starts nothing; nor does
                     # one stopping cleanly.
-                    if not fl.stopped and not await self._record(record, started=True):
+                    if (
+                        not fl.stopped
+                        and not await self._record(record, started=True)
+                        and not fl.stopped  # held back: an abort was on record first
+                    ):
                         raise (_HandedOver if self._draining else _RetryRefused) from None
                     if not fl.stopped:
                         recovering = False

@@ -115,6 +115,10 @@ class CommitResult:
     #: steps whose retry record (:class:`AttemptDeadline`) was not written: their row
     #: changed under this conductor (its fence or state), so the retry must not run
     retries_refused: set[int] = field(default_factory=set)
+    #: steps whose retry was about to start (its start's record) while their strategy's
+    #: abort is requested: not written, so the retry does not start (the operator's abort
+    #: reached the database before the dispatcher knew of it; see :attr:`held_back`)
+    retries_held: set[int] = field(default_factory=set)
 
 
 def _never(_strategy_id: int) -> bool:
@@ -690,6 +694,13 @@ def _held_back(t: Transition, hold: dict[int, str]) -> bool:
     return t.from_state == STEP_INITIAL or state == StrategyState.ABORT_REQUESTED.value
 
 
+def _start_held(d: AttemptDeadline, hold: dict[int, str]) -> bool:
+    """Whether ``hold`` keeps a retry from starting: its start (not its record made
+    before the backoff) in a strategy whose abort is requested. A pause does not: the
+    step is in flight, and goes on to its end."""
+    return not d.not_started and hold.get(d.strategy_id) == StrategyState.ABORT_REQUESTED.value
+
+
 class TransitionWriter:
     """Group commit of transitions. Not thread-safe: one conductor owns it."""
 
@@ -834,7 +845,17 @@ class TransitionWriter:
         stops = stops or {}
         replaced: list[Transition] = []
         if self._commit_fast(
-            list(batch), lease_until, list(ups), list(jrs), ev, mk, fences, dl, stops, replaced
+            list(batch),
+            lease_until,
+            list(ups),
+            list(jrs),
+            ev,
+            mk,
+            fences,
+            dl,
+            stops,
+            replaced,
+            deadlines or [],
         ):
             return CommitResult([], set(), replaced, not_started=self._lapsed_now)
         return self._commit_one_by_one(
@@ -981,6 +1002,7 @@ class TransitionWriter:
         dl: list[tuple[Any, ...]],
         stops: dict[int, StopRule],
         replaced: list[Transition],
+        deadlines: list[AttemptDeadline],
     ) -> bool:
         """The hot path: one transaction on a dedicated DBAPI connection, four executemany.
 
@@ -1000,7 +1022,13 @@ class TransitionWriter:
             if self.store.write_fault is not None:
                 self.store.write_fault()
             lost, hold = self._held(cur, fences)
-            if lost or (hold and any(_held_back(t, hold) for t in batch)):
+            if lost or (
+                hold
+                and (
+                    any(_held_back(t, hold) for t in batch)
+                    or any(_start_held(d, hold) for d in deadlines)
+                )
+            ):
                 raw.rollback()  # the row-by-row path says what was not written, and why
                 return False
             replaced += self._end_unmanaged(cur, batch, lease_until, ups, jrs, stops)
@@ -1154,8 +1182,13 @@ class TransitionWriter:
             if mk:
                 conn.exec_driver_sql(self._mark_sql, mk)
             retries_refused: set[int] = set()
+            retries_held: set[int] = set()
             for d in deadlines:
                 if d.strategy_id in lost:
+                    continue
+                if _start_held(d, hold):
+                    retries_held.add(d.step_id)
+                    held_back[d.strategy_id] = hold[d.strategy_id]
                     continue
                 written = conn.exec_driver_sql(
                     self._deadline_sql,
@@ -1180,6 +1213,7 @@ class TransitionWriter:
             held_back,
             self._lapsed_now,
             retries_refused,
+            retries_held,
         )
 
     def close(self) -> None:
