@@ -8,15 +8,17 @@ from typing import Any
 
 import pytest
 
-from conftest import add_sim_targets, applied
+from conftest import add_sim_targets, applied, on_virtual_time
 from fleetwave import ActionContext, Advance, Outcome, StateAction
 from fleetwave.domain.models import Group, StrategyOptions
 from fleetwave.domain.registry import register_workflow
-from fleetwave.domain.workflow import StateDef, StepFailed, WorkflowDef
+from fleetwave.domain.workflow import StateDef, StepFailed, TransientError, WorkflowDef
 from fleetwave.drivers.sim import SimDriver
+from fleetwave.engine.clock import LoopClock
 from fleetwave.engine.conductor import Conductor, EngineConfig
 from fleetwave.store import admin, queries
 from fleetwave.store import runtime as rt
+from fleetwave.store.callbacks import accept_callback
 from fleetwave.store.db import Store
 from fleetwave.testing.invariants import check
 from test_engine_edges import _edit_row_during_its_action, _recorded_run
@@ -426,3 +428,67 @@ def test_a_step_moved_by_hand_while_its_strategy_stops_ends_aborted_not_started(
         + details.split(" started: ", 1)[1]
         + ": aborted"
     ]
+
+
+class _BusyOnce(StateAction):
+    async def run(self, ctx: ActionContext) -> Outcome:
+        await asyncio.sleep(2)
+        if ctx.attempt == 1:
+            raise TransientError("target busy")
+        return Advance()
+
+    async def recover(self, ctx: ActionContext) -> Outcome:
+        return Advance()
+
+
+class _StartsAgent(StateAction):
+    async def run(self, ctx: ActionContext) -> Outcome:
+        return Advance()  # the agent started: the state waits for its callback
+
+    async def recover(self, ctx: ActionContext) -> Outcome:
+        return Advance()
+
+
+def test_an_early_callback_offered_again_after_a_settle_is_applied_once(store: Store) -> None:
+    """Found by a bug hunt: a callback stored early (for a later state) was kept, and
+    offered again when a hand edit of the step's row was settled; kept twice, it was
+    handed to the wait and also marked "ignored: duplicate", and the transition's
+    "applied" then changed nothing: the record said ignored for the callback that moved
+    the step on. One callback offered twice is one callback."""
+    add_sim_targets(store, 1)
+    wf = register_workflow(
+        WorkflowDef(
+            "early-cb-settle",
+            (
+                StateDef("prep", _BusyOnce(), attempts_max=3, backoff_s=10.0),
+                StateDef("wait", _StartsAgent(), mode="wait-for-callback"),
+                StateDef("finish", _StartsAgent()),
+            ),
+        ),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    (step,) = queries.list_steps(store, sid)
+    c = Conductor(store, clock=LoopClock(), config=EngineConfig(tick_s=1.0))
+
+    def early() -> None:  # the agent answers for `wait` while the step is in `prep`
+        accept_callback(store, step["step"], "wait", "done", "EXT-CB-1", 0.0)
+
+    def hand_edit() -> None:  # during prep's backoff (the simulator's meddle fault)
+        with store.write() as conn:
+            conn.exec_driver_sql(f"UPDATE steps SET fence = fence + 1 WHERE id = {step['step']}")
+
+    async def go() -> dict[int, str]:
+        loop = asyncio.get_running_loop()
+        loop.call_at(0.7, early)
+        loop.call_at(4.0, hand_edit)
+        return await asyncio.wait_for(c.run(strategy_ids=[sid]), 120)
+
+    assert on_virtual_time(go())[sid] == "complete"
+    ((outcome, reason),) = [
+        (cb["outcome"], cb["reason"]) for cb in queries.step_callbacks(store, step["step"])
+    ]
+    assert outcome == "applied", reason
+    journal = [(h["from"], h["to"], h["details"]) for h in queries.history(store, sid)]
+    assert ("wait", "finish", "EXT-CB-1") in journal, journal
+    assert check(store, sid).ok

@@ -1219,8 +1219,11 @@ class Conductor:
             and cb.kind != "heartbeat"
             and run.workflow.state(fl.state).mode == "wait-for-callback"
         ):
-            # Early: the target answered before the step started waiting. Keep it.
-            run.early_callbacks.setdefault(cb.step_id, []).append(cb)
+            # Early: the target answered before the step started waiting. Keep it (once:
+            # a settle or a takeover offers the step's open callbacks again).
+            kept = run.early_callbacks.setdefault(cb.step_id, [])
+            if all(k.id != cb.id for k in kept):
+                kept.append(cb)
         elif cb.state != fl.state:
             ignore(f"late or out of order: step has moved on to {fl.state}")
         elif cb.kind == "heartbeat":
@@ -1228,6 +1231,8 @@ class Conductor:
         elif fl.waiter is None:
             ignore(f"state {fl.state} does not wait for callbacks")
         elif fl.waiter.done():
+            if not fl.waiter.cancelled() and fl.waiter.result().id == cb.id:
+                return  # the same callback offered again (a settle, a takeover): it has it
             ignore("duplicate: this state already had its callback")
         else:
             fl.waiter.set_result(cb)
