@@ -16,6 +16,7 @@ import contextlib
 from typing import Any
 
 import pytest
+from sqlalchemy import update
 from sqlalchemy.exc import OperationalError
 
 from conftest import add_sim_targets, applied, on_virtual_time
@@ -30,6 +31,7 @@ from fleetwave.store import admin, queries
 from fleetwave.store import runtime as rt
 from fleetwave.store.callbacks import accept_callback, callback_outcomes
 from fleetwave.store.db import Store
+from fleetwave.store.schema import strategies
 from fleetwave.testing.invariants import check
 
 
@@ -428,3 +430,45 @@ def test_a_wait_for_a_callback_says_it_is_not_retried(store: Store) -> None:
         "wait-for-agent: timed out after 5s waiting for the target's callback "
         "(attempt 1 of 3; a wait for a callback is not retried)"
     )
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "what"),
+    [
+        ("group_caps", "{oops", "its stored group caps are not readable"),
+        ("group_caps", "[1, 2]", "its stored group caps are not a map of group to cap"),
+        ("states", "not json", "its stored states are not readable"),
+    ],
+)
+def test_one_unreadable_strategy_row_fails_that_strategy_not_the_conductor(
+    store: Store, column: str, value: str, what: str
+) -> None:
+    """Found by a bug hunt: a strategy row whose group caps (or states) a hand edit left
+    unreadable stopped every conductor at its claim with a traceback (the claim of every
+    strategy rolled back), so the healthy ones were never driven. That strategy alone
+    now fails, saying why, as one whose options are unreadable did; show, list and
+    check still answer."""
+    names = add_sim_targets(store, 4)
+    patch = get_workflow("patch")
+    assert patch is not None
+    good, bad = (
+        admin.create_strategy(store, patch, StrategyOptions(), target_names=half)
+        for half in (names[:2], names[2:])
+    )
+    for sid in (good, bad):
+        admin.apply_strategy(store, sid)
+    with store.write() as conn:
+        conn.execute(update(strategies).where(strategies.c.id == bad).values({column: value}))
+    finished = asyncio.run(asyncio.wait_for(Conductor(store).run(strategy_ids=[good, bad]), 60))
+    assert finished == {good: "complete", bad: "failed"}, finished
+    shown = queries.get_strategy(store, bad)
+    assert shown["details"].startswith(f"cannot drive it: {what}"), shown["details"]
+    assert {s["state"] for s in queries.list_steps(store, bad)} == {"aborted"}
+    assert [s["id"] for s in queries.list_strategies(store)] == [good, bad]
+    result = check(store)
+    assert not result.ok
+    assert result.violations == [
+        f"strategy {bad}: its stored states, options or group caps are not readable "
+        + result.violations[0].split("readable ", 1)[1]
+    ]
+    assert check(store, good).ok

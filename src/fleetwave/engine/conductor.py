@@ -1310,6 +1310,8 @@ class Conductor:
         """Take over a claimed strategy from the database alone (G4, recovery)."""
         lease_from = self._claimed_at.pop(rec.id, self._loop.time())
         try:
+            if rec.broken is not None:
+                raise rt.UnreadableRow(rec.broken)
             try:
                 if rec.workflow_yaml is not None:
                     # The copy taken at creation: a later edit of the stored workflow (or

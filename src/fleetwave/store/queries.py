@@ -83,7 +83,7 @@ def get_group(store: Store, name: str) -> dict[str, Any]:
                     "strategy_state": s.state,
                     "steps": int(s.steps),
                     # the group's cap as the strategy took it when it was created
-                    "max_parallel": json.loads(s.group_caps).get(str(g.id)),
+                    "max_parallel": _cap_taken(s.group_caps, g.id),
                 }
                 for s in used
             ],
@@ -195,8 +195,26 @@ def step_counts(store: Store, sid: int) -> dict[str, int]:
         }
 
 
+def _shown_json(raw: Any) -> Any:
+    """A stored JSON field for show and list: parsed, or, if a hand edit or another
+    tool left it unreadable, its text marked so (the rest of the row is still shown;
+    ``fleetwave check`` reports it)."""
+    try:
+        return json.loads(raw)
+    except (TypeError, ValueError):
+        return f"(unreadable: {raw!r})"
+
+
+def _cap_taken(raw_caps: Any, group_id: int) -> Any:
+    """The cap a strategy took for a group when it was created (as stored)."""
+    caps = _shown_json(raw_caps)
+    return caps.get(str(group_id)) if isinstance(caps, dict) else caps
+
+
 def _strategy_dict(r: Any) -> dict[str, Any]:
-    opts = json.loads(r.options)
+    opts = _shown_json(r.options)
+    if not isinstance(opts, dict):
+        opts = dict.fromkeys(("max_parallel", "apply_type", "stop_on_failure"), opts)
     return {
         "id": r.id,
         "workflow": r.workflow,
@@ -204,10 +222,10 @@ def _strategy_dict(r: Any) -> dict[str, Any]:
         "workflow_version": r.workflow_version,
         "state": r.state,
         "steps": r.step_count,
-        "max_parallel": opts["max_parallel"],
-        "apply_type": opts["apply_type"],
-        "stop_on_failure": opts["stop_on_failure"],
-        "max_failures": opts["max_failures"],
+        "max_parallel": opts.get("max_parallel"),
+        "apply_type": opts.get("apply_type"),
+        "stop_on_failure": opts.get("stop_on_failure"),
+        "max_failures": opts.get("max_failures"),
         "details": r.details,
         "created_at": r.created_at,
         "updated_at": r.updated_at,
@@ -392,8 +410,8 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
         if r is None:
             raise NotFound(f"strategy {sid} not found")
         out = _strategy_dict(r)
-        out["states"] = json.loads(r.states)
-        out["options"] = json.loads(r.options)
+        out["states"] = _shown_json(r.states)
+        out["options"] = _shown_json(r.options)
         out["driven_by"] = _driving(r, now, _Conductors.read(conn, now)).text
     out["step_states"] = step_counts(store, sid)
     # steps ended, as strategy list has it
@@ -442,7 +460,9 @@ def iter_steps(
             row = conn.execute(select(strategies.c.states).where(strategies.c.id == sid)).first()
         if row is None:
             raise NotFound(f"strategy {sid} not found")
-        own = json.loads(row[0] or "[]")  # empty for a strategy of an early version
+        own = _shown_json(row[0] or "[]")  # empty for a strategy of an early version
+        if not isinstance(own, list):
+            own = []  # unreadable (a hand edit): any state name is looked for
         known = [STEP_INITIAL, *own, *sorted(STEP_TERMINAL)]
         if own and state not in known:
             raise InputError(

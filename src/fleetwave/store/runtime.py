@@ -202,6 +202,8 @@ class StrategyRecord:
     states: list[str] = field(default_factory=list)
     #: a YAML workflow's text as it was when the strategy was created
     workflow_yaml: str | None = None
+    #: why its row cannot be driven (a field that is not readable), if so
+    broken: str | None = None
 
 
 # -- conductors and leases ---------------------------------------------------------
@@ -339,19 +341,54 @@ def release_strategy(store: Store, sid: int, cid: str, fence: int) -> bool:
         return bool(res.rowcount == 1)
 
 
+class UnreadableRow(ValueError):
+    """A stored field is not what fleetwave writes there (a hand edit, another tool)."""
+
+
+def stored_json(raw: Any, what: str) -> Any:
+    """A JSON field of a row, parsed; :class:`UnreadableRow` naming it if it is not JSON."""
+    try:
+        return json.loads(raw)
+    except (TypeError, ValueError) as exc:
+        shown = repr(raw)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise UnreadableRow(f"its stored {what} are not readable ({exc}): {shown}") from None
+
+
 def _strategy_record(r: Any) -> StrategyRecord:
+    """A claimed strategy's row as the engine needs it. Fields that cannot be read do
+    not fail the claim (of every strategy with it): the record says what is wrong
+    (:attr:`StrategyRecord.broken`), and that strategy alone fails."""
+    broken: str | None = None
+    caps: dict[int, int] = {}
+    states: list[str] = []
+    try:
+        raw_caps = stored_json(r.group_caps, "group caps")
+        try:
+            caps = {int(k): int(v) for k, v in raw_caps.items()}
+        except (AttributeError, TypeError, ValueError):
+            raise UnreadableRow(
+                f"its stored group caps are not a map of group to cap: {r.group_caps!r}"
+            ) from None
+        got = stored_json(r.states, "states")
+        if not isinstance(got, list) or not all(isinstance(x, str) for x in got):
+            raise UnreadableRow(f"its stored states are not a list of names: {r.states!r}")
+        states = got
+    except UnreadableRow as exc:
+        broken = str(exc)
     return StrategyRecord(
         id=r.id,
         workflow=r.workflow,
         state=r.state,
         options=r.options,
-        group_caps={int(k): int(v) for k, v in json.loads(r.group_caps).items()},
+        group_caps=caps,
         owner=r.owner,
         fence=r.fence,
         lease_expires_at=r.lease_expires_at,
         details=r.details,
-        states=list(json.loads(r.states)),
+        states=states,
         workflow_yaml=r.workflow_yaml,
+        broken=broken,
     )
 
 

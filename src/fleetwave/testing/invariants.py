@@ -116,9 +116,17 @@ def _check_strategy(
     result: CheckResult, strat: Row[Any], step_rows: Sequence[Row[Any]], jrows: Iterable[Row[Any]]
 ) -> None:
     sid = strat.id
-    states = tuple(json.loads(strat.states))
-    opts = options_from_json(strat.options)
-    group_caps = {int(k): int(v) for k, v in json.loads(strat.group_caps).items()}
+    try:
+        states = tuple(json.loads(strat.states))
+        opts = options_from_json(strat.options)
+        group_caps = {int(k): int(v) for k, v in json.loads(strat.group_caps).items()}
+    except (TypeError, ValueError, AttributeError, KeyError) as exc:
+        # A hand edit or another tool: what the journal is checked against is unknown.
+        result.add(
+            f"strategy {sid}: its stored states, options or group caps are not readable "
+            f"({type(exc).__name__}: {exc}): its journal was not checked"
+        )
+        return
     cap = opts.effective_parallel
     limit = opts.failure_limit
     name = {r.id: r.name for r in step_rows}
