@@ -228,6 +228,37 @@ def test_an_inventory_imported_again_adds_what_is_new_and_leaves_the_rest(
     assert (res.code, res.out) == (0, "target d already exists, unchanged\n")
 
 
+def test_an_inventory_imported_again_keeps_labels_its_file_does_not_give(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """Found by an acceptance pass: a CSV file cannot carry labels, so once an operator
+    labelled a target (`target set --label`), importing the grown file again was refused
+    ("labels: {"tier": "canary"} stored, {} given") and the new rows never came in. A
+    source that gives no labels (a CSV file, a YAML item without `labels:`) keeps the
+    stored ones, as it keeps whether a target is managed; YAML labels given are compared."""
+    f = tmp_path / "fleet.csv"
+    f.write_text("name,latency_ms\na,7\nb,7\n", encoding="utf-8")
+    assert cli("target", "import", str(f)).code == 0
+    assert cli("target", "set", "a", "--label", "tier=canary").code == 0
+    f.write_text("name,latency_ms\na,7\nb,7\nc,7\n", encoding="utf-8")
+    res = cli("target", "import", str(f))
+    assert (res.code, res.out) == (0, f"1 target imported from {f}; 2 already there, unchanged\n")
+    assert targets(cli)["a"]["labels"] == {"tier": "canary"}
+    y = tmp_path / "fleet.yaml"
+    y.write_text(
+        "- {name: a, settings: {latency_ms: 7}}\n- {name: d, labels: {tier: canary}}\n",
+        encoding="utf-8",
+    )
+    res = cli("target", "import", str(y))
+    assert (res.code, res.out) == (0, f"1 target imported from {y}; 1 already there, unchanged\n")
+    y.write_text("- {name: a, settings: {latency_ms: 7}, labels: {tier: main}}\n", encoding="utf-8")
+    assert one_line(cli("target", "import", str(y))) == (
+        f"error: {y} targets[0]: target a: already exists with another definition (labels: "
+        '{"tier": "canary"} stored, {"tier": "main"} given); \'fleetwave target set a\' changes it'
+    )
+    assert targets(cli)["a"]["labels"] == {"tier": "canary"}
+
+
 @pytest.mark.parametrize(
     ("name", "body", "problem"),
     [

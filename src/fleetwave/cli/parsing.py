@@ -164,6 +164,7 @@ def targets_from_csv(text: str, source: str) -> TargetBatch:
             _check_row(t, where)
             out.append(t)
             out.origins.append(where)
+            out.no_labels.add(out[-1].name)
     except csv.Error as exc:
         # the record that failed starts on the line after the last one read whole
         why = str(exc)
@@ -310,6 +311,8 @@ def targets_from_yaml(text: str, source: str) -> TargetBatch:
         _check_row(t, named)
         out.append(t)
         out.origins.append(where)
+        if item.get("labels") is None:
+            out.no_labels.add(name)
     return out
 
 

@@ -217,6 +217,9 @@ class TargetBatch(list[Target]):
     def __init__(self, items: Iterable[Target] = (), origins: Iterable[str] = ()) -> None:
         super().__init__(items)
         self.origins = list(origins)
+        #: the names whose source gave no labels (a CSV file cannot; a YAML item without
+        #: ``labels:``): a target there already keeps its own, and they are not compared
+        self.no_labels: set[str] = set()
 
 
 def add_targets(store: Store, items: Sequence[Target], *, origins: Sequence[str] = ()) -> int:
@@ -233,7 +236,8 @@ def ensure_targets(store: Store, items: Sequence[Target], *, origins: Sequence[s
     settings and labels is left as it is (an inventory imported again, grown): how many
     were added. One there with another definition is refused, and nothing is written.
     Whether it is managed is not compared: that is the operator's to change (``target
-    manage|unmanage``), not the inventory's."""
+    manage|unmanage``), not the inventory's; nor are labels where the source gave none
+    (:attr:`TargetBatch.no_labels`: a CSV file has no labels column)."""
     return _add_targets(store, items, origins=origins, existing_ok=True)
 
 
@@ -275,7 +279,8 @@ def _add_targets(
         names = [t.name for t in items]
         stored = _definitions(conn, names)
         if stored:
-            refused = _clashes(items, stored, existing_ok)
+            unlabelled = items.no_labels if isinstance(items, TargetBatch) else set()
+            refused = _clashes(items, stored, existing_ok, unlabelled)
             if refused:
                 more = f" and {len(refused) - 1} more" if len(refused) > 1 else ""
                 first, why = refused[0]  # the first in the input's order
@@ -327,10 +332,14 @@ def _definitions(conn: Connection, names: list[str]) -> dict[str, _Definition]:
 
 
 def _clashes(
-    items: Sequence[Target], stored: dict[str, _Definition], existing_ok: bool
+    items: Sequence[Target],
+    stored: dict[str, _Definition],
+    existing_ok: bool,
+    unlabelled: set[str],
 ) -> list[tuple[int, str]]:
     """The items that may not be added over a target of the same name, in input order,
-    with what differs (empty: it is there; ``existing_ok`` lets the same one through)."""
+    with what differs (empty: it is there; ``existing_ok`` lets the same one through).
+    The labels of those in ``unlabelled`` (their source gave none) are not compared."""
     out: list[tuple[int, str]] = []
     for i, t in enumerate(items):
         there = stored.get(t.name)
@@ -340,7 +349,7 @@ def _clashes(
             t.group,
             t.driver,
             json.dumps(t.settings, sort_keys=True),
-            json.dumps(t.labels, sort_keys=True),
+            there[3] if t.name in unlabelled else json.dumps(t.labels, sort_keys=True),
         )
         other = [
             f"{field}: {_shown_value(a)} stored, {_shown_value(b)} given"
