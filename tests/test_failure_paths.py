@@ -472,3 +472,44 @@ def test_one_unreadable_strategy_row_fails_that_strategy_not_the_conductor(
         + result.violations[0].split("readable ", 1)[1]
     ]
     assert check(store, good).ok
+
+
+@pytest.mark.parametrize(
+    ("options", "final"),
+    [
+        ({"stop_on_failure": True}, "stopped after {who} failed (stop on failure)"),
+        (
+            {"max_failures": 0},
+            "stopped: 1 failed step exceeds the failure threshold of 0 (the last: {who})",
+        ),
+    ],
+)
+def test_a_stop_for_failures_is_shown_while_it_lasts_and_named_after_a_takeover(
+    store: Store, options: dict[str, Any], final: str
+) -> None:
+    """Found by an acceptance pass: while in-flight steps finished after a failure had
+    stopped the strategy, `strategy show` said `applying` with no details (a rollout
+    going well); and a conductor that took the strategy over (after a crash, or here a
+    clean stop) ended it with "stopped after a step failed", the target's name lost."""
+    names = add_sim_targets(store, 6, settings={"latency_ms": 300})
+    with store.write() as conn:  # the third fails at once
+        conn.exec_driver_sql(
+            'UPDATE targets SET settings = \'{"fail_at": "pre-check", "latency_ms": 10}\' '
+            f"WHERE name = '{names[2]}'"
+        )
+    sid = applied(store, "patch", max_parallel=3, **options)
+    seen: dict[str, str] = {}
+
+    async def go() -> dict[int, str]:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        loop.call_at(0.2, lambda: seen.update(during=queries.get_strategy(store, sid)["details"]))
+        loop.call_at(0.25, stop.set)  # a clean stop while the others are in their state
+        await Conductor(store, clock=LoopClock()).run(strategy_ids=[sid], stop=stop)
+        return await Conductor(store, clock=LoopClock()).run(strategy_ids=[sid])
+
+    assert on_virtual_time(go())[sid] == "failed"
+    reason = final.format(who=names[2])
+    assert seen["during"] == f"stopping: {reason}; in-flight steps finish their current state"
+    assert queries.get_strategy(store, sid)["details"] == reason
+    assert check(store, sid).ok

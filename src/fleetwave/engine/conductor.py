@@ -1170,7 +1170,8 @@ class Conductor:
         self._wake_soon()
 
     async def _mark_aborting(self) -> None:
-        """abort-requested -> aborting, once the dispatcher has stopped admitting."""
+        """abort-requested -> aborting, once the dispatcher has stopped admitting; a
+        stop for failures is written in the strategy's details."""
         for run in self.runs.values():
             if run.stopping == "abort" and run.db_state == StrategyState.ABORT_REQUESTED:
                 ok = await self._io(
@@ -1185,6 +1186,20 @@ class Conductor:
                 )
                 if ok:
                     run.db_state = StrategyState.ABORTING.value
+            elif run.stopping == "failure" and not run.stop_said:
+                # What `strategy show|list` say while in-flight steps finish: not a
+                # rollout going well (its state stays applying, or paused, until the end).
+                run.stop_said = True
+                await self._io(
+                    rt.set_strategy_state,
+                    self.store,
+                    run.id,
+                    self.id,
+                    run.db_state,
+                    run.db_state,
+                    f"stopping: {run.stop_details}; in-flight steps finish their current state",
+                    self._NOW,
+                )
 
     def _on_callback(self, cb: cbs.CallbackRecord, marks: list[rt.CallbackMark]) -> None:
         """Hand a callback to the step waiting for it, keep it for later, or ignore it.
@@ -1349,7 +1364,8 @@ class Conductor:
         limit = opts.failure_limit
         if limit is not None and run.failed > limit:
             run.stopping = "failure"
-            run.stop_details = self._failure_details(run)
+            who = await self._io(rt.failure_past_limit, self.store, rec.id, limit)
+            run.stop_details = self._failure_details(run, who)
         if rec.state in (StrategyState.ABORT_REQUESTED, StrategyState.ABORTING):
             # The operator's abort wins over the failure threshold, as it does when the
             # abort reaches a running conductor (found by the simulator's abort fault).
@@ -2409,10 +2425,8 @@ def _stop_details(options: StrategyOptions, failed: int, who: str | None = None)
     if options.stop_on_failure:
         return f"stopped after {who or 'a step'} failed (stop on failure)"
     last = f" (the last: {who})" if who else ""
-    return (
-        f"stopped: {failed} failed steps exceed the failure threshold of "
-        f"{options.failure_limit}{last}"
-    )
+    many = "steps exceed" if failed != 1 else "step exceeds"
+    return f"stopped: {failed} failed {many} the failure threshold of {options.failure_limit}{last}"
 
 
 def _resolve(fut: asyncio.Future[R] | None, value: R) -> None:

@@ -79,6 +79,8 @@ class StrategyRun:
     #: why nothing new starts: None while running, else "abort" or "failure"
     stopping: str | None = None
     stop_details: str = ""
+    #: a stop for failures is on the strategy's row (its details), for show and list
+    stop_said: bool = False
     #: the operator paused it: no new step starts (steps in flight go on to their end)
     paused: bool = False
     db_state: str = "applying"

@@ -581,6 +581,21 @@ def _step_records(
     ]
 
 
+def failure_past_limit(store: Store, sid: int, limit: int) -> str | None:
+    """The target whose failure took strategy ``sid`` past ``limit`` failed steps (its
+    ``limit + 1``-th failure, in the journal's order), for a conductor that takes over
+    a strategy already stopping: its details still name it."""
+    p = store.hooks.placeholder
+    with store.read() as conn:
+        row = conn.exec_driver_sql(
+            "SELECT t.name FROM journal j JOIN steps s ON s.id = j.step_id "
+            f"JOIN targets t ON t.id = s.target_id WHERE j.strategy_id = {p} "
+            f"AND j.to_state = '{STEP_FAILED}' ORDER BY j.id LIMIT 1 OFFSET {int(limit)}",
+            (sid,),
+        ).first()
+    return None if row is None else str(row[0])
+
+
 def _failed_count(conn: Connection, store: Store, sid: int) -> int:
     p = store.hooks.placeholder
     sql = f"SELECT count(*) FROM steps WHERE strategy_id = {p} AND state = 'failed'"
