@@ -449,15 +449,15 @@ def test_target_set_compares_values_as_stored_and_says_so_key_by_key(cli: Cli) -
     assert cli("target", "set", "a", "--label", "tier=x").code == 0
     res = cli(
         "target", "set", "a", "--set", "already_done=true", "--set", "latency_ms=5.0",
-        "--label", "tier=",
+        "--label", "tier=y",
     )  # fmt: skip
     assert (res.code, res.out) == (
         0,
-        'target a: settings: already_done 1 -> true, latency_ms 5 -> 5.0; labels: tier x -> ""\n',
+        "target a: settings: already_done 1 -> true, latency_ms 5 -> 5.0; labels: tier x -> y\n",
     )
     again = cli(
         "target", "add", "a", "--set", "already_done=true", "--set", "latency_ms=5.0",
-        "--label", "tier=",
+        "--label", "tier=y",
     )  # fmt: skip
     assert (again.code, again.out) == (0, "target a already exists, unchanged\n")
     # another definition given to add names the way to change it
@@ -829,6 +829,21 @@ def test_delete_ignore_missing_makes_a_script_s_delete_idempotent(
     assert res.code == 0 and res.json() == {**key, "deleted": False}, res.text
 
 
+@pytest.mark.parametrize("kind", ["target", "group"])
+@pytest.mark.parametrize(
+    ("name", "problem"), [("", "must not be empty"), ("a b", "is not allowed")]
+)
+def test_delete_ignore_missing_refuses_a_name_nothing_could_have(
+    cli: Cli, kind: str, name: str, problem: str
+) -> None:
+    """An unset variable in a cleanup script (`group delete "$G" --ignore-missing`)
+    passed silently: a name no target or group could have is bad input (exit 2)."""
+    for extra in ([], ["--ignore-missing"]):
+        res = cli(kind, "delete", name, *extra)
+        assert res.code == 2 and res.err.startswith("error: NAME: "), res.text
+        assert problem in res.err, res.text
+
+
 def test_delete_ignore_missing_still_refuses_what_is_there(cli: Cli) -> None:
     assert cli("group", "add", "g").code == 0
     assert cli("target", "add", "a", "--group", "g").code == 0
@@ -841,3 +856,21 @@ def test_delete_ignore_missing_still_refuses_what_is_there(cli: Cli) -> None:
     assert res.code == 0 and res.json() == {"id": sid, "deleted": True}, res.text
     res = cli("target", "delete", "a", "--ignore-missing", "--format", "json")
     assert res.code == 0 and res.json() == {"name": "a", "deleted": True}, res.text
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["target", "add", "e5", "--label", "tier="],
+        ["target", "set", "a", "--label", "tier= "],
+        ["target", "list", "--label", "tier="],
+        ["strategy", "create", "--workflow", "patch", "--label", "tier="],
+    ],
+)
+def test_an_empty_label_value_is_refused_as_in_a_file(cli: Cli, args: list[str]) -> None:
+    """`--label tier=` stored an empty label, which a YAML file's `tier:` is refused as."""
+    assert cli("target", "add", "a", "--label", "tier=x").code == 0
+    res = cli(*args)
+    assert res.code == 2, res.text
+    assert res.err == "error: --label: tier: no value (give one, or leave it out)\n", res.text
+    assert cli("target", "list", "--format", "json").json()[0]["labels"] == {"tier": "x"}

@@ -54,6 +54,7 @@ from fleetwave.domain.models import (
     StrategyOptions,
     StrategyState,
     Target,
+    name_problem,
     plural,
     shown,
 )
@@ -325,6 +326,14 @@ IgnoreMissingOpt = Annotated[
 ]
 
 
+def _never_a_name(name: str) -> None:
+    """A name not found that no target or group could have (empty: an unset variable
+    in a script) is bad input, also with --ignore-missing."""
+    problem = name_problem(name)
+    if problem:
+        raise InputError(f"NAME: {problem}")
+
+
 def _missing(fmt: Format, what: str, key: dict[str, Any]) -> None:
     """``delete --ignore-missing`` of one that is not there: said, not an error."""
     _done(fmt, f"{what}: not there, nothing deleted", {**key, "deleted": False})
@@ -341,6 +350,7 @@ def target_delete(
     try:
         admin.delete_target(existing_store(db), name)
     except NotFound:
+        _never_a_name(name)
         if not ignore_missing:
             raise
         _missing(fmt, f"target {name}", {"name": name})
@@ -451,6 +461,7 @@ def group_delete(
     try:
         admin.delete_group(existing_store(db), name)
     except NotFound:
+        _never_a_name(name)
         if not ignore_missing:
             raise
         _missing(fmt, f"group {name}", {"name": name})

@@ -53,6 +53,9 @@ def parse_pairs(items: list[str] | None, option: str, *, typed: bool = True) -> 
         if key.strip() in out:
             # the last one silently winning hides a typo (another key meant)
             raise InputError(f"{option}: {shown(key.strip())} given more than once")
+        if option == "--label" and not value.strip():
+            # as a file's labels: an empty value is no label (and no target has one)
+            raise InputError(f"--label: {key.strip()}: no value (give one, or leave it out)")
         out[key.strip()] = scalar(value.strip()) if typed else value.strip()
     return out
 
