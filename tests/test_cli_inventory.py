@@ -874,3 +874,17 @@ def test_an_empty_label_value_is_refused_as_in_a_file(cli: Cli, args: list[str])
     assert res.code == 2, res.text
     assert res.err == "error: --label: tier: no value (give one, or leave it out)\n", res.text
     assert cli("target", "list", "--format", "json").json()[0]["labels"] == {"tier": "x"}
+
+
+def test_target_delete_names_the_strategies_with_its_history(cli: Cli) -> None:
+    """It said "has history in 2 strategies" without which, where `group delete` names
+    them: the operator had to find them to delete them first."""
+    assert cli("target", "add", "a").code == 0
+    for _ in range(2):
+        sid = cli("strategy", "create", "--workflow", "patch", "--all", "--format", "json")
+        assert cli("strategy", "apply", str(sid.json()["id"]), "--wait").code == 0
+    res = cli("target", "delete", "a")
+    assert res.code == 2, res.text
+    assert res.err == (
+        "error: target a: has history in 2 strategies (1, 2); delete those strategies first\n"
+    )

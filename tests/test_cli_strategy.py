@@ -1185,9 +1185,9 @@ def test_a_conflict_names_every_held_target_by_strategy(cli: Cli) -> None:
     line = one_line(cli("strategy", "create", "--workflow", "patch", "--all"))
     assert (
         f"7 targets (a, b, c, d, e and 2 more): already in active strategy {first} "
-        f"(it was never applied: 'fleetwave strategy delete {first}' frees its targets); "
-        f"target h: already in active strategy {second} (it is applying: it frees its "
-        "targets when it ends)"
+        f"(initial); it was never applied: 'fleetwave strategy delete {first}' frees its "
+        f"targets; target h: already in active strategy {second} (applying); it frees its "
+        f"targets once it has ended: 'fleetwave strategy abort {second}' ends it"
     ) in line, line
     assert [s["id"] for s in strategies(cli)] == [first, second]  # nothing written
 

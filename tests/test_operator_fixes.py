@@ -370,8 +370,8 @@ def test_what_must_end_first_is_named_with_what_ends_it(cli: Cli) -> None:
     assert cli("strategy", "apply", str(sid)).code == 0
     assert_rejected(
         cli("strategy", "delete", str(sid)),
-        f"strategy {sid}: is applying; it can be deleted once it has ended "
-        f"('fleetwave strategy abort {sid}' ends it)",
+        f"strategy {sid}: is applying; it can be deleted once it has ended: "
+        f"'fleetwave strategy abort {sid}' ends it",
     )
     assert_rejected(
         cli("target", "delete", "b"),
@@ -380,8 +380,8 @@ def test_what_must_end_first_is_named_with_what_ends_it(cli: Cli) -> None:
     assert cli("strategy", "abort", str(sid)).code == 0
     assert_rejected(
         cli("strategy", "delete", str(sid)),
-        f"strategy {sid}: is abort-requested; it can be deleted once its abort has finished "
-        f"(a conductor finishes it: 'fleetwave serve', or 'fleetwave strategy apply {sid} --wait')",
+        f"strategy {sid}: is abort-requested; it can be deleted once its abort has finished, "
+        f"which a conductor does: 'fleetwave serve', or 'fleetwave strategy apply {sid} --wait'",
     )
     assert apply_wait(cli, sid).json()["state"] == "aborted"
     assert cli("strategy", "delete", str(sid)).code == 0

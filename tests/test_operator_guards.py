@@ -269,13 +269,14 @@ def test_a_target_held_by_a_strategy_never_applied_says_how_to_free_it(cli: Cli)
     sid = first.json()["id"]
     assert_rejected(
         cli("strategy", "create", "--workflow", "patch", "--all"),
-        f"already in active strategy {sid} (it was never applied: "
-        f"'fleetwave strategy delete {sid}' frees its targets)",
+        f"already in active strategy {sid} (initial); it was never applied: "
+        f"'fleetwave strategy delete {sid}' frees its targets",
     )
     assert cli("strategy", "apply", str(sid)).code == 0
     assert_rejected(
         cli("strategy", "create", "--workflow", "patch", "--all"),
-        f"already in active strategy {sid} (it is applying: it frees its targets when it ends)",
+        f"already in active strategy {sid} (applying); it frees its targets once it has ended: "
+        f"'fleetwave strategy abort {sid}' ends it",
     )
 
 

@@ -388,10 +388,10 @@ def _how_it_ends(sid: int, state: str, then: str) -> str:
         return f"it was never applied: 'fleetwave strategy delete {sid}' ends it"
     if state in (StrategyState.ABORT_REQUESTED, StrategyState.ABORTING):
         return (
-            f"{then} once its abort has finished (a conductor finishes it: "
-            f"'fleetwave serve', or 'fleetwave strategy apply {sid} --wait')"
+            f"{then} once its abort has finished, which a conductor does: "
+            f"'fleetwave serve', or 'fleetwave strategy apply {sid} --wait'"
         )
-    return f"{then} once it has ended ('fleetwave strategy abort {sid}' ends it)"
+    return f"{then} once it has ended: 'fleetwave strategy abort {sid}' ends it"
 
 
 def _active_strategy_of(conn: Connection, target_ids: Sequence[int]) -> tuple[int, int] | None:
@@ -540,7 +540,7 @@ def change_target(
                 + (
                     ""
                     if state == StrategyState.INITIAL
-                    else f" ('fleetwave target unmanage {name}' keeps the rollout off it meanwhile)"
+                    else f"; 'fleetwave target unmanage {name}' keeps the rollout off it meanwhile"
                 )
             )
         conn.execute(
@@ -566,10 +566,20 @@ def delete_target(store: Store, name: str) -> None:
                 f"target {name}: is in active strategy {busy[1]} ({state}); "
                 + _how_it_ends(busy[1], state, "the target can be deleted")
             )
-        used = conn.execute(select(func.count()).where(steps.c.target_id == tid)).scalar_one()
+        used = [
+            int(r[0])
+            for r in conn.execute(
+                select(steps.c.strategy_id)
+                .where(steps.c.target_id == tid)
+                .distinct()
+                .order_by(steps.c.strategy_id)
+            )
+        ]
         if used:
             raise Conflict(
-                f"target {name}: has history in {plural(used, 'strategy', 'strategies')}; "
+                f"target {name}: has history in "
+                f"{plural(len(used), 'strategy', 'strategies')} "
+                f"({', '.join(map(str, used[:5]))}{' ...' if len(used) > 5 else ''}); "
                 "delete those strategies first"
             )
         conn.execute(delete(targets).where(targets.c.id == tid))
@@ -786,7 +796,7 @@ def create_strategy(
                     f"it was never applied: 'fleetwave strategy delete {busy_sid}' frees "
                     "its targets"
                     if state == StrategyState.INITIAL
-                    else f"it is {state}: it frees its targets when it ends"
+                    else _how_it_ends(busy_sid, state, "it frees its targets")
                 )
                 names = sorted(name_of[t] for t in tids)
                 who = (
@@ -795,7 +805,7 @@ def create_strategy(
                     else f"{len(names)} targets ({', '.join(names[:5])}"
                     + (f" and {len(names) - 5} more)" if len(names) > 5 else ")")
                 )
-                problems.append(f"{who}: already in active strategy {busy_sid} ({how})")
+                problems.append(f"{who}: already in active strategy {busy_sid} ({state}); {how}")
             raise Conflict("; ".join(problems))
         gcaps: dict[int, int] = {}
         gnames: dict[int, str] = {}
