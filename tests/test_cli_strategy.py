@@ -1218,7 +1218,7 @@ def test_apply_without_wait_answers_in_json_and_resume_and_abort_warn_when_undri
     res = cli("strategy", "apply", str(sid), "--format", "json")
     assert res.code == 0
     answer = res.json()
-    assert (answer["id"], answer["state"]) == (sid, "applying")
+    assert (answer["id"], answer["state"], answer["was"]) == (sid, "applying", "initial")
     # the same words as strategy show (it said "nothing drives it yet" there)
     shown = cli("strategy", "show", str(sid), "--format", "json").json()
     assert answer["driven_by"] == shown["driven_by"]
@@ -1258,6 +1258,8 @@ def test_json_field_names_follow_the_readmes_rule(cli: Cli) -> None:
     for row in [*step_rows, shown, *shown["history"]]:
         assert "id" not in row and isinstance(row["step"], int), row
         assert row["target"] in ("a", "b"), row
+    for row in [*step_rows, shown]:  # a step's row names its strategy
+        assert row["strategy"] == sid, row
     assert shown["strategy"] == sid and shown["state"] == "complete"
     for row in cli("history", "--strategy", str(sid), "--format", "json").json():
         assert set(row) >= {"step", "target", "from", "to"} and "id" not in row, row
@@ -1267,3 +1269,18 @@ def test_json_field_names_follow_the_readmes_rule(cli: Cli) -> None:
     assert used["strategy"] == sid and used["strategy_state"] == "complete", used
     assert used["step_state"] == "complete" and "state" not in used, used
     assert cli("target", "list", "--format", "json").json()[0]["name"] == "a"
+
+
+def test_apply_of_a_paused_strategy_says_it_resumed_it(cli: Cli) -> None:
+    """`strategy apply` of a paused strategy resumed it without a word (resume says the
+    state it was in)."""
+    add(cli, "a")
+    sid = create(cli, "--all")
+    assert cli("strategy", "apply", str(sid)).code == 0
+    assert cli("strategy", "pause", str(sid)).code == 0
+    res = cli("strategy", "apply", str(sid))
+    assert res.code == 0
+    assert res.out == f"strategy {sid} applying (resumed: it was paused); nothing drives it yet\n"
+    assert cli("strategy", "pause", str(sid)).code == 0
+    answer = cli("strategy", "apply", str(sid), "--format", "json").json()
+    assert (answer["state"], answer["was"]) == ("applying", "paused")

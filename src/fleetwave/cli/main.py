@@ -813,6 +813,8 @@ def strategy_apply(
         now = "applying" if before in ("initial", "paused", "applying") else before
         if now != "applying":
             now += " (apply does not undo an abort: a conductor finishes it)"
+        elif before == "paused":
+            now += " (resumed: it was paused)"
         if who.owner is not None:
             said = f"driven by conductor {who.owner}"
         elif who.claimer is not None:
@@ -821,7 +823,14 @@ def strategy_apply(
             said = "nothing drives it yet"
         if fmt is Format.json:
             # driven_by as `strategy show --format json` says it, word for word
-            print_json({"id": strategy_id, "state": now.split(" ")[0], "driven_by": who.text})
+            print_json(
+                {
+                    "id": strategy_id,
+                    "state": now.split(" ")[0],
+                    "was": before,
+                    "driven_by": who.text,
+                }
+            )
         else:
             console.print(f"strategy {strategy_id} {now}; {said}")
         if who.nobody:

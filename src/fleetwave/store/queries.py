@@ -518,6 +518,7 @@ def _iter_steps(
         details = _shown_details(r, now, gone)
         yield {
             "step": r.id,
+            "strategy": sid,
             "target": r.name,
             "stage": r.stage,
             "state": r.state,
