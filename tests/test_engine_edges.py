@@ -392,6 +392,8 @@ def test_a_conductor_rides_out_a_database_outage_and_goes_on_after_it(
     assert conductor.stats.store_retries > 3 * len(retries)
     assert len(retries) <= 3 * (300 // 30 + 2), retries
     assert any("retrying until the database answers" in m for m in retries)
+    # the store call in words, not the function's name ("claim_strategies failed")
+    assert all("_" not in m.split(" failed")[0] for m in retries), retries
     # a warning at first, an error once it has lasted a minute (operators alert on those)
     levels = [r.levelno for r in caplog.records if "retrying until" in r.getMessage()]
     assert levels[0] == logging.WARNING and levels[-1] == logging.ERROR
@@ -1187,3 +1189,27 @@ def test_a_periodic_pass_that_dies_stops_the_conductor_with_its_error(
     final = asyncio.run(asyncio.wait_for(nxt.run(strategy_ids=[sid], patient=True), 30))[sid]
     assert final == "complete"
     assert check(store, sid).ok
+
+
+def test_resuming_after_a_clean_stop_is_not_a_warning(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every resume after a Ctrl-C logged a WARNING ("took over 20 steps in flight (0
+    call their recover hook, 20 start afresh)"): routine, when nothing was running."""
+    add_sim_targets(store, 4, settings={"latency_ms": 1000})
+    sid = applied(store, "patch")
+
+    async def go() -> dict[int, str]:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.5, stop.set)
+        config = EngineConfig(shutdown_grace_s=5)  # running actions finish
+        await Conductor(store, clock=LoopClock(), config=config).run(strategy_ids=[sid], stop=stop)
+        return await Conductor(store, clock=LoopClock()).run(strategy_ids=[sid])
+
+    with caplog.at_level(logging.INFO, logger="fleetwave.engine"):
+        assert on_virtual_time(go())[sid] == "complete"
+    took = [r for r in caplog.records if "took over" in r.getMessage()]
+    assert took and all(r.levelno == logging.INFO for r in took), [
+        (r.levelname, r.getMessage()) for r in took
+    ]
+    assert "4 start afresh" in took[-1].getMessage()

@@ -320,7 +320,8 @@ class Conductor:
         a lease from then, not from before the outage.
         """
         failures = 0
-        name = getattr(fn, "__name__", "store call")
+        # in an operator's words ("claim strategies", "commit"), not the function's name
+        name = getattr(fn, "__name__", "store call").replace("_", " ")
         started = said = 0.0
         fresh = [i for i, a in enumerate(args) if type(a) is _Fresh]
         while True:
@@ -1436,7 +1437,9 @@ class Conductor:
             )
         if out:
             recovering = sum(1 for fl in out if fl.recovering)
-            log.warning(
+            log.log(
+                # routine after a clean stop (nothing was running): not worth a warning
+                logging.WARNING if recovering else logging.INFO,
                 "strategy %s: took over %s in flight (%d call their recover hook, "
                 "%d start afresh: their action never started)",
                 rec.id,
