@@ -200,10 +200,6 @@ BAD = {
         "name: w\nstates:\n  - name: a\n  - name: b\n  - name: c\n    timeout_s: soon\n",
         ["states[2]", "(c)", "timeout_s"],
     ),
-    "unknown state field": (
-        "name: w\nstates:\n  - name: a\n    colour: red\n",
-        ["states[0]", "(a)", "colour"],
-    ),
     "unknown top-level field": (
         "name: w\nowner: me\nstates:\n  - name: a\n",
         ["owner"],
@@ -232,17 +228,30 @@ BAD = {
         "name: w\nstates:\n  - name: a\n  - name: b\n    retry: {backoff_s: -1}\n",
         ["states[1]", "retry", "backoff_s"],
     ),
-    "unknown retry field": (
-        "name: w\nstates:\n  - name: a\n    retry: {tries: 3}\n",
-        ["states[0]", "retry", "tries"],
-    ),
     "bad mode": (
         "name: w\nstates:\n  - name: a\n    mode: sometimes\n",
-        ["states[0]", "mode"],
+        ["states[0]", "mode: must be one of 'run', 'wait-for-callback' or 'poll', got 'sometimes'"],
     ),
     "bad recover": (
         "name: w\nstates:\n  - name: a\n    recover: maybe\n",
-        ["states[0]", "recover"],
+        ["states[0]", "recover: must be one of 'observe' or 'none', got 'maybe'"],
+    ),
+    # pydantic's own words were "Extra inputs are not permitted", with no field named
+    "unknown state field": (
+        "name: w\nstates:\n  - name: a\n    colour: red\n",
+        ["states[0] (a): colour: not a field here (the fields are: name, action, timeout_s,"],
+    ),
+    "unknown retry field": (
+        "name: w\nstates:\n  - name: a\n    retry: {tries: 2}\n",
+        ["retry: tries: not a field here (the fields are: attempts, backoff_s, backoff_max_s)"],
+    ),
+    "unknown workflow field": (
+        "name: w\ncolour: 1\nstates:\n  - name: a\n",
+        ["colour: not a field here (the fields are: name, version, description, states)"],
+    ),
+    "state without a name": (
+        "name: w\nstates:\n  - action: x\n",
+        ["states[0]", "name: missing (it is required)"],
     ),
     "unregistered python action": (
         "name: w\nstates:\n  - name: a\n  - name: b\n    action: python:nosuch\n",
@@ -256,7 +265,7 @@ BAD = {
         "name: w\nstates:\n  - just-a-name\n",
         ["states[0]"],
     ),
-    "no states": ("name: w\nstates: []\n", ["states"]),
+    "no states": ("name: w\nstates: []\n", ["states: a workflow needs at least one state"]),
     "missing states": ("name: w\n", ["states"]),
     "bad workflow name": ("name: 'has space'\nstates:\n  - name: a\n", ["name"]),
     "version 0": ("name: w\nversion: 0\nstates:\n  - name: a\n", ["version"]),

@@ -320,6 +320,14 @@ def _where(loc: tuple[int | str, ...], data: Any) -> str:
     return ": ".join(parts) if parts else "workflow"
 
 
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    """The fields allowed where an unknown one was found (``loc``: pydantic's path to it)."""
+    model: type[BaseModel] = _Workflow
+    if len(loc) >= 3 and loc[0] == "states":
+        model = _Retry if len(loc) >= 4 and loc[2] == "retry" else _State
+    return list(model.model_fields)
+
+
 def parse_workflow_yaml(text: str, *, source: str = "<yaml>", strict: bool = False) -> WorkflowDef:
     """Parse and validate; raise :class:`WorkflowError` naming the state and field.
 
@@ -352,6 +360,16 @@ def parse_workflow_yaml(text: str, *, source: str = "<yaml>", strict: bool = Fal
                 *(f"{v:g}" if isinstance(v, int | float) else v for v in ctx.values())
             )
             msg = f"must be {bound}, got {_given(err.get('input'))}"
+        elif err["type"] == "literal_error":
+            expected = err.get("ctx", {}).get("expected", "")
+            msg = f"must be one of {expected}, got {_given(err.get('input'))}"
+        elif err["type"] == "extra_forbidden":
+            fields = ", ".join(_fields_at(err["loc"]))
+            msg = f"not a field here (the fields are: {fields})"
+        elif err["type"] == "too_short":
+            msg = "a workflow needs at least one state, got none"
+        elif err["type"] == "missing":
+            msg = "missing (it is required)"
         raise WorkflowError(f"{source}: {_where(err['loc'], data)}: {msg}") from exc
     states: list[StateDef] = []
     for i, st in enumerate(model.states):
