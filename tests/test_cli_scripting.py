@@ -86,6 +86,11 @@ def test_a_stdout_that_cannot_show_a_name_gets_it_escaped_not_a_traceback(
         assert "\\xf1and\\xfa" in res.stdout
     listed = _run(db, "target", "list", "--format", "json", env={"PYTHONIOENCODING": "ascii"})
     assert json.loads(listed.stdout)[0]["name"] == "ñandú"
+    # the columns after an escaped name stay in line (they were set by the name's width)
+    assert _run(db, "target", "add", "b").returncode == 0
+    lines = _run(db, "target", "list", env={"PYTHONIOENCODING": "ascii"}).stdout.splitlines()
+    driver_at = {line.index("sim") for line in lines[2:]}
+    assert len(driver_at) == 1 and lines[0].index("driver") in driver_at, lines
 
 
 def test_output_printed_by_rich_also_ends_with_141_when_the_reader_goes_away() -> None:

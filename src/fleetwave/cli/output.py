@@ -185,8 +185,19 @@ def _json_rows(rows: Iterator[dict[str, Any]]) -> None:
 
 
 def _width(text: str) -> int:
-    """Terminal cells, not characters: a CJK name takes two per character."""
-    return len(text) if text.isascii() else cell_len(text)
+    """Terminal cells, not characters: a CJK name takes two per character; a name the
+    output's encoding cannot show is printed backslash-escaped (``\\xf1``), and takes
+    the escapes' width (the columns after it stayed where the name would have ended)."""
+    if text.isascii():
+        return len(text)
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    try:
+        text.encode(encoding)
+    except UnicodeEncodeError:
+        text = text.encode(encoding, "backslashreplace").decode(encoding)
+    except LookupError:
+        pass
+    return cell_len(text)
 
 
 def _plain_cells(row: dict[str, Any], columns: list[str]) -> tuple[str, ...]:
