@@ -272,3 +272,21 @@ def test_the_demo_leaves_one_database_file(cli: Cli, tmp_path: Path) -> None:
     assert cli("demo", "--targets", "20", "--format", "json", db=db).code == 0
     assert sorted(p.name for p in here.iterdir()) == ["demo.db"]  # no WAL left over
     assert cli("check", db=db).code == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("target", "add", "z", "--set", "failure_rate=5"), "failure_rate: 5 is outside 0..1"),
+        (("target", "add", "z", "--set", "latency_ms=-5"), "-5 is outside 0..86400000"),
+        (("history", "--strategy", "1", "--last", "-3"), "must be at least 1, got -3"),
+        (("history", "--strategy", "1", "--last", "0"), "must be at least 1, got 0"),
+    ],
+)
+def test_a_value_is_quoted_as_given_and_a_bound_worded_once(
+    cli: Cli, args: tuple[str, ...], said: str
+) -> None:
+    """`--set failure_rate=5` was answered "5.0 is outside 0..1"; `--last -3` "is
+    negative" where `--last 0` said "must be at least 1" (an acceptance pass)."""
+    res = cli(*args)
+    assert res.code == 2 and said in res.err, res.text

@@ -64,6 +64,17 @@ def whole_number(value: str | int) -> int:
     return number
 
 
+def count_from_1(value: str | int) -> int:
+    """A count that must be at least 1 (``--last N``): one wording for 0 and -3."""
+    text = str(value).strip()
+    if text.startswith("-") and text[1:].isascii() and text[1:].isdigit():
+        raise typer.BadParameter(f"must be at least 1, got {text}")
+    number = whole_number(value)
+    if number < 1:
+        raise typer.BadParameter(f"must be at least 1, got {number}")
+    return number
+
+
 StrategyId = Annotated[int, typer.Argument(parser=whole_number, metavar="ID", help="strategy id")]
 StepId = Annotated[int, typer.Argument(parser=whole_number, metavar="ID", help="step id")]
 

@@ -28,6 +28,7 @@ from fleetwave.cli.common import (
     FormatOpt,
     StepId,
     StrategyId,
+    count_from_1,
     db_named,
     discard_created,
     existing_store,
@@ -1100,7 +1101,7 @@ def history(
     last: Annotated[
         int | None,
         typer.Option(
-            parser=whole_number, metavar="N", help="only the last N transitions (oldest first)"
+            parser=count_from_1, metavar="N", help="only the last N transitions (oldest first)"
         ),
     ] = None,
     fmt: FormatOpt = Format.table,

@@ -93,7 +93,8 @@ def _float(settings: dict[str, Any], key: str, default: float, lo: float, hi: fl
     except (TypeError, ValueError):
         raise SimSettingError(f"sim setting {key}: {shown(str(raw))} is not a number") from None
     if not lo <= val <= hi or math.isnan(val):
-        raise SimSettingError(f"sim setting {key}: {val} is outside {lo}..{hi}")
+        # as given (5, not 5.0)
+        raise SimSettingError(f"sim setting {key}: {raw} is outside {lo:.15g}..{hi:.15g}")
     return val
 
 
