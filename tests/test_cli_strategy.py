@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy.exc import OperationalError
 
 from cli_harness import PATCH_STATES, Cli, Result, assert_rejected, one_line
 from fleetwave.store.runtime import HOSTNAME
@@ -429,8 +430,14 @@ def test_a_stopped_apply_wait_that_does_not_drive_says_who_goes_on(
         assert said.startswith(f"stopped: strategy {sid} is still applying; the lease of"), said
         assert said.endswith("conductor c-serve serves this database and claims it"), said
 
+        with sqlite3.connect(db_path) as conn:  # it ended meanwhile
+            conn.execute("UPDATE strategies SET state = 'complete', owner = NULL")
+        assert drive.stopped_watching(store, sid) == (
+            f"stopped: strategy {sid} is complete; no conductor needs to drive it now"
+        )
+
         def unavailable(*_: Any, **__: Any) -> Any:
-            raise sqlite3.OperationalError("database is locked")
+            raise OperationalError("SELECT", None, sqlite3.OperationalError("database is locked"))
 
         monkeypatch.setattr(queries, "driving", unavailable)
         assert drive.stopping_unheld(store, sid) == (

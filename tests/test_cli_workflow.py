@@ -249,6 +249,20 @@ BAD = {
         "name: w\ncolour: 1\nstates:\n  - name: a\n",
         ["colour: not a field here (the fields are: name, version, description, states)"],
     ),
+    "retry not a mapping": (
+        "name: w\nstates:\n  - name: a\n    retry: 3\n",
+        ["retry: expected a mapping (of attempts, backoff_s, backoff_max_s), got 3"],
+    ),
+    "a state not a mapping": (
+        "name: w\nstates: [5]\n",
+        ["states[0]", "expected a mapping (of name, action, timeout_s,", "got 5"],
+    ),
+    "states a mapping": ("name: w\nstates: {a: 1}\n", ["states: expected a list of states"]),
+    "name a number": ("name: 5\nstates:\n  - name: a\n", ["name: expected text, got 5"]),
+    "flag not a boolean": (
+        "name: w\nstates:\n  - name: a\n    skip_when_done: maybe\n",
+        ["skip_when_done: must be true or false, got 'maybe'"],
+    ),
     "state without a name": (
         "name: w\nstates:\n  - action: x\n",
         ["states[0]", "name: missing (it is required)"],

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from typing import Any
 
 import pytest
@@ -31,7 +32,7 @@ from fleetwave.store import admin, queries
 from fleetwave.store import runtime as rt
 from fleetwave.store.callbacks import accept_callback, callback_outcomes
 from fleetwave.store.db import Store
-from fleetwave.store.schema import strategies
+from fleetwave.store.schema import strategies, targets
 from fleetwave.testing.invariants import check
 
 
@@ -437,6 +438,9 @@ def test_a_wait_for_a_callback_says_it_is_not_retried(store: Store) -> None:
     [
         ("group_caps", "{oops", "its stored group caps are not readable"),
         ("group_caps", "[1, 2]", "its stored group caps are not a map of group to cap"),
+        # readable, but a cap of 0 would start nothing of its group, for ever
+        ("group_caps", '{"1": 0}', "its stored group caps are not a map of group to cap"),
+        ("states", '"ab"', "its stored states are not a list of names"),
         ("states", "not json", "its stored states are not readable"),
     ],
 )
@@ -491,25 +495,56 @@ def test_a_stop_for_failures_is_shown_while_it_lasts_and_named_after_a_takeover(
     stopped the strategy, `strategy show` said `applying` with no details (a rollout
     going well); and a conductor that took the strategy over (after a crash, or here a
     clean stop) ended it with "stopped after a step failed", the target's name lost."""
-    names = add_sim_targets(store, 6, settings={"latency_ms": 300})
-    with store.write() as conn:  # the third fails at once
-        conn.exec_driver_sql(
-            'UPDATE targets SET settings = \'{"fail_at": "pre-check", "latency_ms": 10}\' '
-            f"WHERE name = '{names[2]}'"
-        )
+    names = add_sim_targets(store, 6, settings={"latency_ms": 3000})
+    with store.write() as conn:  # the third fails at once, then the first
+        for name, latency in ((names[2], 10), (names[0], 100)):
+            settings = json.dumps({"fail_at": "pre-check", "latency_ms": latency})
+            conn.execute(update(targets).where(targets.c.name == name).values(settings=settings))
     sid = applied(store, "patch", max_parallel=3, **options)
-    seen: dict[str, str] = {}
+    seen: dict[str, Any] = {}
 
     async def go() -> dict[int, str]:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         loop.call_at(0.2, lambda: seen.update(during=queries.get_strategy(store, sid)["details"]))
-        loop.call_at(0.25, stop.set)  # a clean stop while the others are in their state
-        await Conductor(store, clock=LoopClock()).run(strategy_ids=[sid], stop=stop)
+        loop.call_at(0.25, stop.set)  # a clean stop while the second is in its state
+        first = Conductor(store, clock=LoopClock(), config=EngineConfig(shutdown_grace_s=0.1))
+        seen["first"] = await first.run(strategy_ids=[sid], stop=stop)
         return await Conductor(store, clock=LoopClock()).run(strategy_ids=[sid])
 
     assert on_virtual_time(go())[sid] == "failed"
-    reason = final.format(who=names[2])
+    assert seen["first"] == {}, seen  # it stopped without ending it: taken over
+    reason = final.format(who=names[2])  # the failure that went past the limit
     assert seen["during"] == f"stopping: {reason}; in-flight steps finish their current state"
     assert queries.get_strategy(store, sid)["details"] == reason
     assert check(store, sid).ok
+
+
+def test_a_stop_for_failures_is_shown_also_while_the_strategy_is_paused(store: Store) -> None:
+    """A review found the "stopping: ..." details unwritten when the operator had paused
+    the strategy (the write expected it applying): often the very moment an operator
+    pauses is when steps fail."""
+    names = add_sim_targets(store, 4, settings={"latency_ms": 3000})
+    with store.write() as conn:
+        settings = json.dumps({"fail_at": "pre-check", "latency_ms": 100})
+        conn.execute(update(targets).where(targets.c.name == names[1]).values(settings=settings))
+    sid = applied(store, "patch", max_parallel=2, stop_on_failure=True)
+    seen: dict[str, Any] = {}
+
+    def look() -> None:
+        shown = queries.get_strategy(store, sid)
+        seen.update(state=shown["state"], details=shown["details"])
+
+    async def go() -> dict[int, str]:
+        loop = asyncio.get_running_loop()
+        loop.call_at(0.05, admin.pause_strategy, store, sid)
+        loop.call_at(2.0, look)
+        loop.call_at(2.5, admin.resume_strategy, store, sid)
+        return await Conductor(store, clock=LoopClock()).run(strategy_ids=[sid])
+
+    assert on_virtual_time(go())[sid] == "failed"
+    assert seen == {
+        "state": "paused",
+        "details": f"stopping: stopped after {names[1]} failed (stop on failure); in-flight "
+        "steps finish their current state",
+    }, seen

@@ -16,6 +16,7 @@ from fleetwave.domain.workflow import StateDef, StepFailed, TransientError, Work
 from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.clock import LoopClock
 from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.engine.messages import CallbackArrived
 from fleetwave.store import admin, queries
 from fleetwave.store import runtime as rt
 from fleetwave.store.callbacks import accept_callback
@@ -492,3 +493,36 @@ def test_an_early_callback_offered_again_after_a_settle_is_applied_once(store: S
     journal = [(h["from"], h["to"], h["details"]) for h in queries.history(store, sid)]
     assert ("wait", "finish", "EXT-CB-1") in journal, journal
     assert check(store, sid).ok
+
+
+def test_a_callback_offered_twice_to_a_waiting_step_is_applied_once(store: Store) -> None:
+    """The other half of the same finding: a callback offered again (a settle, a
+    takeover) while its step already waits, and after the wait took it, was marked
+    "ignored: duplicate"; the step moved on by it, and its "applied" changed nothing."""
+    add_sim_targets(store, 1)
+    wf = register_workflow(
+        WorkflowDef(
+            "cb-twice",
+            (StateDef("wait", _StartsAgent(), mode="wait-for-callback"),),
+        ),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    (step,) = queries.list_steps(store, sid)
+    c = Conductor(store, clock=LoopClock(), config=EngineConfig(tick_s=1.0))
+
+    def twice() -> None:
+        record = accept_callback(store, step["step"], "wait", "done", "agent done", 0.0)
+        c._first_sight(record)  # as a re-offer does: the poll must not offer it a third time
+        c.post(CallbackArrived(record))
+        c.post(CallbackArrived(record))
+
+    async def go() -> dict[int, str]:
+        asyncio.get_running_loop().call_at(0.5, twice)
+        return await asyncio.wait_for(c.run(strategy_ids=[sid]), 60)
+
+    assert on_virtual_time(go())[sid] == "complete"
+    ((outcome, reason),) = [
+        (cb["outcome"], cb["reason"]) for cb in queries.step_callbacks(store, step["step"])
+    ]
+    assert outcome == "applied", reason

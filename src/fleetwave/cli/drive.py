@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from sqlalchemy.exc import DBAPIError
 
 from fleetwave.cli.output import err_console
 from fleetwave.domain.models import STRATEGY_TERMINAL
@@ -82,6 +83,10 @@ def stop_on_signals(
         loop.add_signal_handler(sig, first, sig)
 
 
+#: said when the database does not answer a stopped command's last look (an outage)
+UNREAD = "the database did not answer"
+
+
 def driven_on(store: Store, sid: int) -> str:
     """Who goes on with strategy ``sid`` once this command stops, for a line that says
     so: the conductor that holds it, the serving one that is about to claim it, or that
@@ -92,8 +97,23 @@ def driven_on(store: Store, sid: int) -> str:
     if who.claimer is not None:
         return str(who.claim)
     if who.text is None:
-        return "no conductor needs to drive it now"  # ended, or paused meanwhile
+        return "no conductor needs to drive it now"  # it ended meanwhile
     return who.text.replace("nobody: ", "nobody drives it: ", 1)
+
+
+def now_state(store: Store, sid: int) -> str | None:
+    """The strategy's state for a stopped command's last line; None if the database does
+    not answer (an outage: what stopped it, perhaps)."""
+    try:
+        return str(queries.get_strategy(store, sid)["state"])
+    except DBAPIError:
+        return None
+
+
+def _is_now(sid: int, state: str) -> str:
+    """``strategy 3 is still applying``, or ``... is complete`` once it has ended."""
+    still = "" if state in STRATEGY_TERMINAL else "still "
+    return f"strategy {sid} is {still}{state}"
 
 
 def stopping_unheld(store: Store, sid: int) -> str:
@@ -101,8 +121,8 @@ def stopping_unheld(store: Store, sid: int) -> str:
     (it watched another conductor drive it, or could not claim it, or lost it)."""
     try:
         on = driven_on(store, sid)
-    except Exception:  # the database may not answer (an outage): say what is known
-        on = "who drives it could not be read (the database did not answer)"
+    except DBAPIError:
+        on = f"who drives it could not be read ({UNREAD})"
     return f"stopping: this command does not drive strategy {sid}; {on}"
 
 
@@ -110,19 +130,20 @@ def stopped_watching(store: Store, sid: int) -> str:
     """What an ``apply --wait`` that did not hold the strategy says when stopped."""
     try:
         now = queries.get_strategy(store, sid)["state"]
-        return f"stopped: strategy {sid} is still {now}; {driven_on(store, sid)}"
-    except Exception:  # the database may not answer (an outage)
+        return f"stopped: {_is_now(sid, now)}; {driven_on(store, sid)}"
+    except DBAPIError:
         return (
             f"stopped: this command did not drive strategy {sid}; its state and who "
-            "drives it could not be read (the database did not answer)"
+            f"drives it could not be read ({UNREAD})"
         )
 
 
 def stopped_at_once(store: Store, sid: int, lease_ttl_s: float) -> str:
     """What an ``apply --wait`` that drove the strategy says when stopped at once."""
-    now = queries.get_strategy(store, sid)["state"]
+    now = now_state(store, sid)
+    state = f"{_is_now(sid, now)}; its" if now is not None else f"strategy {sid}: its"
     return (
-        f"stopped at once: strategy {sid} is still {now}; its leases were not handed "
+        f"stopped at once: {state} leases were not handed "
         f"back and run out within {lease_ttl_s:g} s. Go on with 'fleetwave strategy "
         f"apply {sid} --wait' or 'fleetwave serve' (they take over then)"
     )

@@ -39,7 +39,9 @@ from fleetwave.cli.common import (
 )
 from fleetwave.cli.demo import demo_command
 from fleetwave.cli.drive import (
+    UNREAD,
     drive_strategy,
+    now_state,
     stop_on_signals,
     stopped_at_once,
     stopped_watching,
@@ -807,7 +809,9 @@ def strategy_apply(
         else:
             parse_workflow_yaml(own_copy, source=f"strategy {strategy_id}: workflow {name}")
     before = (
-        _apply_patiently(store, strategy_id) if wait else admin.apply_strategy(store, strategy_id)
+        _apply_patiently(store, strategy_id, ended["state"])
+        if wait
+        else admin.apply_strategy(store, strategy_id)
     )
     if not wait:
         who = queries.driving(store, strategy_id)
@@ -854,9 +858,10 @@ def strategy_apply(
         if not result.held:
             err_console.print(stopped_watching(store, strategy_id), highlight=False)
             raise typer.Exit(130)
-        now = queries.get_strategy(store, strategy_id)["state"]
+        left = now_state(store, strategy_id)
+        state = f"is still {left}" if left is not None else f"state could not be read ({UNREAD})"
         err_console.print(
-            f"stopped: strategy {strategy_id} is still {now}"
+            f"stopped: strategy {strategy_id} {state}"
             f"; leases handed back. Go on with 'fleetwave strategy apply {strategy_id} --wait' "
             "or 'fleetwave serve'",
             highlight=False,
@@ -865,11 +870,12 @@ def strategy_apply(
     _ended(queries.get_strategy(store, strategy_id), fmt)
 
 
-def _apply_patiently(store: Store, strategy_id: int) -> str:
+def _apply_patiently(store: Store, strategy_id: int, was: str) -> str:
     """``apply --wait``'s first write (the strategy marked applying), as patient as the
     conductor it starts: an outage (the database locked by another program past the
     time a write waits, read-only, full) is waited out and said once; Ctrl-C stops it
-    with nothing changed. The state the strategy was in."""
+    with nothing changed. ``was``: its state as read before; returns the state it was in
+    when applied."""
     failures = 0
     try:
         while True:
@@ -891,11 +897,21 @@ def _apply_patiently(store: Store, strategy_id: int) -> str:
                     )
                 time.sleep(min(5.0, 0.05 * 2 ** min(failures, 7)))
     except KeyboardInterrupt:
-        err_console.print(
-            f"stopped: strategy {strategy_id} was not applied (the database did not "
-            "answer); nothing changed",
-            highlight=False,
-        )
+        # The write may have gone through as the interrupt came (the lock released just
+        # then): the database says which, if it answers.
+        now = now_state(store, strategy_id)
+        if now is not None and now != was:
+            said = (
+                f"stopped: strategy {strategy_id} is {now} (its apply went through as this "
+                f"command stopped), and nothing drives it here: 'fleetwave strategy apply "
+                f"{strategy_id} --wait' or 'fleetwave serve' does"
+            )
+        else:
+            said = (
+                f"stopped: strategy {strategy_id} was not applied (the database did not "
+                "answer); nothing changed"
+            )
+        err_console.print(said, highlight=False)
         raise typer.Exit(130) from None
 
 

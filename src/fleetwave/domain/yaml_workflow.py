@@ -366,6 +366,15 @@ def parse_workflow_yaml(text: str, *, source: str = "<yaml>", strict: bool = Fal
         elif err["type"] == "extra_forbidden":
             fields = ", ".join(_fields_at(err["loc"]))
             msg = f"not a field here (the fields are: {fields})"
+        elif err["type"] in ("model_type", "dict_type"):
+            fields = ", ".join(_fields_at((*err["loc"], "?")))
+            msg = f"expected a mapping (of {fields}), got {_given(err.get('input'))}"
+        elif err["type"] == "list_type":
+            msg = f"expected a list of states, got {_given(err.get('input'))}"
+        elif err["type"] == "string_type":
+            msg = f"expected text, got {_given(err.get('input'))}"
+        elif err["type"] in ("bool_parsing", "bool_type"):
+            msg = f"must be true or false, got {_given(err.get('input'))}"
         elif err["type"] == "too_short":
             msg = "a workflow needs at least one state, got none"
         elif err["type"] == "missing":

@@ -1190,14 +1190,13 @@ class Conductor:
             elif run.stopping == "failure" and not run.stop_said:
                 # What `strategy show|list` say while in-flight steps finish: not a
                 # rollout going well (its state stays applying, or paused, until the end).
+                # Said once: not written only if the strategy was lost or ended meanwhile.
                 run.stop_said = True
                 await self._io(
-                    rt.set_strategy_state,
+                    rt.set_strategy_details,
                     self.store,
                     run.id,
                     self.id,
-                    run.db_state,
-                    run.db_state,
                     f"stopping: {run.stop_details}; in-flight steps finish their current state",
                     self._NOW,
                 )
@@ -1365,8 +1364,9 @@ class Conductor:
         limit = opts.failure_limit
         if limit is not None and run.failed > limit:
             run.stopping = "failure"
+            # as the conductor that saw it said it: the failure that went past the limit
             who = await self._io(rt.failure_past_limit, self.store, rec.id, limit)
-            run.stop_details = self._failure_details(run, who)
+            run.stop_details = _stop_details(run.options, limit + 1, who)
         if rec.state in (StrategyState.ABORT_REQUESTED, StrategyState.ABORTING):
             # The operator's abort wins over the failure threshold, as it does when the
             # abort reaches a running conductor (found by the simulator's abort fault).

@@ -355,6 +355,23 @@ def stored_json(raw: Any, what: str) -> Any:
         raise UnreadableRow(f"its stored {what} are not readable ({exc}): {shown}") from None
 
 
+def strategy_layout(raw_states: Any, raw_caps: Any) -> tuple[list[str], dict[int, int]]:
+    """A strategy row's states and group caps, as stored (JSON); :class:`UnreadableRow`
+    saying which is not what fleetwave writes (a hand edit, another tool)."""
+    got = stored_json(raw_states, "states")
+    if not isinstance(got, list) or not all(isinstance(x, str) for x in got):
+        raise UnreadableRow(f"its stored states are not a list of names: {raw_states!r}")
+    raw = stored_json(raw_caps, "group caps")
+    try:
+        caps = {int(k): int(v) for k, v in raw.items()}
+    except (AttributeError, TypeError, ValueError):
+        caps = {}
+    if not isinstance(raw, dict) or len(caps) != len(raw) or any(v < 1 for v in caps.values()):
+        # a cap below 1 would start nothing of its group, for ever
+        raise UnreadableRow(f"its stored group caps are not a map of group to cap: {raw_caps!r}")
+    return got, caps
+
+
 def _strategy_record(r: Any) -> StrategyRecord:
     """A claimed strategy's row as the engine needs it. Fields that cannot be read do
     not fail the claim (of every strategy with it): the record says what is wrong
@@ -363,17 +380,7 @@ def _strategy_record(r: Any) -> StrategyRecord:
     caps: dict[int, int] = {}
     states: list[str] = []
     try:
-        raw_caps = stored_json(r.group_caps, "group caps")
-        try:
-            caps = {int(k): int(v) for k, v in raw_caps.items()}
-        except (AttributeError, TypeError, ValueError):
-            raise UnreadableRow(
-                f"its stored group caps are not a map of group to cap: {r.group_caps!r}"
-            ) from None
-        got = stored_json(r.states, "states")
-        if not isinstance(got, list) or not all(isinstance(x, str) for x in got):
-            raise UnreadableRow(f"its stored states are not a list of names: {r.states!r}")
-        states = got
+        states, caps = strategy_layout(r.states, r.group_caps)
     except UnreadableRow as exc:
         broken = str(exc)
     return StrategyRecord(
@@ -489,6 +496,20 @@ def set_strategy_state(
             f"UPDATE strategies SET state = {p}, details = {p}, updated_at = {p} "
             f"WHERE id = {p} AND state = {p} AND owner = {p}",
             (new, details, now, sid, expect, cid),
+        )
+        return bool(res.rowcount == 1)
+
+
+def set_strategy_details(store: Store, sid: int, cid: str, details: str, now: float) -> bool:
+    """Say why a driven strategy stops starting steps (its state unchanged, applying or
+    paused); only its owner may."""
+    p = store.hooks.placeholder
+    with store.write() as conn:
+        res = conn.exec_driver_sql(
+            f"UPDATE strategies SET details = {p}, updated_at = {p} WHERE id = {p} "
+            f"AND owner = {p} AND state IN ('{StrategyState.APPLYING.value}', "
+            f"'{StrategyState.PAUSED.value}')",
+            (details, now, sid, cid),
         )
         return bool(res.rowcount == 1)
 

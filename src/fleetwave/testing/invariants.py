@@ -17,7 +17,6 @@ Used by ``fleetwave check``, the demo, the simulator and the tests:
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from fleetwave.domain.models import (
 from fleetwave.domain.rules import is_allowed_move
 from fleetwave.store.admin import options_from_json
 from fleetwave.store.db import Store
+from fleetwave.store.runtime import strategy_layout
 from fleetwave.store.schema import journal, steps, strategies, targets
 
 MAX_REPORTED = 200
@@ -117,14 +117,15 @@ def _check_strategy(
 ) -> None:
     sid = strat.id
     try:
-        states = tuple(json.loads(strat.states))
+        # as the conductor reads them (one reading of what a strategy's row holds)
+        listed, group_caps = strategy_layout(strat.states, strat.group_caps)
+        states = tuple(listed)
         opts = options_from_json(strat.options)
-        group_caps = {int(k): int(v) for k, v in json.loads(strat.group_caps).items()}
     except (TypeError, ValueError, AttributeError, KeyError) as exc:
         # A hand edit or another tool: what the journal is checked against is unknown.
         result.add(
             f"strategy {sid}: its stored states, options or group caps are not readable "
-            f"({type(exc).__name__}: {exc}): its journal was not checked"
+            f"({exc}): its journal was not checked"
         )
         return
     cap = opts.effective_parallel
