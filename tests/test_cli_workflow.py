@@ -258,6 +258,10 @@ BAD = {
         ["states[0]", "expected a mapping (of name, action, timeout_s,", "got 5"],
     ),
     "states a mapping": ("name: w\nstates: {a: 1}\n", ["states: expected a list of states"]),
+    "state name a list": (
+        "name: w\nstates:\n  - name: [a]\n",
+        ["states[0] (?): name: expected text, got a list"],
+    ),
     "name a number": ("name: 5\nstates:\n  - name: a\n", ["name: expected text, got 5"]),
     "flag not a boolean": (
         "name: w\nstates:\n  - name: a\n    skip_when_done: maybe\n",

@@ -309,7 +309,9 @@ def _where(loc: tuple[int | str, ...], data: Any) -> str:
             name = "?"
             states = data.get("states") if isinstance(data, dict) else None
             if isinstance(states, list) and idx < len(states) and isinstance(states[idx], dict):
-                name = str(states[idx].get("name", "?"))
+                given = states[idx].get("name", "?")
+                # a name that is not text (a list, a number) is the error itself: not shown
+                name = given if isinstance(given, str) else "?"
                 if not name.isprintable() or len(name) > 40:
                     name = shown(name)  # the error stays one line
             parts.append(f"states[{idx}] ({name})")
