@@ -9,13 +9,14 @@ from collections import Counter
 import pytest
 from sqlalchemy import update
 
-from conftest import add_sim_targets, applied, rollout
+from conftest import add_sim_targets, applied, on_virtual_time, rollout
 from fleetwave import ActionContext, Advance, Outcome, StateAction
 from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.registry import get_workflow, register_workflow
 from fleetwave.domain.workflow import StateDef, StepFailed, WorkflowDef
 from fleetwave.drivers.sim import SimDriver
+from fleetwave.engine.clock import LoopClock
 from fleetwave.engine.conductor import Conductor, EngineConfig, SimulatedCrash
 from fleetwave.engine.messages import LeaseLost, StrategyClaimed
 from fleetwave.store import admin, queries
@@ -373,3 +374,65 @@ def test_step_show_lists_what_the_target_reported(store: Store) -> None:
         ("clean-steps", "done", "applied", "moved the step on from clean-steps"),
     ]
     assert all(c["received_at"] > 0 for c in got)
+
+
+class _FailsFirst(StateAction):
+    """The first target fails after 1 s; the others take 10 s."""
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        if ctx.target.name.endswith("0"):
+            await asyncio.sleep(1)
+            raise StepFailed("kick failed")
+        await asyncio.sleep(10)
+        return Advance()
+
+
+class _Kicked(StateAction):
+    async def run(self, ctx: ActionContext) -> Outcome:
+        return Advance()
+
+
+def test_a_callback_kept_for_a_state_its_step_never_reaches_is_answered_when_it_ends(
+    store: Store,
+) -> None:
+    """Found by a bug hunt: a callback that came early (for a later state) stayed open
+    after its step had failed before that state, until the strategy ended, then said
+    "strategy ended first". It is answered when its step ends, saying so."""
+    names = add_sim_targets(store, 2)
+    wf = register_workflow(
+        WorkflowDef(
+            "kick-then-agent",
+            (
+                StateDef("kick", _FailsFirst()),
+                StateDef("agent", _Kicked(), mode="wait-for-callback", timeout_s=60),
+            ),
+        ),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    step_of = {s["target"]: s["step"] for s in queries.list_steps(store, sid)}
+    c = Conductor(store, clock=LoopClock())
+    seen: dict[str, tuple[str, str]] = {}
+
+    def early() -> None:
+        accept_callback(store, step_of[names[0]], "agent", "done", "agent up", 0.0)
+
+    def look() -> None:
+        ((outcome, reason),) = [
+            (cb["outcome"], cb["reason"]) for cb in queries.step_callbacks(store, step_of[names[0]])
+        ]
+        seen["while running"] = (outcome, reason)
+
+    async def go() -> dict[int, str]:
+        loop = asyncio.get_running_loop()
+        loop.call_at(0.5, early)
+        loop.call_at(3.0, look)  # the other target is still in kick
+        loop.call_at(12.0, c.receive_callback, step_of[names[1]], "agent", "done", "up")
+        return await asyncio.wait_for(c.run(strategy_ids=[sid]), 120)
+
+    assert on_virtual_time(go())[sid] == "failed"  # one step failed
+    assert seen["while running"] == ("ignored", "its step ended failed before reaching agent")
+    assert {s["target"]: s["state"] for s in queries.list_steps(store, sid)} == {
+        names[0]: "failed",
+        names[1]: "complete",
+    }

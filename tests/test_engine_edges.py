@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import delete, event
 from sqlalchemy.exc import OperationalError
 
+from cli_harness import PATCH_STATES
 from conftest import Sleeps, add_sim_targets, applied, on_virtual_time, rollout
 from fleetwave import ActionContext, Advance, Outcome, StateAction
 from fleetwave.domain.models import StrategyOptions
@@ -231,13 +232,16 @@ def test_threshold_crossed_by_unmanaged_targets_found_in_the_commit(
     assert check(store, sid).ok
 
 
-def test_takeover_does_not_start_a_step_whose_target_was_unmanaged_meanwhile(
+def test_a_step_started_before_a_clean_stop_goes_on_although_unmanaged_meanwhile(
     store: Store,
 ) -> None:
-    """A clean stop leaves a step entered but not started; its target is unmanaged
-    before the next conductor takes over: the step must not start then either."""
+    """A clean stop leaves a step that ran its first state entered in its next one, not
+    started; its target is unmanaged before the next conductor takes over. It failed
+    there ("Target ... is unmanaged."; a bug hunt: with stop on failure, the whole
+    rollout stopped, other targets half-patched), where a step already started is not
+    interrupted (README), and was not after a kill -9. It goes on to its end."""
     add_sim_targets(store, 2, settings={"latency_ms": 200})
-    sid = applied(store, "patch", max_parallel=1)
+    sid = applied(store, "patch", max_parallel=1, stop_on_failure=True)
     stop = asyncio.Event()
     first = Conductor(store)
 
@@ -252,13 +256,32 @@ def test_takeover_does_not_start_a_step_whose_target_was_unmanaged_meanwhile(
     asyncio.run(until_stopped())
     entered = [s for s in queries.list_steps(store, sid) if s["state"] not in ("initial",)]
     assert entered, "the stop should leave a step in flight"
+    assert entered[0]["state"] == "updating-patches", entered
     target = entered[0]["target"]
     admin.set_managed(store, target, False)
     final, driver = _recorded_run(store, sid)
+    assert final == "complete"
+    assert [p[1] for p in driver.performed if p[0] == target] == PATCH_STATES[1:]
+    assert check(store, sid).ok
+
+
+def test_takeover_does_not_start_a_step_whose_target_was_unmanaged_meanwhile(
+    store: Store,
+) -> None:
+    """A step entered in its first state but never started there (as a commit writes
+    it while its conductor's lease lapses), its target unmanaged before the next
+    conductor takes over: it must not start then either (as at an admission)."""
+    names = add_sim_targets(store, 2, settings={"latency_ms": 20})
+    sid = applied(store, "patch", max_parallel=2)
+    _entered_unstarted_by_a_lost_conductor(store, sid)
+    (step, _) = queries.list_steps(store, sid)
+    admin.set_managed(store, step["target"], False)
+    final, driver = _recorded_run(store, sid)
     assert final == "failed"
-    assert not [p for p in driver.performed if p[0] == target]
+    assert not [p for p in driver.performed if p[0] == step["target"]]
     steps = {s["target"]: (s["state"], s["details"]) for s in queries.list_steps(store, sid)}
-    assert steps[target] == ("failed", f"Target {target} is unmanaged.")
+    assert steps[step["target"]] == ("failed", f"Target {step['target']} is unmanaged.")
+    assert steps[names[1]][0] == "complete"
     assert check(store, sid).ok
 
 
@@ -488,36 +511,39 @@ def test_outcome_and_abort_in_one_batch_starts_no_next_state(store: Store) -> No
     assert moves == ["a", "aborted"]
 
 
+def _entered_unstarted_by_a_lost_conductor(store: Store, sid: int) -> None:
+    """Every step of ``sid`` entered in its first state and not started, as a commit
+    writes them while its conductor's lease lapses; that conductor gone."""
+    with store.write() as conn:
+        for step in queries.list_steps(store, sid):
+            conn.exec_driver_sql(
+                "UPDATE steps SET state = 'pre-check', fence = 1, attempt = 1, "
+                f"not_started = 1, owner = 'c-gone', lease_expires_at = 0 WHERE id = {step['step']}"
+            )
+            conn.exec_driver_sql(
+                "INSERT INTO journal (strategy_id, step_id, at, conductor, from_state, "
+                f"to_state, fence, details) VALUES ({sid}, {step['step']}, 0, 'c-gone', "
+                "'initial', 'pre-check', 1, '')"
+            )
+
+
 def test_takeover_starts_no_unstarted_step_once_an_unmanaged_one_stops_the_strategy(
     store: Store,
 ) -> None:
-    """A clean stop leaves two steps entered but not started. The second one's target is
-    then unmanaged. The next conductor (stop on failure) walks the taken-over steps in
-    order: the first is put in flight, the second fails (unmanaged) and stops the
-    strategy; the first is started anyway, although the code ends unstarted steps of a
+    """Two steps entered in their first state but not started; the second one's target
+    is then unmanaged. The next conductor (stop on failure) walks the taken-over steps
+    in order: the first is put in flight, the second fails (unmanaged) and stops the
+    strategy; the first was started anyway, although the code ends unstarted steps of a
     stopping strategy without starting them."""
     names = add_sim_targets(store, 2, settings={"latency_ms": 200})
     sid = applied(store, "patch", max_parallel=2, stop_on_failure=True)
-    stop = asyncio.Event()
-    first = Conductor(store)
-
-    async def until_stopped() -> None:
-        task = asyncio.create_task(first.run(strategy_ids=[sid], stop=stop))
-        while sum(len(r.inflight) for r in first.runs.values()) < 2:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)
-        stop.set()  # both finish pre-check and enter updating-patches, unstarted
-        await task
-
-    asyncio.run(until_stopped())
-    states = {s["target"]: s["state"] for s in queries.list_steps(store, sid)}
-    assert states == {names[0]: "updating-patches", names[1]: "updating-patches"}
+    _entered_unstarted_by_a_lost_conductor(store, sid)
     admin.set_managed(store, names[1], False)
     final, driver = _recorded_run(store, sid)
     assert final == "failed"
     steps = {s["target"]: (s["state"], s["details"]) for s in queries.list_steps(store, sid)}
-    assert steps[names[1]][0] == "failed"
-    # Expected: names[0] ends "stopped before updating-patches started", untouched.
+    assert steps[names[1]] == ("failed", f"Target {names[1]} is unmanaged.")
+    assert steps[names[0]][0] == "aborted", steps
     assert driver.performed == [], f"started after the strategy stopped: {driver.performed}"
 
 

@@ -1405,11 +1405,15 @@ class Conductor:
 
         # First the entered-but-unstarted steps whose target is unmanaged now: they fail,
         # as at an admission, and that may stop the strategy before any other starts.
+        # Only in their first state: a step that ran a state on the target has started,
+        # and goes on (an unmanage does not interrupt it, with or without a takeover).
         failed_now: set[int] = set()
+        first_state = run.workflow.first_state
         for step in taken:
             if (
                 step.not_started
                 and step.attempt <= 1
+                and step.state == first_state
                 and not step.target.managed
                 and run.stopping is None
             ):
@@ -1627,6 +1631,17 @@ class Conductor:
         if decision.to_state in STEP_TERMINAL:
             # nothing more for its worker to do (kept for the batch: the end may be refused)
             self._freed[msg.step_id] = _free_slot(run, msg.step_id)
+            for cb in run.early_callbacks.pop(msg.step_id, ()):
+                # kept for a later state the step now never reaches: answered with it
+                marks.append(
+                    rt.CallbackMark(
+                        cb.id,
+                        "ignored",
+                        f"its step ended {decision.to_state} before reaching {cb.state}",
+                        msg.strategy_id,
+                        msg.step_id,
+                    )
+                )
             if decision.to_state == STEP_FAILED:
                 self._count_failure(run, fl.rec.target.name)
         else:
@@ -1888,7 +1903,9 @@ class Conductor:
         (``marks``: the batch's callback marks; a refused transition keeps its own)."""
         bad = {id(t) for t in rejected}
         applied_by = (
-            {m.step_id: m for m in marks or () if m.step_id is not None} if rejected else {}
+            {m.step_id: m for m in marks or () if m.step_id is not None and m.outcome == "applied"}
+            if rejected
+            else {}
         )
         for t in rejected:
             self.stats.rejected += 1
