@@ -427,3 +427,31 @@ def test_a_value_that_is_not_a_number_is_named(cli: Cli, args: tuple[str, ...], 
     option = args[1].split("=")[0]
     line = one_line(cli(*args))
     assert line == f"error: Invalid value for '{option}': {said}", line
+
+
+def test_a_yaml_action_registered_by_a_plugin_is_found(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`action: python:NAME` of an action a FLEETWAVE_PLUGINS module registers with
+    @register_action was refused ("no action registered under that name"): the lookup
+    did not load the plug-ins first (an acceptance pass)."""
+    (tmp_path / "verify_plugin.py").write_text(
+        "from fleetwave import Advance, StateAction\n"
+        "from fleetwave.domain.registry import register_action\n"
+        "@register_action('acc-verify')\n"
+        "class Verify(StateAction):\n"
+        "    async def run(self, ctx):\n"
+        "        return Advance()\n",
+        encoding="utf-8",
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("FLEETWAVE_PLUGINS", "verify_plugin")
+    monkeypatch.setattr(registry, "_loaded", False)
+    monkeypatch.setattr(registry, "_load_error", None)
+    wf = tmp_path / "uses.yaml"
+    wf.write_text(
+        "name: uses-plugin\nstates:\n  - name: check\n    action: python:acc-verify\n",
+        encoding="utf-8",
+    )
+    res = cli("workflow", "validate", str(wf))
+    assert res.code == 0, res.text

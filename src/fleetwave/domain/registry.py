@@ -51,6 +51,8 @@ def register_action(name: str) -> Callable[[A], A]:
 
 
 def action_class(name: str) -> type[StateAction]:
+    if name not in _actions and ":" not in name:
+        _ensure_loaded()  # a plug-in registers its actions when imported
     if name in _actions:
         return _actions[name]
     if ":" in name:  # module.path:ClassName
