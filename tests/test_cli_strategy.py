@@ -1291,3 +1291,16 @@ def test_apply_of_a_paused_strategy_says_it_resumed_it(cli: Cli) -> None:
     assert cli("strategy", "pause", str(sid)).code == 0
     answer = cli("strategy", "apply", str(sid), "--format", "json").json()
     assert (answer["state"], answer["was"]) == ("applying", "paused")
+
+
+def test_a_callback_for_a_strategy_nobody_drives_is_stored_with_a_warning(cli: Cli) -> None:
+    add(cli, "a")
+    sid = create(cli, "--all")
+    res = cli("step", "callback", "1", "pre-check", "--kind", "heartbeat")
+    assert res.code == 0, res.text
+    assert res.out.startswith("callback 1 for step 1 (pre-check, heartbeat) stored")
+    assert res.err.startswith(
+        f"warning: no conductor drives strategy {sid}: the callback is answered once one does"
+    ), res.err
+    (stored,) = cli("step", "show", "1", "--format", "json").json()["callbacks"]
+    assert (stored["kind"], stored["outcome"]) == ("heartbeat", "open")

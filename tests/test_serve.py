@@ -521,3 +521,75 @@ def test_ctrl_c_of_apply_wait_waiting_for_a_locked_database_changes_nothing(
     ), err
     shown = _cli(db, "strategy", "show", str(sid), "--format", "json")
     assert json.loads(shown.stdout)["state"] == "initial"
+
+
+def test_a_callback_sent_with_the_cli_moves_a_waiting_step_on(tmp_path: Path) -> None:
+    """A wait-for-callback state could only be answered by the simulator's own agents
+    (in the conductor's process): nothing outside could report (an acceptance pass).
+    `fleetwave step callback` stores the report; the conductor driving the strategy in
+    another process answers it."""
+    db = str(tmp_path / "cb.db")
+    wf = tmp_path / "agent.yaml"
+    wf.write_text(
+        "name: agent-wf\nstates:\n  - name: prep\n  - name: wait-agent\n"
+        "    mode: wait-for-callback\n    timeout_s: 60\n",
+        encoding="utf-8",
+    )
+    assert _cli(db, "init").returncode == 0
+    assert _cli(db, "workflow", "add", str(wf)).returncode == 0
+    # the simulated agent never reports: only the CLI does
+    added = _cli(
+        db, "target", "add", "a", "--set", "callback_lost_rate=1", "--set", "latency_ms=10"
+    )
+    assert added.returncode == 0
+    created = _cli(db, "strategy", "create", "--workflow", "agent-wf", "--all", "--format", "json")
+    sid = int(json.loads(created.stdout)["id"])
+    early = _cli(db, "step", "callback", "1", "nope")
+    assert early.returncode == 2, early.stderr
+    assert early.stderr.strip() == (
+        f"error: STATE: 'nope' is not a state of strategy {sid}'s workflow (prep, wait-agent)"
+    )
+    bad = _cli(db, "step", "callback", "1", "wait-agent", "--kind", "maybe")
+    assert (
+        bad.stderr.strip() == "error: --kind: must be one of done, failed, heartbeat, got 'maybe'"
+    )
+    assert (
+        _cli(db, "step", "callback", "9", "wait-agent").stderr.strip() == "error: step 9 not found"
+    )
+    driver = subprocess.Popen(
+        [*FLEETWAVE, "strategy", "apply", str(sid), "--wait", "--format", "json", "--db", db],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+
+        def waiting() -> bool:
+            shown = _cli(db, "step", "show", "1", "--format", "json")
+            return bool(json.loads(shown.stdout)["state"] == "wait-agent")
+
+        _wait_for("the step to wait for its callback", waiting)
+        sent = _cli(db, "step", "callback", "1", "wait-agent", "--details", "agent up")
+        assert sent.returncode == 0, sent.stderr
+        assert sent.stdout.startswith("callback 1 for step 1 (wait-agent, done) stored")
+        assert "warning" not in sent.stderr  # a conductor drives it
+        out, err = driver.communicate(timeout=60)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 0, err
+    assert json.loads(out)["state"] == "complete"
+    shown = json.loads(_cli(db, "step", "show", "1", "--format", "json").stdout)
+    ((cb),) = shown["callbacks"]
+    assert (cb["details"], cb["outcome"]) == ("agent up", "applied"), cb
+    late = _cli(db, "step", "callback", "1", "wait-agent", "--format", "json")
+    assert late.returncode == 0, late.stderr
+    assert json.loads(late.stdout) == {
+        "id": 2,
+        "step": 1,
+        "strategy": sid,
+        "state": "wait-agent",
+        "kind": "done",
+        "outcome": "ignored",
+        "reason": "late: step already complete",
+    }

@@ -75,6 +75,8 @@ from fleetwave.engine.conductor import (
 )
 from fleetwave.store import admin, queries
 from fleetwave.store.admin import DEFAULT_MAX_PARALLEL
+from fleetwave.store.callbacks import KINDS as CALLBACK_KINDS
+from fleetwave.store.callbacks import accept_callback, answer_of
 from fleetwave.store.db import (
     HEAD_REVISION,
     SchemaOutdated,
@@ -1095,6 +1097,62 @@ def step_list(
 def step_show(step_id: StepId, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Show one step with its journal and events."""
     emit_one(queries.get_step(existing_store(db), step_id), fmt)
+
+
+@step_app.command("callback")
+def step_callback(
+    step_id: StepId,
+    state: Annotated[str, typer.Argument(help="the state of the step the report is about")],
+    kind: Annotated[
+        str, typer.Option(help="done (the state's work finished), failed, or heartbeat")
+    ] = "done",
+    details: Annotated[str, typer.Option(help="what the target says (kept with it)")] = "",
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
+    """Report for a target: the callback a wait-for-callback state waits for.
+
+    Stored at once (one INSERT); the conductor that drives the step's strategy answers
+    it (applied, or ignored and why) within a tick.
+    """
+    if kind not in CALLBACK_KINDS:
+        raise InputError(f"--kind: must be one of {', '.join(CALLBACK_KINDS)}, got '{kind}'")
+    store = existing_store(db)
+    step = queries.get_step(store, step_id)
+    states = queries.get_strategy(store, step["strategy"])["states"]
+    if isinstance(states, list) and states and state not in states:
+        raise InputError(
+            f"STATE: '{state}' is not a state of strategy {step['strategy']}'s workflow "
+            f"({', '.join(states)})"
+        )
+    record = accept_callback(store, step_id, state, kind, details, time.time())
+    outcome, reason = answer_of(store, record.id)  # a late one is answered at once
+    answer: dict[str, Any] = {
+        "id": record.id,
+        "step": step_id,
+        "strategy": record.strategy_id,
+        "state": state,
+        "kind": kind,
+        "outcome": outcome,
+        "reason": reason,
+    }
+    late = outcome is not None
+    if late:
+        said = f"callback {record.id} for step {step_id} stored and {outcome}: {reason}"
+    else:
+        said = (
+            f"callback {record.id} for step {step_id} ({state}, {kind}) stored; the conductor "
+            f"driving strategy {record.strategy_id} answers it ('fleetwave step show {step_id}' "
+            "says how)"
+        )
+    _done(fmt, said, answer)
+    if not late and queries.driving(store, record.strategy_id).nobody:
+        err_console.print(
+            f"warning: no conductor drives strategy {record.strategy_id}: the callback is "
+            "answered once one does ('fleetwave serve', or 'fleetwave strategy apply "
+            f"{record.strategy_id} --wait')",
+            highlight=False,
+        )
 
 
 def _first_then(

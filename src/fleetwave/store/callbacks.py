@@ -66,6 +66,15 @@ def accept_callback(
     return CallbackRecord(cid, int(row.strategy_id), step_id, state, kind, details)
 
 
+def answer_of(store: Store, callback_id: int) -> tuple[str | None, str | None]:
+    """A stored callback's outcome and reason (None, None while no conductor answered)."""
+    with store.read() as conn:
+        row = conn.execute(
+            select(callbacks.c.outcome, callbacks.c.reason).where(callbacks.c.id == callback_id)
+        ).first()
+    return (None, None) if row is None else (row.outcome, row.reason)
+
+
 def open_callbacks(store: Store, strategy_ids: list[int], after_id: int) -> list[CallbackRecord]:
     """Unprocessed callbacks of these strategies, oldest first."""
     if not strategy_ids:
