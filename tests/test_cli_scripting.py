@@ -189,3 +189,21 @@ def test_commands_that_change_something_answer_in_json(cli: Cli, tmp_path: Path)
     assert cli("target", "add", "d").code == 0
     other = int(cli("strategy", "create", "--workflow", "patch", "--targets", "d").out.split()[1])
     assert answer("strategy", "delete", str(other)) == {"id": other, "deleted": True}
+
+
+def test_the_demo_piped_prints_plain_tables_and_says_what_fails_on_purpose(
+    tmp_path: Path,
+) -> None:
+    """Piped, the demo's tables were drawn boxes (every other table prints plain
+    columns); and a newcomer's first run showed failures with nothing saying they were
+    the simulator's, on purpose (an acceptance pass)."""
+    db = tmp_path / "demo.db"
+    res = _run(db, "demo", "--targets", "20", "--latency-ms", "0")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert not any(c in res.stdout for c in "┏┃━"), res.stdout
+    (purpose,) = [line for line in lines if line.startswith("on purpose: ")]
+    assert "subcloud00011 unmanaged" in purpose and "unexpected remote state" in purpose
+    assert purpose.endswith(": the failures below are the simulator's"), purpose
+    assert "final state                        steps" in lines, lines
+    assert lines[-1].startswith("inspect it: ") and f"--db {db}" in lines[-1], lines[-1]

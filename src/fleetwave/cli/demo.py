@@ -7,7 +7,9 @@ them with a live progress bar, prints a summary and verifies the guarantees.
 
 from __future__ import annotations
 
+import os
 import random
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -20,7 +22,7 @@ from rich.markup import escape
 from fleetwave.catalog import resolve_workflow
 from fleetwave.cli.common import MAX_SIM_TARGETS
 from fleetwave.cli.drive import drive_strategy
-from fleetwave.cli.output import Format, console, err_console, print_json
+from fleetwave.cli.output import Format, console, emit_rows, err_console, print_json
 from fleetwave.domain.errors import InputError
 from fleetwave.domain.models import StrategyOptions, Target, plural
 from fleetwave.drivers.sim import MAX_LATENCY_MS
@@ -83,7 +85,8 @@ def demo_command(
     elif Path(db).exists():
         raise InputError(f"--db: {db} already exists; the demo needs a new database file")
     store = open_store(db)
-    admin.add_targets(store, demo_targets(targets, seed, latency_ms, failure_rate))
+    fleet = demo_targets(targets, seed, latency_ms, failure_rate)
+    admin.add_targets(store, fleet)
     sid = admin.create_strategy(
         store, wf, StrategyOptions(max_parallel=max_parallel), all_targets=True
     )
@@ -95,6 +98,9 @@ def demo_command(
             f"max parallel {max_parallel} (db {escape(db)})",
             markup=True,
         )
+        purpose = _on_purpose(fleet, failure_rate)
+        if purpose:
+            console.print(f"{purpose}: the failures below are the simulator's", highlight=False)
     from fleetwave.engine.conductor import EngineConfig
 
     started = time.perf_counter()
@@ -151,30 +157,30 @@ def _reason(details: str) -> str:
 
 
 def _print_summary(s: dict[str, Any], reasons: Counter[str]) -> None:
-    from rich.table import Table
-
     state = s["strategy_state"] + (" (interrupted)" if s["interrupted"] else "")
-    table = Table(title=f"strategy {s['strategy']} ({s['workflow']}): {state}")
-    table.add_column("final state")
-    table.add_column("steps", justify="right")
-    table.add_row("complete", str(s["complete"]))
-    table.add_row("  of which skipped (already done)", str(s["skipped"]))
-    for key in ("failed", "aborted"):
-        table.add_row(key, str(s[key]))
-    console.print(table, soft_wrap=False)  # a drawn table: its title centred
+    rows = [
+        {"final state": "complete", "steps": s["complete"]},
+        {"final state": "  of which skipped (already done)", "steps": s["skipped"]},
+        {"final state": "failed", "steps": s["failed"]},
+        {"final state": "aborted", "steps": s["aborted"]},
+    ]
+    left = s["targets"] - s["complete"] - s["failed"] - s["aborted"]
+    if left:
+        rows.append({"final state": "not ended (interrupted)", "steps": left})
+    # drawn on a terminal, plain columns when piped (as every table)
+    title = f"strategy {s['strategy']} ({s['workflow']}): {state}"
+    emit_rows(rows, ["final state", "steps"], Format.table, title=title)
     if s["failures"]:
-        ft = Table(title="failures")
-        ft.add_column("target")
-        ft.add_column("details")
-        for f in s["failures"][:15]:
-            ft.add_row(f["target"], f["details"])
+        failures = [{"target": f["target"], "details": f["details"]} for f in s["failures"][:15]]
         if len(s["failures"]) > 15:
-            ft.add_row(
-                "...",
-                f"{len(s['failures']) - 15} more: fleetwave step list --strategy "
-                f"{s['strategy']} --state failed --db {s['db']}",
+            failures.append(
+                {
+                    "target": "...",
+                    "details": f"{len(s['failures']) - 15} more: {_prog()} step list "
+                    f"--strategy {s['strategy']} --state failed --db {s['db']}",
+                }
             )
-        console.print(ft, soft_wrap=False)
+        emit_rows(failures, ["target", "details"], Format.table, title="failures")
     console.print(
         f"wall time {s['wall_s']:.2f} s, {s['transitions']} transitions, "
         f"{s['transitions_per_s']} transitions/s"
@@ -185,4 +191,24 @@ def _print_summary(s: dict[str, Any], reasons: Counter[str]) -> None:
         console.print("[red]fleetwave check: FAILED[/red]", markup=True)
         for v in s["check"]["violations"]:
             console.print(f"  {v}")
-    console.print(f"inspect it: fleetwave step list --strategy {s['strategy']} --db {s['db']}")
+    console.print(f"inspect it: {_prog()} step list --strategy {s['strategy']} --db {s['db']}")
+
+
+def _prog() -> str:
+    """The command as it was run (``.venv/bin/fleetwave``, when not on the PATH), for
+    the commands a summary suggests."""
+    invoked = sys.argv[0] if sys.argv else ""
+    return invoked if os.path.basename(invoked) == "fleetwave" else "fleetwave"
+
+
+def _on_purpose(fleet: list[Target], failure_rate: float) -> str:
+    """What the demo's fleet does wrong on purpose: its failures are the simulator's."""
+    said = [f"a failure rate of {failure_rate:.2%} per operation"] if failure_rate else []
+    done = sum(1 for t in fleet if t.settings.get("already_done"))
+    if done:
+        said.append(f"{plural(done, 'target')} already patched (they skip)")
+    said += [f"{t.name} unmanaged" for t in fleet if not t.managed]
+    said += [
+        f"{t.name} in an unexpected remote state" for t in fleet if "remote_state" in t.settings
+    ]
+    return "on purpose: " + ", ".join(said) if said else ""
