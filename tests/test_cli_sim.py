@@ -38,7 +38,8 @@ def test_sim_table_output_names_each_seed() -> None:
 def test_sim_rejects_bad_input() -> None:
     for args, needle in [
         (("--faults", "gremlins"), "--faults: unknown fault 'gremlins'"),
-        (("--workflow", "nope"), "--workflow: unknown workflow 'nope'"),
+        (("--workflow", "nope"), "--workflow: unknown workflow 'nope' (known: clean,"),
+        (("--faults", "crash,crash"), "--faults: 'crash' given more than once"),
         (("--targets", "0"), "--targets: must be 1 to 1000000, got 0"),
         (("--targets", "99999999999"), "--targets: must be 1 to 1000000"),
         (("--runs", "0"), "--runs: must be 1 to 1000000, got 0"),

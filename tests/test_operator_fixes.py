@@ -585,7 +585,8 @@ def test_log_lines_and_tables_give_one_time_for_one_event(
             ("sim", "--runs", "2", "--keep-db", "kept.db"),
             "error: --keep-db: keeps the database of a single run, got --runs 2",
         ),
-        (("sim", "--keep-db", ""), "error: --keep-db: '.' is a directory"),
+        (("sim", "--keep-db", ""), "error: --keep-db: must not be empty"),
+        (("sim", "--keep-db", "."), "error: --keep-db: '.' is a directory"),
     ],
 )
 def test_bad_values_are_named_plainly(cli: Cli, args: tuple[str, ...], said: str) -> None:

@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from fleetwave.catalog import resolve_workflow
 from fleetwave.cli.common import MAX_SIM_TARGETS
 from fleetwave.cli.drive import stop_signals
 from fleetwave.cli.output import Format, console, err_console, print_json
@@ -31,8 +32,9 @@ def sim_command(
         typer.Option(help=f"all, none, or a list of: {', '.join(FAULTS)}"),
     ] = "all",
     runs: Annotated[int, typer.Option(help="seeds to try in a row, from --seed")] = 1,
-    keep_db: Annotated[
-        Path | None, typer.Option(help="keep the database of a single run here")
+    keep_db_given: Annotated[
+        str | None,
+        typer.Option("--keep-db", metavar="PATH", help="keep the database of a single run here"),
     ] = None,
     fmt: Annotated[Format, typer.Option("--format", help="table or json")] = Format.table,
     verbose: Annotated[bool, typer.Option(help="log the engine's warnings")] = False,
@@ -46,9 +48,11 @@ def sim_command(
     if not 1 <= runs <= MAX_SIM_TARGETS:
         raise InputError(f"--runs: must be 1 to {MAX_SIM_TARGETS}, got {runs}")
     if get_workflow(workflow) is None:
-        raise InputError(f"--workflow: unknown workflow '{workflow}'")
+        resolve_workflow(None, workflow, what="--workflow")  # refused, naming the known ones
+    if keep_db_given is not None and not keep_db_given.strip():
+        raise InputError("--keep-db: must not be empty")
+    keep_db = Path(keep_db_given) if keep_db_given is not None else None
     if keep_db is not None and keep_db.is_dir():
-        # also an empty --keep-db, which the path type reads as '.'
         raise InputError(f"--keep-db: '{keep_db}' is a directory; give a path for a new file")
     if keep_db is not None and runs > 1:
         raise InputError(f"--keep-db: keeps the database of a single run, got --runs {runs}")

@@ -86,7 +86,11 @@ def parse_faults(text: str) -> frozenset[str]:
         return frozenset(FAULTS)
     if text == "none":
         return frozenset()
-    chosen = frozenset(x.strip() for x in text.split(",") if x.strip())
+    listed = [x.strip() for x in text.split(",") if x.strip()]
+    twice = sorted({x for x in listed if listed.count(x) > 1})
+    if twice:  # most often a typo for another fault, which would be left out
+        raise ValueError(f"--faults: '{twice[0]}' given more than once")
+    chosen = frozenset(listed)
     if not chosen:
         raise ValueError("--faults: must not be empty (all, none, or a list of faults)")
     if chosen & {"all", "none"}:
