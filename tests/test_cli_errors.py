@@ -40,7 +40,7 @@ def test_error_lines_are_not_wrapped_on_a_narrow_or_piped_stderr(
     line = _one_line(res.err)
     # the argument is named as the command has it (there is no --workflow here)
     assert line.startswith("error: NAME: unknown workflow 'nope'")
-    assert "sw-deploy" in line and line.endswith(")")  # the whole list, on one line
+    assert "sw-deploy)" in line and line.endswith("FLEETWAVE_PLUGINS")  # all on one line
 
 
 def test_db_that_is_a_directory(cli: Cli, tmp_path: Path) -> None:
@@ -290,3 +290,16 @@ def test_a_value_is_quoted_as_given_and_a_bound_worded_once(
     negative" where `--last 0` said "must be at least 1" (an acceptance pass)."""
     res = cli(*args)
     assert res.code == 2 and said in res.err, res.text
+
+
+def test_an_unknown_workflow_hints_at_plugins_when_none_are_named(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Python workflow's strategy, driven where its module is not imported, said only
+    "unknown workflow" (an acceptance pass): it says where Python workflows come from."""
+    monkeypatch.delenv("FLEETWAVE_PLUGINS", raising=False)
+    res = cli("strategy", "create", "--workflow", "drain", "--all")
+    assert res.code == 2, res.text
+    assert res.err.rstrip().endswith(
+        "; a Python workflow needs its module named in FLEETWAVE_PLUGINS"
+    ), res.err

@@ -284,3 +284,38 @@ def test_a_recover_hook_does_not_start_an_operation_once_the_strategy_is_stoppin
         assert driver.starts == {("t1", "apply", 1): 1}
 
     asyncio.run(main())
+
+
+def test_a_simulated_agents_second_report_says_what_its_kind_says() -> None:
+    """A duplicate report of kind failed read "wait-for-agent finished (again)", so the
+    step's failure said "target reported failure: ... finished (again)" (an acceptance
+    pass): a report's details now agree with its kind."""
+    driver = SimDriver(seed=3)
+    sent: list[tuple[str, str]] = []
+    driver.callback_sink = lambda _step, _state, kind, details: sent.append((kind, details))
+    target = Target(name="t", settings={"latency_ms": 1, "callback_dup_rate": 1.0})
+
+    async def go() -> None:
+        for step in range(40):
+            ctx = ActionContext(
+                target=target,
+                state="wait-for-agent",
+                attempt=1,
+                strategy_id=1,
+                step_id=step,
+                driver=driver,
+                callback_expected=True,
+            )
+            await driver.perform(target, f"op{step}", ctx)
+        await driver.wait_agents()
+
+    asyncio.run(go())
+    again = [(kind, details) for kind, details in sent if details.endswith("(again)")]
+    assert {kind for kind, _ in again} == {"done", "failed", "heartbeat"}, again
+    for kind, details in again:
+        said = {
+            "done": " finished",
+            "failed": " failed on the agent",
+            "heartbeat": " still running",
+        }
+        assert said[kind] in details, (kind, details)

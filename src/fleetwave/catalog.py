@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from fleetwave.domain.errors import NotFound
 from fleetwave.domain.registry import all_workflows, get_workflow
 from fleetwave.domain.workflow import WorkflowDef, WorkflowError
@@ -51,4 +53,7 @@ def resolve_workflow(store: Store | None, name: str, what: str = "--workflow") -
             f"; to use a workflow file, store it first with 'fleetwave workflow add {name}', "
             "then give its name"
         )
+    elif not os.environ.get("FLEETWAVE_PLUGINS", "").strip():
+        # a Python workflow is known only where its module is imported
+        hint = "; a Python workflow needs its module named in FLEETWAVE_PLUGINS"
     raise NotFound(f"{what}: unknown workflow '{name}' (known: {known}){hint}")

@@ -499,7 +499,12 @@ class SimDriver:
         if rates["callback_dup_rate"] and rng.random() < rates["callback_dup_rate"]:
             # a second report, perhaps contradicting the first, perhaps arriving before it
             again = rng.choice([kind, "failed" if kind == "done" else "done", "heartbeat"])
-            sends.append((rng.uniform(0.2, 3.0) * base, again, details + " (again)"))
+            said = {
+                "done": f"{operation} finished",
+                "failed": f"{operation} failed on the agent (simulated)",
+                "heartbeat": f"{operation} still running",
+            }[again]  # its details say what its kind says
+            sends.append((rng.uniform(0.2, 3.0) * base, again, said + " (again)"))
         if rates["callback_late_rate"] and rng.random() < rates["callback_late_rate"]:
             sends.append((base * 10 + rng.uniform(60, 600), "done", details + " (late)"))
         for delay, k, d in sends:
