@@ -2068,15 +2068,7 @@ class Conductor:
             if self._draining:
                 raise _HandedOver
             if fl.stopped:
-                return ActionFinished(
-                    run.id,
-                    rec.step_id,
-                    state,
-                    fence,
-                    Decision(STEP_ABORTED, _not_started(run, state, rec.attempt)),
-                    rec.attempt,
-                    None,
-                )
+                return _retry_not_started(run, rec, state, fence)
         if recovering and rec.deadline_at is not None:
             # The state's time kept running while its conductor was lost.
             left = max(0.0, rec.deadline_at - self.clock.now())
@@ -2093,15 +2085,7 @@ class Conductor:
             if not await self._record(started, started=True):
                 if fl.stopped and not self._draining:
                     # held back: an abort was on record before it could start
-                    return ActionFinished(
-                        run.id,
-                        rec.step_id,
-                        state,
-                        fence,
-                        Decision(STEP_ABORTED, _not_started(run, state, rec.attempt)),
-                        rec.attempt,
-                        None,
-                    )
+                    return _retry_not_started(run, rec, state, fence)
                 raise _HandedOver if self._draining else _RetryRefused
         callback_id: int | None = None
         decision: Decision
@@ -2437,6 +2421,17 @@ def _not_started(run: StrategyRun, state: str, attempt: int) -> str:
         attempts_max = run.workflow.state(state).attempts_max
         return f"{state}: attempt {attempt} of {attempts_max} not started: {run.stop_details}"
     return f"stopped before {state} started: {run.stop_details}"
+
+
+def _retry_not_started(
+    run: StrategyRun, rec: rt.StepRecord, state: str, fence: int
+) -> ActionFinished:
+    """A retry recorded and taken over that the strategy's stop keeps from starting: the
+    step ends aborted, the attempt its row names not started."""
+    why = _not_started(run, state, rec.attempt)
+    return ActionFinished(
+        run.id, rec.step_id, state, fence, Decision(STEP_ABORTED, why), rec.attempt, None
+    )
 
 
 def _stop_details(options: StrategyOptions, failed: int, who: str | None = None) -> str:
