@@ -76,7 +76,7 @@ from fleetwave.engine.conductor import (
 from fleetwave.store import admin, queries
 from fleetwave.store.admin import DEFAULT_MAX_PARALLEL
 from fleetwave.store.callbacks import KINDS as CALLBACK_KINDS
-from fleetwave.store.callbacks import accept_callback, answer_of
+from fleetwave.store.callbacks import accept_callback
 from fleetwave.store.db import (
     HEAD_REVISION,
     SchemaOutdated,
@@ -1126,7 +1126,7 @@ def step_callback(
             f"({', '.join(states)})"
         )
     record = accept_callback(store, step_id, state, kind, details, time.time())
-    outcome, reason = answer_of(store, record.id)  # a late one is answered at once
+    outcome, reason = record.outcome, record.reason  # a late one is answered at once
     answer: dict[str, Any] = {
         "id": record.id,
         "step": step_id,

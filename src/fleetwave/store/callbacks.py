@@ -28,6 +28,9 @@ class CallbackRecord:
     state: str
     kind: str
     details: str
+    #: set when it was answered as it was stored (its step had ended): ignored, and why
+    outcome: str | None = None
+    reason: str | None = None
 
 
 def accept_callback(
@@ -43,14 +46,12 @@ def accept_callback(
         ).first()
         if row is None:
             raise NotFound(f"step {step_id} not found")
+        outcome = reason = None
         final: dict[str, object] = {}
         if row.state in STEP_TERMINAL:
             # Nobody will wait for it again: answer it for good right here.
-            final = {
-                "outcome": "ignored",
-                "reason": f"late: step already {row.state}",
-                "processed_at": now,
-            }
+            outcome, reason = "ignored", f"late: step already {row.state}"
+            final = {"outcome": outcome, "reason": reason, "processed_at": now}
         res = conn.execute(
             insert(callbacks).values(
                 strategy_id=row.strategy_id,
@@ -63,16 +64,7 @@ def accept_callback(
             )
         )
         cid = int(res.inserted_primary_key[0])  # type: ignore[index]
-    return CallbackRecord(cid, int(row.strategy_id), step_id, state, kind, details)
-
-
-def answer_of(store: Store, callback_id: int) -> tuple[str | None, str | None]:
-    """A stored callback's outcome and reason (None, None while no conductor answered)."""
-    with store.read() as conn:
-        row = conn.execute(
-            select(callbacks.c.outcome, callbacks.c.reason).where(callbacks.c.id == callback_id)
-        ).first()
-    return (None, None) if row is None else (row.outcome, row.reason)
+    return CallbackRecord(cid, int(row.strategy_id), step_id, state, kind, details, outcome, reason)
 
 
 def open_callbacks(store: Store, strategy_ids: list[int], after_id: int) -> list[CallbackRecord]:
