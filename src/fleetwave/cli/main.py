@@ -339,6 +339,22 @@ def _never_a_name(name: str) -> None:
         raise InputError(f"NAME: {problem}")
 
 
+def _delete_named(
+    kind: str, name: str, delete: Callable[[], None], ignore_missing: bool, fmt: Format
+) -> None:
+    """`target|group delete NAME`: ``delete`` it, and say so; one not there is refused
+    (exit 2) unless ``ignore_missing``, and a name nothing could have always is."""
+    try:
+        delete()
+    except NotFound:
+        _never_a_name(name)
+        if not ignore_missing:
+            raise
+        _missing(fmt, f"{kind} {name}", {"name": name})
+        return
+    _done(fmt, f"{kind} {name} deleted", {"name": name, "deleted": True})
+
+
 def _missing(fmt: Format, what: str, key: dict[str, Any]) -> None:
     """``delete --ignore-missing`` of one that is not there: said, not an error."""
     _done(fmt, f"{what}: not there, nothing deleted", {**key, "deleted": False})
@@ -352,15 +368,9 @@ def target_delete(
     db: DbOpt = None,
 ) -> None:
     """Delete a target that is in no strategy."""
-    try:
-        admin.delete_target(existing_store(db), name)
-    except NotFound:
-        _never_a_name(name)
-        if not ignore_missing:
-            raise
-        _missing(fmt, f"target {name}", {"name": name})
-        return
-    _done(fmt, f"target {name} deleted", {"name": name, "deleted": True})
+    _delete_named(
+        "target", name, lambda: admin.delete_target(existing_store(db), name), ignore_missing, fmt
+    )
 
 
 # -- groups ---------------------------------------------------------------------------
@@ -463,15 +473,9 @@ def group_delete(
     db: DbOpt = None,
 ) -> None:
     """Delete a group with no targets, in no strategy."""
-    try:
-        admin.delete_group(existing_store(db), name)
-    except NotFound:
-        _never_a_name(name)
-        if not ignore_missing:
-            raise
-        _missing(fmt, f"group {name}", {"name": name})
-        return
-    _done(fmt, f"group {name} deleted", {"name": name, "deleted": True})
+    _delete_named(
+        "group", name, lambda: admin.delete_group(existing_store(db), name), ignore_missing, fmt
+    )
 
 
 # -- workflows --------------------------------------------------------------------------
