@@ -452,6 +452,16 @@ def test_serve_started_with_sighup_ignored_keeps_serving_on_sighup(tmp_path: Pat
     assert proc.returncode == 0, err
 
 
+def _apply_wait_json(db: str, sid: int) -> subprocess.Popen[str]:
+    """`strategy apply SID --wait --format json` started in the background."""
+    return subprocess.Popen(
+        [*FLEETWAVE, "strategy", "apply", str(sid), "--wait", "--format", "json", "--db", db],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def _locked(db: str) -> sqlite3.Connection:
     """Another program holding the database's write lock (until rolled back)."""
     conn = sqlite3.connect(db, isolation_level=None)
@@ -469,12 +479,7 @@ def test_apply_wait_waits_out_a_database_locked_at_its_start(tmp_path: Path) -> 
     created = _cli(db, "strategy", "create", "--workflow", "patch", "--all", "--format", "json")
     sid = int(json.loads(created.stdout)["id"])
     lock = _locked(db)
-    proc = subprocess.Popen(
-        [*FLEETWAVE, "strategy", "apply", str(sid), "--wait", "--format", "json", "--db", db],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _apply_wait_json(db, sid)
     try:
         assert proc.stderr is not None
         said = proc.stderr.readline()  # once a write has waited its 5 s
@@ -556,12 +561,7 @@ def test_a_callback_sent_with_the_cli_moves_a_waiting_step_on(tmp_path: Path) ->
     assert (
         _cli(db, "step", "callback", "9", "wait-agent").stderr.strip() == "error: step 9 not found"
     )
-    driver = subprocess.Popen(
-        [*FLEETWAVE, "strategy", "apply", str(sid), "--wait", "--format", "json", "--db", db],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    driver = _apply_wait_json(db, sid)
     try:
 
         def waiting() -> bool:
