@@ -662,7 +662,18 @@ class FlakyCounting(StateAction):
         raise TransientError("busy")
 
 
-def test_no_new_attempt_starts_after_an_abort(store: Store) -> None:
+@pytest.mark.parametrize(
+    ("abort_at", "tick_s"),
+    [
+        (4.0, 1.0),  # read at the next tick, while the step waits out its backoff
+        # Found by a bug hunt: ticks at 5, 10, 15 s, so the abort at 10.5 s was not read
+        # before the retry came due (11 s), and the commit recording the retry's start
+        # looked only at the step's row: attempt 2 started after `strategy abort` had
+        # returned. That commit reads the strategy's state now, as an entry's does.
+        (10.5, 5.0),
+    ],
+)
+def test_no_new_attempt_starts_after_an_abort(store: Store, abort_at: float, tick_s: float) -> None:
     """The operator aborts while a step waits to retry its state: the retry (a new
     operation on the target) must not start; the step ends aborted, not retried."""
     add_sim_targets(store, 1)
@@ -672,38 +683,10 @@ def test_no_new_attempt_starts_after_an_abort(store: Store) -> None:
         replace=True,
     )
     sid = applied(store, wf.name)
-    c = Conductor(store, clock=LoopClock(), config=EngineConfig(tick_s=1.0))
+    c = Conductor(store, clock=LoopClock(), config=EngineConfig(tick_s=tick_s))
 
     async def go() -> dict[int, str]:
-        asyncio.get_running_loop().call_at(4.0, admin.request_abort, store, sid)
-        return await asyncio.wait_for(c.run(strategy_ids=[sid]), 120)
-
-    assert on_virtual_time(go())[sid] == "aborted"
-    assert action.attempts == {"t00000": 1}
-    ((state, details),) = [(s["state"], s["details"]) for s in queries.list_steps(store, sid)]
-    assert state == "aborted"
-    assert details == "a: busy (attempt 1 of 3); not retried: the strategy is stopping"
-    assert check(store, sid).ok
-
-
-def test_an_abort_committed_just_before_a_retry_is_due_stops_it(store: Store) -> None:
-    """Found by a bug hunt: the abort was committed less than a tick before the retry
-    came due, so the conductor had not read it yet, and the commit recording the
-    retry's start looked only at the step's row: attempt 2 started on the target after
-    `strategy abort` had returned. That commit reads the strategy's state now, as an
-    entry's does: the retry is not started and the step ends aborted."""
-    add_sim_targets(store, 1)
-    action = FlakyCounting(delay=1.0)
-    wf = register_workflow(
-        WorkflowDef("retry-abort-late", (StateDef("a", action, attempts_max=3, backoff_s=10.0),)),
-        replace=True,
-    )
-    sid = applied(store, wf.name)
-    # ticks at 5, 10, 15 s: the abort at 10.5 s is not read before the retry is due (11 s)
-    c = Conductor(store, clock=LoopClock(), config=EngineConfig(tick_s=5.0))
-
-    async def go() -> dict[int, str]:
-        asyncio.get_running_loop().call_at(10.5, admin.request_abort, store, sid)
+        asyncio.get_running_loop().call_at(abort_at, admin.request_abort, store, sid)
         return await asyncio.wait_for(c.run(strategy_ids=[sid]), 120)
 
     assert on_virtual_time(go())[sid] == "aborted"
