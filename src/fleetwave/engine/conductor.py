@@ -320,8 +320,7 @@ class Conductor:
         a lease from then, not from before the outage.
         """
         failures = 0
-        # in an operator's words ("claim strategies", "commit"), not the function's name
-        name = getattr(fn, "__name__", "store call").replace("_", " ")
+        name = ""  # said only once a call fails
         started = said = 0.0
         fresh = [i for i, a in enumerate(args) if type(a) is _Fresh]
         while True:
@@ -356,6 +355,8 @@ class Conductor:
                 if failures == 1:
                     started = now
                     said = now - OUTAGE_LOG_EVERY_S + OUTAGE_QUIET_S
+                    # in an operator's words ("claim strategies"), not the function's name
+                    name = getattr(fn, "__name__", "store call").replace("_", " ")
                 if not outage:
                     if failures > self.config.store_retries_max:
                         raise
