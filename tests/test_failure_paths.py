@@ -442,6 +442,7 @@ def test_a_wait_for_a_callback_says_it_is_not_retried(store: Store) -> None:
         ("group_caps", '{"1": 0}', "its stored group caps are not a map of group to cap"),
         ("states", '"ab"', "its stored states are not a list of names"),
         ("states", "not json", "its stored states are not readable"),
+        ("options", "{oops", ""),
     ],
 )
 def test_one_unreadable_strategy_row_fails_that_strategy_not_the_conductor(
@@ -467,6 +468,12 @@ def test_one_unreadable_strategy_row_fails_that_strategy_not_the_conductor(
     assert finished == {good: "complete", bad: "failed"}, finished
     shown = queries.get_strategy(store, bad)
     assert shown["details"].startswith(f"cannot drive it: {what}"), shown["details"]
+    option_fields = ("max_parallel", "apply_type", "stop_on_failure", "max_failures")
+    if column == "options":
+        # every option field says so, none shows as unset (max_failures showed null)
+        assert {f: shown[f] for f in option_fields} == dict.fromkeys(
+            option_fields, f"(unreadable: {value!r})"
+        )
     assert {s["state"] for s in queries.list_steps(store, bad)} == {"aborted"}
     assert [s["id"] for s in queries.list_strategies(store)] == [good, bad]
     result = check(store)

@@ -214,7 +214,9 @@ def _cap_taken(raw_caps: Any, group_id: int) -> Any:
 def _strategy_dict(r: Any) -> dict[str, Any]:
     opts = _shown_json(r.options)
     if not isinstance(opts, dict):
-        opts = dict.fromkeys(("max_parallel", "apply_type", "stop_on_failure"), opts)
+        opts = dict.fromkeys(
+            ("max_parallel", "apply_type", "stop_on_failure", "max_failures"), opts
+        )
     return {
         "id": r.id,
         "workflow": r.workflow,
