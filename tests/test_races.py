@@ -20,7 +20,7 @@ from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.clock import LoopClock
 from fleetwave.engine.conductor import Conductor, EngineConfig
-from fleetwave.engine.messages import LeaseLost, RetryScheduled
+from fleetwave.engine.messages import LeaseLost, RetryAnswer, RetryScheduled
 from fleetwave.store import admin, queries
 from fleetwave.store.db import Store
 from fleetwave.store.schema import journal, strategies
@@ -324,11 +324,11 @@ class ReportsAStaleRetry(StateAction):
 
     def __init__(self) -> None:
         self.conductor: Conductor | None = None
-        self.answer: bool | None = None
+        self.answer: RetryAnswer | None = None
 
     async def run(self, ctx: ActionContext) -> Outcome:
         assert self.conductor is not None
-        handled: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        handled: asyncio.Future[RetryAnswer] = asyncio.get_running_loop().create_future()
         self.conductor.post(
             RetryScheduled(ctx.strategy_id, ctx.step_id, ctx.state, 999, 0.0, 2, "stale", handled)
         )
@@ -347,7 +347,7 @@ def test_a_stale_retry_record_is_refused_not_allowed(store: Store) -> None:
     c = Conductor(store)
     action.conductor = c
     assert asyncio.run(asyncio.wait_for(c.run(strategy_ids=[sid]), 10))[sid] == "complete"
-    assert action.answer is False
+    assert action.answer is RetryAnswer.REFUSED
     (step,) = queries.list_steps(store, sid)
     assert step["attempt"] == 1 and step["details"] == ""  # nothing of it was recorded
 

@@ -76,6 +76,7 @@ from fleetwave.engine.messages import (
     LeaseLost,
     Message,
     PauseChanged,
+    RetryAnswer,
     RetryScheduled,
     StopRequested,
     StrategyClaimed,
@@ -834,7 +835,7 @@ class Conductor:
         deadlines: list[rt.AttemptDeadline] = []
         recover: list[InFlight] = []
         claimed_callbacks: list[cbs.CallbackRecord] = []
-        retries: list[tuple[RetryScheduled, asyncio.Future[bool]]] = []
+        retries: list[tuple[RetryScheduled, asyncio.Future[RetryAnswer]]] = []
         refused_retries: set[int] = set()
         held_retries: set[int] = set()
         for i, msg in enumerate(msgs):
@@ -843,7 +844,7 @@ class Conductor:
                     # Stale: the step moved on, or is another worker's now (taken over
                     # at a new fence): this worker must not run the retry. Or a clean
                     # stop: nothing starts, the retry is left (marked) to the next owner.
-                    _resolve(msg.handled, False)
+                    _resolve(msg.handled, RetryAnswer.REFUSED)
                     continue
                 if msg.handled is not None:
                     retries.append((msg, msg.handled))
@@ -967,12 +968,12 @@ class Conductor:
             if retry.step_id in held_retries:
                 # Its strategy's abort was on record first (the stop was requested above,
                 # so its worker ends the step as not retried).
-                handled.set_result(False)
+                handled.set_result(RetryAnswer.HELD)
             elif retry.step_id in refused_retries:
-                handled.set_result(False)  # not on the record: it must not run
+                handled.set_result(RetryAnswer.REFUSED)  # not on the record: must not run
                 self._retry_refused(retry)
             else:
-                handled.set_result(True)  # on the record: the next attempt may run
+                handled.set_result(RetryAnswer.RECORDED)  # the next attempt may run
         for fl in recover:
             if not self._draining and fl.rec.strategy_id in self.runs:
                 self._release(fl)
@@ -2083,10 +2084,11 @@ class Conductor:
             # its start on the record (the mark cleared, the fence checked) before it runs
             deadline = rec.deadline_at or self.clock.now() + st.timeout_s
             started = RetryScheduled(run.id, rec.step_id, state, fence, deadline, rec.attempt, None)
-            if not await self._record(started, started=True):
-                if fl.stopped and not self._draining:
-                    # held back: an abort was on record before it could start
-                    return _retry_not_started(run, rec, state, fence)
+            answer = await self._record(started, started=True)
+            if answer is RetryAnswer.HELD:
+                # an abort was on record before it could start
+                return _retry_not_started(run, rec, state, fence)
+            if answer is RetryAnswer.REFUSED:
                 raise _HandedOver if self._draining else _RetryRefused
         callback_id: int | None = None
         decision: Decision
@@ -2218,7 +2220,7 @@ class Conductor:
                     handled = record.handled = loop.create_future()
                     self.post(record)
                     await self._wait_backoff(fl, backoff)
-                    if not await handled:  # on the record before it runs (normally is)
+                    if await handled is not RetryAnswer.RECORDED:  # (normally is)
                         raise _RetryRefused from None
                     if self._draining:
                         raise _HandedOver from None  # left, marked, to the next owner
@@ -2227,15 +2229,13 @@ class Conductor:
                     # starts, which also clears the row's not-started mark. A conductor
                     # that stalled meanwhile and was taken over starts nothing; nor does
                     # one stopping cleanly.
-                    if (
-                        not fl.stopped
-                        and not await self._record(record, started=True)
-                        and not fl.stopped  # held back: an abort was on record first
-                    ):
+                    answer = None if fl.stopped else await self._record(record, started=True)
+                    if answer is RetryAnswer.REFUSED:
                         raise (_HandedOver if self._draining else _RetryRefused) from None
-                    if not fl.stopped:
+                    if answer is RetryAnswer.RECORDED and not fl.stopped:
                         recovering = False
                         continue
+                    # held (an abort was on record first), or stopping: not retried
                 if retry:
                     # The strategy stopped (abort, failure limit): no new attempt starts.
                     decision = Decision(
@@ -2281,9 +2281,9 @@ class Conductor:
             break
         return ActionFinished(run.id, rec.step_id, state, fence, decision, attempts, callback_id)
 
-    async def _record(self, record: RetryScheduled, *, started: bool) -> bool:
-        """Commit a retry's record (again), as ``started`` or not; whether it was."""
-        done: asyncio.Future[bool] = self._loop.create_future()
+    async def _record(self, record: RetryScheduled, *, started: bool) -> RetryAnswer:
+        """Commit a retry's record (again), as ``started`` or not; how it went."""
+        done: asyncio.Future[RetryAnswer] = self._loop.create_future()
         self.post(replace(record, handled=done, started=started))
         return await done
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 from dataclasses import dataclass
 
 from fleetwave.domain.rules import Decision
@@ -27,6 +28,21 @@ class ActionFinished:
     go: asyncio.Future[bool] | None = None
 
 
+class RetryAnswer(enum.Enum):
+    """How the dispatcher handled a retry's record; the worker acts on it as it says."""
+
+    #: committed with its batch: the next attempt may run (only then, so that the row
+    #: names the attempt running, which a takeover looks at, before it runs)
+    RECORDED = "recorded"
+    #: not written: its strategy's abort was on record first; the step ends aborted,
+    #: the retry not started
+    HELD = "held"
+    #: not written: the step's row changed under this conductor (read back and taken
+    #: over), the report is stale (the step moved on, or is another worker's now), or a
+    #: clean stop leaves the retry to the next owner; the worker ends, the retry unrun
+    REFUSED = "refused"
+
+
 @dataclass(slots=True)
 class RetryScheduled:
     """An attempt of (step, state, fence) failed and the next one is due after its
@@ -47,12 +63,8 @@ class RetryScheduled:
     attempt: int
     #: None: the row's details are kept (a taken-over retry's start)
     details: str | None
-    #: resolved once the dispatcher has handled it: True once committed with its batch
-    #: (the next attempt starts only then, so that the row names the attempt running,
-    #: which a takeover looks at, before it runs). False: the retry must not run, either
-    #: because the record was not written (the step's row changed under this conductor)
-    #: or because the report is stale (the step moved on, or is another worker's now)
-    handled: asyncio.Future[bool] | None = None
+    #: resolved once the dispatcher has handled it (see :class:`RetryAnswer`)
+    handled: asyncio.Future[RetryAnswer] | None = None
     #: False: the retry is recorded, to start after its backoff (the row is marked not
     #: started: a takeover runs it as this attempt, once due); True: it starts now (the
     #: mark cleared, the fence checked again just before). A clean stop refuses the
