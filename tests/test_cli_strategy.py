@@ -1006,6 +1006,28 @@ def test_journal_refuses_a_state_entered_twice(cli: Cli, db_path: Path) -> None:
 # -- demo ----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("workflow", "remote"),
+    [("sw-deploy", "deploy-activate-failed"), ("firmware", "fw-update-partial")],
+)
+def test_the_demos_odd_remote_state_is_the_workflows_own(
+    cli: Cli, tmp_path: Path, workflow: str, remote: str
+) -> None:
+    """Found by an acceptance pass: the target the demo leaves in a state its workflow
+    does not know reported the patch workflow's 'ready-to-apply-partial' whatever the
+    workflow rolled out."""
+    res = cli(
+        "demo",
+        *("--targets", "12", "--latency-ms", "0", "--workflow", workflow),
+        *("--format", "json", "--db", str(tmp_path / "demo.db")),
+        db=None,
+    )
+    assert res.code == 0, res.text
+    reasons = [f["details"] for f in res.json()["failures"]]
+    assert any(f"unexpected remote state '{remote}'" in r for r in reasons), reasons
+    assert not any("ready-to-apply-partial" in r for r in reasons), reasons
+
+
 def test_demo_json_summary(cli: Cli, tmp_path: Path) -> None:
     demo_db = tmp_path / "demo.db"
     res = cli(

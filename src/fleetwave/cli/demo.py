@@ -33,7 +33,20 @@ from fleetwave.store.db import open_store
 from fleetwave.testing.invariants import check
 
 
-def demo_targets(n: int, seed: int, latency_ms: float, failure_rate: float) -> list[Target]:
+#: a state each built-in workflow's remote side may be left in that the workflow does not
+#: know (a half-applied change); another workflow's target reports a made-up one
+ODD_REMOTE_STATES = {
+    "patch": "ready-to-apply-partial",
+    "sw-deploy": "deploy-activate-failed",
+    "firmware": "fw-update-partial",
+    "kube-upgrade": "upgrade-networking-failed",
+    "clean": "clean-hold",
+}
+
+
+def demo_targets(
+    n: int, seed: int, latency_ms: float, failure_rate: float, workflow: str = "patch"
+) -> list[Target]:
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -50,7 +63,8 @@ def demo_targets(n: int, seed: int, latency_ms: float, failure_rate: float) -> l
         # One target someone unmanaged mid-change, and one whose remote side is in a state
         # no workflow knows: both must end failed with a clear reason, never stuck.
         out[n // 2] = Target(name=out[n // 2].name, settings=out[n // 2].settings, managed=False)
-        odd = dict(out[n // 3].settings, remote_state="ready-to-apply-partial")
+        remote = ODD_REMOTE_STATES.get(workflow, "half-changed")
+        odd = dict(out[n // 3].settings, remote_state=remote)
         out[n // 3] = Target(name=out[n // 3].name, settings=odd)
     return out
 
@@ -85,7 +99,7 @@ def demo_command(
     elif Path(db).exists():
         raise InputError(f"--db: {db} already exists; the demo needs a new database file")
     store = open_store(db)
-    fleet = demo_targets(targets, seed, latency_ms, failure_rate)
+    fleet = demo_targets(targets, seed, latency_ms, failure_rate, wf.name)
     admin.add_targets(store, fleet)
     sid = admin.create_strategy(
         store, wf, StrategyOptions(max_parallel=max_parallel), all_targets=True
