@@ -32,7 +32,6 @@ from fleetwave.store.admin import MAX_PARALLEL
 from fleetwave.store.db import open_store
 from fleetwave.testing.invariants import check
 
-
 #: a state each built-in workflow's remote side may be left in that the workflow does not
 #: know (a half-applied change); another workflow's target reports a made-up one
 ODD_REMOTE_STATES = {
