@@ -118,7 +118,7 @@ def test_a_target_remembers_its_last_operation_for_a_recover_hook() -> None:
         )
         with pytest.raises(StepFailed):
             await driver.perform(bad, "apply", _ctx(driver, bad, "apply", step_id=8))
-        with pytest.raises(StepFailed, match="failed on target: "):
+        with pytest.raises(StepFailed, match=r"^failed on target \(fail_at=apply\)$"):
             await driver.observe(bad, "apply", _ctx(driver, bad, "apply", step_id=8))
 
     asyncio.run(main())

@@ -556,10 +556,11 @@ class SimDriver:
         if last is None or last[:2] != (ctx.state, operation):
             return RemoteResult.NOT_STARTED
         if last[2] is not None:
+            # in the words the operation failed with, as a run state's failure reads
             message, transient = last[2]
             if transient:  # a poll's next attempt starts it again
-                raise TransientError(f"{operation} failed on target: {message}")
-            raise StepFailed(f"{operation} failed on target: {message}")
+                raise TransientError(message)
+            raise StepFailed(message)
         return RemoteResult.ALREADY_DONE if prof.already_done else RemoteResult.DONE
 
     async def start(self, target: Target, operation: str, ctx: ActionContext) -> RemoteResult:
