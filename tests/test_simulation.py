@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -62,6 +64,23 @@ def test_same_seed_same_journal_byte_for_byte() -> None:
     )
     c = run_simulation(SimConfig(seed=12, targets=60, workflow="clean"))
     assert c.digest != a.digest
+
+
+def test_a_kept_simulation_database_has_one_time_line(tmp_path: Path) -> None:
+    """Found by an acceptance pass: a kept database's strategy and targets were created
+    at the wall clock's time and everything the run wrote on the virtual one (in 2027):
+    `strategy show` said it was created a year before its first step started."""
+    kept = tmp_path / "kept.db"
+    result = run_simulation(SimConfig(seed=5, targets=30, workflow="patch", keep_db=kept))
+    assert result.ok, result.violations
+    db = sqlite3.connect(kept)
+    created, updated = db.execute("SELECT created_at, updated_at FROM strategies").fetchone()
+    first, last = db.execute("SELECT min(at), max(at) FROM journal").fetchone()
+    db.close()
+    # created (virtual time 0) before its first transition, updated (its end) after its
+    # last one, all within the run's virtual span
+    assert created <= first <= last <= updated <= created + result.virtual_s + 1
+    assert first - created < 60, (created, first)
 
 
 def test_faults_are_really_injected() -> None:

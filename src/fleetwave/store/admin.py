@@ -10,6 +10,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from contextvars import ContextVar
 from dataclasses import asdict
 from typing import Any
 
@@ -47,8 +48,13 @@ from fleetwave.store.schema import (
 _ACTIVE = [s.value for s in STRATEGY_ACTIVE]
 
 
+#: Where an operator's writes take their time from: the wall clock; a simulation sets its
+#: virtual clock here, so that a kept simulation database has one time line.
+ADMIN_CLOCK: ContextVar[Callable[[], float]] = ContextVar("fleetwave_admin_clock")
+
+
 def _now() -> float:
-    return time.time()
+    return ADMIN_CLOCK.get(time.time)()
 
 
 # -- groups -----------------------------------------------------------------

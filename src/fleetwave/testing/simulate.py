@@ -574,6 +574,10 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
     wall0 = time.perf_counter()
     loop = asyncio.get_running_loop()
     rng = random.Random(cfg.seed)
+    clock = LoopClock()
+    # the operator's writes (setup, abort, unmanage, pause) on the virtual time line too:
+    # a kept database reads as one run (this task's context, and its tasks')
+    admin.ADMIN_CLOCK.set(clock.now)
     store = open_store(str(db_path), synchronous="OFF")
     wf = get_workflow(cfg.workflow)
     if wf is None:
@@ -634,7 +638,6 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
         waiting_page=page,
         prefetch_page=prefetch,
     )
-    clock = LoopClock()
     crashes = 0
     stops = 0
     retries = 0
