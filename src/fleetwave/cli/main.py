@@ -1080,17 +1080,26 @@ def strategy_delete(
 @step_app.command("list")
 def step_list(
     strategy: Annotated[int, typer.Option(parser=whole_number, metavar="ID", help="strategy id")],
-    state: Annotated[str | None, typer.Option(help="only steps in this state")] = None,
-    target: Annotated[str | None, typer.Option(help="only this target's step")] = None,
+    state: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="only steps in this state; repeat it, or give a,b, for steps in any of them"
+        ),
+    ] = None,
+    target: Annotated[
+        list[str] | None,
+        typer.Option(help="only this target's step; repeat it, or give a,b, for several"),
+    ] = None,
     fmt: FormatOpt = Format.table,
     db: DbOpt = None,
 ) -> None:
     """List the steps of a strategy."""
     store = existing_store(db)
+    states, names = _several("--state", state), _several("--target", target)
     # refuses an unknown strategy (or target) now
-    rows = queries.iter_steps(store, strategy, state, target=target)
+    rows = queries.iter_steps(store, strategy, states, target=names)
     emit_rows(
-        _first_then(rows, lambda: queries.iter_steps(store, strategy, state, target=target)),
+        _first_then(rows, lambda: queries.iter_steps(store, strategy, states, target=names)),
         # the step id last: what `step show` takes
         ["target", "stage", "state", "details", "started_at", "finished_at", "step"],
         fmt,
@@ -1159,6 +1168,19 @@ def step_callback(
         )
 
 
+def _several(option: str, given: list[str] | None) -> list[str]:
+    """A filter option given once or more, each perhaps ``a,b``: the values, in order,
+    each once (a step in any of them is shown). An empty value is refused."""
+    out: list[str] = []
+    for each in given or ():
+        for value in each.split(","):
+            if not value.strip():
+                raise InputError(f"{option}: an empty value in {each!r}")
+            if value.strip() not in out:
+                out.append(value.strip())
+    return out
+
+
 def _first_then(
     first: Iterator[dict[str, Any]], again: Callable[[], Iterator[dict[str, Any]]]
 ) -> Callable[[], Iterator[dict[str, Any]]]:
@@ -1175,7 +1197,10 @@ def _first_then(
 @app.command()
 def history(
     strategy: Annotated[int, typer.Option(parser=whole_number, metavar="ID", help="strategy id")],
-    target: Annotated[str | None, typer.Option(help="only this target")] = None,
+    target: Annotated[
+        list[str] | None,
+        typer.Option(help="only this target; repeat it, or give a,b, for several"),
+    ] = None,
     last: Annotated[
         int | None,
         typer.Option(
@@ -1187,9 +1212,10 @@ def history(
 ) -> None:
     """The journal: every transition with time, conductor, from, to and details."""
     store = existing_store(db)
-    rows = queries.iter_history(store, strategy, target, last=last)  # refuses bad names now
+    names = _several("--target", target)
+    rows = queries.iter_history(store, strategy, names, last=last)  # refuses bad names now
     emit_rows(
-        _first_then(rows, lambda: queries.iter_history(store, strategy, target, last=last)),
+        _first_then(rows, lambda: queries.iter_history(store, strategy, names, last=last)),
         ["at", "conductor", "target", "from", "to", "details"],
         fmt,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
@@ -448,14 +448,17 @@ def list_steps(
 def iter_steps(
     store: Store,
     sid: int,
-    state: str | None = None,
+    state: str | Sequence[str] | None = None,
     limit: int | None = None,
     *,
-    target: str | None = None,
+    target: str | Sequence[str] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """A strategy's steps one at a time, as read; an unknown strategy is refused at
-    once, before the first row is asked for, and so is a state it has no step can be in."""
-    if state is None:
+    once, before the first row is asked for, and so is a state it has no step can be in.
+    ``state`` and ``target``: one, or several (steps in any of them)."""
+    states = [state] if isinstance(state, str) else list(state or ())
+    names = [target] if isinstance(target, str) else list(target or ())
+    if not states:
         strategy_exists(store, sid)
     else:  # one read: the strategy's states say whether it exists too
         with store.read() as conn:
@@ -466,13 +469,14 @@ def iter_steps(
         if not isinstance(own, list):
             own = []  # unreadable (a hand edit): any state name is looked for
         known = [STEP_INITIAL, *own, *sorted(STEP_TERMINAL)]
-        if own and state not in known:
-            raise InputError(
-                f"--state: '{state}' is not a state of strategy {sid} ({', '.join(known)})"
-            )
-    if target is not None:
-        _target_in(store, sid, target)
-    return _iter_steps(store, sid, state, limit, target)
+        for one in states if own else ():
+            if one not in known:
+                raise InputError(
+                    f"--state: '{one}' is not a state of strategy {sid} ({', '.join(known)})"
+                )
+    for name in names:
+        _target_in(store, sid, name)
+    return _iter_steps(store, sid, states, limit, names)
 
 
 def _target_in(store: Store, sid: int, target: str) -> None:
@@ -489,7 +493,7 @@ def _target_in(store: Store, sid: int, target: str) -> None:
 
 
 def _iter_steps(
-    store: Store, sid: int, state: str | None, limit: int | None, target: str | None = None
+    store: Store, sid: int, states: list[str], limit: int | None, names: list[str]
 ) -> Iterator[dict[str, Any]]:
     q = (
         select(
@@ -509,10 +513,10 @@ def _iter_steps(
         .join(targets, targets.c.id == steps.c.target_id)
         .where(steps.c.strategy_id == sid)
     )
-    if state is not None:
-        q = q.where(steps.c.state == state)
-    if target is not None:
-        q = q.where(targets.c.name == target)
+    if states:
+        q = q.where(steps.c.state.in_(states))
+    if names:
+        q = q.where(targets.c.name.in_(names))
     rows = _pages(store, q, steps.c.ordinal, -1)
     now = time.time()
     gone = _gone_conductors(store, now)
@@ -646,7 +650,7 @@ def history(
 def iter_history(
     store: Store,
     sid: int,
-    target: str | None = None,
+    target: str | Sequence[str] | None = None,
     step_id: int | None = None,
     last: int | None = None,
 ) -> Iterator[dict[str, Any]]:
@@ -662,9 +666,11 @@ def iter_history(
         .join(targets, targets.c.id == steps.c.target_id)
         .where(journal.c.strategy_id == sid)
     )
-    if target is not None:
-        _target_in(store, sid, target)
-        q = q.where(targets.c.name == target)
+    names = [target] if isinstance(target, str) else list(target or ())
+    for name in names:
+        _target_in(store, sid, name)
+    if names:
+        q = q.where(targets.c.name.in_(names))
     if step_id is not None:
         q = q.where(journal.c.step_id == step_id)
     if last is not None:

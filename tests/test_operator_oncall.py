@@ -1,0 +1,50 @@
+"""What an on-call operator found missing or misleading while a rollout ran badly
+(an acceptance pass in the role of someone paged at night): filters given twice,
+who drives a rollout, what a list hides, and what is left of failed attempts."""
+
+from __future__ import annotations
+
+import pytest
+
+from cli_harness import Cli, assert_rejected
+from test_cli_strategy import add, apply_wait, create, history, steps
+
+
+@pytest.fixture
+def ended(cli: Cli) -> int:
+    """A patch rollout over five targets, two of them failing in 'finishing': ended."""
+    add(cli, "ok1", "ok2", "ok3")
+    add(cli, "bad1", "bad2", fail_at="finishing")
+    sid = create(cli, "--all")
+    assert apply_wait(cli, sid).code == 1  # it ends failed
+    return sid
+
+
+def test_a_filter_given_twice_shows_steps_in_either(cli: Cli, ended: int) -> None:
+    """`--state failed --state aborted` showed only the aborted ones (the last given
+    won, silently: an empty table read as "nothing failed"); so did `--target`."""
+    both = steps(cli, ended, "--state", "failed", "--state", "complete")
+    assert sorted(both) == ["bad1", "bad2", "ok1", "ok2", "ok3"]
+    assert sorted(steps(cli, ended, "--state", "failed,complete", "--target", "bad1,ok2")) == [
+        "bad1",
+        "ok2",
+    ]
+    assert sorted(steps(cli, ended, "--target", "ok1", "--target", "bad2")) == ["bad2", "ok1"]
+    assert sorted(steps(cli, ended, "--state", "failed")) == ["bad1", "bad2"]
+    rows = history(cli, ended, "--target", "ok1", "--target", "bad1")
+    assert {r["target"] for r in rows} == {"ok1", "bad1"}
+    assert len(rows) == 12  # initial -> 5 states -> an end, for each
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (("--state", "failed,"), ["--state: an empty value in 'failed,'"]),
+        (("--state", "failed", "--state", "nope"), ["--state: 'nope' is not a state"]),
+        (("--target", "ok1,ghost"), ["--target: no target named 'ghost'"]),
+    ],
+)
+def test_a_bad_value_among_several_is_refused(
+    cli: Cli, ended: int, args: tuple[str, ...], words: list[str]
+) -> None:
+    assert_rejected(cli("step", "list", "--strategy", str(ended), *args), *words)
