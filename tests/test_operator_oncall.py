@@ -4,6 +4,10 @@ who drives a rollout, what a list hides, and what is left of failed attempts."""
 
 from __future__ import annotations
 
+import sqlite3
+import time
+from pathlib import Path
+
 import pytest
 
 from cli_harness import Cli, assert_rejected
@@ -48,3 +52,24 @@ def test_a_bad_value_among_several_is_refused(
     cli: Cli, ended: int, args: tuple[str, ...], words: list[str]
 ) -> None:
     assert_rejected(cli("step", "list", "--strategy", str(ended), *args), *words)
+
+
+def test_a_step_whose_conductor_is_gone_says_so_before_what_its_row_said(
+    cli: Cli, db_path: Path
+) -> None:
+    """After a kill -9, most in-flight steps said "its conductor ... is gone", but one
+    whose row had details (its last state's "done at attempt 2", or a retry's time now
+    past) showed only those, as if it were running."""
+    add(cli, "a", "b")
+    sid = create(cli, "--all")
+    assert cli("strategy", "apply", str(sid)).code == 0
+    said = "pre-check: timed out after 40s (attempt 1 of 3); attempt 2 from 2026-12-01 13:20:42Z"
+    with sqlite3.connect(db_path) as db:
+        db.execute(
+            "UPDATE steps SET state='pre-check', owner='c-dead', lease_expires_at=?, "
+            "attempt=2, not_started=0, details=? WHERE strategy_id=?",
+            (time.time() - 30, said, sid),
+        )
+    for row in steps(cli, sid).values():
+        assert row["details"].startswith("its conductor c-dead is gone (its lease ran out at ")
+        assert row["details"].endswith(f"recover hook looks at the target ({said})")

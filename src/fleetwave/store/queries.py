@@ -543,9 +543,10 @@ def _gone_conductors(store: Store, now: float) -> frozenset[str]:
 
 
 def _shown_details(r: Any, now: float, gone: frozenset[str]) -> str:
-    """A step's details as shown (``r``: its row): for one in its workflow's states with
-    nothing to say (a step whose conductor was interrupted showed nothing at all), or
-    entered but not started, what is happening to it and what comes next."""
+    """A step's details as shown (``r``: its row): for one in its workflow's states
+    that nobody drives now, or entered but not started, what is happening to it and
+    what comes next, then what its row says (a step whose conductor was killed showed
+    only its last state's "done at attempt 2" or an old retry's time, as if running)."""
     state: str = r.state
     details: str = r.details
     owner: str | None = r.owner
@@ -566,10 +567,9 @@ def _shown_details(r: Any, now: float, gone: frozenset[str]) -> str:
         said = f"entered, its action not started: it starts {resumes}"
         if live:
             said = f"entered while conductor {owner} was stopping; its action starts {resumes}"
-    elif details:
-        return details
     elif live:
-        said = f"running on conductor {owner}"
+        # what it last said (a retry's reason, its last state's end) while it runs
+        return details or f"running on conductor {owner}"
     elif owner is not None:
         why = "its process ended"
         if lease_until is None or lease_until <= now:
