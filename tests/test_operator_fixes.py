@@ -427,13 +427,24 @@ def test_a_step_waiting_to_retry_shows_why_and_which_attempt_comes(store: Store)
 
     assert [(s["state"], s["attempt"]) for s in seen] == [("install", 2), ("install", 3)]
     first, second = (str(s["details"]) for s in seen)
-    assert first.startswith("install: target busy (1) (attempt 1 of 3); attempt 2 from ")
-    assert second.startswith("install: target busy (2) (attempt 2 of 3); attempt 3 from ")
+    # read while the attempt runs: started, not "from" a time now past (an on-call
+    # operator took that for a retry still to come)
+    assert first.startswith("install: target busy (1) (attempt 1 of 3); attempt 2 started ")
+    assert second.startswith("install: target busy (2) (attempt 2 of 3); attempt 3 started ")
     due = [datetime.strptime(d[-20:], "%Y-%m-%d %H:%M:%SZ") for d in (first, second)]
-    assert (due[1] - due[0]).total_seconds() == 80  # attempt 2 ran at once, then 80 s backoff
+    assert (due[1] - due[0]).total_seconds() == 80  # 40 s backoff, then 80 s
     done = queries.list_steps(store, sid)[0]
     assert (done["state"], done["attempt"]) == ("complete", 3)
     assert done["details"] == "install: done at attempt 3"
+    # the failed attempts are kept as events (the row's details are overwritten)
+    kept = [
+        e for e in queries.get_step(store, done["step"])["events"] if e["kind"] == "attempt-failed"
+    ]
+    assert [str(e["details"]).split("; ")[0] for e in kept] == [
+        "install: target busy (1) (attempt 1 of 3)",
+        "install: target busy (2) (attempt 2 of 3)",
+    ]
+    assert str(kept[0]["details"]).endswith(first[-20:].replace("started", "from"))
 
 
 def test_a_state_entered_after_retries_counts_its_own_attempts(store: Store) -> None:

@@ -73,3 +73,48 @@ def test_a_step_whose_conductor_is_gone_says_so_before_what_its_row_said(
     for row in steps(cli, sid).values():
         assert row["details"].startswith("its conductor c-dead is gone (its lease ran out at ")
         assert row["details"].endswith(f"recover hook looks at the target ({said})")
+
+
+FLAKY_YAML = """\
+name: flaky-once
+states:
+  - name: install
+    timeout_s: 30
+    retry: {attempts: 3, backoff_s: 0.01, backoff_max_s: 0.02}
+"""
+
+
+def test_failed_attempts_are_kept_as_events_and_listed(cli: Cli, tmp_path: Path) -> None:
+    """A timeout or a transient failure that a retry got past left nothing once the
+    step went on (the row's details are overwritten): each failed attempt is an
+    `attempt-failed` event, listed by `fleetwave events` with claims and takeovers."""
+    wf = tmp_path / "flaky.yaml"
+    wf.write_text(FLAKY_YAML, encoding="utf-8")
+    assert cli("workflow", "add", str(wf)).code == 0
+    add(cli, "steady")
+    add(cli, "shaky", flaky_rate="1.0")  # every attempt fails for now: 3 of 3
+    res = cli("strategy", "create", "--workflow", "flaky-once", "--all", "--format", "json")
+    sid = int(res.json()["id"])
+    assert apply_wait(cli, sid).code == 1
+    res = cli("events", "--strategy", str(sid), "--format", "json")
+    assert res.code == 0, res.text
+    rows = res.json()
+    assert [r["kind"] for r in rows] == ["strategy-claimed", "attempt-failed", "attempt-failed"]
+    failed = rows[1:]
+    assert {(r["target"], r["strategy"]) for r in failed} == {("shaky", sid)}
+    assert [r["details"].split("; ")[0] for r in failed] == [
+        "install: target busy (simulated) (attempt 1 of 3)",
+        "install: target busy (simulated) (attempt 2 of 3)",
+    ]
+    assert all("; attempt " in r["details"] and " from " in r["details"] for r in failed)
+    only = cli("events", "--strategy", str(sid), "--kind", "attempt-failed", "--last", "1")
+    assert only.code == 0 and "attempt 2 of 3" in only.out and "claimed" not in only.out
+    steady = cli("events", "--strategy", str(sid), "--target", "steady", "--format", "json")
+    assert steady.json() == []
+    assert_rejected(
+        cli("events", "--strategy", str(sid), "--kind", "attempt-failed,nope"),
+        "--kind: 'nope' is not a kind of event",
+    )
+    assert_rejected(cli("events", "--strategy", "99"), "strategy 99 not found")
+    # the journal's rows name their strategy, as a step's row does
+    assert {r["strategy"] for r in history(cli, sid)} == {sid}

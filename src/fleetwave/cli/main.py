@@ -1083,12 +1083,15 @@ def step_list(
     state: Annotated[
         list[str] | None,
         typer.Option(
-            help="only steps in this state; repeat it, or give a,b, for steps in any of them"
+            metavar="STATE",
+            help="only steps in this state; repeat it, or give a,b, for steps in any of them",
         ),
     ] = None,
     target: Annotated[
         list[str] | None,
-        typer.Option(help="only this target's step; repeat it, or give a,b, for several"),
+        typer.Option(
+            metavar="NAME", help="only this target's step; repeat it, or give a,b, for several"
+        ),
     ] = None,
     fmt: FormatOpt = Format.table,
     db: DbOpt = None,
@@ -1199,7 +1202,7 @@ def history(
     strategy: Annotated[int, typer.Option(parser=whole_number, metavar="ID", help="strategy id")],
     target: Annotated[
         list[str] | None,
-        typer.Option(help="only this target; repeat it, or give a,b, for several"),
+        typer.Option(metavar="NAME", help="only this target; repeat it, or give a,b, for several"),
     ] = None,
     last: Annotated[
         int | None,
@@ -1217,6 +1220,43 @@ def history(
     emit_rows(
         _first_then(rows, lambda: queries.iter_history(store, strategy, names, last=last)),
         ["at", "conductor", "target", "from", "to", "details"],
+        fmt,
+    )
+
+
+@app.command()
+def events(
+    strategy: Annotated[int, typer.Option(parser=whole_number, metavar="ID", help="strategy id")],
+    target: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="NAME", help="only this target's; repeat it, or give a,b, for several"
+        ),
+    ] = None,
+    kind: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="KIND",
+            help="only this kind (" + ", ".join(queries.EVENT_KINDS) + "); repeat it, or a,b",
+        ),
+    ] = None,
+    last: Annotated[
+        int | None,
+        typer.Option(
+            parser=count_from_1, metavar="N", help="only the last N events (oldest first)"
+        ),
+    ] = None,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
+    """What happened besides transitions: claims, takeovers, failed attempts, pauses and
+    aborts seen (the journal is `history`)."""
+    store = existing_store(db)
+    names, kinds = _several("--target", target), _several("--kind", kind)
+    rows = queries.iter_events(store, strategy, names, kinds, last)  # refuses bad input now
+    emit_rows(
+        _first_then(rows, lambda: queries.iter_events(store, strategy, names, kinds, last)),
+        ["at", "conductor", "target", "kind", "details"],
         fmt,
     )
 

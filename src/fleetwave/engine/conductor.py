@@ -848,6 +848,12 @@ class Conductor:
                     continue
                 if msg.handled is not None:
                     retries.append((msg, msg.handled))
+                if not msg.started and msg.details:
+                    # the failed attempt, kept: the row's details are overwritten as the
+                    # step goes on (a flaky target is found from these the next morning)
+                    events.append(
+                        rt.Event("attempt-failed", msg.details, msg.strategy_id, msg.step_id)
+                    )
                 deadlines.append(
                     rt.AttemptDeadline(
                         msg.step_id,
@@ -2205,6 +2211,7 @@ class Conductor:
                     # the state's recorded deadline was its first attempt's, the next
                     # one's, so a takeover gives the recover hook what is left of it.
                     due = self.clock.now() + backoff
+                    failed = f"{state}: {reason} (attempt {attempts} of {st.attempts_max})"
                     record = RetryScheduled(
                         run.id,
                         rec.step_id,
@@ -2213,9 +2220,7 @@ class Conductor:
                         due + timeout_s,
                         attempts + 1,
                         # a time, not "in 5s": the row is read while the attempt runs
-                        f"{state}: {reason} (attempt {attempts} of {st.attempts_max}); "
-                        f"attempt {attempts + 1} from "
-                        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(due))}Z",
+                        f"{failed}; attempt {attempts + 1} from {_utc(due)}",
                     )
                     handled = record.handled = loop.create_future()
                     self.post(record)
@@ -2229,7 +2234,14 @@ class Conductor:
                     # starts, which also clears the row's not-started mark. A conductor
                     # that stalled meanwhile and was taken over starts nothing; nor does
                     # one stopping cleanly.
-                    answer = None if fl.stopped else await self._record(record, started=True)
+                    # the row says the attempt runs (its due time, past now, read as if
+                    # it were still to come)
+                    now_on = f"{failed}; attempt {attempts + 1} started {_utc(self.clock.now())}"
+                    answer = (
+                        None
+                        if fl.stopped
+                        else await self._record(replace(record, details=now_on), started=True)
+                    )
                     if answer is RetryAnswer.REFUSED:
                         raise (_HandedOver if self._draining else _RetryRefused) from None
                     if answer is RetryAnswer.RECORDED and not fl.stopped:
@@ -2443,6 +2455,11 @@ def _stop_details(options: StrategyOptions, failed: int, who: str | None = None)
     last = f" (the last: {who})" if who else ""
     many = "steps exceed" if failed != 1 else "step exceeds"
     return f"stopped: {failed} failed {many} the failure threshold of {options.failure_limit}{last}"
+
+
+def _utc(at: float) -> str:
+    """A time as a step's details say it: to the second, UTC."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at)) + "Z"
 
 
 def _resolve(fut: asyncio.Future[R] | None, value: R) -> None:

@@ -690,6 +690,7 @@ def _iter_history(store: Store, q: Any) -> Iterator[dict[str, Any]]:
     for r in _pages(store, q, journal.c.id, 0):
         yield {
             "at": r.at,
+            "strategy": r.strategy_id,
             "conductor": r.conductor,
             "target": r.target,
             "step": r.step_id,
@@ -709,6 +710,78 @@ def strategy_events(store: Store, sid: int, kind: str | None = None) -> list[dic
     if kind is not None:
         q = q.where(events.c.kind == kind)
     return _events(store, q)
+
+
+#: what the events of a strategy can be (``fleetwave events --kind``)
+EVENT_KINDS = {
+    "strategy-claimed": "a conductor took the strategy on (from whom)",
+    "step-taken-over": "a step's lease passed to a new conductor (in which state, fences)",
+    "attempt-failed": "an attempt of a state failed and is retried (why, which comes when)",
+    "step-settled": "a transition was refused and the step's row read back",
+    "stale-outcome-ignored": "a report for a step that had moved on, ignored",
+    "pause-seen": "the conductor saw a pause",
+    "resume-seen": "the conductor saw a resume",
+    "abort-seen": "the conductor saw an abort",
+    "takeover-incomplete": "steps moved on while a takeover read them",
+    "strategy-undrivable": "the strategy cannot be driven (why)",
+}
+
+
+def iter_events(
+    store: Store,
+    sid: int,
+    target: Sequence[str] = (),
+    kind: Sequence[str] = (),
+    last: int | None = None,
+) -> Iterator[dict[str, Any]]:
+    """A strategy's events (what is not a transition: claims, takeovers, failed attempts,
+    operator actions seen), oldest first, a page at a time; of some targets or kinds, or
+    the ``last`` ones. Unknown names and kinds are refused before the first row."""
+    if last is not None and last < 1:
+        raise InputError(f"--last: must be at least 1, got {last}")
+    for k in kind:
+        if k not in EVENT_KINDS:
+            raise InputError(f"--kind: '{k}' is not a kind of event ({', '.join(EVENT_KINDS)})")
+    strategy_exists(store, sid)
+    q = (
+        select(events, targets.c.name.label("target"))
+        .select_from(
+            events.outerjoin(steps, steps.c.id == events.c.step_id).outerjoin(
+                targets, targets.c.id == steps.c.target_id
+            )
+        )
+        .where(events.c.strategy_id == sid)
+    )
+    for name in target:
+        _target_in(store, sid, name)
+    if target:
+        q = q.where(targets.c.name.in_(list(target)))
+    if kind:
+        q = q.where(events.c.kind.in_(list(kind)))
+    if last is not None:
+        with store.read() as conn:
+            start = conn.execute(
+                q.with_only_columns(events.c.id)
+                .order_by(events.c.id.desc())
+                .offset(last - 1)
+                .limit(1)
+            ).scalar_one_or_none()
+        if start is not None:
+            q = q.where(events.c.id >= start)
+    return _iter_events(store, sid, q)
+
+
+def _iter_events(store: Store, sid: int, q: Any) -> Iterator[dict[str, Any]]:
+    for r in _pages(store, q, events.c.id, 0):
+        yield {
+            "at": r.at,
+            "strategy": sid,
+            "conductor": r.conductor,
+            "target": r.target,
+            "step": r.step_id,
+            "kind": r.kind,
+            "details": r.details,
+        }
 
 
 def _events(store: Store, q: Any) -> list[dict[str, Any]]:
