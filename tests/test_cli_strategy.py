@@ -1292,6 +1292,10 @@ def test_json_field_names_follow_the_readmes_rule(cli: Cli) -> None:
     assert shown["strategy"] == sid and shown["state"] == "complete"
     for row in cli("history", "--strategy", str(sid), "--format", "json").json():
         assert set(row) >= {"step", "target", "from", "to"} and "id" not in row, row
+        assert row["strategy"] == sid, row
+    for row in cli("events", "--strategy", str(sid), "--format", "json").json():
+        assert set(row) >= {"step", "target", "kind"} and "id" not in row, row
+        assert row["strategy"] == sid, row
     target = cli("target", "show", "a", "--format", "json").json()
     assert target["name"] == "a" and "id" not in target
     (used,) = target["strategies"]
