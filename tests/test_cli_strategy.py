@@ -19,7 +19,11 @@ import pytest
 from sqlalchemy.exc import OperationalError
 
 from cli_harness import PATCH_STATES, Cli, Result, assert_rejected, one_line
+from fleetwave.store.queries import shown_host
 from fleetwave.store.runtime import HOSTNAME
+
+#: how a conductor registered by this test process is named for an operator
+ON = f"(on {shown_host(HOSTNAME)} pid {os.getpid()})"
 
 
 def add(cli: Cli, *names: str, **settings: str) -> None:
@@ -315,7 +319,7 @@ def _conductor_row(db: Path, cid: str, *, serves_all: bool, age_s: float = 0.0) 
         ({"serves_all": False}, True, "nobody: no conductor serves this database"),
         # a serve whose renewals stopped long ago is not serving
         ({"serves_all": True, "age_s": 120.0}, True, "nobody: no conductor serves"),
-        ({"serves_all": True}, False, "nobody yet: conductor c-serve serves this database"),
+        ({"serves_all": True}, False, f"nobody yet: conductor c-serve {ON} serves this database"),
     ],
 )
 def test_apply_without_wait_says_when_no_conductor_will_drive_it(
@@ -336,7 +340,8 @@ def test_apply_without_wait_says_when_no_conductor_will_drive_it(
         assert said == f"strategy {sid} applying; nothing drives it yet", said
     else:
         assert (
-            said == f"strategy {sid} applying; conductor c-serve serves this database and claims it"
+            said
+            == f"strategy {sid} applying; conductor c-serve {ON} serves this database and claims it"
         ), said
     shown = cli("strategy", "show", str(sid), "--format", "json").json()
     assert shown["driven_by"].startswith(driven_by), shown["driven_by"]
@@ -356,7 +361,7 @@ def test_show_names_the_conductor_driving_it_and_a_lapsed_lease(cli: Cli, db_pat
     def driven_by() -> str:
         return str(cli("strategy", "show", str(sid), "--format", "json").json()["driven_by"])
 
-    assert driven_by() == "conductor c-1"
+    assert driven_by() == f"conductor c-1 {ON}"  # where to find it: host and process
     # Applied again while that conductor drives it: no warning.
     res = cli("strategy", "apply", str(sid))
     assert res.code == 0 and "warning" not in res.err, res.err
@@ -370,20 +375,21 @@ def test_show_names_the_conductor_driving_it_and_a_lapsed_lease(cli: Cli, db_pat
 
     lease_ends_in(-90)
     said = driven_by()
-    assert said.startswith("nobody: the lease of conductor c-1 ran out 9"), said
+    assert said.startswith(f"nobody: the lease of conductor c-1 {ON} ran out 9"), said
     assert said.endswith(
         "; no conductor serves this database "
         f"(start 'fleetwave serve', or 'fleetwave strategy apply {sid} --wait')"
     ), said
     _conductor_row(db_path, "c-serve", serves_all=True)
     said = driven_by()
-    assert said.startswith("nobody yet: the lease of conductor c-1 ran out 9"), said
-    assert said.endswith("; conductor c-serve serves this database and claims it"), said
+    assert said.startswith(f"nobody yet: the lease of conductor c-1 {ON} ran out 9"), said
+    assert said.endswith(f"; conductor c-serve {ON} serves this database and claims it"), said
     # An owner whose process is gone (kill -9): a claim takes the strategy over at once.
     lease_ends_in(30)
     with sqlite3.connect(db_path) as conn:
-        conn.execute("UPDATE conductors SET pid = ? WHERE id = 'c-1'", (_no_such_pid(),))
-    assert driven_by().startswith("nobody yet: conductor c-1 is gone; conductor c-serve serves")
+        conn.execute("UPDATE conductors SET pid = ? WHERE id = 'c-1'", (dead := _no_such_pid(),))
+    gone = f"nobody yet: conductor c-1 (on {shown_host(HOSTNAME)} pid {dead}) is gone; "
+    assert driven_by().startswith(gone + f"conductor c-serve {ON} serves"), driven_by()
 
 
 def test_a_stopped_apply_wait_that_does_not_drive_says_who_goes_on(
@@ -418,7 +424,7 @@ def test_a_stopped_apply_wait_that_does_not_drive_says_who_goes_on(
         said = drive.stopping_unheld(store, sid)
         assert said.startswith(
             f"stopping: this command does not drive strategy {sid}; nobody drives it: the "
-            "lease of conductor c-1 ran out"
+            f"lease of conductor c-1 {ON} ran out"
         ), said
         assert said.endswith(
             "no conductor serves this database (start 'fleetwave serve', or "
@@ -428,7 +434,7 @@ def test_a_stopped_apply_wait_that_does_not_drive_says_who_goes_on(
         _conductor_row(db_path, "c-serve", serves_all=True)
         said = drive.stopped_watching(store, sid)
         assert said.startswith(f"stopped: strategy {sid} is still applying; the lease of"), said
-        assert said.endswith("conductor c-serve serves this database and claims it"), said
+        assert said.endswith(f"conductor c-serve {ON} serves this database and claims it"), said
 
         with sqlite3.connect(db_path) as conn:  # it ended meanwhile
             conn.execute("UPDATE strategies SET state = 'complete', owner = NULL")

@@ -672,7 +672,9 @@ def test_several_serving_conductors_are_all_named(
 ) -> None:
     """`apply` named one of two serving conductors as the one that claims the strategy
     (the other did); a second `serve` started without a word."""
-    from test_cli_strategy import _conductor_row
+    from test_cli_strategy import ON, _conductor_row
+
+    where = ON[len("(on ") : -1]  # "host pid N"
 
     add(cli, "a", latency_ms="60000")
     sid = create(cli, "--all")
@@ -680,11 +682,11 @@ def test_several_serving_conductors_are_all_named(
     _conductor_row(db_path, "c-two", serves_all=True)
     res = cli("strategy", "apply", str(sid))
     assert res.out == (
-        f"strategy {sid} applying; conductors c-one, c-two serve this database; "
+        f"strategy {sid} applying; conductors c-one {ON}, c-two {ON} serve this database; "
         "one of them claims it\n"
     ), res.text
     shown = cli("strategy", "show", str(sid), "--format", "json").json()
-    assert shown["driven_by"].startswith("nobody yet: conductors c-one, c-two serve")
+    assert shown["driven_by"].startswith(f"nobody yet: conductors c-one {ON}, c-two {ON} serve")
 
     def stand_in(*_a: object, **_k: object) -> None:
         raise SystemExit(3)  # serve got as far as starting its conductor
@@ -693,7 +695,8 @@ def test_several_serving_conductors_are_all_named(
     serve = cli("serve")
     assert serve.code == 3
     assert serve.err.startswith(
-        f"warning: 2 conductors already serve {db_path} (c-one, c-two): they share its "
+        f"warning: 2 conductors already serve {db_path} (c-one on {where}, c-two on {where}): "
+        "they share its "
         "strategies, each driven by one"
     ), serve.err
 

@@ -4,6 +4,8 @@ who drives a rollout, what a list hides, and what is left of failed attempts."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import sqlite3
 import time
 from pathlib import Path
@@ -11,6 +13,10 @@ from pathlib import Path
 import pytest
 
 from cli_harness import Cli, assert_rejected
+from conftest import add_sim_targets, applied
+from fleetwave.engine.conductor import Conductor
+from fleetwave.store import queries
+from fleetwave.store.db import Store
 from test_cli_strategy import add, apply_wait, create, history, steps
 
 
@@ -118,3 +124,57 @@ def test_failed_attempts_are_kept_as_events_and_listed(cli: Cli, tmp_path: Path)
     assert_rejected(cli("events", "--strategy", "99"), "strategy 99 not found")
     # the journal's rows name their strategy, as a step's row does
     assert {r["strategy"] for r in history(cli, sid)} == {sid}
+
+
+def test_strategy_list_shows_what_did_not_complete_and_filters_by_state(
+    cli: Cli, ended: int
+) -> None:
+    """`strategy list` said `500/500` for a rollout with 18 failed and 169 aborted steps
+    (it read as all done), its JSON had no counts by state, and it had no `--state`."""
+    add(cli, "spare")
+    waiting = create(cli, "--targets", "spare")
+    table = cli("strategy", "list")
+    assert table.code == 0
+    (row,) = [line for line in table.out.splitlines() if line.startswith(f"{ended} ")]
+    assert "5/5 (2 failed)" in row, row
+    rows = cli("strategy", "list", "--format", "json").json()
+    assert [(r["id"], r["step_states"]) for r in rows] == [
+        (ended, {"complete": 3, "failed": 2}),
+        (waiting, {"initial": 1}),
+    ]
+    assert [r["done"] for r in rows] == [5, 0]
+    assert [
+        r["id"] for r in cli("strategy", "list", "--state", "failed", "--format", "json").json()
+    ] == [ended]
+    both = cli("strategy", "list", "--state", "initial,failed", "--format", "json").json()
+    assert [r["id"] for r in both] == [ended, waiting]
+    assert cli("strategy", "list", "--state", "applying", "--format", "json").json() == []
+    assert_rejected(
+        cli("strategy", "list", "--state", "runing"), "--state: 'runing' is not a strategy state"
+    )
+
+
+def test_the_service_log_names_each_failed_step_and_how_the_strategy_ended(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At the default level a serve's log held nothing of a rollout's 18 failures, and
+    its end read "strategy 1: failed 21 steps failed"."""
+    add_sim_targets(store, 2)
+    add_sim_targets(store, 1, settings={"fail_at": "finishing"}, prefix="bad")
+    add_sim_targets(store, 1, prefix="off", managed=False)
+    sid = applied(store)
+    caplog.set_level(logging.WARNING, logger="fleetwave.engine")
+    assert asyncio.run(asyncio.wait_for(Conductor(store).run(strategy_ids=[sid]), 30)) == {
+        sid: "failed"
+    }
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    bad, off = (queries.list_steps(store, sid, state="failed")[i]["step"] for i in (0, 1))
+    assert (
+        f"strategy {sid}: step {bad} (target bad00000) failed: finishing: failed on target (fail_at=finishing)"
+        in said
+    )
+    assert (
+        f"strategy {sid}: step {off} (target off00000) failed: Target off00000 is unmanaged."
+        in said
+    )
+    assert said[-1] == f"strategy {sid}: ended failed: 2 steps failed", said

@@ -18,6 +18,8 @@ import pytest
 from sqlalchemy import select
 
 from fleetwave.store.db import open_store
+from fleetwave.store.queries import shown_host
+from fleetwave.store.runtime import HOSTNAME
 from fleetwave.store.schema import conductors, steps
 from fleetwave.testing.invariants import check
 
@@ -69,7 +71,12 @@ def test_serve_drives_apply_and_a_second_process_only_watches(tmp_path: Path) ->
             owner = json.loads(shown.stdout)["owner"]
             time.sleep(0.1)
         assert owner is not None, "serve should claim the applied strategy"
-        assert json.loads(shown.stdout)["driven_by"] == f"conductor {owner}"
+        # named with where it runs: the serve's host and process
+        host = shown_host(HOSTNAME)
+        assert (
+            json.loads(shown.stdout)["driven_by"]
+            == f"conductor {owner} (on {host} pid {serve.pid})"
+        )
         # A second process asks to drive it too: it must only wait on the live owner.
         waited = _cli(db, "strategy", "apply", str(sid), "--wait", "--format", "json")
         assert waited.returncode == 0, waited.stderr

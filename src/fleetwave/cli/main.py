@@ -1022,15 +1022,32 @@ def strategy_show(strategy_id: StrategyId, fmt: FormatOpt = Format.table, db: Db
 
 
 @strategy_app.command("list")
-def strategy_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
+def strategy_list(
+    state: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="STATE",
+            help="only strategies in this state; repeat it, or give a,b, for several",
+        ),
+    ] = None,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
     """List strategies."""
     table = fmt is Format.table
-    rows = queries.list_strategies(existing_store(db), brief=table)
+    states = _several("--state", state)
+    for one in states:
+        if one not in {s.value for s in StrategyState}:
+            known = ", ".join(s.value for s in StrategyState)
+            raise InputError(f"--state: '{one}' is not a strategy state ({known})")
+    rows = queries.list_strategies(existing_store(db), brief=table, states=states)
     if table:
         for row in rows:
-            # at a glance: steps ended of all, and who drives it (`strategy show` says
-            # more: how to get it driven)
-            row["done"] = f"{row['done']}/{row['steps']}"
+            # at a glance: steps ended of all, how many of them did not complete, and who
+            # drives it (`strategy show` says more: how to get it driven)
+            counts = row["step_states"]
+            bad = [f"{counts[s]} {s}" for s in ("failed", "aborted") if counts.get(s)]
+            row["done"] = f"{row['done']}/{row['steps']}" + (f" ({', '.join(bad)})" if bad else "")
     emit_rows(rows, ["id", "workflow", "state", "done", "driven_by", "details"], fmt)
 
 
@@ -1336,7 +1353,10 @@ def serve(lease_ttl: LeaseTtlOpt = None, db: DbOpt = None) -> None:
     # Never a new database: a mistyped --db would be served, empty, for good (a service
     # manager restarting it), while the real fleet's strategies wait for nobody.
     store = existing_store(db)
-    others = [c["id"] for c in queries.serving_conductors(store)]
+    others = [
+        f"{c['id']} on {queries.shown_host(c['hostname'])} pid {c['pid']}"
+        for c in queries.serving_conductors(store)
+    ]
     if others:
         # Allowed (each strategy is driven by one conductor at a time, by claim and
         # fence), but on SQLite one serve per database is the setup: a second one adds
@@ -1391,6 +1411,9 @@ def main() -> None:
     handler = output.ConsoleLogHandler()
     handler.setFormatter(output.utc_log_formatter())
     logging.basicConfig(level=level.upper(), handlers=[handler])
+    if level != "debug":
+        # its "Context impl SQLiteImpl" lines at every start said nothing of the rollout
+        logging.getLogger("alembic").setLevel(logging.WARNING)
     forget_created()
     try:
         # Not standalone: bad usage (an unknown option or value) is reported below as

@@ -1705,7 +1705,7 @@ class Conductor:
         fl = _free_slot(run, t.step_id)
         if t.to_state == STEP_FAILED:
             self._count_failure(run, fl.rec.target.name if fl is not None else None)
-            log.warning("step %s: %s", t.step_id, t.details)
+            self._log_failed(t, fl)
         self._wake_soon()  # its slot is free: fill it without waiting for another message
 
     def _read_back(
@@ -1929,7 +1929,11 @@ class Conductor:
                 t.step_id,
             )
         for t in batch:
-            if id(t) in bad or t.to_state in STEP_TERMINAL:
+            if t.to_state in STEP_TERMINAL:
+                if t.to_state == STEP_FAILED and id(t) not in bad:
+                    self._log_failed(t)
+                continue
+            if id(t) in bad:
                 continue
             run = self.runs.get(t.strategy_id)
             fl = run.inflight.get(t.step_id) if run is not None else None
@@ -1940,6 +1944,16 @@ class Conductor:
                 _resolve(fl.go, False)
             else:
                 self._release(fl)
+
+    def _log_failed(self, t: rt.Transition, fl: InFlight | None = None) -> None:
+        """A step's failure, in the service's log as on its row (at night the log is
+        often what is looked at first)."""
+        run = self.runs.get(t.strategy_id)
+        if fl is None and run is not None:
+            fl = run.inflight.get(t.step_id)
+        fl = fl or self._freed.get(t.step_id)
+        who = f" (target {fl.rec.target.name})" if fl is not None else ""
+        log.warning("strategy %s: step %s%s failed: %s", t.strategy_id, t.step_id, who, t.details)
 
     def _release(self, fl: InFlight) -> None:
         """Let the step's worker run the action of the state just committed (G4)."""
@@ -2026,7 +2040,12 @@ class Conductor:
                 ended = getattr(driver, "strategy_ended", None)
                 if ended is not None:
                     ended(run.id)
-            log.info("strategy %s: %s %s", run.id, final.value if ok else "lost", details)
+            if not ok:
+                log.warning("strategy %s: lost to another conductor as it ended", run.id)
+            elif final is StrategyState.COMPLETE:
+                log.info("strategy %s: ended complete", run.id)
+            else:
+                log.warning("strategy %s: ended %s: %s", run.id, final.value, details)
 
     # -- workers -------------------------------------------------------------------------
 

@@ -235,8 +235,11 @@ def _strategy_dict(r: Any) -> dict[str, Any]:
     }
 
 
-def list_strategies(store: Store, *, brief: bool = False) -> list[dict[str, Any]]:
-    """Every strategy, with how many of its steps have ended (``done``) and who drives
+def list_strategies(
+    store: Store, *, brief: bool = False, states: Sequence[str] = ()
+) -> list[dict[str, Any]]:
+    """Every strategy (or those in ``states``), with its steps by state (``step_states``,
+    as ``strategy show`` has them), how many have ended (``done``) and who drives
     it (``driven_by``, as ``strategy show`` says it; None once it needs no driving):
     a rollout whose conductor died lists as such, not as one going well. ``brief``:
     ``driven_by`` as a list's column says it (:attr:`Driving.brief`).
@@ -245,20 +248,23 @@ def list_strategies(store: Store, *, brief: bool = False) -> list[dict[str, Any]
     once for all of them."""
     now = time.time()
     with store.read() as conn:
-        rows = conn.execute(select(strategies).order_by(strategies.c.id)).all()
-        done = {
-            int(sid): int(n)
-            for sid, n in conn.execute(
-                select(steps.c.strategy_id, func.count())
-                .where(steps.c.state.in_(sorted(STEP_TERMINAL)))
-                .group_by(steps.c.strategy_id)
+        q = select(strategies).order_by(strategies.c.id)
+        if states:
+            q = q.where(strategies.c.state.in_(list(states)))
+        rows = conn.execute(q).all()
+        counts: dict[int, dict[str, int]] = {}
+        for sid, state, n in conn.execute(
+            select(steps.c.strategy_id, steps.c.state, func.count()).group_by(
+                steps.c.strategy_id, steps.c.state
             )
-        }
+        ):
+            counts.setdefault(int(sid), {})[str(state)] = int(n)
         known = _Conductors.read(conn, now)
     out = []
     for r in rows:
         item = _strategy_dict(r)
-        item["done"] = done.get(int(r.id), 0)
+        item["step_states"] = counts.get(int(r.id), {})
+        item["done"] = sum(n for s, n in item["step_states"].items() if s in STEP_TERMINAL)
         who = _driving(r, now, known)
         item["driven_by"] = who.brief if brief else who.text
         out.append(item)
@@ -307,6 +313,12 @@ class _Conductors:
     present: frozenset[str]
     #: id, hostname and pid of each serving one (see :func:`serving_conductors`)
     serving: tuple[dict[str, Any], ...]
+    #: where each known one runs ("host pid N"), to name it for an operator
+    where: dict[str, str]
+
+    def named(self, cid: str) -> str:
+        """A conductor as an operator finds it: its id, host and process."""
+        return f"{cid} (on {self.where[cid]})" if cid in self.where else cid
 
     @classmethod
     def read(cls, conn: Any, now: float) -> _Conductors:
@@ -326,12 +338,18 @@ class _Conductors:
             for r in rows
             if r.serves_all and r.id not in gone and r.heartbeat_at >= now - SERVING_WITHIN_S
         )
-        return cls(frozenset(gone), frozenset(r.id for r in rows), serving)
+        where = {r.id: f"{shown_host(r.hostname)} pid {r.pid}" for r in rows}
+        return cls(frozenset(gone), frozenset(r.id for r in rows), serving, where)
 
     def owner_gone(self, owner: str) -> bool:
         """The owner stopped, or its process on this host is gone (a claim takes over
         now); or the database does not know it."""
         return owner in self.gone or owner not in self.present
+
+
+def shown_host(identity: str) -> str:
+    """A conductor's host as an operator knows it (its record adds the PID namespace)."""
+    return identity.split(":pidns", 1)[0]
 
 
 @dataclass(frozen=True)
@@ -381,15 +399,15 @@ def _driving(r: Any, now: float, known: _Conductors) -> Driving:
         return Driving(None, None, None)
     expired = r.lease_expires_at is None or r.lease_expires_at < now
     if r.owner is not None and not expired and not known.owner_gone(r.owner):
-        return Driving(r.owner, None, f"conductor {r.owner}")
-    serving = [c["id"] for c in known.serving if c["id"] != r.owner]
+        return Driving(r.owner, None, f"conductor {known.named(r.owner)}")
+    serving = [known.named(c["id"]) for c in known.serving if c["id"] != r.owner]
     if r.owner is None:
         lapsed = ""
     elif expired:
         ago = now - (r.lease_expires_at or now)
-        lapsed = f"the lease of conductor {r.owner} ran out {ago:.0f}s ago; "
+        lapsed = f"the lease of conductor {known.named(r.owner)} ran out {ago:.0f}s ago; "
     else:
-        lapsed = f"conductor {r.owner} is gone; "
+        lapsed = f"conductor {known.named(r.owner)} is gone; "
     if serving:
         claim = lapsed + (
             f"conductors {', '.join(serving)} serve this database; one of them claims it"
