@@ -14,6 +14,7 @@ import pytest
 
 from cli_harness import Cli, assert_rejected
 from conftest import add_sim_targets, applied
+from fleetwave.cli.output import when
 from fleetwave.engine.conductor import Conductor
 from fleetwave.store import queries
 from fleetwave.store.db import Store
@@ -169,12 +170,33 @@ def test_the_service_log_names_each_failed_step_and_how_the_strategy_ended(
     }
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     bad, off = (queries.list_steps(store, sid, state="failed")[i]["step"] for i in (0, 1))
-    assert (
-        f"strategy {sid}: step {bad} (target bad00000) failed: finishing: failed on target (fail_at=finishing)"
-        in said
-    )
+    why = "finishing: failed on target (fail_at=finishing)"
+    assert f"strategy {sid}: step {bad} (target bad00000) failed: {why}" in said
     assert (
         f"strategy {sid}: step {off} (target off00000) failed: Target off00000 is unmanaged."
         in said
     )
     assert said[-1] == f"strategy {sid}: ended failed: 2 steps failed", said
+
+
+def test_show_says_how_many_steps_are_in_flight_and_until_when(cli: Cli, db_path: Path) -> None:
+    """An abort lets the steps in flight finish their state: an operator waiting on one
+    (7 targets hung, up to their states' timeouts) could not tell when it would end."""
+    add(cli, "a", "b", "c")
+    sid = create(cli, "--all")
+    assert cli("strategy", "apply", str(sid)).code == 0
+    shown = cli("strategy", "show", str(sid), "--format", "json").json()
+    assert (shown["in_flight"], shown["in_flight_until"]) == (0, None)
+    soon, later = time.time() + 600, time.time() + 1800
+    with sqlite3.connect(db_path) as db:
+        for name, state, deadline in (("a", "pre-check", soon), ("b", "finishing", later)):
+            db.execute(
+                "UPDATE steps SET state=?, deadline_at=? WHERE target_id="
+                "(SELECT id FROM targets WHERE name=?)",
+                (state, deadline, name),
+            )
+    shown = cli("strategy", "show", str(sid), "--format", "json").json()
+    assert (shown["in_flight"], shown["in_flight_until"]) == (2, later)
+    plain = cli("strategy", "show", str(sid)).out
+    (line,) = [x for x in plain.splitlines() if x.startswith("in_flight_until")]
+    assert line.endswith(when(later)), line  # a time, as every time shown is

@@ -70,7 +70,7 @@ def utc_log_formatter() -> logging.Formatter:
 def _cell(key: str, value: Any) -> str:
     if value is None:
         return ""
-    if key.endswith("_at") or key == "at":
+    if key.endswith(("_at", "_until")) or key == "at":
         return when(float(value))
     if isinstance(value, dict | list):
         return json.dumps(value, sort_keys=True)

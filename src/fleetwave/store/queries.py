@@ -436,6 +436,18 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
     out["step_states"] = step_counts(store, sid)
     # steps ended, as strategy list has it
     out["done"] = sum(n for state, n in out["step_states"].items() if state in STEP_TERMINAL)
+    # Steps in one of their states, and the latest of their deadlines: a stop or an abort
+    # lets them finish that state, so it is over by then at the latest (an operator
+    # waiting on an abort asked when it would end).
+    with store.read() as conn:
+        n, until = conn.execute(
+            select(func.count(), func.max(steps.c.deadline_at)).where(
+                steps.c.strategy_id == sid,
+                steps.c.state.not_in([STEP_INITIAL, *sorted(STEP_TERMINAL)]),
+            )
+        ).one()
+    out["in_flight"] = int(n)
+    out["in_flight_until"] = until
     return out
 
 
