@@ -200,3 +200,18 @@ def test_show_says_how_many_steps_are_in_flight_and_until_when(cli: Cli, db_path
     plain = cli("strategy", "show", str(sid)).out
     (line,) = [x for x in plain.splitlines() if x.startswith("in_flight_until")]
     assert line.endswith(when(later)), line  # a time, as every time shown is
+
+
+def test_a_drawn_table_never_splits_a_time_over_two_lines() -> None:
+    """In a terminal, `step list` printed every time as `2026-12-01` over
+    `13:19:13.403Z` (1,004 lines for 500 rows): a time is one word to the table."""
+    from fleetwave.cli.output import _column_widths
+
+    row = {
+        "target": "sc-001",
+        "details": "finishing: failed on target (fail_at=finishing) " * 3,
+        "started_at": time.time(),
+    }
+    widths = _column_widths([row], ["target", "details", "started_at"], False, 80)
+    assert widths is not None and widths[2] is not None
+    assert widths[2] >= len(when(row["started_at"])) == 24, widths

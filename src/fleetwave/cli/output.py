@@ -67,10 +67,15 @@ def utc_log_formatter() -> logging.Formatter:
     return formatter
 
 
+def _is_time(key: str) -> bool:
+    """A field holding a stored time (shown as one, never split over two lines)."""
+    return key.endswith(("_at", "_until")) or key == "at"
+
+
 def _cell(key: str, value: Any) -> str:
     if value is None:
         return ""
-    if key.endswith(("_at", "_until")) or key == "at":
+    if _is_time(key):
         return when(float(value))
     if isinstance(value, dict | list):
         return json.dumps(value, sort_keys=True)
@@ -122,7 +127,8 @@ def emit_rows(
         return
     table = Table(title=title, show_lines=False)
     for i, col in enumerate(columns):
-        table.add_column(col, no_wrap=whole_first and i == 0, overflow="fold", width=widths[i])
+        whole = (whole_first and i == 0) or _is_time(col)
+        table.add_column(col, no_wrap=whole, overflow="fold", width=widths[i])
     for row in head:
         table.add_row(*(_cell(c, row.get(c)) for c in columns))
     console.print(table, soft_wrap=False)  # a drawn table: its title centred
@@ -154,7 +160,8 @@ def _column_widths(
         for i, col in enumerate(columns):
             text = _cell(col, row.get(col))
             full[i] = max(full[i], *(_width(line) for line in text.splitlines() or [""]))
-            for word in [text] if whole_first and i == 0 else text.split():
+            whole = (whole_first and i == 0) or _is_time(col)  # a time is one word
+            for word in [text] if whole else text.split():
                 need[i] = max(need[i], _width(word))
     room -= 3 * len(columns) + 1  # a border and two spaces of padding per column
     if sum(full) <= room:
