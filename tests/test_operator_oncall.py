@@ -5,6 +5,7 @@ who drives a rollout, what a list hides, and what is left of failed attempts."""
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import sqlite3
 import time
@@ -215,3 +216,52 @@ def test_a_drawn_table_never_splits_a_time_over_two_lines() -> None:
     widths = _column_widths([row], ["target", "details", "started_at"], False, 80)
     assert widths is not None and widths[2] is not None
     assert widths[2] >= len(when(row["started_at"])) == 24, widths
+
+
+def test_a_retry_of_the_failed_targets_is_one_command(
+    cli: Cli, ended: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retrying only the targets that failed took jq or awk between `step list` and
+    `strategy create --targets` (`--targets @failed.txt` and `-` were target names)."""
+    retry = create(cli, "--failed-in", str(ended))
+    assert sorted(steps(cli, retry)) == ["bad1", "bad2"]
+    assert cli("strategy", "delete", str(retry)).code == 0
+    listed = tmp_path / "failed.txt"
+    listed.write_text("# the failed ones\nbad1\n\nbad2, ok1  # and one more\n", encoding="utf-8")
+    from_file = create(cli, "--targets", f"@{listed}")
+    assert sorted(steps(cli, from_file)) == ["bad1", "bad2", "ok1"]
+    assert cli("strategy", "delete", str(from_file)).code == 0
+    monkeypatch.setattr("sys.stdin", io.StringIO("ok2\nok3\n"))
+    from_stdin = create(cli, "--targets", "-")
+    assert sorted(steps(cli, from_stdin)) == ["ok2", "ok3"]
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (("--failed-in", "{sid}", "--all"), ["--failed-in: picks the targets itself"]),
+        (("--failed-in", "99"), ["strategy 99 not found"]),
+        (("--targets", "@{tmp}/none.txt"), ["--targets: @", "none.txt: no such file"]),
+        (("--targets", "@{tmp}/empty.txt"), ["--targets: @", "empty.txt names no target"]),
+        (("--targets", "@{tmp}/typo.txt"), ["--targets: no target named 'bad3'"]),
+    ],
+)
+def test_a_bad_target_source_is_refused(
+    cli: Cli, ended: int, tmp_path: Path, args: tuple[str, ...], words: list[str]
+) -> None:
+    (tmp_path / "empty.txt").write_text("# nobody\n\n", encoding="utf-8")
+    (tmp_path / "typo.txt").write_text("bad1\nbad3\n", encoding="utf-8")
+    given = [a.format(sid=ended, tmp=tmp_path) for a in args]
+    res = cli("strategy", "create", "--workflow", "patch", *given)
+    assert_rejected(res, *words)
+    assert len(cli("strategy", "list", "--format", "json").json()) == 1  # nothing written
+
+
+def test_failed_in_a_strategy_that_completed_says_there_is_nothing_to_retry(cli: Cli) -> None:
+    add(cli, "fine")
+    sid = create(cli, "--all")
+    assert apply_wait(cli, sid).code == 0
+    assert_rejected(
+        cli("strategy", "create", "--workflow", "patch", "--failed-in", str(sid)),
+        f"--failed-in: strategy {sid} has no failed or aborted step",
+    )

@@ -51,6 +51,8 @@ from fleetwave.cli.parsing import check_target, parse_pairs, read_text_file, tar
 from fleetwave.cli.simcmd import sim_command
 from fleetwave.domain.errors import Conflict, InputError, NotFound
 from fleetwave.domain.models import (
+    STEP_ABORTED,
+    STEP_FAILED,
     STRATEGY_TERMINAL,
     ApplyType,
     Group,
@@ -684,9 +686,23 @@ def _timeouts(items: list[str] | None) -> dict[str, float]:
 @strategy_app.command("create")
 def strategy_create(
     workflow: Annotated[str, typer.Option(help="workflow name")],
-    targets: Annotated[str | None, typer.Option(help="comma-separated target names")] = None,
+    targets: Annotated[
+        str | None,
+        typer.Option(
+            help="comma-separated target names; @FILE reads them from a file, - from stdin "
+            "(one per line, or comma- or space-separated; # starts a comment)"
+        ),
+    ] = None,
     group: Annotated[str | None, typer.Option(help="every target of this group")] = None,
     all_: Annotated[bool, typer.Option("--all", help="every target")] = False,
+    failed_in: Annotated[
+        int | None,
+        typer.Option(
+            parser=whole_number,
+            metavar="ID",
+            help="the targets whose step in strategy ID failed or was aborted (a retry)",
+        ),
+    ] = None,
     label: Annotated[
         list[str] | None,
         typer.Option(help="only targets with this label k=v (repeatable; alone: of all)"),
@@ -726,6 +742,19 @@ def strategy_create(
         if on and off:
             raise InputError(f"--{flag} and --no-{flag}: give one of them")
     store = existing_store(db)
+    names = _target_names(targets) if targets is not None else None
+    if failed_in is not None:
+        if names is not None or group is not None or all_ or label:
+            raise InputError(
+                "--failed-in: picks the targets itself; not with --targets, --group, --all "
+                "or --label"
+            )
+        names = [
+            row["target"]
+            for row in queries.iter_steps(store, failed_in, [STEP_FAILED, STEP_ABORTED])
+        ]
+        if not names:
+            raise InputError(f"--failed-in: strategy {failed_in} has no failed or aborted step")
     wf = resolve_workflow(store, workflow)
     timeouts = _timeouts(timeout)
     unknown = [state for state in timeouts if state not in wf.state_names]
@@ -746,7 +775,7 @@ def strategy_create(
         store,
         wf,
         opts,
-        target_names=targets.split(",") if targets is not None else None,
+        target_names=names,
         group=group,
         all_targets=all_,
         labels=parse_pairs(label, "--label", typed=False),
@@ -755,6 +784,33 @@ def strategy_create(
         print_json(queries.get_strategy(store, sid))
     else:
         console.print(f"strategy {sid} created ({wf.name})")
+
+
+def _target_names(given: str) -> list[str]:
+    """``--targets``: the names as given (a,b,c), or read from ``@FILE`` or ``-`` (stdin):
+    one per line, or separated by commas or spaces; ``#`` starts a comment. (A name
+    starts with a letter or digit, so neither form can be a name.)"""
+    if given != "-" and not given.startswith("@"):
+        return given.split(",")
+    if given == "-":
+        text, source = sys.stdin.read(), "stdin"
+    else:
+        path = Path(given[1:])
+        source = given
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise InputError(f"--targets: {given}: no such file") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(f"--targets: {given}: cannot read it ({exc})") from None
+    names = [
+        name
+        for line in text.splitlines()
+        for name in line.split("#", 1)[0].replace(",", " ").split()
+    ]
+    if not names:
+        raise InputError(f"--targets: {source} names no target")
+    return names
 
 
 LeaseTtlOpt = Annotated[
