@@ -188,6 +188,14 @@ def test_validate_minimal_file(cli: Cli, tmp_path: Path) -> None:
 
 
 BAD = {
+    # YAML 1.2: 'yes' is text; pydantic took it (and "false", quoted, and 1) as a bool
+    **{
+        f"skip_when_done {given}": (
+            f"name: w\nstates:\n  - name: a\n    skip_when_done: {given}\n",
+            ["states[0]", "(a)", f"skip_when_done: must be true or false, got {said}"],
+        )
+        for given, said in (("yes", "'yes'"), ('"false"', "'false'"), ("1", "1"))
+    },
     "negative timeout": (
         "name: w\nstates:\n  - name: a\n  - name: b\n    timeout_s: -5\n",
         ["states[1]", "(b)", "timeout_s"],

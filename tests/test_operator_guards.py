@@ -327,9 +327,12 @@ def test_apply_wait_refuses_a_yaml_strategy_naming_an_action_this_process_lacks(
     made = cli("strategy", "create", "--workflow", "uses-probe", "--all", "--format", "json")
     sid = made.json()["id"]
     monkeypatch.delitem(registry._actions, "probe-act")  # another process: no plug-in
+    monkeypatch.delenv("FLEETWAVE_PLUGINS", raising=False)
     assert_rejected(
         cli("strategy", "apply", str(sid), "--wait"),
         "action python:probe-act: no action registered under that name",
+        # where to look, when no plug-in module is named (found by an acceptance pass)
+        "once the module is named in FLEETWAVE_PLUGINS",
     )
     assert cli("strategy", "show", str(sid), "--format", "json").json()["state"] == "initial"
 

@@ -64,7 +64,13 @@ def action_class(name: str) -> type[StateAction]:
         if not (isinstance(obj, type) and issubclass(obj, StateAction)):
             raise WorkflowError(f"action python:{name}: is not a StateAction subclass")
         return obj
-    raise ActionNotFound(f"action python:{name}: no action registered under that name")
+    hint = ""
+    if not os.environ.get("FLEETWAVE_PLUGINS", "").strip():
+        hint = (
+            " (an action registered by a module is found once the module is named in "
+            "FLEETWAVE_PLUGINS, or give it as python:module:Class)"
+        )
+    raise ActionNotFound(f"action python:{name}: no action registered under that name{hint}")
 
 
 def get_workflow(name: str) -> WorkflowDef | None:

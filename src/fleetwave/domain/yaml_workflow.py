@@ -174,6 +174,14 @@ def _not_bool(value: Any, info: ValidationInfo) -> Any:
     return value
 
 
+def _only_bool(value: Any, info: ValidationInfo) -> Any:
+    """true or false: pydantic would take 'yes', 'off', "false" (quoted) or 1 too, and a
+    file meant in YAML 1.1 ('yes') would mean something else than it reads."""
+    if _strict(info) and not isinstance(value, bool):
+        raise ValueError(f"must be true or false, got {_given(value)}")
+    return value
+
+
 def _whole(value: Any, info: ValidationInfo) -> Any:
     """A count is a whole number: 2.0 is refused (pydantic would take it as 2)."""
     value = _not_bool(value, info)
@@ -262,7 +270,7 @@ class _State(BaseModel):
     action: Annotated[str | None, AfterValidator(_action)] = None
     timeout_s: _Seconds = Field(default=600.0, gt=0, allow_inf_nan=False)
     retry: _Retry = Field(default_factory=_Retry)
-    skip_when_done: bool = False
+    skip_when_done: Annotated[bool, BeforeValidator(_only_bool)] = False
     recover: Literal["observe", "none"] = "observe"
     mode: Literal["run", "wait-for-callback", "poll"] = "run"
     #: seconds between two looks at the target in a ``poll`` state
