@@ -265,3 +265,16 @@ def test_failed_in_a_strategy_that_completed_says_there_is_nothing_to_retry(cli:
         cli("strategy", "create", "--workflow", "patch", "--failed-in", str(sid)),
         f"--failed-in: strategy {sid} has no failed or aborted step",
     )
+
+
+def test_show_says_when_the_rollout_last_moved(cli: Cli, ended: int) -> None:
+    """`updated_at` is the strategy's own state change: during a rollout it stayed at
+    its start and read as "stalled since then"; the last transition's time is shown."""
+    shown = cli("strategy", "show", str(ended), "--format", "json").json()
+    assert shown["last_transition_at"] == max(r["at"] for r in history(cli, ended))
+    assert shown["last_transition_at"] > shown["created_at"]
+    add(cli, "later")
+    fresh = create(cli, "--targets", "later")
+    assert (
+        cli("strategy", "show", str(fresh), "--format", "json").json()["last_transition_at"] is None
+    )

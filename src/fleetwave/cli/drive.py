@@ -15,7 +15,14 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from sqlalchemy.exc import DBAPIError
 
 from fleetwave.cli.output import err_console
@@ -152,7 +159,13 @@ def stopped_at_once(store: Store, sid: int, lease_ttl_s: float) -> str:
 async def _watch(
     store: Store, sid: int, total: int, progress: Progress | None, done: asyncio.Event
 ) -> None:
-    task = progress.add_task(f"strategy {sid}", total=total) if progress else None
+    task = None
+    if progress is not None:
+        # Steps ended before this watch (a resumed rollout) are where the bar starts, not
+        # progress made: the time left is estimated from what ends from now on.
+        counts = queries.step_counts(store, sid)
+        ended_before = sum(counts.get(s, 0) for s in ("complete", "failed", "aborted"))
+        task = progress.add_task(f"strategy {sid}", total=total, completed=ended_before)
     while True:
         if progress is not None and task is not None:
             counts = queries.step_counts(store, sid)
@@ -182,6 +195,8 @@ async def _drive(store: Store, sid: int, show_progress: bool, config: EngineConf
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
+            TextColumn("left"),
+            TimeRemainingColumn(),
             console=err_console,
             transient=False,
         )

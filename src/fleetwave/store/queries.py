@@ -446,6 +446,13 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
                 steps.c.state.not_in([STEP_INITIAL, *sorted(STEP_TERMINAL)]),
             )
         ).one()
+        # when the rollout last moved (the row's updated_at is its own state's change)
+        out["last_transition_at"] = conn.execute(
+            select(journal.c.at)
+            .where(journal.c.strategy_id == sid)
+            .order_by(journal.c.id.desc())
+            .limit(1)
+        ).scalar_one_or_none()
     out["in_flight"] = int(n)
     out["in_flight_until"] = until
     return out
