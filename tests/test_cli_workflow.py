@@ -783,7 +783,7 @@ def test_validate_and_add_answer_in_json_for_scripts(cli: Cli, tmp_path: Path) -
         "file": str(f),
         "name": "site-patch",
         "version": 3,
-        "states": 3,
+        "states": ["check", "apply", "verify"],  # names, as a strategy's (it was a count)
         "add_would": "store",
         "stored_version": None,
     }

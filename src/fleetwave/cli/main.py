@@ -598,7 +598,8 @@ def workflow_validate(file: Path, fmt: FormatOpt = Format.table, db: DbOpt = Non
         "file": str(file),
         "name": wf.name,
         "version": wf.version,
-        "states": len(wf.states),
+        # its states' names, as every other answer has them
+        "states": list(wf.state_names),
         # what 'workflow add' would do (None: no database to ask)
         "add_would": None,
         "stored_version": None,
