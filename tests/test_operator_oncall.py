@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import logging
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -278,3 +281,53 @@ def test_show_says_when_the_rollout_last_moved(cli: Cli, ended: int) -> None:
     assert (
         cli("strategy", "show", str(fresh), "--format", "json").json()["last_transition_at"] is None
     )
+
+
+# A stand-in for a slow import of the command line: the signal arrives while it runs.
+_SIGNAL_WHILE_IMPORTING = """
+import importlib.abc, os, signal, sys, time
+
+SIG = getattr(signal, sys.argv[1])
+
+class SignalOnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "fleetwave.cli.main":
+            os.kill(os.getpid(), SIG)
+            time.sleep(0.5)  # the handler runs here
+        return None
+
+if sys.argv[2] == "ignored":
+    signal.signal(SIG, signal.SIG_IGN)
+sys.meta_path.insert(0, SignalOnImport())
+sys.argv = ["fleetwave", "workflow", "list", "--format", "json"]
+from fleetwave.cli.entry import run
+run()
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_signal_while_the_command_starts_ends_it_in_one_line(sig: str) -> None:
+    """Found by a bug hunt: a Ctrl-C in the first 0.7 s (the imports) printed a
+    traceback, and a SIGTERM ended the command without a word (exit 143)."""
+    res = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_WHILE_IMPORTING, sig, "handled"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 130, res
+    assert res.stderr == "error: interrupted while starting; nothing was done\n"
+    assert res.stdout == ""
+
+
+def test_a_signal_ignored_by_who_started_it_stays_ignored_while_it_starts() -> None:
+    """A background job started by a script has SIGINT ignored: it is not turned into
+    a stop while the command line is imported."""
+    res = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_WHILE_IMPORTING, "SIGINT", "ignored"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res
+    assert "patch" in {w["name"] for w in json.loads(res.stdout)}
