@@ -12,7 +12,7 @@ from sqlalchemy import select
 
 from cli_harness import Cli
 from conftest import add_sim_targets
-from fleetwave.domain.models import Group, StrategyOptions
+from fleetwave.domain.models import ApplyType, Group, StrategyOptions
 from fleetwave.domain.registry import get_workflow
 from fleetwave.store import admin
 from fleetwave.store.db import Store
@@ -227,3 +227,61 @@ def test_check_notes_a_strategy_nobody_drives(cli: Cli, db_path: Path) -> None:
     assert got["ok"] is True and got["notes"] == [note]
     shown = cli("strategy", "show", str(sid), "--format", "json").json()
     assert shown["done"] == 0  # as strategy list has it
+
+
+# Found by a mutation audit: each check below could be switched off (or made one too
+# lenient) with every test still passing.
+
+
+def test_a_move_out_of_a_terminal_state_is_a_g8_violation(store: Store) -> None:
+    add_sim_targets(store, 1)
+    sid, (a,) = _strategy(store)
+    _journal(
+        store,
+        sid,
+        [(a, "initial", FIRST, 1), (a, FIRST, "complete", 1), (a, "complete", SECOND, 1)],
+    )
+    assert _violations(store, sid) == [
+        f"G8: strategy {sid} step {a} (t00000) moved complete -> {SECOND} after terminal 'complete'"
+    ]
+
+
+def test_a_move_from_a_state_the_step_had_left_is_a_g3_violation(store: Store) -> None:
+    """A stale worker reporting from the state before: a forward move, so only the
+    'was at' comparison catches it."""
+    add_sim_targets(store, 1)
+    sid, (a,) = _strategy(store)
+    third = "creating-remote-patch-strategy"
+    _journal(
+        store,
+        sid,
+        [(a, "initial", FIRST, 1), (a, FIRST, SECOND, 1), (a, FIRST, third, 1)],
+    )
+    assert _violations(store, sid) == [
+        f"G3: strategy {sid} step {a} (t00000) moved from '{FIRST}' but was at '{SECOND}'"
+    ]
+
+
+@pytest.mark.parametrize("apply_type", ["parallel", "serial"])
+def test_more_steps_in_flight_than_the_strategys_max_is_a_g7_violation(
+    store: Store, apply_type: str
+) -> None:
+    add_sim_targets(store, 3)
+    max_parallel = 2 if apply_type == "parallel" else 1
+    sid, (a, b, c) = _strategy(store, max_parallel=max_parallel, apply_type=ApplyType(apply_type))
+    starts = [(a, "initial", FIRST, 1), (b, "initial", FIRST, 1), (c, "initial", FIRST, 1)]
+    _journal(store, sid, starts[: max_parallel + 1])
+    assert _violations(store, sid) == [
+        f"G7: strategy {sid} had {max_parallel + 1} steps in flight (max {max_parallel})"
+    ]
+
+
+def test_a_row_that_disagrees_with_the_journal_is_reported(store: Store) -> None:
+    add_sim_targets(store, 1)
+    sid, (a,) = _strategy(store)
+    _journal(store, sid, [(a, "initial", FIRST, 1), (a, FIRST, "complete", 1)])
+    with store.write() as conn:
+        conn.exec_driver_sql("UPDATE steps SET state = 'failed' WHERE id = ?", (a,))
+    assert _violations(store, sid) == [
+        f"record: strategy {sid} step {a} (t00000) row says 'failed' but journal says 'complete'"
+    ]
