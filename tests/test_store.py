@@ -299,3 +299,79 @@ def test_a_killed_conductor_not_yet_reaped_is_gone() -> None:
         proc.wait()
     assert rt.conductor_gone(rt.HOSTNAME, proc.pid, None)
     assert not rt.conductor_gone(rt.HOSTNAME, os.getpid(), None)
+
+
+# -- fencing, pinned (a mutation audit found each check could go unnoticed) ------------
+
+
+def _claimed(tmp_path: Path, cid: str = "c1") -> tuple[Store, int, rt.StrategyRecord]:
+    store = open_store(str(tmp_path / "fence.db"))
+    admin.add_targets(store, [Target(name="t0")])
+    wf = get_workflow("patch")
+    assert wf is not None
+    sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
+    admin.apply_strategy(store, sid)
+    (rec,) = rt.claim_strategies(store, cid, 1.0, 100.0, register=True)
+    return store, sid, rec
+
+
+def _entry(store: Store, sid: int) -> rt.Transition:
+    (waiting,) = rt.load_waiting_steps(store, sid, -1, 10)
+    return rt.Transition(waiting.step_id, sid, "initial", 0, "pre-check", 1, "", 1)
+
+
+def _journal_rows(store: Store) -> int:
+    with store.read() as conn:
+        return int(conn.exec_driver_sql("SELECT count(*) FROM journal").scalar_one())
+
+
+@pytest.mark.parametrize("by", ["another conductor", "itself at a new fence"])
+def test_a_commit_at_a_fence_no_longer_held_writes_nothing(tmp_path: Path, by: str) -> None:
+    """G2/G3: once the strategy was claimed again (by another conductor after this one's
+    lease ran out, or by this one anew after its renewals lapsed), a commit made at the
+    old fence is refused whole: the strategy is reported lost, nothing is written."""
+    store, sid, rec = _claimed(tmp_path)
+    if by == "another conductor":
+        (again,) = rt.claim_strategies(store, "c2", 200.0, 300.0, register=True)
+    else:
+        (again,) = rt.claim_strategies(store, "c1", 200.0, 300.0, driving=set())
+    assert again.fence == rec.fence + 1
+    writer = rt.TransitionWriter(store, "c1")
+    entry = _entry(store, sid)
+    result = writer.commit([entry], [], 201.0, 300.0, fences={sid: rec.fence})
+    writer.close()
+    assert result.lost == {sid}
+    assert _journal_rows(store) == 0
+    with store.read() as conn:
+        assert conn.exec_driver_sql("SELECT state, owner FROM steps").one() == ("initial", None)
+    store.dispose()
+
+
+def test_a_takeover_by_a_conductor_fenced_off_takes_nothing(tmp_path: Path) -> None:
+    """G2: `held` is checked in the takeover's transaction: a conductor whose strategy
+    was claimed by another since takes none of its steps."""
+    store, sid, rec = _claimed(tmp_path)
+    with store.write() as conn:
+        conn.exec_driver_sql("UPDATE steps SET state = 'pre-check', fence = 1, owner = 'gone'")
+    (step,), _failed = rt.load_open_steps(store, sid)
+    rt.claim_strategies(store, "c2", 200.0, 300.0, register=True)  # fence + 1
+    assert rt.take_over_steps(store, [step], "c1", 201.0, 300.0, held=(sid, rec.fence)) == []
+    with store.read() as conn:
+        assert conn.exec_driver_sql("SELECT owner, fence FROM steps").one() == ("gone", 1)
+    store.dispose()
+
+
+def test_a_takeover_from_a_stale_copy_of_a_step_takes_nothing(tmp_path: Path) -> None:
+    """G2, one executor: two conductors read the same step at fence 1; the first takes it
+    (fence 2), the second's copy is stale and must not take it from the first."""
+    store, sid, _rec = _claimed(tmp_path)
+    with store.write() as conn:
+        conn.exec_driver_sql("UPDATE steps SET state = 'pre-check', fence = 1, owner = 'gone'")
+    (first_copy,), _ = rt.load_open_steps(store, sid)
+    (second_copy,), _ = rt.load_open_steps(store, sid)
+    (taken,) = rt.take_over_steps(store, [first_copy], "c1", 2.0, 100.0)
+    assert taken.fence == 2
+    assert rt.take_over_steps(store, [second_copy], "c2", 2.0, 100.0) == []
+    with store.read() as conn:
+        assert conn.exec_driver_sql("SELECT owner, fence FROM steps").one() == ("c1", 2)
+    store.dispose()
