@@ -38,6 +38,23 @@ def test_branch_forward_allowed_backward_fails() -> None:
     assert back.to_state == "failed" and "not a later state" in back.details
     unknown = decide(STATES, "a", Advance(to="zzz"))
     assert unknown.to_state == "failed" and "zzz" in unknown.details
+    # its own state is not a later one either (G1: it would be entered twice)
+    same = decide(STATES, "b", Advance(to="b"))
+    assert (same.to_state, same.details) == (
+        "failed",
+        "b: action chose 'b', which is not a later state",
+    )
+
+
+def test_a_timeout_for_a_state_the_workflow_does_not_have_is_refused() -> None:
+    """A misspelt state in a strategy's timeouts would be ignored, the state running with
+    its default timeout."""
+    wf = WorkflowDef(
+        "w", (StateDef("a", DriverOperation("a")), StateDef("b", DriverOperation("b")))
+    )
+    assert wf.with_timeouts({"b": 5}).states[1].timeout_s == 5
+    with pytest.raises(WorkflowError, match=r"timeout given for unknown state\(s\) \['bb'\]"):
+        wf.with_timeouts({"a": 5, "bb": 5})
 
 
 @given(st.sampled_from(("initial", *STATES)), st.sampled_from((*STATES, "complete", "failed")))
