@@ -15,12 +15,13 @@ from conftest import add_sim_targets, applied
 from fleetwave import ActionContext, Advance, Outcome, StateAction
 from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.registry import register_workflow
+from fleetwave.domain.rules import Decision
 from fleetwave.domain.workflow import StateDef, WorkflowDef
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.clock import LoopClock
 from fleetwave.engine.conductor import Conductor, EngineConfig
-from fleetwave.engine.messages import LeaseLost, RetryAnswer, RetryScheduled
+from fleetwave.engine.messages import ActionFinished, LeaseLost, RetryAnswer, RetryScheduled
 from fleetwave.store import admin, queries
 from fleetwave.store.db import Store
 from fleetwave.store.schema import journal, strategies
@@ -491,4 +492,36 @@ def test_an_abort_just_before_a_taken_over_retry_is_due_stops_it(store: Store) -
     (step,) = queries.list_steps(store, sid)
     assert step["state"] == "aborted", step
     assert step["details"] == "op: attempt 2 of 3 not started: aborted by operator", step
+    assert check(store, sid).ok
+
+
+class ReportsAnOldFencesOutcome(StateAction):
+    """Posts, for its own step and state, an outcome at a fence below the step's (as a
+    worker fenced off by a takeover, still running the same state, would), then ends."""
+
+    def __init__(self) -> None:
+        self.conductor: Conductor | None = None
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        assert self.conductor is not None
+        stale = Decision("failed", "a: reported by a worker fenced off")
+        self.conductor.post(ActionFinished(ctx.strategy_id, ctx.step_id, ctx.state, 0, stale, 1))
+        await asyncio.sleep(0.05)  # the dispatcher handles it before this worker reports
+        return Advance()
+
+
+def test_an_outcome_from_an_old_fence_in_the_same_state_is_ignored(store: Store) -> None:
+    """G2: only the worker at the step's fence decides its state (found unpinned by a
+    mutation audit: the state alone would have let the old worker's outcome through)."""
+    add_sim_targets(store, 1)
+    action = ReportsAnOldFencesOutcome()
+    wf = register_workflow(WorkflowDef("old-fence", (StateDef("a", action),)), replace=True)
+    sid = applied(store, wf.name)
+    c = Conductor(store)
+    action.conductor = c
+    assert asyncio.run(asyncio.wait_for(c.run(strategy_ids=[sid]), 10))[sid] == "complete"
+    (step,) = queries.list_steps(store, sid)
+    assert step["state"] == "complete"
+    kinds = [e["kind"] for e in queries.strategy_events(store, sid)]
+    assert kinds.count("stale-outcome-ignored") == 1, kinds
     assert check(store, sid).ok
