@@ -92,3 +92,19 @@ def test_pending_count_and_stage_agree_with_the_queues(
         assert run.pending_count() == queued
         assert run.current_stage() == _slow_stage(run)
         assert len(run.inflight) <= cap
+
+
+def test_an_unsettled_step_holds_its_max_parallel_slot() -> None:
+    """G7: a step whose transition was refused may still be running on its target (it
+    is read back and perhaps taken over): until settled it holds its slot, so a run at
+    max parallel 1 admits nothing meanwhile (found unpinned by a mutation audit; the
+    stage and group slots had tests)."""
+    from fleetwave.engine.run import Unsettled
+
+    run = _run(False, 1, {})
+    run.unsettled[1] = Unsettled(refused=None, stage=1, group_id=None, held=True)
+    run.add_pending(_step(2, 1, None))
+    assert not run.take_admissions_possible()
+    assert run.take_admissions(10) == []
+    del run.unsettled[1]  # settled: its slot is free
+    assert [rec.step_id for rec in run.take_admissions(10)] == [2]
