@@ -1811,12 +1811,9 @@ class Conductor:
             if not admitted:
                 break
             room -= len(admitted)
-            for i, rec in enumerate(admitted):
-                if run.stopping is not None:
-                    # The threshold was crossed by this very admission round: the rest
-                    # of it never starts (they are ended below, with every waiting step).
-                    run.requeue_front(admitted[i:])
-                    break
+            # Nothing here can stop the strategy: a target unmanaged now is failed, and
+            # the threshold counted, by the commit.
+            for rec in admitted:
                 # A target unmanaged now is failed in the commit that would start it (as
                 # of then, not as of when its page was loaded: it may be managed again).
                 batch.append(self._entry(run, rec, first, "", now, claim=True))
