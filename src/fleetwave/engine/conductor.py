@@ -1550,7 +1550,7 @@ class Conductor:
             self._writer.commit, batch, events, self._NOW, self._LEASE, [], {rec.id: rec.fence}
         )
         ok = await self._io(
-            rt.end_strategy, self.store, rec.id, self.id, final.value, reason, self._NOW
+            rt.end_strategy, self.store, rec.id, self.id, rec.fence, final.value, reason, self._NOW
         )
         self.finished[rec.id] = final.value if ok else "lost"
 
@@ -2026,7 +2026,14 @@ class Conductor:
             else:
                 final, details = StrategyState.COMPLETE, ""
             ok = await self._io(
-                rt.end_strategy, self.store, run.id, self.id, final.value, details, self._NOW
+                rt.end_strategy,
+                self.store,
+                run.id,
+                self.id,
+                run.record.fence,
+                final.value,
+                details,
+                self._NOW,
             )
             del self.runs[run.id]
             self._thaw(refreeze=bool(self.runs))

@@ -514,22 +514,25 @@ def set_strategy_details(store: Store, sid: int, cid: str, details: str, now: fl
         return bool(res.rowcount == 1)
 
 
-def end_strategy(store: Store, sid: int, cid: str, final: str, details: str, now: float) -> bool:
+def end_strategy(
+    store: Store, sid: int, cid: str, fence: int, final: str, details: str, now: float
+) -> bool:
     """Commit a driven strategy's final state, drop its lease, and answer its open callbacks.
 
     One transaction: a callback is either answered by the owner that processed it or
     ignored because the strategy ended, never left open by a strategy that is over.
     An operator abort that raced in (abort-requested) is overwritten: the steps are
-    all terminal already. False when this conductor no longer owns the strategy.
+    all terminal already. False when this conductor no longer holds the strategy at the
+    ``fence`` it drove it at (as every other write of a driven strategy checks).
     """
     p = store.hooks.placeholder
     with store.write() as conn:
         res = conn.exec_driver_sql(
             f"UPDATE strategies SET state = {p}, details = {p}, updated_at = {p}, "
             "owner = NULL, lease_expires_at = NULL "
-            f"WHERE id = {p} AND owner = {p} "
+            f"WHERE id = {p} AND owner = {p} AND fence = {p} "
             f"AND state IN ({store.hooks.placeholders(len(DRIVEN_STATES))})",
-            (final, details, now, sid, cid, *DRIVEN_STATES),
+            (final, details, now, sid, cid, fence, *DRIVEN_STATES),
         )
         if res.rowcount != 1:
             return False
