@@ -375,3 +375,18 @@ def test_a_takeover_from_a_stale_copy_of_a_step_takes_nothing(tmp_path: Path) ->
     with store.read() as conn:
         assert conn.exec_driver_sql("SELECT owner, fence FROM steps").one() == ("c1", 2)
     store.dispose()
+
+
+def test_ending_a_strategy_at_a_fence_no_longer_held_is_refused(tmp_path: Path) -> None:
+    """The conductor's own new claim (after its renewals lapsed) drives it now: the old
+    run's end must not end the strategy under it."""
+    store, sid, rec = _claimed(tmp_path)
+    (again,) = rt.claim_strategies(store, "c1", 200.0, 300.0, driving=set())
+    assert not rt.end_strategy(store, sid, "c1", rec.fence, "complete", "", 201.0)
+    with store.read() as conn:
+        assert conn.exec_driver_sql("SELECT state, owner FROM strategies").one() == (
+            "applying",
+            "c1",
+        )
+    assert rt.end_strategy(store, sid, "c1", again.fence, "complete", "", 202.0)
+    store.dispose()
