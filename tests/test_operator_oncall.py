@@ -234,7 +234,7 @@ def test_a_retry_of_the_failed_targets_is_one_command(
     from_file = create(cli, "--targets", f"@{listed}")
     assert sorted(steps(cli, from_file)) == ["bad1", "bad2", "ok1"]
     assert cli("strategy", "delete", str(from_file)).code == 0
-    monkeypatch.setattr("sys.stdin", io.StringIO("ok2\nok3\n"))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"ok2\nok3\n")))
     from_stdin = create(cli, "--targets", "-")
     assert sorted(steps(cli, from_stdin)) == ["ok2", "ok3"]
 
@@ -247,6 +247,10 @@ def test_a_retry_of_the_failed_targets_is_one_command(
         (("--targets", "@{tmp}/none.txt"), ["--targets: @", "none.txt: no such file"]),
         (("--targets", "@{tmp}/empty.txt"), ["--targets: @", "empty.txt names no target"]),
         (("--targets", "@{tmp}/typo.txt"), ["--targets: no target named 'bad3'"]),
+        (("--targets", "@{tmp}"), ["--targets: @", ": a directory"]),
+        (("--targets", "@{tmp}/latin1.txt"), ["latin1.txt: not UTF-8 text (byte 0xe9 at line 2"]),
+        (("--targets", "ok1,,ok2"), ["--targets: an empty name in 'ok1,,ok2'"]),
+        (("--targets", "ok1,"), ["--targets: an empty name in 'ok1,'"]),
     ],
 )
 def test_a_bad_target_source_is_refused(
@@ -254,10 +258,27 @@ def test_a_bad_target_source_is_refused(
 ) -> None:
     (tmp_path / "empty.txt").write_text("# nobody\n\n", encoding="utf-8")
     (tmp_path / "typo.txt").write_text("bad1\nbad3\n", encoding="utf-8")
+    (tmp_path / "latin1.txt").write_bytes("ok1\ncaf\u00e9\n".encode("latin-1"))
     given = [a.format(sid=ended, tmp=tmp_path) for a in args]
     res = cli("strategy", "create", "--workflow", "patch", *given)
     assert_rejected(res, *words)
     assert len(cli("strategy", "list", "--format", "json").json()) == 1  # nothing written
+
+
+def test_names_from_stdin_or_a_file_are_text_as_a_file_is(
+    cli: Cli, ended: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A byte that is not UTF-8 on stdin printed a traceback; a file saved with a
+    byte-order mark (Windows) named its first target with an invisible character."""
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"ok1\nbad1\xff\n")))
+    assert_rejected(
+        cli("strategy", "create", "--workflow", "patch", "--targets", "-"),
+        "--targets: stdin: not UTF-8 text (byte 0xff at line 2, column 5)",
+    )
+    marked = tmp_path / "bom.txt"
+    marked.write_bytes(b"\xef\xbb\xbfok1\r\nok2\r\n")
+    sid = create(cli, "--targets", f"@{marked}")
+    assert sorted(steps(cli, sid)) == ["ok1", "ok2"]
 
 
 def test_failed_in_a_strategy_that_completed_says_there_is_nothing_to_retry(cli: Cli) -> None:
@@ -331,3 +352,24 @@ def test_a_signal_ignored_by_who_started_it_stays_ignored_while_it_starts() -> N
     )
     assert res.returncode == 0, res
     assert "patch" in {w["name"] for w in json.loads(res.stdout)}
+
+
+def test_every_kind_of_event_written_can_be_asked_for() -> None:
+    """`events --kind transition-rejected` was refused although the engine writes such
+    events: the kinds `--kind` takes are every hyphenated word the store and the
+    engine write as an event's kind (the words below are not kinds)."""
+    import re
+
+    src = Path(queries.__file__).parents[1]
+    words: set[str] = set()
+    for part in ("store/runtime.py", "engine/conductor.py"):
+        text = (src / part).read_text(encoding="utf-8")
+        words |= set(re.findall(r"[\"']([a-z]+(?:-[a-z]+)+)[\"']", text))
+    not_kinds = {
+        "wait-for-callback",  # a state's mode
+        "before-commit",  # crash points of the tests
+        "after-commit",
+        "not-drivable-here",  # what run() says of a strategy
+        "fleetwave-periodic",  # a task's name
+    }
+    assert words - not_kinds == set(queries.EVENT_KINDS)

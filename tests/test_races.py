@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import select, update
 
 from conftest import add_sim_targets, applied
-from fleetwave import ActionContext, Advance, Outcome, StateAction
+from fleetwave import ActionContext, Advance, Outcome, StateAction, TransientError
 from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.registry import register_workflow
 from fleetwave.domain.rules import Decision
@@ -525,3 +525,42 @@ def test_an_outcome_from_an_old_fence_in_the_same_state_is_ignored(store: Store)
     kinds = [e["kind"] for e in queries.strategy_events(store, sid)]
     assert kinds.count("stale-outcome-ignored") == 1, kinds
     assert check(store, sid).ok
+
+
+def test_a_retry_taken_over_says_it_started_while_it_runs(store: Store) -> None:
+    """Found by a review: a retry started by the conductor that took it over kept the
+    row's "attempt 2 from <a time now past>" while it ran, as if still to come."""
+    seen: list[str] = []
+
+    class BusyOnce(StateAction):
+        async def run(self, ctx: ActionContext) -> Outcome:
+            if ctx.attempt == 1:
+                raise TransientError("busy")
+            seen.append(str(queries.list_steps(store, ctx.strategy_id)[0]["details"]))
+            return Advance()
+
+    wf = WorkflowDef(
+        "busy-once", (StateDef("op", BusyOnce(), timeout_s=600, attempts_max=3, backoff_s=100),)
+    )
+    register_workflow(wf, replace=True)
+    add_sim_targets(store, 1)
+    sid = applied(store, "busy-once")
+    config = EngineConfig(tick_s=1, shutdown_grace_s=30)
+    first, second = (Conductor(store, clock=LoopClock(), config=config) for _ in range(2))
+
+    async def go() -> dict[int, str]:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(10, stop.set)  # during the backoff
+        await first.run(strategy_ids=[sid], stop=stop)
+        return await second.run(strategy_ids=[sid])
+
+    loop = VirtualTimeLoop()
+    try:
+        assert loop.run_until_complete(go())[sid] == "complete"
+    finally:
+        loop.close()
+    (said,) = seen
+    assert said.startswith("op: attempt 2 of 3 started "), said
+    assert said.endswith("Z (a retry taken over)"), said
+    failed = [e for e in queries.strategy_events(store, sid) if e["kind"] == "attempt-failed"]
+    assert [e["details"].split("; ")[0] for e in failed] == ["op: busy (attempt 1 of 3)"]

@@ -47,7 +47,13 @@ from fleetwave.cli.drive import (
     stopped_watching,
 )
 from fleetwave.cli.output import Format, console, emit_one, emit_rows, err_console, print_json
-from fleetwave.cli.parsing import check_target, parse_pairs, read_text_file, targets_from_file
+from fleetwave.cli.parsing import (
+    check_target,
+    decode_text,
+    parse_pairs,
+    read_text_file,
+    targets_from_file,
+)
 from fleetwave.cli.simcmd import sim_command
 from fleetwave.domain.errors import Conflict, InputError, NotFound
 from fleetwave.domain.models import (
@@ -790,27 +796,34 @@ def strategy_create(
 def _target_names(given: str) -> list[str]:
     """``--targets``: the names as given (a,b,c), or read from ``@FILE`` or ``-`` (stdin):
     one per line, or separated by commas or spaces; ``#`` starts a comment. (A name
-    starts with a letter or digit, so neither form can be a name.)"""
+    starts with a letter or digit, so neither form can be a name.) An empty name in a
+    list, or one that is not text, is refused."""
     if given != "-" and not given.startswith("@"):
-        return given.split(",")
-    if given == "-":
-        text, source = sys.stdin.read(), "stdin"
+        names = given.split(",")
+        if any(not name.strip() for name in names):
+            raise InputError(f"--targets: an empty name in {shown(given)}")
     else:
-        path = Path(given[1:])
-        source = given
+        if given == "-":
+            text = decode_text(sys.stdin.buffer.read(), "--targets: stdin")
+            source = "stdin"
+        else:
+            path, source = Path(given[1:]), given
+            if not path.is_file():
+                what = "a directory" if path.is_dir() else "no such file"
+                raise InputError(f"--targets: {given}: {what}")
+            text = read_text_file(path)
+        names = [
+            name
+            for line in text.splitlines()
+            for name in line.split("#", 1)[0].replace(",", " ").split()
+        ]
+        if not names:
+            raise InputError(f"--targets: {source} names no target")
+    for name in names:
         try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise InputError(f"--targets: {given}: no such file") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InputError(f"--targets: {given}: cannot read it ({exc})") from None
-    names = [
-        name
-        for line in text.splitlines()
-        for name in line.split("#", 1)[0].replace(",", " ").split()
-    ]
-    if not names:
-        raise InputError(f"--targets: {source} names no target")
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InputError(f"--targets: {shown(name)} is not valid text") from None
     return names
 
 

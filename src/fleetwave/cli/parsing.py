@@ -100,6 +100,12 @@ def read_text_file(path: Path) -> str:
         data = path.read_bytes()
     except OSError as exc:
         raise InputError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    return decode_text(data, str(path), csv=path.suffix.lower() == ".csv")
+
+
+def decode_text(data: bytes, where: str, *, csv: bool = False) -> str:
+    """UTF-8 text read from a file or stdin (``where`` names it in an error): a leading
+    byte-order mark dropped; anything not UTF-8 refused, naming the line and column."""
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -108,10 +114,10 @@ def read_text_file(path: Path) -> str:
         how = "save it as UTF-8"
         if data.startswith((b"\xff\xfe", b"\xfe\xff")):
             how = "it is UTF-16 (a byte-order mark says so); save it as UTF-8"
-        if path.suffix.lower() == ".csv":
+        if csv:
             how += " (Excel: 'CSV UTF-8')"
         raise InputError(
-            f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at line {line}, "
+            f"{where}: not UTF-8 text (byte 0x{data[exc.start]:02x} at line {line}, "
             f"column {column}); {how}"
         ) from None
 

@@ -2112,7 +2112,15 @@ class Conductor:
         if start_retry:
             # its start on the record (the mark cleared, the fence checked) before it runs
             deadline = rec.deadline_at or self.clock.now() + st.timeout_s
-            started = RetryScheduled(run.id, rec.step_id, state, fence, deadline, rec.attempt, None)
+            # the row's "attempt N from T" (what failed before it) would read as still to
+            # come; what failed is kept in its attempt-failed event
+            now_on = (
+                f"{state}: attempt {rec.attempt} of {st.attempts_max} started "
+                f"{_utc(self.clock.now())} (a retry taken over)"
+            )
+            started = RetryScheduled(
+                run.id, rec.step_id, state, fence, deadline, rec.attempt, now_on
+            )
             answer = await self._record(started, started=True)
             if answer is RetryAnswer.HELD:
                 # an abort was on record before it could start

@@ -754,6 +754,7 @@ EVENT_KINDS = {
     "strategy-claimed": "a conductor took the strategy on (from whom)",
     "step-taken-over": "a step's lease passed to a new conductor (in which state, fences)",
     "attempt-failed": "an attempt of a state failed and is retried (why, which comes when)",
+    "transition-rejected": "a transition was refused (fenced off, or the state entered)",
     "step-settled": "a transition was refused and the step's row read back",
     "stale-outcome-ignored": "a report for a step that had moved on, ignored",
     "pause-seen": "the conductor saw a pause",
