@@ -756,6 +756,11 @@ def strategy_create(
                 "--failed-in: picks the targets itself; not with --targets, --group, --all "
                 "or --label"
             )
+        if queries.get_strategy(store, failed_in)["state"] == StrategyState.DELETING:
+            raise InputError(
+                f"--failed-in: strategy {failed_in} is being deleted, its steps partly gone "
+                f"('fleetwave strategy delete {failed_in}' finishes it)"
+            )
         names = [
             row["target"]
             for row in queries.iter_steps(store, failed_in, [STEP_FAILED, STEP_ABORTED])
