@@ -674,8 +674,6 @@ def test_several_serving_conductors_are_all_named(
     (the other did); a second `serve` started without a word."""
     from test_cli_strategy import ON, _conductor_row
 
-    where = ON[len("(on ") : -1]  # "host pid N"
-
     add(cli, "a", latency_ms="60000")
     sid = create(cli, "--all")
     _conductor_row(db_path, "c-one", serves_all=True)
@@ -695,7 +693,7 @@ def test_several_serving_conductors_are_all_named(
     serve = cli("serve")
     assert serve.code == 3
     assert serve.err.startswith(
-        f"warning: 2 conductors already serve {db_path} (c-one on {where}, c-two on {where}): "
+        f"warning: 2 conductors already serve {db_path} (c-one {ON}, c-two {ON}): "
         "they share its "
         "strategies, each driven by one"
     ), serve.err

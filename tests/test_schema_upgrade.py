@@ -23,6 +23,7 @@ from fleetwave.store.db import (
     known_revisions,
     open_store,
 )
+from fleetwave.store.queries import shown_host
 from fleetwave.store.runtime import HOSTNAME
 
 OLD = "0005"
@@ -112,6 +113,8 @@ def test_init_does_not_upgrade_under_a_running_conductor(cli: Cli, tmp_path: Pat
     _conductor(old, pid=1)  # pid 1 is always there
     line = one_line(cli("init", db=old))
     assert "in use by conductor c-old" in line and "nothing was changed" in line, line
+    # named as every message names a conductor (its record's PID namespace not shown)
+    assert f"c-old (on {shown_host(HOSTNAME)} pid 1)" in line and ":pidns" not in line, line
     assert _revision(old) == OLD
 
 

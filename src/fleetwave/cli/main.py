@@ -143,7 +143,7 @@ def init(db: DbOpt = None) -> None:
         store = open_store(db or default_db_path(), migrate_schema=False)
         running = queries.running_conductors(store)
         if running:
-            names = ", ".join(f"{c['id']} (host {c['hostname']}, pid {c['pid']})" for c in running)
+            names = ", ".join(queries.conductor_named(c) for c in running)
             raise InputError(
                 f"{db_named(db)}: {store.url} is in use by "
                 f"conductor{'s' if len(running) > 1 else ''} "
@@ -1428,10 +1428,7 @@ def serve(lease_ttl: LeaseTtlOpt = None, db: DbOpt = None) -> None:
     # Never a new database: a mistyped --db would be served, empty, for good (a service
     # manager restarting it), while the real fleet's strategies wait for nobody.
     store = existing_store(db)
-    others = [
-        f"{c['id']} on {queries.shown_host(c['hostname'])} pid {c['pid']}"
-        for c in queries.serving_conductors(store)
-    ]
+    others = [queries.conductor_named(c) for c in queries.serving_conductors(store)]
     if others:
         # Allowed (each strategy is driven by one conductor at a time, by claim and
         # fence), but on SQLite one serve per database is the setup: a second one adds

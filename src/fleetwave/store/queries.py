@@ -313,12 +313,12 @@ class _Conductors:
     present: frozenset[str]
     #: id, hostname and pid of each serving one (see :func:`serving_conductors`)
     serving: tuple[dict[str, Any], ...]
-    #: where each known one runs ("host pid N"), to name it for an operator
+    #: each known one as named for an operator (:func:`conductor_named`)
     where: dict[str, str]
 
     def named(self, cid: str) -> str:
         """A conductor as an operator finds it: its id, host and process."""
-        return f"{cid} (on {self.where[cid]})" if cid in self.where else cid
+        return self.where.get(cid, cid)
 
     @classmethod
     def read(cls, conn: Any, now: float) -> _Conductors:
@@ -338,7 +338,7 @@ class _Conductors:
             for r in rows
             if r.serves_all and r.id not in gone and r.heartbeat_at >= now - SERVING_WITHIN_S
         )
-        where = {r.id: f"{shown_host(r.hostname)} pid {r.pid}" for r in rows}
+        where = {r.id: conductor_named(r._asdict()) for r in rows}
         return cls(frozenset(gone), frozenset(r.id for r in rows), serving, where)
 
     def owner_gone(self, owner: str) -> bool:
@@ -350,6 +350,12 @@ class _Conductors:
 def shown_host(identity: str) -> str:
     """A conductor's host as an operator knows it (its record adds the PID namespace)."""
     return identity.split(":pidns", 1)[0]
+
+
+def conductor_named(row: dict[str, Any]) -> str:
+    """A conductor (``id``, ``hostname``, ``pid``) as every message names it: its id, and
+    where to find its process."""
+    return f"{row['id']} (on {shown_host(row['hostname'])} pid {row['pid']})"
 
 
 @dataclass(frozen=True)
