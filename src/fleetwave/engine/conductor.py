@@ -1188,6 +1188,7 @@ class Conductor:
                     self.store,
                     run.id,
                     self.id,
+                    run.record.fence,
                     StrategyState.ABORT_REQUESTED.value,
                     StrategyState.ABORTING.value,
                     "aborting: in-flight steps finish their current state",
@@ -1205,6 +1206,7 @@ class Conductor:
                     self.store,
                     run.id,
                     self.id,
+                    run.record.fence,
                     f"stopping: {run.stop_details}; in-flight steps finish their current state",
                     self._NOW,
                 )

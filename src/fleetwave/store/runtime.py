@@ -484,9 +484,10 @@ def strategy_states(store: Store, sids: list[int]) -> dict[int, tuple[str, str |
 
 
 def set_strategy_state(
-    store: Store, sid: int, cid: str, expect: str, new: str, details: str, now: float
+    store: Store, sid: int, cid: str, fence: int, expect: str, new: str, details: str, now: float
 ) -> bool:
-    """Compare-and-set the strategy's (non-final) state; only its owner may.
+    """Compare-and-set the strategy's (non-final) state; only its owner may, at the fence
+    it holds it at.
 
     Final states go through :func:`end_strategy`, which also drops the lease.
     """
@@ -494,22 +495,24 @@ def set_strategy_state(
     with store.write() as conn:
         res = conn.exec_driver_sql(
             f"UPDATE strategies SET state = {p}, details = {p}, updated_at = {p} "
-            f"WHERE id = {p} AND state = {p} AND owner = {p}",
-            (new, details, now, sid, expect, cid),
+            f"WHERE id = {p} AND state = {p} AND owner = {p} AND fence = {p}",
+            (new, details, now, sid, expect, cid, fence),
         )
         return bool(res.rowcount == 1)
 
 
-def set_strategy_details(store: Store, sid: int, cid: str, details: str, now: float) -> bool:
+def set_strategy_details(
+    store: Store, sid: int, cid: str, fence: int, details: str, now: float
+) -> bool:
     """Say why a driven strategy stops starting steps (its state unchanged, applying or
-    paused); only its owner may."""
+    paused); only its owner may, at the fence it holds it at."""
     p = store.hooks.placeholder
     with store.write() as conn:
         res = conn.exec_driver_sql(
             f"UPDATE strategies SET details = {p}, updated_at = {p} WHERE id = {p} "
-            f"AND owner = {p} AND state IN ('{StrategyState.APPLYING.value}', "
+            f"AND owner = {p} AND fence = {p} AND state IN ('{StrategyState.APPLYING.value}', "
             f"'{StrategyState.PAUSED.value}')",
-            (details, now, sid, cid),
+            (details, now, sid, cid, fence),
         )
         return bool(res.rowcount == 1)
 
