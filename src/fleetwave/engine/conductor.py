@@ -93,6 +93,9 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+#: a strategy's failed steps logged one line each; the ones after, one line per batch
+FAILURES_LOGGED_ALONE = 20
+
 #: what :meth:`Conductor.run` says of a strategy whose workflow this process lacks
 NOT_DRIVABLE_HERE = "not-drivable-here"
 
@@ -281,6 +284,10 @@ class Conductor:
         self._freed: dict[int, InFlight | None] = {}
         #: outcomes of steps that had moved on, in the batch being handled
         self._stale: list[ActionFinished] = []
+        #: failed steps of the batch being handled, to log (strategy, step, target, why)
+        self._failed_now: list[tuple[int, int, str | None, str]] = []
+        #: failed steps logged one by one, per strategy (past a few, a line per batch)
+        self._failures_logged: dict[int, int] = {}
         #: callback waits an operator's abort ends, once no callback for their step is
         #: queued (one stored before a takeover is handed to its wait first)
         self._ending_waits: list[InFlight] = []
@@ -964,6 +971,8 @@ class Conductor:
             if newly:
                 self._lapse(newly)
             self._apply(batch, result.rejected, marks)
+            if self._failed_now:
+                self._log_failures()
             for sid in result.lost:
                 self._drop_run(sid)
             refused_retries = result.retries_refused
@@ -1945,14 +1954,41 @@ class Conductor:
                 self._release(fl)
 
     def _log_failed(self, t: rt.Transition, fl: InFlight | None = None) -> None:
-        """A step's failure, in the service's log as on its row (at night the log is
-        often what is looked at first)."""
+        """A step's failure, to be logged after the commit (:meth:`_log_failures`)."""
         run = self.runs.get(t.strategy_id)
         if fl is None and run is not None:
             fl = run.inflight.get(t.step_id)
         fl = fl or self._freed.get(t.step_id)
-        who = f" (target {fl.rec.target.name})" if fl is not None else ""
-        log.warning("strategy %s: step %s%s failed: %s", t.strategy_id, t.step_id, who, t.details)
+        name = fl.rec.target.name if fl is not None else None
+        self._failed_now.append((t.strategy_id, t.step_id, name, t.details))
+
+    def _log_failures(self) -> None:
+        """The batch's failed steps in the service's log, as on their rows (at night the
+        log is often what is looked at first): each of a strategy's first ones, then one
+        line per batch (a fleet-wide failure logged step by step took longer to write
+        than to decide)."""
+        by_strategy: dict[int, list[tuple[int, int, str | None, str]]] = {}
+        for failed in self._failed_now:
+            by_strategy.setdefault(failed[0], []).append(failed)
+        self._failed_now = []
+        for sid, failures in by_strategy.items():
+            logged = self._failures_logged.get(sid, 0)
+            alone = max(0, min(len(failures), FAILURES_LOGGED_ALONE - logged))
+            for _sid, step_id, name, why in failures[:alone]:
+                who = f" (target {name})" if name is not None else ""
+                log.warning("strategy %s: step %s%s failed: %s", sid, step_id, who, why)
+            self._failures_logged[sid] = logged + len(failures)
+            if len(failures) > alone:
+                log.warning(
+                    "strategy %s: %s failed (%d in all): 'fleetwave step list --strategy %s "
+                    "--state failed' says why",
+                    sid,
+                    plural(len(failures) - alone, "more step")
+                    if alone
+                    else plural(len(failures), "step"),
+                    logged + len(failures),
+                    sid,
+                )
 
     def _release(self, fl: InFlight) -> None:
         """Let the step's worker run the action of the state just committed (G4)."""
@@ -2040,6 +2076,7 @@ class Conductor:
             del self.runs[run.id]
             self._thaw(refreeze=bool(self.runs))
             self._callbacks_seen.pop(run.id, None)
+            self._failures_logged.pop(run.id, None)
             self.finished[run.id] = final.value if ok else "lost"
             for driver in self.drivers.values() if ok else ():
                 # optional: a driver that keeps what its targets did per strategy forgets it
