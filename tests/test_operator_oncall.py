@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from cli_harness import Cli, assert_rejected
-from conftest import add_sim_targets, applied
+from conftest import add_sim_targets, applied, on_virtual_time
 from fleetwave.cli.output import when
 from fleetwave.engine.conductor import Conductor
 from fleetwave.store import queries
@@ -433,3 +433,27 @@ def test_a_fleet_wide_failure_is_logged_in_a_few_lines(
         f"(300 in all): 'fleetwave step list --strategy {sid} --state failed' says why"
     ), summaries[-1]
     assert said[-1] == f"strategy {sid}: ended failed: 300 steps failed"
+
+
+def test_failures_that_come_one_at_a_time_are_summed_every_ten_seconds(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by a scale pass: at one failure per commit, "one line per commit" was one
+    line per failed step. Past the first 20, a line at most every 10 s, and one as the
+    strategy ends, count every failure once."""
+    from fleetwave.engine.clock import LoopClock
+
+    add_sim_targets(store, 60, settings={"fail_at": "pre-check", "latency_ms": 1000})
+    sid = applied(store, max_parallel=1)
+    caplog.set_level(logging.WARNING, logger="fleetwave.engine")
+
+    async def main() -> dict[int, str]:
+        return await Conductor(store, clock=LoopClock()).run(strategy_ids=[sid])
+
+    assert on_virtual_time(main()) == {sid: "failed"}
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len([line for line in said if " (target t" in line]) == 20
+    summaries = [line for line in said if " in all): " in line]
+    assert 3 <= len(summaries) <= 6, summaries  # 40 failures over about 40 s
+    counts = [int(line.split(": ", 1)[1].split(" more step")[0]) for line in summaries]
+    assert sum(counts) == 40 and "(60 in all)" in summaries[-1], summaries

@@ -93,8 +93,10 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-#: a strategy's failed steps logged one line each; the ones after, one line per batch
+#: a strategy's failed steps logged one line each; the ones after are counted, and said
+#: in one line at most every FAILURES_SUMMED_EVERY_S seconds (and as it ends)
 FAILURES_LOGGED_ALONE = 20
+FAILURES_SUMMED_EVERY_S = 10.0
 
 #: what :meth:`Conductor.run` says of a strategy whose workflow this process lacks
 NOT_DRIVABLE_HERE = "not-drivable-here"
@@ -286,8 +288,10 @@ class Conductor:
         self._stale: list[ActionFinished] = []
         #: failed steps of the batch being handled, to log (strategy, step, target, why)
         self._failed_now: list[tuple[int, int, str | None, str]] = []
-        #: failed steps logged one by one, per strategy (past a few, a line per batch)
+        #: failed steps of each strategy so far (the first ones logged one by one)
         self._failures_logged: dict[int, int] = {}
+        #: failures of each strategy not said yet, and since when (loop time)
+        self._failures_unsaid: dict[int, tuple[int, float]] = {}
         #: callback waits an operator's abort ends, once no callback for their step is
         #: queued (one stored before a takeover is handed to its wait first)
         self._ending_waits: list[InFlight] = []
@@ -1286,6 +1290,8 @@ class Conductor:
         if run is None:
             return
         self._thaw(refreeze=bool(self.runs))
+        self._failures_logged.pop(sid, None)
+        self._failures_unsaid.pop(sid, None)
         # Callbacks still queued for it stay seen (each is let go as it comes up, not
         # ours: posting it again on a claim back would apply it twice). The others were
         # handed to a wait, kept as early, or answered in a commit that may not happen:
@@ -1971,6 +1977,7 @@ class Conductor:
         for failed in self._failed_now:
             by_strategy.setdefault(failed[0], []).append(failed)
         self._failed_now = []
+        now = self._loop.time()
         for sid, failures in by_strategy.items():
             logged = self._failures_logged.get(sid, 0)
             alone = max(0, min(len(failures), FAILURES_LOGGED_ALONE - logged))
@@ -1979,16 +1986,25 @@ class Conductor:
                 log.warning("strategy %s: step %s%s failed: %s", sid, step_id, who, why)
             self._failures_logged[sid] = logged + len(failures)
             if len(failures) > alone:
-                log.warning(
-                    "strategy %s: %s failed (%d in all): 'fleetwave step list --strategy %s "
-                    "--state failed' says why",
-                    sid,
-                    plural(len(failures) - alone, "more step")
-                    if alone
-                    else plural(len(failures), "step"),
-                    logged + len(failures),
-                    sid,
-                )
+                unsaid, since = self._failures_unsaid.get(sid, (0, now))
+                self._failures_unsaid[sid] = (unsaid + len(failures) - alone, since)
+                if now - since >= FAILURES_SUMMED_EVERY_S:
+                    self._say_failures(sid, now)
+
+    def _say_failures(self, sid: int, now: float) -> None:
+        """One line for the failures of a strategy not logged yet: at most one such line
+        every :data:`FAILURES_SUMMED_EVERY_S` while it runs, and one as it ends."""
+        count, _since = self._failures_unsaid.pop(sid, (0, now))
+        if count:
+            log.warning(
+                "strategy %s: %s failed (%d in all): 'fleetwave step list --strategy %s "
+                "--state failed' says why",
+                sid,
+                plural(count, "more step"),
+                self._failures_logged.get(sid, 0),
+                sid,
+            )
+        self._failures_unsaid[sid] = (0, now)
 
     def _release(self, fl: InFlight) -> None:
         """Let the step's worker run the action of the state just committed (G4)."""
@@ -2076,7 +2092,9 @@ class Conductor:
             del self.runs[run.id]
             self._thaw(refreeze=bool(self.runs))
             self._callbacks_seen.pop(run.id, None)
+            self._say_failures(run.id, 0.0)  # the ones not said yet, before how it ended
             self._failures_logged.pop(run.id, None)
+            self._failures_unsaid.pop(run.id, None)
             self.finished[run.id] = final.value if ok else "lost"
             for driver in self.drivers.values() if ok else ():
                 # optional: a driver that keeps what its targets did per strategy forgets it
