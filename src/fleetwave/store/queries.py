@@ -704,7 +704,17 @@ def iter_history(
         raise InputError(f"--last: must be at least 1, got {last}")
     strategy_exists(store, sid)
     q = (
-        select(journal, targets.c.name.label("target"))
+        select(
+            journal.c.id,
+            journal.c.at,
+            journal.c.conductor,
+            targets.c.name,
+            journal.c.step_id,
+            journal.c.from_state,
+            journal.c.to_state,
+            journal.c.fence,
+            journal.c.details,
+        )
         .join(steps, steps.c.id == journal.c.step_id)
         .join(targets, targets.c.id == steps.c.target_id)
         .where(journal.c.strategy_id == sid)
@@ -726,21 +736,24 @@ def iter_history(
             ).scalar_one_or_none()
         if start is not None:
             q = q.where(journal.c.id >= start)
-    return _iter_history(store, q)
+    return _iter_history(store, sid, q)
 
 
-def _iter_history(store: Store, q: Any) -> Iterator[dict[str, Any]]:
-    for r in _pages(store, q, journal.c.id, 0):
+def _iter_history(store: Store, sid: int, q: Any) -> Iterator[dict[str, Any]]:
+    # by position: a history of 600,000 rows spent a sixth of its time naming columns
+    for _id, at, conductor, target, step, frm, to, fence, details in _pages(
+        store, q, journal.c.id, 0
+    ):
         yield {
-            "at": r.at,
-            "strategy": r.strategy_id,
-            "conductor": r.conductor,
-            "target": r.target,
-            "step": r.step_id,
-            "from": r.from_state,
-            "to": r.to_state,
-            "fence": r.fence,
-            "details": r.details,
+            "at": at,
+            "strategy": sid,
+            "conductor": conductor,
+            "target": target,
+            "step": step,
+            "from": frm,
+            "to": to,
+            "fence": fence,
+            "details": details,
         }
 
 
