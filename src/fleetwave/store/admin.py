@@ -1048,6 +1048,8 @@ def _take_ids(conn: Connection, table: Table, count: int = 1) -> int:
 #: rows removed per transaction when a strategy is deleted: each holds the write lock
 #: for some milliseconds, so running rollouts on the same database barely notice
 DELETE_CHUNK = 5000
+#: the longest pause between two chunks (each as long as its chunk took)
+DELETE_PAUSE_MAX_S = 0.05
 
 
 def delete_strategy(store: Store, sid: int, *, chunk: int | None = None) -> None:
@@ -1081,10 +1083,16 @@ def delete_strategy(store: Store, sid: int, *, chunk: int | None = None) -> None
     # for a step still there is deleted with the callbacks after it).
     for table in (steps, callbacks, journal, events):
         while True:
+            began = time.monotonic()
             with store.write() as conn:
                 some = select(table.c.id).where(table.c.strategy_id == sid).limit(chunk)
                 gone = conn.execute(delete(table).where(table.c.id.in_(some))).rowcount
             if gone < chunk:
                 break
+            # SQLite's lock is not fair: taken again at once, a conductor waiting to
+            # commit (polling every few ms) found it held until the whole delete was
+            # done (a rollout stood still for 1.3 s). As long a pause as the chunk took
+            # lets it in.
+            time.sleep(min(DELETE_PAUSE_MAX_S, time.monotonic() - began))
     with store.write() as conn:
         conn.execute(delete(strategies).where(strategies.c.id == sid))
