@@ -9,6 +9,7 @@ checks the outcome through the CLI's own ``--format json`` output.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sqlite3
 import time
@@ -1017,7 +1018,7 @@ def test_journal_refuses_a_state_entered_twice(cli: Cli, db_path: Path) -> None:
     [("sw-deploy", "deploy-activate-failed"), ("firmware", "fw-update-partial")],
 )
 def test_the_demos_odd_remote_state_is_the_workflows_own(
-    cli: Cli, tmp_path: Path, workflow: str, remote: str
+    cli: Cli, tmp_path: Path, workflow: str, remote: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Found by an acceptance pass: the target the demo leaves in a state its workflow
     does not know reported the patch workflow's 'ready-to-apply-partial' whatever the
@@ -1032,6 +1033,9 @@ def test_the_demos_odd_remote_state_is_the_workflows_own(
     reasons = [f["details"] for f in res.json()["failures"]]
     assert any(f"unexpected remote state '{remote}'" in r for r in reasons), reasons
     assert not any("ready-to-apply-partial" in r for r in reasons), reasons
+    # its summary lists the failures: the log does not as well (only below warning level)
+    assert [r for r in caplog.records if r.name == "fleetwave.engine.outcomes"] == []
+    assert logging.getLogger("fleetwave.engine.outcomes").level == logging.NOTSET
 
 
 def test_demo_json_summary(cli: Cli, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ them with a live progress bar, prints a summary and verifies the guarantees.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import sys
@@ -116,10 +117,19 @@ def demo_command(
             console.print(f"{purpose}: the failures below are the simulator's", highlight=False)
     from fleetwave.engine.conductor import EngineConfig
 
+    # The summary below lists the failures and how it ended: not in the log as well
+    # (below a debug or info level asked for, which shows everything).
+    quiet = logging.getLogger("fleetwave.engine.outcomes")
+    level = quiet.level
+    if logging.getLogger().getEffectiveLevel() >= logging.WARNING:
+        quiet.setLevel(logging.ERROR)
     started = time.perf_counter()
-    result = drive_strategy(
-        store, sid, show_progress=fmt is Format.table, config=EngineConfig(seed=seed)
-    )
+    try:
+        result = drive_strategy(
+            store, sid, show_progress=fmt is Format.table, config=EngineConfig(seed=seed)
+        )
+    finally:
+        quiet.setLevel(level)
     wall_s = time.perf_counter() - started
     counts = queries.step_counts(store, sid)
     verdict = check(store, sid)

@@ -88,6 +88,9 @@ from fleetwave.store.admin import options_from_json
 from fleetwave.store.db import Store
 
 log = logging.getLogger("fleetwave.engine")
+#: what became of steps and strategies (failed steps, how a strategy ended): its own
+#: logger, which a command that reports them itself (the demo) quiets
+outcomes = logging.getLogger("fleetwave.engine.outcomes")
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -1983,7 +1986,7 @@ class Conductor:
             alone = max(0, min(len(failures), FAILURES_LOGGED_ALONE - logged))
             for _sid, step_id, name, why in failures[:alone]:
                 who = f" (target {name})" if name is not None else ""
-                log.warning("strategy %s: step %s%s failed: %s", sid, step_id, who, why)
+                outcomes.warning("strategy %s: step %s%s failed: %s", sid, step_id, who, why)
             self._failures_logged[sid] = logged + len(failures)
             if len(failures) > alone:
                 unsaid, since = self._failures_unsaid.get(sid, (0, now))
@@ -1996,7 +1999,7 @@ class Conductor:
         every :data:`FAILURES_SUMMED_EVERY_S` while it runs, and one as it ends."""
         count, _since = self._failures_unsaid.pop(sid, (0, now))
         if count:
-            log.warning(
+            outcomes.warning(
                 "strategy %s: %s failed (%d in all): 'fleetwave step list --strategy %s "
                 "--state failed' says why",
                 sid,
@@ -2104,9 +2107,9 @@ class Conductor:
             if not ok:
                 log.warning("strategy %s: lost to another conductor as it ended", run.id)
             elif final is StrategyState.COMPLETE:
-                log.info("strategy %s: ended complete", run.id)
+                outcomes.info("strategy %s: ended complete", run.id)
             else:
-                log.warning("strategy %s: ended %s: %s", run.id, final.value, details)
+                outcomes.warning("strategy %s: ended %s: %s", run.id, final.value, details)
 
     # -- workers -------------------------------------------------------------------------
 
