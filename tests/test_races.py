@@ -319,6 +319,20 @@ def test_a_state_never_started_is_not_started_by_the_next_owner_of_an_aborted_st
     assert check(store, sid).ok
 
 
+def _completed_with(
+    store: Store, name: str, action: ReportsAStaleRetry | ReportsAnOldFencesOutcome
+) -> int:
+    """One target through a one-state workflow ``name`` whose action posts to the
+    conductor (given it here): the strategy's id, once it completed."""
+    add_sim_targets(store, 1)
+    wf = register_workflow(WorkflowDef(name, (StateDef("a", action),)), replace=True)
+    sid = applied(store, wf.name)
+    c = Conductor(store)
+    action.conductor = c
+    assert asyncio.run(asyncio.wait_for(c.run(strategy_ids=[sid]), 10))[sid] == "complete"
+    return sid
+
+
 class ReportsAStaleRetry(StateAction):
     """Posts a retry record for its own step at a fence it no longer holds (as a worker
     fenced off by a takeover would), and keeps the answer."""
@@ -341,13 +355,8 @@ def test_a_stale_retry_record_is_refused_not_allowed(store: Store) -> None:
     """A retry reported at a fence the step no longer has (its worker fenced off, the
     step another worker's) was answered "go ahead": only cancelling that worker kept
     it from running the state beside the step's new worker (G2)."""
-    add_sim_targets(store, 1)
     action = ReportsAStaleRetry()
-    wf = register_workflow(WorkflowDef("stale-retry", (StateDef("a", action),)), replace=True)
-    sid = applied(store, wf.name)
-    c = Conductor(store)
-    action.conductor = c
-    assert asyncio.run(asyncio.wait_for(c.run(strategy_ids=[sid]), 10))[sid] == "complete"
+    sid = _completed_with(store, "stale-retry", action)
     assert action.answer is RetryAnswer.REFUSED
     (step,) = queries.list_steps(store, sid)
     assert step["attempt"] == 1 and step["details"] == ""  # nothing of it was recorded
@@ -513,13 +522,7 @@ class ReportsAnOldFencesOutcome(StateAction):
 def test_an_outcome_from_an_old_fence_in_the_same_state_is_ignored(store: Store) -> None:
     """G2: only the worker at the step's fence decides its state (found unpinned by a
     mutation audit: the state alone would have let the old worker's outcome through)."""
-    add_sim_targets(store, 1)
-    action = ReportsAnOldFencesOutcome()
-    wf = register_workflow(WorkflowDef("old-fence", (StateDef("a", action),)), replace=True)
-    sid = applied(store, wf.name)
-    c = Conductor(store)
-    action.conductor = c
-    assert asyncio.run(asyncio.wait_for(c.run(strategy_ids=[sid]), 10))[sid] == "complete"
+    sid = _completed_with(store, "old-fence", ReportsAnOldFencesOutcome())
     (step,) = queries.list_steps(store, sid)
     assert step["state"] == "complete"
     kinds = [e["kind"] for e in queries.strategy_events(store, sid)]

@@ -163,13 +163,12 @@ async def _watch(
     if progress is not None:
         # Steps ended before this watch (a resumed rollout) are where the bar starts, not
         # progress made: the time left is estimated from what ends from now on.
-        counts = queries.step_counts(store, sid)
-        ended_before = sum(counts.get(s, 0) for s in ("complete", "failed", "aborted"))
+        ended_before = queries.steps_ended(queries.step_counts(store, sid))
         task = progress.add_task(f"strategy {sid}", total=total, completed=ended_before)
     while True:
         if progress is not None and task is not None:
             counts = queries.step_counts(store, sid)
-            finished = sum(counts.get(s, 0) for s in ("complete", "failed", "aborted"))
+            finished = queries.steps_ended(counts)
             state, _owner = strategy_state(store, sid)
             ended = f"{counts.get('failed', 0)} failed"
             if counts.get("aborted"):

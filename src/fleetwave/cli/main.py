@@ -1111,10 +1111,10 @@ def strategy_list(
     """List strategies."""
     table = fmt is Format.table
     states = _several("--state", state)
+    known = [s.value for s in StrategyState]
     for one in states:
-        if one not in {s.value for s in StrategyState}:
-            known = ", ".join(s.value for s in StrategyState)
-            raise InputError(f"--state: '{one}' is not a strategy state ({known})")
+        if one not in known:
+            raise InputError(f"--state: '{one}' is not a strategy state ({', '.join(known)})")
     rows = queries.list_strategies(existing_store(db), brief=table, states=states)
     if table:
         for row in rows:
@@ -1268,11 +1268,11 @@ def _several(option: str, given: list[str] | None) -> list[str]:
     each once (a step in any of them is shown). An empty value is refused."""
     out: list[str] = []
     for each in given or ():
-        for value in each.split(","):
-            if not value.strip():
+        for value in (v.strip() for v in each.split(",")):
+            if not value:
                 raise InputError(f"{option}: an empty value in {each!r}")
-            if value.strip() not in out:
-                out.append(value.strip())
+            if value not in out:
+                out.append(value)
     return out
 
 

@@ -98,10 +98,17 @@ def _is_time(key: str) -> bool:
 
 
 def _cell(key: str, value: Any) -> str:
+    return _time_text(value) if _is_time(key) else _text(value)
+
+
+def _time_text(value: Any) -> str:
+    return "" if value is None else when(float(value))
+
+
+def _text(value: Any) -> str:
+    """A value that is not a time as a cell shows it."""
     if value is None:
         return ""
-    if _is_time(key):
-        return when(float(value))
     if isinstance(value, dict | list):
         return json.dumps(value, sort_keys=True)
     return str(value)
@@ -181,12 +188,13 @@ def _column_widths(
     """
     need = [max((_width(w) for w in col.split()), default=0) for col in columns]
     full = [_width(col) for col in columns]
+    # a time is one word
+    whole = [(whole_first and i == 0) or _is_time(col) for i, col in enumerate(columns)]
     for row in rows:
         for i, col in enumerate(columns):
             text = _cell(col, row.get(col))
             full[i] = max(full[i], *(_width(line) for line in text.splitlines() or [""]))
-            whole = (whole_first and i == 0) or _is_time(col)  # a time is one word
-            for word in [text] if whole else text.split():
+            for word in [text] if whole[i] else text.split():
                 need[i] = max(need[i], _width(word))
     room -= 3 * len(columns) + 1  # a border and two spaces of padding per column
     if sum(full) <= room:
@@ -244,16 +252,8 @@ def _one_line(text: str) -> str:
 
 
 def _plain_text(value: Any) -> str:
-    """A value that is not a time as a plain table's cell shows it."""
-    if value is None:
-        return ""
-    if isinstance(value, dict | list):
-        return _one_line(json.dumps(value, sort_keys=True))
-    return _one_line(str(value))
-
-
-def _plain_time(value: Any) -> str:
-    return "" if value is None else when(float(value))
+    """A value that is not a time as a plain table's cell shows it: on one line."""
+    return _one_line(_text(value))
 
 
 def _plain_rows(
@@ -278,7 +278,7 @@ def _plain_rows(
         for i, col in times:
             if widths[i] < WHEN_WIDTH and row.get(col) is not None:
                 widths[i] = WHEN_WIDTH
-    shows = [(col, _plain_time if _is_time(col) else _plain_text) for col in columns]
+    shows = [(col, _time_text if _is_time(col) else _plain_text) for col in columns]
     write = sys.stdout.write
     if title:
         # after a blank line, ending in a colon: not read as a field with no value

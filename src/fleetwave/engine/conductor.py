@@ -1293,8 +1293,7 @@ class Conductor:
         if run is None:
             return
         self._thaw(refreeze=bool(self.runs))
-        self._failures_logged.pop(sid, None)
-        self._failures_unsaid.pop(sid, None)
+        self._forget_failures(sid)
         # Callbacks still queued for it stay seen (each is let go as it comes up, not
         # ours: posting it again on a claim back would apply it twice). The others were
         # handed to a wait, kept as early, or answered in a commit that may not happen:
@@ -1973,9 +1972,9 @@ class Conductor:
 
     def _log_failures(self) -> None:
         """The batch's failed steps in the service's log, as on their rows (at night the
-        log is often what is looked at first): each of a strategy's first ones, then one
-        line per batch (a fleet-wide failure logged step by step took longer to write
-        than to decide)."""
+        log is often what is looked at first): each of a strategy's first ones, then
+        counted and summed by :meth:`_say_failures` (a fleet-wide failure logged step by
+        step took longer to write than to decide)."""
         by_strategy: dict[int, list[tuple[int, int, str | None, str]]] = {}
         for failed in self._failed_now:
             by_strategy.setdefault(failed[0], []).append(failed)
@@ -1997,7 +1996,7 @@ class Conductor:
     def _say_failures(self, sid: int, now: float) -> None:
         """One line for the failures of a strategy not logged yet: at most one such line
         every :data:`FAILURES_SUMMED_EVERY_S` while it runs, and one as it ends."""
-        count, _since = self._failures_unsaid.pop(sid, (0, now))
+        count, _since = self._failures_unsaid.get(sid, (0, now))
         if count:
             outcomes.warning(
                 "strategy %s: %s failed (%d in all): 'fleetwave step list --strategy %s "
@@ -2008,6 +2007,11 @@ class Conductor:
                 sid,
             )
         self._failures_unsaid[sid] = (0, now)
+
+    def _forget_failures(self, sid: int) -> None:
+        """A strategy no longer driven here: its failure counts go."""
+        self._failures_logged.pop(sid, None)
+        self._failures_unsaid.pop(sid, None)
 
     def _release(self, fl: InFlight) -> None:
         """Let the step's worker run the action of the state just committed (G4)."""
@@ -2096,8 +2100,7 @@ class Conductor:
             self._thaw(refreeze=bool(self.runs))
             self._callbacks_seen.pop(run.id, None)
             self._say_failures(run.id, 0.0)  # the ones not said yet, before how it ended
-            self._failures_logged.pop(run.id, None)
-            self._failures_unsaid.pop(run.id, None)
+            self._forget_failures(run.id)
             self.finished[run.id] = final.value if ok else "lost"
             for driver in self.drivers.values() if ok else ():
                 # optional: a driver that keeps what its targets did per strategy forgets it

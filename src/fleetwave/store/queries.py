@@ -185,14 +185,23 @@ def get_target(store: Store, name: str) -> dict[str, Any]:
 
 def step_counts(store: Store, sid: int) -> dict[str, int]:
     with store.read() as conn:
-        return {
-            str(state): int(n)
-            for state, n in conn.execute(
-                select(steps.c.state, func.count())
-                .where(steps.c.strategy_id == sid)
-                .group_by(steps.c.state)
-            )
-        }
+        return _step_counts(conn, sid)
+
+
+def _step_counts(conn: Any, sid: int) -> dict[str, int]:
+    return {
+        str(state): int(n)
+        for state, n in conn.execute(
+            select(steps.c.state, func.count())
+            .where(steps.c.strategy_id == sid)
+            .group_by(steps.c.state)
+        )
+    }
+
+
+def steps_ended(counts: dict[str, int]) -> int:
+    """Of a strategy's steps by state (:func:`step_counts`), how many have ended."""
+    return sum(n for state, n in counts.items() if state in STEP_TERMINAL)
 
 
 def _shown_json(raw: Any) -> Any:
@@ -264,7 +273,7 @@ def list_strategies(
     for r in rows:
         item = _strategy_dict(r)
         item["step_states"] = counts.get(int(r.id), {})
-        item["done"] = sum(n for s, n in item["step_states"].items() if s in STEP_TERMINAL)
+        item["done"] = steps_ended(item["step_states"])
         who = _driving(r, now, known)
         item["driven_by"] = who.brief if brief else who.text
         out.append(item)
@@ -439,19 +448,16 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
         out["states"] = _shown_json(r.states)
         out["options"] = _shown_json(r.options)
         out["driven_by"] = _driving(r, now, _Conductors.read(conn, now)).text
-    out["step_states"] = step_counts(store, sid)
-    # steps ended, as strategy list has it
-    out["done"] = sum(n for state, n in out["step_states"].items() if state in STEP_TERMINAL)
-    # Steps in one of their states, and the latest of their deadlines: a stop or an abort
-    # lets them finish that state, so it is over by then at the latest (an operator
-    # waiting on an abort asked when it would end).
-    with store.read() as conn:
-        n, until = conn.execute(
-            select(func.count(), func.max(steps.c.deadline_at)).where(
+        out["step_states"] = counts = _step_counts(conn, sid)
+        # Steps in one of their states, and the latest of their deadlines: a stop or an
+        # abort lets them finish that state, so it is over by then at the latest (an
+        # operator waiting on an abort asked when it would end).
+        out["in_flight_until"] = conn.execute(
+            select(func.max(steps.c.deadline_at)).where(
                 steps.c.strategy_id == sid,
                 steps.c.state.not_in([STEP_INITIAL, *sorted(STEP_TERMINAL)]),
             )
-        ).one()
+        ).scalar_one()
         # when the rollout last moved (the row's updated_at is its own state's change)
         out["last_transition_at"] = conn.execute(
             select(journal.c.at)
@@ -459,8 +465,8 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
             .order_by(journal.c.id.desc())
             .limit(1)
         ).scalar_one_or_none()
-    out["in_flight"] = int(n)
-    out["in_flight_until"] = until
+    out["done"] = steps_ended(counts)  # as strategy list has it
+    out["in_flight"] = sum(n for state, n in counts.items() if state != STEP_INITIAL) - out["done"]
     return out
 
 
@@ -700,8 +706,7 @@ def iter_history(
     """A strategy's journal one transition at a time, as read (600,000 rows for a
     rollout of 100,000 targets), or only its ``last`` transitions, oldest first;
     unknown names are refused before the first row."""
-    if last is not None and last < 1:
-        raise InputError(f"--last: must be at least 1, got {last}")
+    _check_last(last)
     strategy_exists(store, sid)
     q = (
         select(
@@ -719,24 +724,35 @@ def iter_history(
         .join(targets, targets.c.id == steps.c.target_id)
         .where(journal.c.strategy_id == sid)
     )
-    names = [target] if isinstance(target, str) else list(target or ())
-    for name in names:
-        _target_in(store, sid, name)
-    if names:
-        q = q.where(targets.c.name.in_(names))
+    q = _of_targets(store, sid, q, [target] if isinstance(target, str) else list(target or ()))
     if step_id is not None:
         q = q.where(journal.c.step_id == step_id)
-    if last is not None:
-        with store.read() as conn:  # where the last N begin: one index walk back
-            start = conn.execute(
-                q.with_only_columns(journal.c.id)
-                .order_by(journal.c.id.desc())
-                .offset(last - 1)
-                .limit(1)
-            ).scalar_one_or_none()
-        if start is not None:
-            q = q.where(journal.c.id >= start)
-    return _iter_history(store, sid, q)
+    return _iter_history(store, sid, _only_last(store, q, journal.c.id, last))
+
+
+def _check_last(last: int | None) -> None:
+    if last is not None and last < 1:
+        raise InputError(f"--last: must be at least 1, got {last}")
+
+
+def _of_targets(store: Store, sid: int, q: Any, names: list[str]) -> Any:
+    """``q`` narrowed to rows of these targets (all when none); a name not in the
+    strategy is refused."""
+    for name in names:
+        _target_in(store, sid, name)
+    return q.where(targets.c.name.in_(names)) if names else q
+
+
+def _only_last(store: Store, q: Any, key: Any, last: int | None) -> Any:
+    """``q`` narrowed to its ``last`` rows in ``key`` order (all when None): where they
+    begin is found by one index walk back."""
+    if last is None:
+        return q
+    with store.read() as conn:
+        start = conn.execute(
+            q.with_only_columns(key).order_by(key.desc()).offset(last - 1).limit(1)
+        ).scalar_one_or_none()
+    return q if start is None else q.where(key >= start)
 
 
 def _iter_history(store: Store, sid: int, q: Any) -> Iterator[dict[str, Any]]:
@@ -794,8 +810,7 @@ def iter_events(
     """A strategy's events (what is not a transition: claims, takeovers, failed attempts,
     operator actions seen), oldest first, a page at a time; of some targets or kinds, or
     the ``last`` ones. Unknown names and kinds are refused before the first row."""
-    if last is not None and last < 1:
-        raise InputError(f"--last: must be at least 1, got {last}")
+    _check_last(last)
     for k in kind:
         if k not in EVENT_KINDS:
             raise InputError(f"--kind: '{k}' is not a kind of event ({', '.join(EVENT_KINDS)})")
@@ -809,23 +824,10 @@ def iter_events(
         )
         .where(events.c.strategy_id == sid)
     )
-    for name in target:
-        _target_in(store, sid, name)
-    if target:
-        q = q.where(targets.c.name.in_(list(target)))
+    q = _of_targets(store, sid, q, list(target))
     if kind:
         q = q.where(events.c.kind.in_(list(kind)))
-    if last is not None:
-        with store.read() as conn:
-            start = conn.execute(
-                q.with_only_columns(events.c.id)
-                .order_by(events.c.id.desc())
-                .offset(last - 1)
-                .limit(1)
-            ).scalar_one_or_none()
-        if start is not None:
-            q = q.where(events.c.id >= start)
-    return _iter_events(store, sid, q)
+    return _iter_events(store, sid, _only_last(store, q, events.c.id, last))
 
 
 def _iter_events(store: Store, sid: int, q: Any) -> Iterator[dict[str, Any]]:
