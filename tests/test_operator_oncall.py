@@ -409,6 +409,7 @@ def test_sigterm_stops_an_admin_command_as_ctrl_c_does(tmp_path: Path) -> None:
     importing.send_signal(signal.SIGTERM)
     _out, err = importing.communicate(timeout=60)
     assert importing.returncode == 130, err
+    assert err.startswith("error: interrupted"), err  # starting, or importing: one line
     with sqlite3.connect(db) as conn:
         assert conn.execute("SELECT count(*) FROM targets").fetchone() == (0,)
 
@@ -477,3 +478,25 @@ def test_a_time_is_shown_as_datetime_shows_it(ts: float) -> None:
     expected = datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
     assert when(ts) == expected
     assert len(expected) == WHEN_WIDTH
+
+
+def test_ctrl_c_of_an_admin_command_says_so_in_one_line(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Typer turned a KeyboardInterrupt into exit 130 without a word (the README's exit
+    codes say 130; an operator saw the shell prompt come back and nothing else)."""
+
+    def interrupted(*_args: object, **_kwargs: object) -> int:
+        raise KeyboardInterrupt
+
+    add(cli, "t1")
+    sid = create(cli, "--all")
+    with monkeypatch.context() as m:
+        m.setattr("fleetwave.store.admin.ensure_targets", interrupted)
+        res = cli("target", "add", "n1")
+    assert (res.code, res.err) == (130, "error: interrupted\n")
+    # a command that says itself what an interrupt left says it once
+    monkeypatch.setattr("fleetwave.cli.main.drive_strategy", interrupted)
+    res = cli("strategy", "apply", str(sid), "--wait")
+    assert res.code == 130
+    assert "error: interrupted" not in res.err and res.err.count("\n") == 1, res.err

@@ -96,7 +96,22 @@ from fleetwave.store.db import (
 )
 from fleetwave.testing.invariants import check as check_invariants
 
+
+class _Interrupted(BaseException):
+    """Ctrl-C (or SIGTERM, SIGHUP) that no command handled itself: Typer would turn a
+    ``KeyboardInterrupt`` into exit 130 without a word."""
+
+
+class _Commands(typer.core.TyperGroup):
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise _Interrupted from None
+
+
 app = typer.Typer(
+    cls=_Commands,
     help="fleetwave: roll one operation across a fleet, exactly once per state.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -1501,7 +1516,8 @@ def main() -> None:
     except typer.TyperException as exc:  # usage: exit 2 (Click's code for bad usage)
         discard_created()
         _fail(_usage_problem(exc), exc.exit_code)
-    except typer.Abort:
+    except (typer.Abort, _Interrupted):
+        # what it was writing is rolled back (an admin command writes in one transaction)
         _fail("interrupted", 130)
     except (InputError, WorkflowError, StoreError, event_loop.LoopChoiceError) as exc:
         discard_created()
