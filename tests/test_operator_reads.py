@@ -4,9 +4,20 @@ own keys, not by walking the whole strategy (a rollout of 100,000 targets leaves
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from cli_harness import PATCH_STATES, Cli
+from conftest import add_sim_targets
+from fleetwave.domain.errors import Conflict
+from fleetwave.domain.models import Group, StrategyOptions
+from fleetwave.domain.registry import get_workflow
+from fleetwave.store import admin
+from fleetwave.store.db import Store
 from test_cli_strategy import add, apply_wait, create, history
 from test_operator_oncall import FLAKY_YAML
 
@@ -66,3 +77,95 @@ def test_step_show_lists_its_own_transitions(cli: Cli) -> None:
     shown = cli("step", "show", str(step), "--format", "json").json()
     assert [h["to"] for h in shown["history"]] == [*PATCH_STATES, "complete"]
     assert {h["step"] for h in shown["history"]} == {step}
+
+
+# -- strategy create: chosen before the write lock, checked again under it --------------
+
+
+def _between_read_and_write(monkeypatch: pytest.MonkeyPatch, change: Callable[[], None]) -> None:
+    """Run ``change`` (another command's write) after the targets are chosen and before
+    the strategy's write transaction: the moment a concurrent writer can come in."""
+    real = admin._order
+    done: list[bool] = []
+
+    def order_then_change(rows: list[Any], gnames: dict[int | None, str]) -> None:
+        real(rows, gnames)
+        if not done:
+            done.append(True)
+            change()
+
+    monkeypatch.setattr(admin, "_order", order_then_change)
+
+
+def _steps_of(store: Store, sid: int) -> dict[str | None, int | None]:
+    """target name (None: no such target) -> the step's group id, in the steps' order."""
+    with store.read() as conn:
+        rows = conn.exec_driver_sql(
+            "SELECT targets.name, steps.group_id FROM steps LEFT JOIN targets ON "
+            "targets.id = steps.target_id WHERE steps.strategy_id = ? ORDER BY steps.ordinal",
+            (sid,),
+        ).all()
+    assert len({name for name, _ in rows}) == len(rows)
+    return {name: gid for name, gid in rows}
+
+
+@pytest.mark.parametrize("fleet", [3, 2_500])  # looked up by id; read in one pass
+def test_a_target_deleted_or_moved_meanwhile_is_seen_under_the_lock(
+    store: Store, monkeypatch: pytest.MonkeyPatch, fleet: int
+) -> None:
+    names = add_sim_targets(store, fleet)
+    gid = admin.add_group(store, Group(name="g", max_parallel=1))
+    gone, moved = names[1], names[-1]
+
+    def change() -> None:
+        admin.delete_target(store, gone)
+        admin.change_target(store, moved, group="g")
+
+    _between_read_and_write(monkeypatch, change)
+    wf = get_workflow("patch")
+    assert wf is not None
+    sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
+    made = _steps_of(store, sid)
+    assert gone not in made and None not in made and len(made) == fleet - 1
+    assert made[moved] == gid
+    assert next(iter(made)) == moved  # ordered again: group g comes before ungrouped
+    with store.read() as conn:
+        caps = conn.exec_driver_sql("SELECT group_caps FROM strategies WHERE id = ?", (sid,))
+        assert json.loads(caps.scalar_one()) == {str(gid): 1}
+
+
+@pytest.mark.parametrize("fleet", [3, 2_500])
+def test_a_target_taken_by_another_strategy_meanwhile_is_refused(
+    store: Store, monkeypatch: pytest.MonkeyPatch, fleet: int
+) -> None:
+    names = add_sim_targets(store, fleet)
+    wf = get_workflow("patch")
+    assert wf is not None
+    taken: list[int] = []
+
+    def other_create() -> None:
+        taken.append(admin.create_strategy(store, wf, StrategyOptions(), target_names=[names[0]]))
+
+    _between_read_and_write(monkeypatch, other_create)
+    with pytest.raises(Conflict) as err:
+        admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
+    assert str(err.value).startswith(
+        f"target {names[0]}: already in active strategy {taken[0]} (initial)"
+    )
+    with store.read() as conn:  # nothing of it written
+        assert conn.exec_driver_sql("SELECT count(*) FROM strategies").scalar_one() == 1
+        assert conn.exec_driver_sql("SELECT count(*) FROM steps").scalar_one() == 1
+
+
+def test_a_fleet_held_in_part_names_the_held_targets(store: Store) -> None:
+    names = add_sim_targets(store, 2_500)
+    wf = get_workflow("patch")
+    assert wf is not None
+    first = admin.create_strategy(store, wf, StrategyOptions(), target_names=names[10:17])
+    with pytest.raises(Conflict) as err:
+        admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
+    assert str(err.value) == (
+        f"7 targets ({', '.join(names[10:15])} and 2 more): already in active strategy "
+        f"{first} (initial); it was never applied: 'fleetwave strategy delete {first}' "
+        "frees its targets"
+    )
