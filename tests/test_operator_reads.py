@@ -169,3 +169,20 @@ def test_a_fleet_held_in_part_names_the_held_targets(store: Store) -> None:
         f"{first} (initial); it was never applied: 'fleetwave strategy delete {first}' "
         "frees its targets"
     )
+
+
+def test_a_target_table_shows_settings_and_labels_as_its_json_does(cli: Cli) -> None:
+    """The table prints the stored JSON text (not parsed and dumped again per row)."""
+    assert cli("target", "add", "a", "--set", "latency_ms=5", "--set", "fail_at=pre-check").code == 0
+    assert cli("target", "add", "b", "--label", "tier=canary", "--label", "dc=x").code == 0
+    assert cli("target", "add", "c", "--label", "tier=main").code == 0
+    listed = cli("target", "list", "--format", "json").json()
+    table = cli("target", "list").out.splitlines()
+    assert len(table) == 2 + len(listed)
+    for row, line in zip(listed, table[2:], strict=True):
+        settings = json.dumps(row["settings"], sort_keys=True)
+        labels = json.dumps(row["labels"], sort_keys=True)
+        assert line.split("  ")[0] == row["name"]
+        assert f"{settings}  " in line and line.endswith(labels), line
+    canary = cli("target", "list", "--label", "tier=canary").out.splitlines()[2:]
+    assert [line.split()[0] for line in canary] == ["b"]

@@ -246,7 +246,7 @@ def target_list(
     store = existing_store(db)
     labels = parse_pairs(label, "--label", typed=False)
     emit_rows(
-        lambda: queries.iter_targets(store, group, labels),
+        lambda: queries.iter_targets(store, group, labels, as_text=fmt is not Format.json),
         ["name", "group", "driver", "managed", "settings", "labels"],
         fmt,
     )

@@ -134,10 +134,16 @@ def _pages(store: Store, q: Any, key: Any, after: Any) -> Iterator[Any]:
 
 
 def iter_targets(
-    store: Store, group: str | None = None, labels: dict[str, str] | None = None
+    store: Store,
+    group: str | None = None,
+    labels: dict[str, str] | None = None,
+    *,
+    as_text: bool = False,
 ) -> Iterator[dict[str, Any]]:
     """The targets (of a group; with every one of ``labels``) a page at a time, as read
-    (a fleet of 100,000 is not held in memory)."""
+    (a fleet of 100,000 is not held in memory). ``as_text``: settings and labels as
+    their stored JSON text (written with sorted keys, as a table shows them): a table of
+    150,000 targets spent a third of its time parsing them to print them again."""
     q = _target_query()
     if group is not None:
         with store.read() as conn:
@@ -145,6 +151,18 @@ def iter_targets(
                 raise NotFound(f"--group: no group named {shown(group)}")
         q = q.where(groups.c.name == group)
     for r in _pages(store, q, targets.c.name, ""):
+        if as_text:
+            if labels and not has_labels(json.loads(r.labels), labels):
+                continue
+            yield {
+                "name": r.name,
+                "group": r.group_name,
+                "driver": r.driver,
+                "managed": bool(r.managed),
+                "settings": r.settings,
+                "labels": r.labels,
+            }
+            continue
         t = _target_dict(r)
         if not labels or has_labels(t["labels"], labels):
             yield t
