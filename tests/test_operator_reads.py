@@ -173,7 +173,9 @@ def test_a_fleet_held_in_part_names_the_held_targets(store: Store) -> None:
 
 def test_a_target_table_shows_settings_and_labels_as_its_json_does(cli: Cli) -> None:
     """The table prints the stored JSON text (not parsed and dumped again per row)."""
-    assert cli("target", "add", "a", "--set", "latency_ms=5", "--set", "fail_at=pre-check").code == 0
+    assert (
+        cli("target", "add", "a", "--set", "latency_ms=5", "--set", "fail_at=pre-check").code == 0
+    )
     assert cli("target", "add", "b", "--label", "tier=canary", "--label", "dc=x").code == 0
     assert cli("target", "add", "c", "--label", "tier=main").code == 0
     listed = cli("target", "list", "--format", "json").json()

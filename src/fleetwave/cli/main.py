@@ -109,6 +109,43 @@ class _Commands(typer.core.TyperGroup):
         except KeyboardInterrupt:
             raise _Interrupted from None
 
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        name, cmd, rest = super().resolve_command(ctx, args)
+        if cmd is not None and not isinstance(cmd, typer.core.TyperGroup):
+            _refuse_repeats(ctx, cmd, rest)
+        return name, cmd, rest
+
+
+def _refuse_repeats(ctx: Any, cmd: Any, args: list[str]) -> None:
+    """An option that takes one value, given twice: Click keeps the last without a word
+    (``--group ga --group gb`` made a strategy of gb only; ``--max-parallel 3
+    --max-parallel 9`` ran at 9). Refused, as a name given twice in --targets is."""
+    takes: dict[str, tuple[str, bool]] = {}  # option -> (its first name, one value only)
+    for param in cmd.params:
+        if getattr(param, "param_type_name", "") != "option":
+            continue
+        one = not (param.multiple or param.is_flag or param.count)
+        for opt in [*param.opts, *param.secondary_opts]:
+            takes[opt] = (param.opts[0], one and not param.is_flag)
+    seen: set[str] = set()
+    i = 0
+    while i < len(args):
+        token = args[i]
+        i += 1
+        if token == "--":
+            break
+        opt = token.split("=", 1)[0] if token.startswith("--") else token
+        if opt not in takes:
+            continue
+        first, one = takes[opt]
+        flag = next(p for p in cmd.params if first in p.opts).is_flag
+        if not flag and "=" not in token:
+            i += 1  # its value, whatever it looks like
+        if one:
+            if first in seen:
+                ctx.fail(f"{first}: given more than once (it takes one value)")
+            seen.add(first)
+
 
 app = typer.Typer(
     cls=_Commands,
@@ -117,11 +154,21 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-target_app = typer.Typer(help="Managed targets (subclouds, hosts, nodes).", no_args_is_help=True)
-group_app = typer.Typer(help="Target groups with their own parallelism.", no_args_is_help=True)
-workflow_app = typer.Typer(help="Workflows: built-in, Python and YAML.", no_args_is_help=True)
-strategy_app = typer.Typer(help="Rollouts of one workflow over targets.", no_args_is_help=True)
-step_app = typer.Typer(help="Steps: one target inside one strategy.", no_args_is_help=True)
+target_app = typer.Typer(
+    cls=_Commands, help="Managed targets (subclouds, hosts, nodes).", no_args_is_help=True
+)
+group_app = typer.Typer(
+    cls=_Commands, help="Target groups with their own parallelism.", no_args_is_help=True
+)
+workflow_app = typer.Typer(
+    cls=_Commands, help="Workflows: built-in, Python and YAML.", no_args_is_help=True
+)
+strategy_app = typer.Typer(
+    cls=_Commands, help="Rollouts of one workflow over targets.", no_args_is_help=True
+)
+step_app = typer.Typer(
+    cls=_Commands, help="Steps: one target inside one strategy.", no_args_is_help=True
+)
 app.add_typer(target_app, name="target")
 app.add_typer(group_app, name="group")
 app.add_typer(workflow_app, name="workflow")
