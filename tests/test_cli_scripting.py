@@ -180,7 +180,8 @@ def test_commands_that_change_something_answer_in_json(cli: Cli, tmp_path: Path)
         "state": "abort-requested",
         "asked_now": False,
     }
-    assert answer("target", "unmanage", "b") == {"name": "b", "managed": False}
+    # (its step is not started, but its strategy is being aborted: it will not fail)
+    assert answer("target", "unmanage", "b") == {"name": "b", "managed": False, "steps_to_fail": []}
     assert answer("target", "manage", "b") == {"name": "b", "managed": True}
     assert cli("strategy", "delete", str(sid)).code == 2  # still aborting: refused
     assert answer("group", "add", "west") == {"name": "west", "added": True}

@@ -315,8 +315,26 @@ def target_manage(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) ->
 @target_app.command("unmanage")
 def target_unmanage(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Mark a target unmanaged: its step fails when its turn comes, nothing touches it."""
-    admin.set_managed(existing_store(db), name, False)
-    _done(fmt, f"target {name} is unmanaged", {"name": name, "managed": False})
+    waiting = admin.set_managed(existing_store(db), name, False)
+    _done(
+        fmt,
+        f"target {name} is unmanaged",
+        {"name": name, "managed": False, "steps_to_fail": waiting},
+    )
+    for w in waiting if fmt is Format.table else ():
+        # A failed step makes the strategy end failed (apply --wait exits 1, alerts fire),
+        # and may stop it: said now, not found at the end.
+        stops = (
+            f"; strategy {w['strategy']} stops {w['stops']}: its steps not started then end aborted"
+            if w["stops"]
+            else ""
+        )
+        err_console.print(
+            f"warning: target {name}: its step in strategy {w['strategy']} ({w['state']}) has not started: "
+            f"it fails when its turn comes (the strategy then ends failed){stops}; "
+            f"'fleetwave target manage {name}' before then lets it run",
+            highlight=False,
+        )
 
 
 @target_app.command("set")

@@ -14,11 +14,12 @@ from contextvars import ContextVar
 from dataclasses import asdict
 from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, Table, delete, func, insert, select, update
+from sqlalchemy import Connection, Table, case, delete, func, insert, select, update
 
 from fleetwave.domain.errors import Conflict, InputError, NotFound
 from fleetwave.domain.models import (
     STEP_INITIAL,
+    STEP_TERMINAL,
     STRATEGY_ACTIVE,
     ApplyType,
     Group,
@@ -382,10 +383,43 @@ def _target_id(conn: Connection, name: str) -> int:
     return int(row[0])
 
 
-def set_managed(store: Store, name: str, managed: bool) -> None:
+def set_managed(store: Store, name: str, managed: bool) -> list[dict[str, Any]]:
+    """Mark the target (un)managed. Unmanaged: the active strategies whose step of it has
+    not started yet (it fails when its turn comes; one that stops on failure stops), as
+    ``{"strategy", "state", "stops": "on failure"/"past N failures"/None}``."""
     with store.write() as conn:
         tid = _target_id(conn, name)
         conn.execute(update(targets).where(targets.c.id == tid).values(managed=managed))
+        if managed:
+            return []
+        waiting = conn.execute(
+            select(strategies.c.id, strategies.c.state, strategies.c.options)
+            .join(steps, steps.c.strategy_id == strategies.c.id)
+            .where(
+                steps.c.target_id == tid,
+                steps.c.state == STEP_INITIAL,
+                # (one being aborted ends its steps not started as aborted: not failed)
+                strategies.c.state.in_(
+                    [StrategyState.INITIAL, StrategyState.APPLYING, StrategyState.PAUSED]
+                ),
+            )
+            .order_by(strategies.c.id)
+        ).all()
+        out = []
+        for sid, state, raw in waiting:
+            try:
+                opts = options_from_json(raw)
+            except (ValueError, TypeError):  # unreadable (a hand edit): not said
+                opts = StrategyOptions()
+            stops = (
+                "on failure"
+                if opts.stop_on_failure
+                else None
+                if opts.max_failures is None
+                else f"past {plural(opts.max_failures, 'failure')}"
+            )
+            out.append({"strategy": int(sid), "state": str(state), "stops": stops})
+        return out
 
 
 def _how_it_ends(sid: int, state: str, then: str) -> str:
@@ -400,12 +434,31 @@ def _how_it_ends(sid: int, state: str, then: str) -> str:
     return f"{then} once it has ended: 'fleetwave strategy abort {sid}' ends it"
 
 
-def _active_strategy_of(conn: Connection, target_ids: Sequence[int]) -> tuple[int, int] | None:
-    """(target_id, strategy_id) of the first target already held by an active strategy."""
-    held = _held_by_active(conn, target_ids, limit=1)
+def _active_strategy_of(
+    conn: Connection, target_ids: Sequence[int], *, open_steps: bool = False
+) -> tuple[int, int] | None:
+    """(target_id, strategy_id) of the first target already held by an active strategy
+    (``open_steps``: whose step there has not ended)."""
+    held = _held_by_active(conn, target_ids, limit=1, open_steps=open_steps)
     for sid, tids in held.items():
         return tids[0], sid
     return None
+
+
+def _ended_step(conn: Connection, tid: int, sid: int) -> tuple[str, str] | None:
+    """(its state, "N of M steps") when the target's step in strategy ``sid`` has ended."""
+    state = conn.execute(
+        select(steps.c.state).where(steps.c.strategy_id == sid, steps.c.target_id == tid)
+    ).scalar()
+    if state not in STEP_TERMINAL:
+        return None
+    total, left = conn.execute(
+        select(
+            func.count(),
+            func.coalesce(func.sum(case((steps.c.state.in_(list(STEP_TERMINAL)), 0), else_=1)), 0),
+        ).where(steps.c.strategy_id == sid)
+    ).one()
+    return str(state), f"{left} of {plural(int(total), 'step')}"
 
 
 def _held_by_active(
@@ -414,6 +467,7 @@ def _held_by_active(
     *,
     limit: int | None = None,
     placeholder: str | None = None,
+    open_steps: bool = False,
 ) -> dict[int, list[int]]:
     """The targets among ``target_ids`` already held by an active strategy, by strategy
     (strategies and targets in id order); at most ``limit`` of them when given.
@@ -446,6 +500,8 @@ def _held_by_active(
             .where(steps.c.target_id.in_(chunk), strategies.c.state.in_(_ACTIVE))
             .order_by(steps.c.strategy_id, steps.c.target_id)
         )
+        if open_steps:
+            q = q.where(steps.c.state.not_in(list(STEP_TERMINAL)))
         if limit is not None:
             q = q.limit(limit - found)
         for tid, sid in conn.execute(q):
@@ -559,17 +615,25 @@ def change_target(
         }
         if not changes:
             return changes
-        busy = _active_strategy_of(conn, [row.id])
+        # Only a step that has not ended reads the target (its group is the step's own
+        # copy, taken when the strategy was created): one that has ended holds nothing.
+        busy = _active_strategy_of(conn, [row.id], open_steps=True)
         if busy:
             state = _strategy_state(conn, busy[1])
+            step_state = conn.execute(
+                select(steps.c.state).where(
+                    steps.c.strategy_id == busy[1], steps.c.target_id == row.id
+                )
+            ).scalar()
             raise Conflict(
                 f"target {name}: is in active strategy {busy[1]} ({state}), which uses its "
                 "group, driver, settings and labels; "
                 + _how_it_ends(busy[1], state, "it can be changed")
                 + (
-                    ""
-                    if state == StrategyState.INITIAL
-                    else f"; 'fleetwave target unmanage {name}' keeps the rollout off it meanwhile"
+                    f"; 'fleetwave target unmanage {name}' keeps the rollout off it meanwhile"
+                    f" (its step fails when its turn comes)"
+                    if state != StrategyState.INITIAL and step_state == STEP_INITIAL
+                    else ""
                 )
             )
         conn.execute(
@@ -591,6 +655,17 @@ def delete_target(store: Store, name: str) -> None:
         busy = _active_strategy_of(conn, [tid])
         if busy:
             state = _strategy_state(conn, busy[1])
+            ended = _ended_step(conn, tid, busy[1])
+            if ended is not None:
+                # Its step is done: aborting the rollout (what the line below says) would
+                # not be what an operator wants for one decommissioned target.
+                raise Conflict(
+                    f"target {name}: its step in active strategy {busy[1]} ({state}) has "
+                    f"ended ({ended[0]}), and the strategy keeps its history: the target "
+                    f"can be deleted with the strategy's history once the strategy has "
+                    f"ended ({ended[1]} still to go; 'fleetwave strategy delete {busy[1]}' "
+                    "then)"
+                )
             raise Conflict(
                 f"target {name}: is in active strategy {busy[1]} ({state}); "
                 + _how_it_ends(busy[1], state, "the target can be deleted")
