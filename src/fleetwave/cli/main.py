@@ -480,7 +480,7 @@ def group_add(
     name: str,
     max_parallel: Annotated[
         int | None,
-        typer.Option(help="targets of this group in flight at once (default 20)"),
+        typer.Option(help="targets of this group in flight at once, in each strategy (default 20)"),
     ] = None,
     apply_type: Annotated[
         ApplyType, typer.Option(help="parallel, or serial (one at a time)")
@@ -519,7 +519,7 @@ def group_set(
     name: str,
     max_parallel: Annotated[
         int | None,
-        typer.Option(help="targets of this group in flight at once"),
+        typer.Option(help="targets of this group in flight at once, in each strategy"),
     ] = None,
     apply_type: Annotated[
         ApplyType | None, typer.Option(help="parallel, or serial (one at a time)")
