@@ -330,8 +330,9 @@ def target_unmanage(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) 
             else ""
         )
         err_console.print(
-            f"warning: target {name}: its step in strategy {w['strategy']} ({w['state']}) has not started: "
-            f"it fails when its turn comes (the strategy then ends failed){stops}; "
+            f"warning: target {name}: its step in strategy {w['strategy']} ({w['state']}) "
+            "has not started: it fails when its turn comes (the strategy then ends "
+            f"failed){stops}; "
             f"'fleetwave target manage {name}' before then lets it run",
             highlight=False,
         )

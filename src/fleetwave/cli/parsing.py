@@ -11,10 +11,8 @@ from typing import Any
 import yaml
 
 from fleetwave.domain.errors import InputError
-from fleetwave.domain.models import Target, name_problem, shown
+from fleetwave.domain.models import DECIMAL_FLOAT, DECIMAL_INT, Target, name_problem, shown
 from fleetwave.domain.yaml_workflow import (
-    DECIMAL_FLOAT,
-    DECIMAL_INT,
     Yaml12Loader,
     load_yaml,
     yaml_problem,

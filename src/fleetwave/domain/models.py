@@ -53,6 +53,19 @@ NAME_RULE = (
 _NAME = re.compile(r"[^\W_][\w.:@-]*")
 #: what a workflow state may be called (YAML workflows; the sim's fail_at, hang_at and
 #: unexpected_at settings name states by the same rule); at most STATE_NAME_MAX characters
+#: Numbers as an operator types them: decimal, no leading zeros ("010" stays text), with
+#: an optional fraction and exponent ("1e3", "1.5e3"). Not YAML 1.1's octal, hex,
+#: sexagesimal ("1:30") or yes/no/on/off.
+DECIMAL_INT = re.compile(r"0|-?[1-9][0-9]*")
+DECIMAL_FLOAT = re.compile(r"[-+]?(?:(?:0|[1-9][0-9]*)(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+
+
+def typed_as_number(text: str) -> bool:
+    """Whether ``text`` reads as a number where numbers are typed (YAML, ``--set``): as
+    text, it was quoted."""
+    return bool(DECIMAL_INT.fullmatch(text) or DECIMAL_FLOAT.fullmatch(text))
+
+
 STATE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 STATE_NAME_MAX = 64
 

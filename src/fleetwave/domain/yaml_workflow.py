@@ -35,7 +35,14 @@ from pydantic import (
     model_validator,
 )
 
-from fleetwave.domain.models import STATE_NAME, STATE_NAME_MAX, shown
+from fleetwave.domain.models import (
+    DECIMAL_FLOAT,
+    DECIMAL_INT,
+    STATE_NAME,
+    STATE_NAME_MAX,
+    shown,
+    typed_as_number,
+)
 from fleetwave.domain.registry import action_class
 from fleetwave.domain.workflow import (
     ActionContext,
@@ -74,13 +81,6 @@ class UniqueKeyLoader(yaml.SafeLoader):
                 )
             first[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep)
-
-
-#: Numbers as an operator types them: decimal, no leading zeros ("010" stays text), with
-#: an optional fraction and exponent ("1e3", "1.5e3"). Not YAML 1.1's octal, hex,
-#: sexagesimal ("1:30") or yes/no/on/off.
-DECIMAL_INT = re.compile(r"0|-?[1-9][0-9]*")
-DECIMAL_FLOAT = re.compile(r"[-+]?(?:(?:0|[1-9][0-9]*)(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 
 
 def _yaml_1_2(loader: type[yaml.SafeLoader]) -> None:
@@ -168,9 +168,12 @@ def _given(value: Any) -> str:
 
 
 def _not_bool(value: Any, info: ValidationInfo) -> Any:
-    """YAML's true/false are not numbers (pydantic would take true as 1)."""
+    """YAML's true/false are not numbers (pydantic would take true as 1), nor is text
+    (pydantic would take "300", quoted, as 300, yet '1:30' not: a number is unquoted)."""
     if isinstance(value, bool) and _strict(info):
         raise ValueError(f"expected a number, got {str(value).lower()}")
+    if isinstance(value, str) and _strict(info) and typed_as_number(value):
+        raise ValueError(f"expected a number, got the text {shown(value)} (unquote it)")
     return value
 
 

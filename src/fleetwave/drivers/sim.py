@@ -40,7 +40,7 @@ from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from fleetwave.domain.models import Target, shown
+from fleetwave.domain.models import Target, shown, typed_as_number
 from fleetwave.domain.workflow import ActionContext, RemoteResult, StepFailed, TransientError
 
 #: the longest simulated operation: a day
@@ -141,8 +141,28 @@ def _remote_state(settings: dict[str, Any]) -> str | None:
     return text
 
 
+#: the settings that are numbers
+NUMBERS = (
+    "latency_ms",
+    "latency_sigma",
+    "failure_rate",
+    "flaky_rate",
+    "hang_rate",
+    "error_rate",
+    *CALLBACK_RATES,
+)
+
+
 def validate_settings(settings: dict[str, Any]) -> None:
-    """Raise :class:`SimSettingError` naming the first bad setting."""
+    """Raise :class:`SimSettingError` naming the first bad setting. A number given as
+    text (quoted in a YAML file: ``"5"``) is refused: stored as text, the same target
+    given as ``--set latency_ms=5`` read as another definition of it."""
+    for key in NUMBERS:
+        raw = settings.get(key)
+        if isinstance(raw, str) and typed_as_number(raw):
+            raise SimSettingError(
+                f"sim setting {key}: the text {shown(raw)} where a number goes (unquote it)"
+            )
     _Profile(settings)
 
 
