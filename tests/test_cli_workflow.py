@@ -360,6 +360,7 @@ def test_workflow_add_stores_it_for_list_and_show(cli: Cli, tmp_path: Path) -> N
         {
             "state": "check",
             "action": "driver:pre-check (skip when done)",
+            "skip_when_done": True,
             "timeout_s": 30.0,
             "attempts": 2,
             "backoff_s": 0.01,
@@ -370,6 +371,7 @@ def test_workflow_add_stores_it_for_list_and_show(cli: Cli, tmp_path: Path) -> N
         {
             "state": "apply",
             "action": "driver:apply (no recover)",
+            "skip_when_done": False,
             "timeout_s": 7200.0,
             "attempts": 1,
             "backoff_s": 1.0,
@@ -380,6 +382,7 @@ def test_workflow_add_stores_it_for_list_and_show(cli: Cli, tmp_path: Path) -> N
         {
             "state": "verify",
             "action": "driver:verify",
+            "skip_when_done": False,
             "timeout_s": 600.0,
             "attempts": 1,
             "backoff_s": 1.0,

@@ -313,6 +313,8 @@ def describe_workflow(wf: WorkflowDef) -> dict[str, Any]:
             {
                 "state": s.name,
                 "action": s.action.describe(),
+                # (also in the action's text: a script reads it here)
+                "skip_when_done": bool(getattr(s.action, "skip_when_done", False)),
                 "timeout_s": s.timeout_s,
                 "attempts": s.attempts_max,
                 "backoff_s": s.backoff_s,
