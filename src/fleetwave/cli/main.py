@@ -748,6 +748,33 @@ def workflow_add(file: Path, fmt: FormatOpt = Format.table, db: DbOpt = None) ->
     _done(fmt, said, answer)
 
 
+@workflow_app.command("delete")
+def workflow_delete(
+    name: str,
+    ignore_missing: IgnoreMissingOpt = False,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
+    """Remove a stored (YAML) workflow; strategies created from it keep their copy."""
+    known = get_workflow(name)
+    if known is not None and known.source != "yaml":
+        what = "built in" if known.source == "builtin" else "defined in Python (a plug-in)"
+        raise InputError(f"workflow {name}: {what}, not stored: it cannot be deleted")
+    store = existing_store(db)
+    try:
+        version = admin.delete_workflow(store, name)
+    except NotFound:
+        if not ignore_missing:
+            raise
+        _missing(fmt, f"workflow {name}", {"name": name})
+        return
+    _done(
+        fmt,
+        f"workflow {name} v{version} deleted (strategies created from it keep their copy)",
+        {"name": name, "version": version, "deleted": True},
+    )
+
+
 # -- strategies ---------------------------------------------------------------------------
 
 

@@ -715,6 +715,17 @@ def save_workflow(store: Store, wf: WorkflowDef, source_yaml: str) -> int | None
         return stored
 
 
+def delete_workflow(store: Store, name: str) -> int:
+    """Remove a stored (YAML) workflow; the version removed. Strategies created from it
+    keep their own copy and run on; new ones can no longer name it."""
+    with store.write() as conn:
+        version = conn.execute(select(workflows.c.version).where(workflows.c.name == name)).scalar()
+        if version is None:
+            raise NotFound(f"workflow {shown(name)}: no stored workflow of that name")
+        conn.execute(delete(workflows).where(workflows.c.name == name))
+        return int(version)
+
+
 def check_workflow_version(store: Store, wf: WorkflowDef) -> int | None:
     """What :func:`save_workflow` would say of ``wf``, without storing it: the version
     it would replace (its own: already stored, unchanged), or None; raises
