@@ -131,7 +131,8 @@ def _remote_state(settings: dict[str, Any]) -> str | None:
     if raw is None:
         return None
     if isinstance(raw, bool) or not isinstance(raw, str | int | float):
-        raise SimSettingError(f"sim setting remote_state: {shown(str(raw))} is not text")
+        given = str(raw).lower() if isinstance(raw, bool) else shown(str(raw))  # as typed
+        raise SimSettingError(f"sim setting remote_state: {given} is not text")
     text = str(raw)
     if not 1 <= len(text) <= 255 or not text.isprintable() or text != text.strip():
         raise SimSettingError(

@@ -848,7 +848,7 @@ def create_strategy(
     chosen = sum([target_names is not None, group is not None, all_targets])
     if chosen != 1:
         raise InputError(
-            "choose the targets with exactly one of --targets, --group or --all "
+            "choose the targets with exactly one of --targets, --group, --all or --failed-in "
             "(--label alone: all targets with those labels)"
         )
     wf.with_timeouts(opts.timeouts_s)  # validates the state names
