@@ -28,22 +28,22 @@ class Decision(NamedTuple):
 def decide(states: tuple[str, ...], current: str, outcome: Outcome) -> Decision:
     """The next state of a step at ``current`` given its action's outcome."""
     if isinstance(outcome, Skip):
-        return Decision(STEP_COMPLETE, f"skipped at {current}: {outcome.reason}")
+        return Decision(STEP_COMPLETE, f"skipped at {current}: {details_text(outcome.reason)}")
     if isinstance(outcome, NotYet):  # the engine polls again; it never gets here
         return Decision(STEP_FAILED, f"{current}: the action answered 'not yet' too late")
     idx = states.index(current)
     if outcome.to is None:
         nxt = states[idx + 1] if idx + 1 < len(states) else STEP_COMPLETE
-        return Decision(nxt, outcome.details)
+        return Decision(nxt, details_text(outcome.details))
     if outcome.to in STEP_TERMINAL:
-        return Decision(outcome.to, outcome.details)
+        return Decision(outcome.to, details_text(outcome.details))
     if outcome.to not in states:
         return Decision(STEP_FAILED, f"{current}: action chose unknown state '{outcome.to}'")
     if states.index(outcome.to) <= idx:
         return Decision(
             STEP_FAILED, f"{current}: action chose '{outcome.to}', which is not a later state"
         )
-    return Decision(outcome.to, outcome.details)
+    return Decision(outcome.to, details_text(outcome.details))
 
 
 def one_line(text: str) -> str:
@@ -54,8 +54,60 @@ def one_line(text: str) -> str:
     return "; ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
-def failure(current: str, message: str) -> Decision:
-    return Decision(STEP_FAILED, f"{current}: {one_line(message)}")
+#: characters of an action's message a step's details keep (a 2 MB message made every
+#: row of `step list` 2 MB wide, and every log line of it)
+MAX_DETAILS = 4000
+#: cut only above this: room for what the engine puts around a message it was given
+#: ("<state>: ...", "(attempt 2 of 3)"), which is not cut a second time
+_CUT_ABOVE = MAX_DETAILS + 256
+
+
+def details_text(value: object) -> str:
+    """What an action said, as a step's details, the journal and the log keep it: text
+    (``str()`` of anything; its type's name when even that fails), on one line, every
+    character printable (a control character, or a byte that was not UTF-8 and was
+    decoded with surrogateescape, is written as an escape: ``\\x1b``, ``\\xe9``), at
+    most :data:`MAX_DETAILS` characters. Never raises: an action's odd message or
+    return value fails its step, never the conductor's commit (it failed them all)."""
+    if type(value) is str:
+        text = value
+    elif value is None:
+        return ""
+    else:
+        read: object
+        try:
+            read = str(value)
+        except Exception:
+            read = None
+        # (a __str__ that raises, or returns something else)
+        text = read if isinstance(read, str) else f"{type(value).__name__} (unreadable message)"
+    if len(text) <= _CUT_ABOVE and text.isprintable():
+        return text  # nearly always: one check
+    text = one_line(text)
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else _escaped(c) for c in text)
+    if len(text) > _CUT_ABOVE:
+        text = f"{text[:MAX_DETAILS]}... ({len(text) - MAX_DETAILS} more characters)"
+    return text
+
+
+def _escaped(c: str) -> str:
+    code = ord(c)
+    if 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8, kept by surrogateescape
+        return f"\\x{code - 0xDC00:02x}"
+    if c in "\t\n\r":
+        return " "
+    return (
+        f"\\x{code:02x}"
+        if code < 0x100
+        else f"\\u{code:04x}"
+        if code < 0x10000
+        else f"\\U{code:08x}"
+    )
+
+
+def failure(current: str, message: object) -> Decision:
+    return Decision(STEP_FAILED, f"{current}: {details_text(message)}")
 
 
 def is_allowed_move(states: tuple[str, ...], from_state: str, to_state: str) -> bool:

@@ -53,7 +53,7 @@ from fleetwave.domain.models import (
     unmanaged_reason,
 )
 from fleetwave.domain.registry import ActionNotFound, PluginError
-from fleetwave.domain.rules import Decision, decide, failure, one_line
+from fleetwave.domain.rules import Decision, decide, details_text, failure
 from fleetwave.domain.workflow import (
     ActionContext,
     Advance,
@@ -1367,7 +1367,7 @@ class Conductor:
             except (NotFound, ActionNotFound, PluginError) as exc:
                 # This process lacks it, or a YAML state's action (a plug-in not imported
                 # here): another conductor may have it. The strategy is not at fault.
-                await self._cannot_drive_here(rec, str(exc))
+                await self._cannot_drive_here(rec, details_text(exc))
                 return []
             if rec.states and list(wf.state_names) != rec.states:
                 raise WorkflowError(
@@ -1903,7 +1903,9 @@ class Conductor:
             from_fence=from_fence,
             to_state=to_state,
             fence=from_fence if fence is None else fence,
-            details=details,
+            # (already clean but for a callback's or a hand edit's: checked in one place,
+            # as a surrogate the database cannot store failed every commit of the batch)
+            details=details_text(details),
             # (written as the step's attempt when it ends: the attempts its last state
             # took; entering a state, the writer writes 1, that state's first)
             attempt=attempt,
@@ -2133,6 +2135,17 @@ class Conductor:
                 return  # the dispatcher reads the step's row back and takes it over
             except _HandedOver:
                 return  # a clean stop: the next owner runs the recorded retry
+            except Exception as exc:
+                # _run_state never raises but for the above; if it did (a bug of ours, or
+                # an action's exception odd in a way not foreseen), the worker would end
+                # and leave its step holding a slot with nobody to report on it (an
+                # exception whose str() raised did: the strategy never ended). The step
+                # fails instead.
+                said = details_text(exc) or type(exc).__name__
+                log.error("worker of step %s in %s: %s", fl.rec.step_id, fl.state, said)
+                log.debug("traceback of the worker of step %s", fl.rec.step_id, exc_info=True)
+                decision = failure(fl.state, f"internal error ({type(exc).__name__}): {said}")
+                msg = ActionFinished(run.id, fl.rec.step_id, fl.state, fl.fence, decision, 1, None)
             recovering = False
             go = fl.go = msg.go = loop.create_future()
             self.post(msg)
@@ -2267,14 +2280,14 @@ class Conductor:
                 decision = Decision(STEP_ABORTED, f"{state}: {exc}")
             except NotStarted as exc:
                 # a recover hook found the attempt never began: nothing starts now
-                why = str(exc) or "the target reports it not started"
+                why = details_text(exc) or "the target reports it not started"
                 decision = Decision(
                     STEP_ABORTED, f"{state}: {why}; not started now: {run.stop_details}"
                 )
             except NoRecoverHook:
                 decision = failure(state, f"conductor lost during {state}")
             except StepFailed as exc:
-                decision = failure(state, str(exc) or "failed")
+                decision = failure(state, details_text(exc) or "failed")
             except (TransientError, TimeoutError) as exc:
                 if isinstance(exc, _StateDeadline):
                     reason = f"timed out after {st.timeout_s:g}s"
@@ -2291,7 +2304,7 @@ class Conductor:
                 else:
                     # a TransientError, or the action's own TimeoutError (its client gave
                     # up: not the state's deadline): retried like a transient error
-                    reason = one_line(str(exc)) or type(exc).__name__
+                    reason = details_text(exc) or type(exc).__name__
                 # After a takeover too: the recover hook said how the attempt that was
                 # running ended (failed for now, or out of time), so the next one is a
                 # retry like any other, of the action (idempotent on the target side).
@@ -2359,30 +2372,32 @@ class Conductor:
             except Exception as exc:  # an action bug must fail the step, never strand it
                 # One line per step (a bug in an action may fail thousands of them); the
                 # traceback at debug level.
+                said = details_text(exc)
                 log.error(
                     "action for %s in %s raised %s: %s",
                     rec.target.name,
                     state,
                     type(exc).__name__,
-                    one_line(str(exc)),
+                    said,
                 )
                 log.debug("traceback of the action for %s", rec.target.name, exc_info=True)
-                decision = failure(state, str(exc) or type(exc).__name__)
+                decision = failure(state, said or type(exc).__name__)
             except (asyncio.CancelledError, KeyboardInterrupt, SystemExit, SimulatedCrash):
                 raise  # the conductor stops this worker, or the process is going down
             except BaseException as exc:
                 # Not an Exception, yet raised by the action (a library's own interrupt or
                 # timeout class): the step fails; letting it end the worker would leave
                 # the step holding its slot with nobody to report on it.
+                said = details_text(exc)
                 log.error(
                     "action for %s in %s raised %s (a BaseException): %s",
                     rec.target.name,
                     state,
                     type(exc).__name__,
-                    one_line(str(exc)),
+                    said,
                 )
                 decision = failure(
-                    state, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                    state, f"{type(exc).__name__}: {said}" if said else type(exc).__name__
                 )
             break
         return ActionFinished(run.id, rec.step_id, state, fence, decision, attempts, callback_id)

@@ -14,6 +14,7 @@ from sqlalchemy import insert, select
 
 from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.models import STEP_TERMINAL
+from fleetwave.domain.rules import details_text
 from fleetwave.store.db import Store
 from fleetwave.store.schema import callbacks, steps
 
@@ -40,6 +41,9 @@ def accept_callback(
         raise InputError(f"kind: must be one of {', '.join(KINDS)}, got '{kind}'")
     if not state:
         raise InputError("state: must name the state the callback reports on")
+    # A target's words: on one line, printable, bounded (a byte that was not UTF-8 in a
+    # shell's argument made the insert fail with a traceback)
+    details = details_text(details)
     with store.write() as conn:
         row = conn.execute(
             select(steps.c.strategy_id, steps.c.state).where(steps.c.id == step_id)

@@ -1,0 +1,164 @@
+"""What a bug hunt of Python plug-in actions and callbacks found (session 16): an
+action's odd message or return value crashed the conductor's commit (every strategy it
+drove stopped), an exception whose ``str()`` raised stranded its step for good, and
+control characters and megabytes of text went to the terminal and the log as given."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from conftest import add_sim_targets, applied, rollout
+from fleetwave import ActionContext, Advance, Outcome, StateAction
+from fleetwave.domain.registry import register_workflow
+from fleetwave.domain.rules import MAX_DETAILS, details_text
+from fleetwave.domain.workflow import Skip, StateDef, StepFailed, TransientError, WorkflowDef
+from fleetwave.engine.conductor import Conductor
+from fleetwave.store import queries
+from fleetwave.store.callbacks import accept_callback
+from fleetwave.store.db import Store
+from fleetwave.testing.invariants import check
+
+
+class _Unreadable(Exception):
+    def __str__(self) -> str:
+        raise TypeError("cannot format")
+
+
+class _NotText(Exception):
+    def __str__(self) -> Any:
+        return 42
+
+
+class _Odd(StateAction):
+    """Does what the target's setting ``odd`` says: each one something a plug-in did."""
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        odd = ctx.target.settings.get("odd")
+        if odd == "surrogate":  # subprocess output decoded with surrogateescape
+            raise StepFailed(b"patch failed: caf\xe9 not found".decode("utf-8", "surrogateescape"))
+        if odd == "object-details":
+            return Advance(details=object())  # type: ignore[arg-type]
+        if odd == "unreadable":
+            raise _Unreadable
+        if odd == "not-text":
+            raise _NotText
+        if odd == "unreadable-transient":
+
+            class Flaky(TransientError):
+                def __str__(self) -> str:
+                    raise ValueError("no")
+
+            raise Flaky
+        if odd == "escape":
+            raise StepFailed("nul\x00byte and \x1b[31mred\x1b[0m")
+        if odd == "huge":
+            raise StepFailed("x" * 2_000_000)
+        if odd == "skip-surrogate":
+            return Skip(reason="done: caf\udce9")
+        return Advance()
+
+
+ODD = WorkflowDef(
+    "odd-actions",
+    (StateDef("work", _Odd(), timeout_s=5, attempts_max=2, backoff_s=0.01, backoff_max_s=0.01),),
+)
+register_workflow(ODD)
+
+
+def _details(store: Store, sid: int) -> dict[str, tuple[str, str]]:
+    return {s["target"]: (s["state"], s["details"]) for s in queries.list_steps(store, sid)}
+
+
+def test_an_action_s_odd_message_or_value_fails_its_step_not_the_conductor(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    odd = [
+        "surrogate",
+        "object-details",
+        "unreadable",
+        "not-text",
+        "unreadable-transient",
+        "escape",
+        "huge",
+        "skip-surrogate",
+    ]
+    for kind in odd:
+        add_sim_targets(store, 1, prefix=f"{kind}-", settings={"odd": kind})
+    add_sim_targets(store, 3, prefix="fine-")
+    with caplog.at_level(logging.ERROR):
+        sid, result, _ = rollout(store, ODD, max_parallel=20)
+    assert result == "failed"  # it ended: no step left holding its slot
+    got = _details(store, sid)
+    assert all(got[f"fine-{i:05d}"] == ("complete", "") for i in range(3))
+    assert got["surrogate-00000"] == ("failed", "work: patch failed: caf\\xe9 not found")
+    state, text = got["object-details-00000"]
+    assert state == "complete" and text.startswith("<object object at 0x"), text
+    assert got["unreadable-00000"] == ("failed", "work: _Unreadable (unreadable message)")
+    assert got["not-text-00000"] == ("failed", "work: _NotText (unreadable message)")
+    state, text = got["unreadable-transient-00000"]
+    assert state == "failed" and text.startswith(
+        "work: Flaky (unreadable message) (attempt 2 of 2"
+    ), text
+    assert got["escape-00000"] == ("failed", "work: nul\\x00byte and \\x1b[31mred\\x1b[0m")
+    state, text = got["huge-00000"]
+    assert state == "failed" and len(text) < MAX_DETAILS + 100
+    assert text.endswith(f"... ({2_000_000 - MAX_DETAILS} more characters)"), text[-60:]
+    assert got["skip-surrogate-00000"] == ("complete", "skipped at work: done: caf\\xe9")
+    assert check(store).ok
+    # the log says the same, on one printable line each
+    for record in caplog.records:
+        message = record.getMessage()
+        assert message.isprintable() and len(message) < MAX_DETAILS + 300, message[:200]
+
+
+def test_details_text_is_printable_bounded_and_never_raises() -> None:
+    assert details_text("") == ""
+    assert details_text(None) == ""
+    assert details_text("plain words, é and 漢字") == "plain words, é and 漢字"
+    assert details_text("two\nlines\r\n") == "two; lines"
+    assert details_text("a\tb") == "a b"
+    assert details_text("\u200b") == "\\u200b"
+    assert details_text("caf\udce9") == "caf\\xe9"
+    assert details_text(_Unreadable()) == "_Unreadable (unreadable message)"
+    assert details_text(12) == "12"
+    assert details_text("y" * (MAX_DETAILS + 256)) == "y" * (MAX_DETAILS + 256)
+    cut = details_text("y" * (MAX_DETAILS + 257))
+    assert cut == "y" * MAX_DETAILS + "... (257 more characters)"
+    assert details_text(cut) == cut  # not cut again
+
+
+def test_a_callback_with_bytes_that_are_not_utf8_is_stored_escaped(store: Store) -> None:
+    """`step callback ... --details $'bad\\xffbyte'` printed a 71-line traceback."""
+    add_sim_targets(store, 1)
+    sid = applied(store, "clean")
+    step = queries.list_steps(store, sid)[0]["step"]
+    record = accept_callback(store, step, "wait-for-agent", "done", "bad\udcffbyte\x07", 0.0)
+    assert record.details == "bad\\xffbyte\\x07"
+
+
+def test_a_worker_whose_state_run_raises_fails_its_step(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The safety net: whatever escapes a state's run (a bug of ours) fails the step; the
+    worker used to end, and its step held a slot with nobody to report on it."""
+    real = Conductor._run_state
+    calls = {"n": 0}
+
+    async def broken(self: Conductor, run: Any, fl: Any, recovering: bool) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("a bug")
+        return await real(self, run, fl, recovering)
+
+    monkeypatch.setattr(Conductor, "_run_state", broken)
+    add_sim_targets(store, 3)
+    sid, result, _ = rollout(store, "patch", max_parallel=1)
+    assert result == "failed"
+    states = sorted(s["state"] for s in queries.list_steps(store, sid))
+    assert states.count("failed") == 1 and states.count("complete") == 2, states
+    failed = next(s for s in queries.list_steps(store, sid) if s["state"] == "failed")
+    assert failed["details"].endswith("internal error (RuntimeError): a bug"), failed
+    assert check(store).ok
