@@ -6,6 +6,10 @@ control characters and megabytes of text went to the terminal and the log as giv
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,7 +18,14 @@ from conftest import add_sim_targets, applied, rollout
 from fleetwave import ActionContext, Advance, Outcome, StateAction
 from fleetwave.domain.registry import register_workflow
 from fleetwave.domain.rules import MAX_DETAILS, details_text
-from fleetwave.domain.workflow import Skip, StateDef, StepFailed, TransientError, WorkflowDef
+from fleetwave.domain.workflow import (
+    Skip,
+    StateDef,
+    StepFailed,
+    TransientError,
+    WorkflowDef,
+    WorkflowError,
+)
 from fleetwave.engine.conductor import Conductor
 from fleetwave.store import queries
 from fleetwave.store.callbacks import accept_callback
@@ -162,3 +173,51 @@ def test_a_worker_whose_state_run_raises_fails_its_step(
     failed = next(s for s in queries.list_steps(store, sid) if s["state"] == "failed")
     assert failed["details"].endswith("internal error (RuntimeError): a bug"), failed
     assert check(store).ok
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        ("raise SystemExit(0)\n", "cannot import 'odd_plugin': SystemExit: 0"),
+        ("import sys\nsys.exit('bye')\n", "cannot import 'odd_plugin': SystemExit: bye"),
+        (
+            "class Stop(BaseException):\n    pass\nraise Stop('no')\n",
+            "cannot import 'odd_plugin': Stop: no",
+        ),
+    ],
+)
+def test_a_plug_in_that_exits_while_imported_is_one_error_line(
+    tmp_path: Path, body: str, said: str
+) -> None:
+    """`raise SystemExit(0)` in a plug-in made serve and apply --wait exit 0 with nothing
+    said, as if they had done their work."""
+    (tmp_path / "odd_plugin.py").write_text(body, encoding="utf-8")
+    fleetwave = Path(sys.executable).with_name("fleetwave")
+    db = tmp_path / "f.db"
+    assert subprocess.run([fleetwave, "init", "--db", db], capture_output=True).returncode == 0
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "FLEETWAVE_PLUGINS": "odd_plugin"}
+    res = subprocess.run(
+        [fleetwave, "serve", "--db", db], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert (res.returncode, res.stdout) == (2, ""), res
+    assert res.stderr == f"error: FLEETWAVE_PLUGINS: {said}\n"
+
+
+class _Fine(StateAction):
+    async def run(self, ctx: ActionContext) -> Outcome:
+        return Advance()
+
+
+def test_a_state_given_a_class_or_a_function_is_refused_when_defined() -> None:
+    """Registered without a word, then `workflow show` printed a traceback and every
+    step failed at run time."""
+    with pytest.raises(WorkflowError) as err:
+        WorkflowDef("w", (StateDef("s", _Fine),))  # type: ignore[arg-type]
+    assert str(err.value) == (
+        "workflow w: states[0] (s): action: the class _Fine, not an instance of it (give _Fine())"
+    )
+    with pytest.raises(WorkflowError) as err:
+        WorkflowDef("w", (StateDef("s", print),))  # type: ignore[arg-type]
+    assert str(err.value) == (
+        "workflow w: states[0] (s): action: builtin_function_or_method is not a StateAction"
+    )

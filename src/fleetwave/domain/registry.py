@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from fleetwave.domain.builtin import builtin_workflows
+from fleetwave.domain.rules import details_text
 from fleetwave.domain.workflow import StateAction, WorkflowDef, WorkflowError
 
 A = TypeVar("A", bound=type[StateAction])
@@ -109,7 +110,12 @@ def _ensure_loaded() -> None:
     ):
         try:
             importlib.import_module(mod)
-        except Exception as exc:  # a missing module, or one that raises when imported
-            why = str(exc) if isinstance(exc, ImportError) else f"{type(exc).__name__}: {exc}"
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # a missing module, or one that raises when imported
+            # (SystemExit too: `raise SystemExit(0)` in a plug-in made serve and apply
+            # --wait exit 0 with nothing said, as if they had done their work)
+            said = details_text(exc)
+            why = said if isinstance(exc, ImportError) else f"{type(exc).__name__}: {said}"
             _load_error = PluginError(f"FLEETWAVE_PLUGINS: cannot import '{mod}': {why}")
             raise _load_error from None

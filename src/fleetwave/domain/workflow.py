@@ -345,6 +345,15 @@ def validate_workflow(wf: WorkflowDef) -> None:
         if s.name in seen:
             raise WorkflowError(f"{where}: name: duplicate state name")
         seen.add(s.name)
+        if not isinstance(s.action, StateAction):
+            # a class, or a function: registered without a word, then `workflow show`
+            # printed a traceback and every step failed at run time
+            what = (
+                f"the class {s.action.__name__}, not an instance of it (give {s.action.__name__}())"
+                if isinstance(s.action, type) and issubclass(s.action, StateAction)
+                else f"{type(s.action).__name__} is not a StateAction"
+            )
+            raise WorkflowError(f"{where}: action: {what}")
         if not (s.timeout_s > 0 and math.isfinite(s.timeout_s)):
             raise WorkflowError(
                 f"{where}: timeout_s: must be a positive, finite number of seconds "
