@@ -124,7 +124,8 @@ def test_duplicate_late_and_failed_callbacks(store: Store) -> None:
     reasons = {o["reason"] for o in outcomes if o["outcome"] == "ignored"}
     assert reasons <= {
         "duplicate: this state already had its callback",
-        "step is not in flight (finished or not started)",
+        "its step is not under way: not started yet (a callback answers a state its step "
+        "has entered, or will enter from one it is in), or just ended",
         "late: step already complete",
         "late: step already failed",
         "strategy ended first",

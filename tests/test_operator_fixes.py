@@ -981,14 +981,16 @@ def test_step_list_says_what_an_in_flight_step_without_details_is_doing(
     assert gone.startswith(f"its conductor {c.id} is gone (its lease ran out at 1970-01-01"), gone
     assert gone.endswith(
         "the step is taken over when a conductor drives the strategy again (serve, or "
-        "strategy apply --wait), and its recover hook looks at the target"
+        "strategy apply --wait), and its state's recover setting decides what became of the "
+        "action (look at the target, or fail the step: 'fleetwave workflow show' says which)"
     ), gone
     with store.write() as conn:  # handed back (a clean stop) while the action ran
         conn.execute(update(steps).values(owner=None, lease_expires_at=None))
     assert details() == {
         "interrupted (its conductor stopped); the step is taken over when a conductor "
-        "drives the strategy again (serve, or strategy apply --wait), and its recover "
-        "hook looks at the target"
+        "drives the strategy again (serve, or strategy apply --wait), and its state's "
+        "recover setting decides what became of the action (look at the target, or fail "
+        "the step: 'fleetwave workflow show' says which)"
     }
     with store.write() as conn:  # entered while its conductor was stopping
         conn.execute(update(steps).values(not_started=True))

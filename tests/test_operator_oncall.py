@@ -87,7 +87,7 @@ def test_a_step_whose_conductor_is_gone_says_so_before_what_its_row_said(
         )
     for row in steps(cli, sid).values():
         assert row["details"].startswith("its conductor c-dead is gone (its lease ran out at ")
-        assert row["details"].endswith(f"recover hook looks at the target ({said})")
+        assert row["details"].endswith(f"'fleetwave workflow show' says which) ({said})")
 
 
 FLAKY_YAML = """\

@@ -5,6 +5,7 @@ control characters and megabytes of text went to the terminal and the log as giv
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import subprocess
@@ -28,7 +29,7 @@ from fleetwave.domain.workflow import (
 )
 from fleetwave.engine.conductor import Conductor
 from fleetwave.store import queries
-from fleetwave.store.callbacks import accept_callback
+from fleetwave.store.callbacks import accept_callback, callback_outcomes
 from fleetwave.store.db import Store
 from fleetwave.testing.invariants import check
 
@@ -221,3 +222,26 @@ def test_a_state_given_a_class_or_a_function_is_refused_when_defined() -> None:
     assert str(err.value) == (
         "workflow w: states[0] (s): action: builtin_function_or_method is not a StateAction"
     )
+
+
+def test_an_early_callback_for_a_state_that_waits_for_none_is_answered_so(
+    store: Store,
+) -> None:
+    """Kept as early, it was answered at the step's end "its step ended complete before
+    reaching final-power-off", though the step had passed through that state."""
+    add_sim_targets(store, 2, settings={"latency_ms": 5})
+    sid = applied(store, "clean", max_parallel=1)
+    first, second = (s["step"] for s in queries.list_steps(store, sid))
+    accept_callback(store, first, "final-power-off", "done", "", 0.0)  # a run state
+    accept_callback(store, second, "wait-for-agent", "done", "", 0.0)  # not started yet
+    result = asyncio.run(Conductor(store).run(strategy_ids=[sid]))
+    assert result[sid] in ("complete", "failed")
+    ours = {o["id"]: o for o in callback_outcomes(store, sid)}  # (the sim's own too)
+    mine = [ours[i] for i in sorted(ours)[:2]]
+    assert (mine[0]["step"], mine[0]["outcome"], mine[0]["reason"]) == (
+        first,
+        "ignored",
+        "state final-power-off does not wait for callbacks",
+    )
+    assert (mine[1]["step"], mine[1]["outcome"]) == (second, "ignored")
+    assert mine[1]["reason"].startswith("its step is not under way: not started yet")

@@ -1251,9 +1251,22 @@ class Conductor:
 
         states = run.workflow.state_names
         if fl is None:
-            ignore("step is not in flight (finished or not started)")
+            # (one for a step that has ended is answered when stored: this one's step is
+            # still waiting its turn, unless it ended in between)
+            ignore(
+                "its step is not under way: not started yet (a callback answers a state "
+                "its step has entered, or will enter from one it is in), or just ended"
+            )
         elif cb.state not in states:
             ignore(f"unknown state {cb.state} for workflow {run.workflow.name}")
+        elif (
+            cb.kind != "heartbeat"
+            and cb.state != fl.state
+            and run.workflow.state(cb.state).mode != "wait-for-callback"
+        ):
+            # Said at once: kept as early, it was answered when the step ended, as if
+            # the step had never reached that state.
+            ignore(f"state {cb.state} does not wait for callbacks")
         elif states.index(cb.state) > states.index(fl.state) or (
             cb.state == fl.state
             and fl.waiter is None

@@ -611,6 +611,14 @@ def _gone_conductors(store: Store, now: float) -> frozenset[str]:
     return known.gone
 
 
+#: what a takeover does with a state whose conductor was lost: its workflow says (a
+#: state with ``recover: none`` fails the step; the text said a recover hook looked)
+_RECOVERS = (
+    "its state's recover setting decides what became of the action (look at the target, "
+    "or fail the step: 'fleetwave workflow show' says which)"
+)
+
+
 def _shown_details(r: Any, now: float, gone: frozenset[str]) -> str:
     """A step's details as shown (``r``: its row): for one in its workflow's states
     that nobody drives now, or entered but not started, what is happening to it and
@@ -646,12 +654,12 @@ def _shown_details(r: Any, now: float, gone: frozenset[str]) -> str:
             why = f"its lease ran out at {at}Z"
         said = (
             f"its conductor {owner} is gone ({why}); the step is taken over {resumes}, "
-            "and its recover hook looks at the target"
+            f"and {_RECOVERS}"
         )
     else:
         said = (
             f"interrupted (its conductor stopped); the step is taken over {resumes}, and "
-            "its recover hook looks at the target"
+            f"{_RECOVERS}"
         )
     return f"{said} ({details})" if details else said
 
