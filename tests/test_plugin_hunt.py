@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from fleetwave.domain.workflow import (
     WorkflowDef,
     WorkflowError,
 )
-from fleetwave.engine.conductor import Conductor
+from fleetwave.engine.conductor import Conductor, EngineConfig
 from fleetwave.store import queries
 from fleetwave.store.callbacks import accept_callback, callback_outcomes
 from fleetwave.store.db import Store
@@ -245,3 +246,96 @@ def test_an_early_callback_for_a_state_that_waits_for_none_is_answered_so(
     )
     assert (mine[1]["step"], mine[1]["outcome"]) == (second, "ignored")
     assert mine[1]["reason"].startswith("its step is not under way: not started yet")
+
+
+class _Stubborn(StateAction):
+    """Catches every cancel and goes on (until the test lets it go)."""
+
+    release: asyncio.Event | None = None
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        if ctx.target.settings.get("odd") != "stubborn":
+            return Advance()
+        while True:
+            try:
+                await asyncio.sleep(0.05)
+                if _Stubborn.release is not None and _Stubborn.release.is_set():
+                    return Advance(details="let go at last")
+            except asyncio.CancelledError:
+                pass
+
+
+STUBBORN = register_workflow(
+    WorkflowDef("stubborn-actions", (StateDef("work", _Stubborn(), timeout_s=0.3),))
+)
+
+
+def test_an_action_that_swallows_its_cancel_is_abandoned_and_its_step_fails(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its step showed "running" long past its deadline, an abort could not end it,
+    and a clean stop waited for it for good."""
+    add_sim_targets(store, 1, prefix="stubborn-", settings={"odd": "stubborn"})
+    add_sim_targets(store, 2, prefix="fine-")
+
+    async def main() -> tuple[str, float]:
+        _Stubborn.release = asyncio.Event()
+        c = Conductor(store, config=EngineConfig(shutdown_grace_s=0.5))
+        sid = applied(store, "stubborn-actions")
+        t0 = time.monotonic()
+        result = await asyncio.wait_for(c.run(strategy_ids=[sid]), 30)
+        took = time.monotonic() - t0
+        _Stubborn.release.set()  # the abandoned action ends; its late report is stale
+        await asyncio.sleep(0.2)
+        return result[sid], took
+
+    with caplog.at_level(logging.ERROR):
+        result, took = asyncio.run(main())
+    assert result == "failed"
+    assert took < 10, took  # the deadline (0.3 s) and the grace (0.5 s), not forever
+    sid = queries.list_strategies(store)[-1]["id"]
+    got = _details(store, sid)
+    assert got["fine-00000"] == ("complete", "")
+    assert got["stubborn-00000"] == (
+        "failed",
+        "work: timed out after 0.3s (attempt 1 of 1); its action did not stop when "
+        "cancelled, and was abandoned",
+    )
+    assert any("did not stop when cancelled" in r.getMessage() for r in caplog.records)
+    assert check(store).ok
+
+
+def test_a_clean_stop_does_not_wait_for_good_for_an_action_that_swallows_its_cancel(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGTERM said "running actions finish (up to 10 s)"; 20 s later it still waited."""
+    wf = register_workflow(
+        WorkflowDef("stubborn-long", (StateDef("work", _Stubborn(), timeout_s=3600),)),
+        replace=True,
+    )
+    add_sim_targets(store, 1, prefix="stubborn-", settings={"odd": "stubborn"})
+    sid = applied(store, wf.name)
+
+    async def main() -> float:
+        _Stubborn.release = asyncio.Event()
+        stop = asyncio.Event()
+        c = Conductor(store, config=EngineConfig(shutdown_grace_s=0.5))
+        task = asyncio.create_task(c.run(strategy_ids=[sid], stop=stop))
+        await asyncio.sleep(0.5)  # the action runs
+        t0 = time.monotonic()
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        took = time.monotonic() - t0
+        # (left behind, it would hold asyncio.run's own end, which waits for every task:
+        # see the closing note; the conductor's part is done, its leases handed back)
+        _Stubborn.release.set()
+        await asyncio.sleep(0.2)
+        return took
+
+    with caplog.at_level(logging.ERROR):
+        took = asyncio.run(main())
+    assert took < 5, took  # the drain's grace, then the cancel's: not forever
+    assert any("did not stop when cancelled" in r.getMessage() for r in caplog.records)
+    with store.read() as conn:  # handed back: the next conductor takes it over at once
+        owner = conn.exec_driver_sql("SELECT owner FROM strategies WHERE id = ?", (sid,))
+        assert owner.scalar_one() is None

@@ -621,7 +621,15 @@ class Conductor:
         for task in list(self._workers):
             task.cancel()
         if self._workers:
-            await asyncio.gather(*self._workers, return_exceptions=True)
+            # An action that swallows its cancel would hold the stop for good (a second
+            # signal was needed): it is left behind after the grace period, said so.
+            _, left = await asyncio.wait(list(self._workers), timeout=self.config.shutdown_grace_s)
+            if left:
+                log.error(
+                    "%s did not stop when cancelled (an action catches CancelledError): "
+                    "left behind",
+                    plural(len(left), "worker"),
+                )
         self._workers.clear()
 
     def _should_exit(self, stop: asyncio.Event | None) -> bool:
@@ -2072,23 +2080,61 @@ class Conductor:
             self._deadline_timer = self._loop.call_at(when, self._expire)
         elif len(heap) > self._deadlines_compact_at:
             # Most entries are of attempts that ended long before their deadline.
-            live = [e for e in heap if e[2].running == e[1]]
+            live = [e for e in heap if e[2].running == abs(e[1])]  # (-: a cancel's grace)
             heapq.heapify(live)
             self._deadlines = live
             self._deadlines_compact_at = max(1024, 2 * len(live))
 
     def _expire(self) -> None:
-        """The earliest deadline is due: cancel every attempt still running past its own."""
+        """The earliest deadline is due: cancel every attempt still running past its own;
+        one that a grace period later still runs (its action swallowed the cancel) is
+        abandoned: its step fails, instead of holding its slot for good."""
         due, heap = max(self._deadline_at, self._loop.time()), self._deadlines
         self._deadline_timer = None
         while heap and heap[0][0] <= due:
-            _, attempt, fl = heapq.heappop(heap)
-            if fl.running == attempt and fl.task is not None and not fl.task.done():
+            when, attempt, fl = heapq.heappop(heap)
+            if attempt < 0:  # the grace after a cancel
+                if fl.running == -attempt and fl.timed_out == -attempt:
+                    self._abandon(fl)
+            elif fl.running == attempt and fl.task is not None and not fl.task.done():
                 fl.timed_out = attempt
                 fl.task.cancel()
+                heapq.heappush(heap, (when + self.config.shutdown_grace_s, -attempt, fl))
         if heap:
             self._deadline_at = heap[0][0]
             self._deadline_timer = self._loop.call_at(heap[0][0], self._expire)
+
+    def _abandon(self, fl: InFlight) -> None:
+        """Fail the step of an attempt whose action did not stop when cancelled at its
+        deadline: reported on its worker's behalf (whatever the worker reports later is
+        stale: the step has moved on)."""
+        run = self.runs.get(fl.rec.strategy_id)
+        if run is None or run.inflight.get(fl.rec.step_id) is not fl:
+            return
+        st = run.workflow.state(fl.state)
+        log.error(
+            "action for %s in %s did not stop when cancelled at its %gs deadline "
+            "(it catches CancelledError): its step fails; the action is abandoned, and "
+            "may still be running in this process",
+            fl.rec.target.name,
+            fl.state,
+            st.timeout_s,
+        )
+        fl.running = 0
+        why = (
+            f"timed out after {st.timeout_s:g}s (attempt {fl.attempt_no} of "
+            f"{st.attempts_max}); its action did not stop when cancelled, and was abandoned"
+        )
+        self.post(
+            ActionFinished(
+                run.id,
+                fl.rec.step_id,
+                fl.state,
+                fl.fence,
+                failure(fl.state, why),
+                max(fl.attempt_no, 1),
+            )
+        )
 
     async def _finish_done_runs(self) -> None:
         for run in list(self.runs.values()):
@@ -2239,6 +2285,7 @@ class Conductor:
                 )
                 self._attempts += 1
                 attempt = fl.running = self._attempts
+                fl.attempt_no = attempts
                 self._arm_deadline(loop.time() + timeout_s, attempt, fl)
                 try:
                     outcome: Outcome

@@ -35,6 +35,8 @@ class InFlight:
     #: the attempt now running its action (0: none), and the last one that ran out of time
     running: int = 0
     timed_out: int = 0
+    #: which attempt of its state that is (1, 2, ...)
+    attempt_no: int = 0
     #: set by the dispatcher once the strategy stops (abort, failure limit): the worker
     #: starts no new attempt of its state (it reads this one flag at any time)
     stopped: bool = False
