@@ -390,3 +390,30 @@ def test_ending_a_strategy_at_a_fence_no_longer_held_is_refused(tmp_path: Path) 
         )
     assert rt.end_strategy(store, sid, "c1", again.fence, "complete", "", 202.0)
     store.dispose()
+
+
+@pytest.mark.parametrize(("asked", "event"), [("abort-requested", True), ("applying", False)])
+def test_an_abort_that_came_after_every_step_had_ended_is_on_the_record(
+    tmp_path: Path, asked: str, event: bool
+) -> None:
+    """The operator was told "abort requested"; the strategy then ended complete (its
+    steps all had), with nothing to say why the abort did nothing (bug hunt)."""
+    store, sid, rec = _claimed(tmp_path)
+    with store.write() as conn:
+        conn.exec_driver_sql("UPDATE strategies SET state = ?", (asked,))
+    assert rt.end_strategy(store, sid, "c1", rec.fence, "complete", "", 201.0)
+    with store.read() as conn:
+        rows = conn.exec_driver_sql("SELECT kind, details FROM events WHERE kind LIKE 'abort%'")
+        got = rows.all()
+    assert got == (
+        [
+            (
+                "abort-too-late",
+                "an abort was requested after every step had ended: the strategy ended "
+                "complete, as its steps had",
+            )
+        ]
+        if event
+        else []
+    )
+    store.dispose()

@@ -826,6 +826,7 @@ EVENT_KINDS = {
     "pause-seen": "the conductor saw a pause",
     "resume-seen": "the conductor saw a resume",
     "abort-seen": "the conductor saw an abort",
+    "abort-too-late": "an abort came after every step had ended (the strategy ended so)",
     "takeover-incomplete": "steps moved on while a takeover read them",
     "strategy-undrivable": "the strategy cannot be driven (why)",
 }

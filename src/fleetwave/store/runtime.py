@@ -530,6 +530,7 @@ def end_strategy(
     """
     p = store.hooks.placeholder
     with store.write() as conn:
+        was = conn.exec_driver_sql(f"SELECT state FROM strategies WHERE id = {p}", (sid,)).scalar()
         res = conn.exec_driver_sql(
             f"UPDATE strategies SET state = {p}, details = {p}, updated_at = {p}, "
             "owner = NULL, lease_expires_at = NULL "
@@ -539,6 +540,20 @@ def end_strategy(
         )
         if res.rowcount != 1:
             return False
+        if was == StrategyState.ABORT_REQUESTED and final != StrategyState.ABORTED:
+            # The operator was told "abort requested"; the strategy then ended as its
+            # steps had: on the record, so that the end is not read as a lost abort.
+            conn.exec_driver_sql(
+                "INSERT INTO events (at, conductor, strategy_id, kind, details) "
+                f"VALUES ({p}, {p}, {p}, 'abort-too-late', {p})",
+                (
+                    now,
+                    cid,
+                    sid,
+                    f"an abort was requested after every step had ended: the strategy "
+                    f"ended {final}, as its steps had",
+                ),
+            )
         conn.exec_driver_sql(
             "UPDATE callbacks SET outcome = 'ignored', reason = 'strategy ended first', "
             f"processed_at = {p} WHERE strategy_id = {p} AND outcome IS NULL",
