@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import time
 
 import pytest
 
@@ -76,3 +79,40 @@ def test_operations_ending_together_share_commits_on_either_loop(
     assert event_loop.run(c.run(strategy_ids=[sid]))[sid] == "complete"
     assert c.stats.transitions == 200 * 6
     assert c.stats.batches < c.stats.transitions / 5, (c.stats.batches, c.stats.transitions)
+
+
+@pytest.mark.parametrize("kind", ["uvloop", "asyncio"])
+def test_a_task_that_will_not_end_when_cancelled_does_not_hold_the_exit(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, kind: str
+) -> None:
+    """asyncio.run waited for every task left over, for good: a `serve` that had
+    stopped cleanly and handed its leases back never exited while an action that
+    catches CancelledError ran (bug hunt)."""
+    monkeypatch.setenv("FLEETWAVE_LOOP", kind)
+    monkeypatch.setattr(event_loop, "LEFTOVER_GRACE_S", 0.2)
+    cleaned: list[str] = []
+
+    async def stubborn() -> None:
+        try:
+            while True:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.Event().wait()
+        finally:
+            cleaned.append("its finally ran")
+
+    async def polite() -> None:
+        await asyncio.sleep(3600)
+
+    async def main() -> int:
+        asyncio.get_running_loop().create_task(stubborn())
+        asyncio.get_running_loop().create_task(polite())
+        await asyncio.sleep(0.05)
+        return 42
+
+    t0 = time.monotonic()
+    assert event_loop.run(main()) == 42
+    assert time.monotonic() - t0 < 5
+    assert cleaned == ["its finally ran"]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [
+        "1 task(s) did not end when cancelled (an action catches CancelledError): closed after 0.2s"
+    ]

@@ -9,6 +9,8 @@ wake-ups per action), so on Linux and macOS it is the default.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -41,15 +43,59 @@ def loop_kind() -> str:
     return "uvloop"
 
 
+#: how long tasks left over when ``main`` ends get to finish once cancelled
+LEFTOVER_GRACE_S = 2.0
+
+
 def run(main: Coroutine[Any, Any, T]) -> T:
-    """Run ``main`` to completion on a new loop of the kind :func:`loop_kind` picks."""
+    """Run ``main`` to completion on a new loop of the kind :func:`loop_kind` picks.
+
+    As ``asyncio.run``, except at the end: a task left over that does not end when
+    cancelled (an action that catches ``CancelledError``) is given
+    :data:`LEFTOVER_GRACE_S`, then closed; ``asyncio.run`` waited for it for good, so
+    a ``serve`` that had stopped cleanly and handed its leases back never exited.
+    """
     try:
         kind = loop_kind()
     except LoopChoiceError:
         main.close()
         raise
+    factory = None
     if kind == "uvloop":
         import uvloop
 
-        return uvloop.run(main)
-    return asyncio.run(main)
+        factory = uvloop.new_event_loop
+    runner = asyncio.Runner(loop_factory=factory)
+    try:
+        return runner.run(main)
+    finally:
+        try:
+            _end_leftovers(runner.get_loop())
+        finally:
+            runner.close()
+
+
+def _end_leftovers(loop: asyncio.AbstractEventLoop) -> None:
+    left = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    if not left:
+        return
+    for task in left:
+        task.cancel()
+    loop.run_until_complete(asyncio.wait(left, timeout=LEFTOVER_GRACE_S))
+    stuck = [t for t in left if not t.done()]
+    if stuck:
+        logging.getLogger("fleetwave.engine").error(
+            "%d task(s) did not end when cancelled (an action catches CancelledError): "
+            "closed after %gs",
+            len(stuck),
+            LEFTOVER_GRACE_S,
+        )
+    for task in stuck:
+        # GeneratorExit where it waits: what catches only CancelledError lets it through
+        with contextlib.suppress(BaseException):
+            task.get_coro().close()
+        task.cancel()  # its task then ends as soon as it is woken
+    loop.run_until_complete(asyncio.wait(stuck, timeout=LEFTOVER_GRACE_S))
+    for task in stuck:
+        if task.done() and not task.cancelled():
+            task.exception()  # seen: not reported again as never retrieved
