@@ -339,3 +339,28 @@ def test_a_clean_stop_does_not_wait_for_good_for_an_action_that_swallows_its_can
     with store.read() as conn:  # handed back: the next conductor takes it over at once
         owner = conn.exec_driver_sql("SELECT owner FROM strategies WHERE id = ?", (sid,))
         assert owner.scalar_one() is None
+
+
+class _Blocks(StateAction):
+    async def run(self, ctx: ActionContext) -> Outcome:
+        time.sleep(2.2)  # what a plug-in should not do: the whole loop stands still
+        await asyncio.sleep(0.3)  # (the conductor's periodic pass runs meanwhile)
+        return Advance()
+
+
+BLOCKS = register_workflow(WorkflowDef("blocking-action", (StateDef("work", _Blocks()),)))
+
+
+def test_a_blocked_event_loop_is_said_with_its_length(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One time.sleep(25) in an action lapsed the conductor's leases and failed every
+    step in flight as 'conductor lost', and nothing named the stall."""
+    add_sim_targets(store, 1)
+    with caplog.at_level(logging.WARNING):
+        _, result, _ = rollout(store, BLOCKS, config=EngineConfig(tick_s=0.1))
+    assert result == "complete"
+    said = [r.getMessage() for r in caplog.records if "event loop was blocked" in r.getMessage()]
+    assert len(said) == 1, said
+    blocked = float(said[0].split("blocked for ")[1].split("s:")[0])
+    assert 1.9 <= blocked <= 5, said

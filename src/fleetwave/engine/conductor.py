@@ -139,6 +139,8 @@ LEASE_TTL_MIN_S = 15.0
 LEASE_TTL_MAX_S = 3600.0
 #: a conductor renews its leases at least this often, however long they last
 RENEW_MAX_S = 10.0
+#: a periodic pass this late means the loop was blocked: said in a warning
+STALL_WARN_S = 2.0
 #: while the database is out, a conductor says so this often (and when it is back)
 OUTAGE_LOG_EVERY_S = 30.0
 #: ... once it has been out this long (a moment's lock by an operator's command is not)
@@ -645,9 +647,23 @@ class Conductor:
         # A third of the lease, and at least every RENEW_MAX_S: "serving" is read as
         # renewed within SERVING_WITHIN_S, whatever the lease's length.
         renew_every = min(self.config.lease_ttl_s / 3, RENEW_MAX_S)
-        last_renew = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        last_renew = loop.time()
         while True:
+            slept_at = loop.time()
             await asyncio.sleep(self.config.tick_s)
+            blocked = loop.time() - slept_at - self.config.tick_s
+            if blocked >= STALL_WARN_S:
+                # Nothing else runs meanwhile, lease renewals included: said with its
+                # length, so that a lapse that follows is not taken for a lost conductor.
+                log.warning(
+                    "the event loop was blocked for %.1fs: something in this process did "
+                    "not await (an action calling time.sleep or blocking I/O, or a database "
+                    "write waiting on a lock); leases are renewed from this loop and lapse "
+                    "after %gs without a renewal",
+                    blocked,
+                    self.config.lease_ttl_s,
+                )
             self._refreeze_if_collected()
             try:
                 # (no file to watch when it began: nothing to compare)
