@@ -144,7 +144,12 @@ def test_commands_that_change_something_answer_in_json(cli: Cli, tmp_path: Path)
     assert answer("target", "add", "a", "--group", "east") == {"name": "a", "added": False}
     f = tmp_path / "fleet.csv"
     f.write_text("name,group\na,east\nb,east\n", encoding="utf-8")
-    assert answer("target", "import", str(f)) == {"file": str(f), "imported": 1, "unchanged": 1}
+    assert answer("target", "import", str(f)) == {
+        "file": str(f),
+        "imported": 1,
+        "unchanged": 1,
+        "managed_kept": [],
+    }
     sid = int(cli("strategy", "create", "--workflow", "patch", "--all").out.split()[1])
     assert answer("strategy", "abort", str(sid)) == {
         "id": sid,

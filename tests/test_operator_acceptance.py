@@ -211,3 +211,27 @@ def test_a_stored_workflow_can_be_deleted_and_its_strategies_run_on(
     assert one_line(cli("workflow", "delete", "patch")) == (
         "error: workflow patch: built in, not stored: it cannot be deleted"
     )
+
+
+def test_an_import_that_would_fence_off_a_managed_target_says_it_does_not(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """managed=false for a target already there was ignored, and the import said
+    "unchanged": an inventory meant to fence a target off did not, without a word."""
+    first = tmp_path / "a.csv"
+    first.write_text("name,latency_ms\nm1,5\nm2,5\n", encoding="utf-8")
+    assert cli("target", "import", str(first)).code == 0
+    again = tmp_path / "b.csv"
+    again.write_text("name,latency_ms,managed\nm1,5,false\nm2,5,true\nm3,5,false\n")
+    res = cli("target", "import", str(again))
+    assert res.code == 0
+    assert res.out == f"1 target imported from {again}; 2 already there, unchanged\n"
+    assert res.err == (
+        "warning: 1 target given as unmanaged, already there managed, stay managed (m1): "
+        "whether a target is managed is the operator's; 'fleetwave target unmanage NAME' "
+        "keeps a rollout off one\n"
+    )
+    res = cli("target", "import", str(again), "--format", "json")
+    assert res.json()["managed_kept"] == ["m1"]
+    shown = {t["name"]: t["managed"] for t in cli("target", "list", "--format", "json").json()}
+    assert shown == {"m1": True, "m2": True, "m3": False}

@@ -261,14 +261,24 @@ def target_add(
 def target_import(file: Path, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Add targets from CSV (name,group,driver,<settings...>) or YAML, in one transaction."""
     items = targets_from_file(file)
-    n = admin.ensure_targets(store_for(db), items)
+    kept: list[str] = []
+    n = admin.ensure_targets(store_for(db), items, managed_kept=kept)
     same = len(items) - n
     _done(
         fmt,
         f"{n} target{'' if n == 1 else 's'} imported from {file}"
         + (f"; {same} already there, unchanged" if same else ""),
-        {"file": str(file), "imported": n, "unchanged": same},
+        {"file": str(file), "imported": n, "unchanged": same, "managed_kept": kept},
     )
+    if kept and fmt is Format.table:
+        # the file meant to fence them off; it does not (the flag is the operator's)
+        names = ", ".join(kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+        err_console.print(
+            f"warning: {plural(len(kept), 'target')} given as unmanaged, already there "
+            f"managed, stay managed ({names}): whether a target is managed is the "
+            "operator's; 'fleetwave target unmanage NAME' keeps a rollout off one",
+            highlight=False,
+        )
 
 
 def _done(fmt: Format, text: str, answer: dict[str, Any]) -> None:

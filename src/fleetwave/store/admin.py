@@ -238,18 +238,31 @@ def add_targets(store: Store, items: Sequence[Target], *, origins: Sequence[str]
     return _add_targets(store, items, origins=origins, existing_ok=False)
 
 
-def ensure_targets(store: Store, items: Sequence[Target], *, origins: Sequence[str] = ()) -> int:
+def ensure_targets(
+    store: Store,
+    items: Sequence[Target],
+    *,
+    origins: Sequence[str] = (),
+    managed_kept: list[str] | None = None,
+) -> int:
     """As :func:`add_targets`, but a target already there with the same group, driver,
     settings and labels is left as it is (an inventory imported again, grown): how many
     were added. One there with another definition is refused, and nothing is written.
     Whether it is managed is not compared: that is the operator's to change (``target
     manage|unmanage``), not the inventory's; nor are labels where the source gave none
-    (:attr:`TargetBatch.no_labels`: a CSV file has no labels column)."""
-    return _add_targets(store, items, origins=origins, existing_ok=True)
+    (:attr:`TargetBatch.no_labels`: a CSV file has no labels column). ``managed_kept``
+    gets the names of those given as unmanaged that are there managed (left so: said
+    by the caller, as an inventory meant to fence a target off does not)."""
+    return _add_targets(store, items, origins=origins, existing_ok=True, managed_kept=managed_kept)
 
 
 def _add_targets(
-    store: Store, items: Sequence[Target], *, origins: Sequence[str], existing_ok: bool
+    store: Store,
+    items: Sequence[Target],
+    *,
+    origins: Sequence[str],
+    existing_ok: bool,
+    managed_kept: list[str] | None = None,
 ) -> int:
     if not items:
         raise InputError("no targets given")
@@ -293,6 +306,19 @@ def _add_targets(
                 first, why = refused[0]  # the first in the input's order
                 how = f"; 'fleetwave target set {names[first]}' changes it" if why else ""
                 raise Conflict(f"{at(first)}target {names[first]}: already exists{why}{more}{how}")
+            if managed_kept is not None:
+                fenced = [t.name for t in items if not t.managed and t.name in stored]
+                for start in range(0, len(fenced), 500):
+                    chunk = fenced[start : start + 500]
+                    managed_kept += [
+                        str(name)
+                        for name, managed in conn.execute(
+                            select(targets.c.name, targets.c.managed)
+                            .where(targets.c.name.in_(chunk))
+                            .order_by(targets.c.name)
+                        )
+                        if managed
+                    ]
             items = [t for t in items if t.name not in stored]
             if not items:
                 return 0
