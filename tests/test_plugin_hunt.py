@@ -364,3 +364,48 @@ def test_a_blocked_event_loop_is_said_with_its_length(
     assert len(said) == 1, said
     blocked = float(said[0].split("blocked for ")[1].split("s:")[0])
     assert 1.9 <= blocked <= 5, said
+
+
+class _StartsAgent(StateAction):
+    async def run(self, ctx: ActionContext) -> Outcome:
+        return Advance()  # the agent reports when done
+
+
+IN_TIME = register_workflow(
+    WorkflowDef(
+        "callback-in-time",
+        (StateDef("w", _StartsAgent(), mode="wait-for-callback", timeout_s=1.0),),
+    )
+)
+
+
+@pytest.mark.parametrize("kind", ["done", "failed"])
+def test_a_callback_stored_before_the_deadline_counts_though_not_picked_up_yet(
+    store: Store, kind: str
+) -> None:
+    """Callbacks stored by another process are picked up once a tick: one stored up to
+    a second before the deadline lost to it ("timed out ... waiting for the target's
+    callback", the callback "strategy ended first")."""
+    add_sim_targets(store, 1)
+    sid = applied(store, IN_TIME.name)
+    (step,) = (s["step"] for s in queries.list_steps(store, sid))
+
+    async def main() -> str:
+        c = Conductor(store, config=EngineConfig(tick_s=30))  # no pick-up before the deadline
+        task = asyncio.create_task(c.run(strategy_ids=[sid]))
+        while queries.list_steps(store, sid)[0]["state"] != "w":
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+        accept_callback(store, step, "w", kind, "agent says so", time.time())  # "elsewhere"
+        return (await asyncio.wait_for(task, 30))[sid]
+
+    result = asyncio.run(main())
+    (row,) = queries.list_steps(store, sid)
+    (cb,) = callback_outcomes(store, sid)
+    assert (cb["outcome"], cb["reason"]) == ("applied", "moved the step on from w")
+    if kind == "done":
+        assert (result, row["state"], row["details"]) == ("complete", "complete", "agent says so")
+    else:
+        assert (result, row["state"]) == ("failed", "failed")
+        assert row["details"] == "w: target reported failure: agent says so"
+    assert check(store).ok

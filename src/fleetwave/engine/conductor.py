@@ -2279,6 +2279,8 @@ class Conductor:
             if answer is RetryAnswer.REFUSED:
                 raise _HandedOver if self._draining else _RetryRefused
         callback_id: int | None = None
+        #: the action's outcome once it waits for the target's callback
+        chosen: Advance | None = None
         decision: Decision
         #: a poll state's last "not yet" (its details): said when the state times out
         last_poll: str | None = None
@@ -2320,6 +2322,7 @@ class Conductor:
                         ctx = replace(ctx, poll=ctx.poll + 1, recovering=False)
                         outcome = await st.action.run(ctx)
                     if waiter is not None and isinstance(outcome, Advance):
+                        chosen = outcome
                         answered = await self._callback(fl, waiter)
                         if answered is None:
                             raise _WaitEnded(
@@ -2365,6 +2368,20 @@ class Conductor:
             except StepFailed as exc:
                 decision = failure(state, details_text(exc) or "failed")
             except (TransientError, TimeoutError) as exc:
+                if isinstance(exc, _StateDeadline) and chosen is not None and waiter is not None:
+                    # The target's report may have come just before the deadline: handed
+                    # in the same instant, or stored by another process and not picked up
+                    # yet (that is done once a second). It was in time: it counts.
+                    came = await self._callback_in_time(fl, waiter, rec.step_id, state)
+                    if came is not None:
+                        callback_id = came.id
+                        try:
+                            decision = decide(
+                                run.workflow.state_names, state, _callback_outcome(came, chosen)
+                            )
+                        except StepFailed as reported:
+                            decision = failure(state, details_text(reported) or "failed")
+                        break
                 if isinstance(exc, _StateDeadline):
                     reason = f"timed out after {st.timeout_s:g}s"
                     if last_poll is not None:
@@ -2540,6 +2557,25 @@ class Conductor:
         finally:
             fl.waiting = None
         return not fl.aborted
+
+    async def _callback_in_time(
+        self,
+        fl: InFlight,
+        waiter: asyncio.Future[cbs.CallbackRecord],
+        step_id: int,
+        state: str,
+    ) -> cbs.CallbackRecord | None:
+        """A report on the state that came before its deadline ran out, if any: handed to
+        the wait in the same instant, or stored and not picked up yet (then it is marked
+        seen, so the next pick-up does not offer it again)."""
+        if waiter.done() and not waiter.cancelled():
+            return waiter.result()
+        if fl.stopped or fl.aborted:
+            return None
+        came = await self._io(cbs.open_callback_of, self.store, step_id, state)
+        if came is not None:
+            self._first_sight(came)
+        return came
 
     async def _callback(
         self, fl: InFlight, waiter: asyncio.Future[cbs.CallbackRecord]

@@ -87,6 +87,19 @@ def open_callbacks(store: Store, strategy_ids: list[int], after_id: int) -> list
     return [CallbackRecord(*r) for r in rows]
 
 
+def open_callback_of(store: Store, step_id: int, state: str) -> CallbackRecord | None:
+    """The oldest unprocessed report (done or failed) on this step's ``state``."""
+    p = store.hooks.placeholder
+    sql = (
+        "SELECT id, strategy_id, step_id, state, kind, details FROM callbacks "
+        f"WHERE step_id = {p} AND state = {p} AND outcome IS NULL "
+        "AND kind IN ('done', 'failed') ORDER BY id LIMIT 1"
+    )
+    with store.read() as conn:
+        row = conn.exec_driver_sql(sql, (step_id, state)).first()
+    return None if row is None else CallbackRecord(*row)
+
+
 def callback_outcomes(store: Store, strategy_id: int) -> list[dict[str, object]]:
     with store.read() as conn:
         return [
