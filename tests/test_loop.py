@@ -90,15 +90,11 @@ def test_a_task_that_will_not_end_when_cancelled_does_not_hold_the_exit(
     catches CancelledError ran (bug hunt)."""
     monkeypatch.setenv("FLEETWAVE_LOOP", kind)
     monkeypatch.setattr(event_loop, "LEFTOVER_GRACE_S", 0.2)
-    cleaned: list[str] = []
 
     async def stubborn() -> None:
-        try:
-            while True:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.Event().wait()
-        finally:
-            cleaned.append("its finally ran")
+        while True:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.Event().wait()
 
     async def polite() -> None:
         await asyncio.sleep(3600)
@@ -112,7 +108,8 @@ def test_a_task_that_will_not_end_when_cancelled_does_not_hold_the_exit(
     t0 = time.monotonic()
     assert event_loop.run(main()) == 42
     assert time.monotonic() - t0 < 5
-    assert cleaned == ["its finally ran"]
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [
-        "1 task(s) did not end when cancelled (an action catches CancelledError): closed after 0.2s"
+        "1 task(s) did not end when cancelled (an action catches CancelledError): left "
+        "behind after 0.2s, the loop closed under them"
     ]
+    event_loop._ABANDONED.clear()  # (its coroutine is closed when collected)

@@ -33,6 +33,7 @@ from test_cli_strategy import add, create
         (["strategy", "create", "--workflow", "patch", "--workflow", "sw-deploy"], "--workflow"),
         (["step", "list", "--strategy", "1", "--strategy", "2"], "--strategy"),
         (["target", "list", "--format", "json", "--format", "table"], "--format"),
+        (["strategy", "apply", "1", "--wait", "--no-wait"], "--wait and --no-wait"),
     ],
 )
 def test_an_option_of_one_value_given_twice_is_refused(
@@ -42,7 +43,8 @@ def test_an_option_of_one_value_given_twice_is_refused(
     or at the second max-parallel."""
     add(cli, "a1")
     assert cli("group", "add", "ga").code == 0
-    assert one_line(cli(*args)) == f"error: {option}: given more than once (it takes one value)"
+    said = "give one of them" if " and " in option else "given more than once (it takes one value)"
+    assert one_line(cli(*args)) == f"error: {option}: {said}"
     targets = cli("target", "list", "--format", "json").json()
     assert [t["name"] for t in targets] == ["a1"]  # nothing written
     assert cli("strategy", "list", "--format", "json").json() == []

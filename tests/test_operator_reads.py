@@ -16,8 +16,8 @@ from conftest import add_sim_targets
 from fleetwave.domain.errors import Conflict
 from fleetwave.domain.models import Group, StrategyOptions
 from fleetwave.domain.registry import get_workflow
-from fleetwave.store import admin
-from fleetwave.store.db import Store
+from fleetwave.store import admin, queries
+from fleetwave.store.db import Store, open_store
 from test_cli_strategy import add, apply_wait, create, history
 from test_operator_oncall import FLAKY_YAML
 
@@ -188,3 +188,30 @@ def test_a_target_table_shows_settings_and_labels_as_its_json_does(cli: Cli) -> 
         assert f"{settings}  " in line and line.endswith(labels), line
     canary = cli("target", "list", "--label", "tier=canary").out.splitlines()[2:]
     assert [line.split()[0] for line in canary] == ["b"]
+
+
+def test_a_label_changed_meanwhile_chooses_the_targets_again(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chosen by label before the lock, a target relabelled in between was rolled out to
+    under the label it no longer had (found by a review)."""
+    names = add_sim_targets(store, 3, labels={"env": "staging"})
+    _between_read_and_write(
+        monkeypatch, lambda: admin.change_target(store, names[1], labels={"env": "prod"})
+    )
+    wf = get_workflow("patch")
+    assert wf is not None
+    sid = admin.create_strategy(store, wf, StrategyOptions(), labels={"env": "staging"})
+    assert list(_steps_of(store, sid)) == [names[0], names[2]]
+
+
+def test_a_step_s_history_is_read_within_the_strategy_asked_for(cli: Cli, db_path: Path) -> None:
+    first, second = _rerun(cli)
+    res = cli("step", "list", "--strategy", str(second), "--target", "a", "--format", "json")
+    step = res.json()[0]["step"]
+    store = open_store(str(db_path))
+    try:
+        assert len(queries.history(store, second, step_id=step)) == len(PATCH_STATES) + 1
+        assert queries.history(store, first, step_id=step) == []  # not strategy 1's rows
+    finally:
+        store.dispose()

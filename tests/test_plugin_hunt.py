@@ -280,7 +280,7 @@ def test_an_action_that_swallows_its_cancel_is_abandoned_and_its_step_fails(
 
     async def main() -> tuple[str, float]:
         _Stubborn.release = asyncio.Event()
-        c = Conductor(store, config=EngineConfig(shutdown_grace_s=0.5))
+        c = Conductor(store, config=EngineConfig(shutdown_grace_s=0.5, abandon_after_s=0.5))
         sid = applied(store, "stubborn-actions")
         t0 = time.monotonic()
         result = await asyncio.wait_for(c.run(strategy_ids=[sid]), 30)
@@ -308,7 +308,8 @@ def test_an_action_that_swallows_its_cancel_is_abandoned_and_its_step_fails(
 def test_a_clean_stop_does_not_wait_for_good_for_an_action_that_swallows_its_cancel(
     store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """SIGTERM said "running actions finish (up to 10 s)"; 20 s later it still waited."""
+    """SIGTERM said "running actions finish (up to 10 s)"; 20 s later it still waited.
+    Stopped, it must not hand back the lease of the step whose action still runs."""
     wf = register_workflow(
         WorkflowDef("stubborn-long", (StateDef("work", _Stubborn(), timeout_s=3600),)),
         replace=True,
@@ -319,7 +320,7 @@ def test_a_clean_stop_does_not_wait_for_good_for_an_action_that_swallows_its_can
     async def main() -> float:
         _Stubborn.release = asyncio.Event()
         stop = asyncio.Event()
-        c = Conductor(store, config=EngineConfig(shutdown_grace_s=0.5))
+        c = Conductor(store, config=EngineConfig(shutdown_grace_s=0.5, abandon_after_s=0.5))
         task = asyncio.create_task(c.run(strategy_ids=[sid], stop=stop))
         await asyncio.sleep(0.5)  # the action runs
         t0 = time.monotonic()
@@ -336,9 +337,12 @@ def test_a_clean_stop_does_not_wait_for_good_for_an_action_that_swallows_its_can
         took = asyncio.run(main())
     assert took < 5, took  # the drain's grace, then the cancel's: not forever
     assert any("did not stop when cancelled" in r.getMessage() for r in caplog.records)
-    with store.read() as conn:  # handed back: the next conductor takes it over at once
+    # Not handed back: its action still runs here, and another conductor taking the
+    # step over now would run it at the same time (G2); the lease runs out by itself.
+    assert any("not handing leases back" in r.getMessage() for r in caplog.records)
+    with store.read() as conn:
         owner = conn.exec_driver_sql("SELECT owner FROM strategies WHERE id = ?", (sid,))
-        assert owner.scalar_one() is None
+        assert owner.scalar_one() is not None
 
 
 class _Blocks(StateAction):
@@ -408,4 +412,43 @@ def test_a_callback_stored_before_the_deadline_counts_though_not_picked_up_yet(
     else:
         assert (result, row["state"]) == ("failed", "failed")
         assert row["details"] == "w: target reported failure: agent says so"
+    assert check(store).ok
+
+
+class _BlocksThenWaits(StateAction):
+    async def run(self, ctx: ActionContext) -> Outcome:
+        if ctx.attempt == 1:
+            time.sleep(1.0)  # the loop stands still past the deadline and the grace
+            await asyncio.sleep(30)  # and then stops as soon as it is cancelled
+        return Advance()
+
+
+LATE_EXPIRY = register_workflow(
+    WorkflowDef(
+        "late-expiry",
+        (
+            StateDef(
+                "work",
+                _BlocksThenWaits(),
+                timeout_s=0.3,
+                attempts_max=2,
+                backoff_s=0.01,
+                backoff_max_s=0.01,
+            ),
+        ),
+    )
+)
+
+
+def test_a_deadline_handled_late_gives_the_action_its_grace_before_abandoning_it(
+    store: Store,
+) -> None:
+    """The grace was counted from the deadline: a loop blocked past both abandoned an
+    action before it had a chance to stop, and the state was not retried (a review)."""
+    add_sim_targets(store, 1)
+    sid, result, _ = rollout(
+        store, LATE_EXPIRY, config=EngineConfig(abandon_after_s=0.5, tick_s=0.1)
+    )
+    (row,) = queries.list_steps(store, sid)
+    assert (result, row["state"]) == ("complete", "complete"), row
     assert check(store).ok

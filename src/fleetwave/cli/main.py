@@ -128,6 +128,8 @@ def _refuse_repeats(ctx: Any, cmd: Any, args: list[str]) -> None:
         for opt in [*param.opts, *param.secondary_opts]:
             takes[opt] = (param.opts[0], one and not param.is_flag)
     seen: set[str] = set()
+    #: a flag's forms given (--wait, --no-wait): both would keep the last silently
+    forms: dict[str, list[str]] = {}
     i = 0
     while i < len(args):
         token = args[i]
@@ -138,8 +140,14 @@ def _refuse_repeats(ctx: Any, cmd: Any, args: list[str]) -> None:
         if opt not in takes:
             continue
         first, one = takes[opt]
-        flag = next(p for p in cmd.params if first in p.opts).is_flag
-        if not flag and "=" not in token:
+        param = next(p for p in cmd.params if first in p.opts)
+        if param.is_flag:
+            given = forms.setdefault(first, [])
+            if opt not in given:
+                given.append(opt)
+            if len(given) > 1:
+                ctx.fail(f"{' and '.join(given)}: give one of them")
+        elif "=" not in token:
             i += 1  # its value, whatever it looks like
         if one:
             if first in seen:

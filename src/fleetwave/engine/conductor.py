@@ -194,6 +194,10 @@ class EngineConfig:
     prefetch_page: int = 128
     #: on a clean stop, how long running actions may take to finish and commit
     shutdown_grace_s: float = 10.0
+    #: how long an action cancelled (its deadline, a stop) has to end before it is
+    #: abandoned (it catches CancelledError): its step fails, or its lease is left to
+    #: run out
+    abandon_after_s: float = 10.0
     #: a database error that is not an outage is retried this many times before the
     #: conductor stops
     store_retries_max: int = 8
@@ -512,7 +516,18 @@ class Conductor:
             if self._lease_watch is not None:
                 self._lease_watch.cancel()
                 self._lease_watch = None
-            await self._stop_workers()
+            left = await self._stop_workers()
+            if left:
+                # An action still runs here: handing its step's lease back would let
+                # another conductor run it at the same time (G2). Its leases run out by
+                # themselves instead (the next owner then takes the steps over).
+                log.error(
+                    "not handing leases back: %s of strategies %s still running here; "
+                    "they are taken over once their leases run out",
+                    plural(len(left), "action"),
+                    ", ".join(map(str, sorted({fl.rec.strategy_id for fl in left}))),
+                )
+                clean = False
             if clean:
                 held = [i for run in self.runs.values() for i in run.inflight]
                 await self._io(rt.release_conductor, self.store, self.id, self._NOW, held)
@@ -615,24 +630,34 @@ class Conductor:
         if self._wake is not None:
             self._wake.set()
 
-    async def _stop_workers(self) -> None:
+    async def _stop_workers(self) -> list[InFlight]:
+        """Cancel every worker and wait for them (a grace period at most); the steps of
+        those left behind, still running their action."""
         if self._deadline_timer is not None:
             self._deadline_timer.cancel()
             self._deadline_timer = None
         self._deadlines.clear()
         for task in list(self._workers):
             task.cancel()
+        behind: list[InFlight] = []
         if self._workers:
             # An action that swallows its cancel would hold the stop for good (a second
             # signal was needed): it is left behind after the grace period, said so.
-            _, left = await asyncio.wait(list(self._workers), timeout=self.config.shutdown_grace_s)
+            _, left = await asyncio.wait(list(self._workers), timeout=self.config.abandon_after_s)
             if left:
                 log.error(
                     "%s did not stop when cancelled (an action catches CancelledError): "
                     "left behind",
                     plural(len(left), "worker"),
                 )
+                behind = [
+                    fl
+                    for run in self.runs.values()
+                    for fl in run.inflight.values()
+                    if fl.task in left
+                ]
         self._workers.clear()
+        return behind
 
     def _should_exit(self, stop: asyncio.Event | None) -> bool:
         if stop is not None and stop.is_set():
@@ -2108,14 +2133,17 @@ class Conductor:
         due, heap = max(self._deadline_at, self._loop.time()), self._deadlines
         self._deadline_timer = None
         while heap and heap[0][0] <= due:
-            when, attempt, fl = heapq.heappop(heap)
+            _, attempt, fl = heapq.heappop(heap)
             if attempt < 0:  # the grace after a cancel
                 if fl.running == -attempt and fl.timed_out == -attempt:
                     self._abandon(fl)
             elif fl.running == attempt and fl.task is not None and not fl.task.done():
                 fl.timed_out = attempt
                 fl.task.cancel()
-                heapq.heappush(heap, (when + self.config.shutdown_grace_s, -attempt, fl))
+                # from now, not from the deadline: a loop that was blocked past both
+                # must not abandon an action it has not yet given a chance to stop
+                grace = self._loop.time() + self.config.abandon_after_s
+                heapq.heappush(heap, (grace, -attempt, fl))
         if heap:
             self._deadline_at = heap[0][0]
             self._deadline_timer = self._loop.call_at(heap[0][0], self._expire)

@@ -52,8 +52,9 @@ def run(main: Coroutine[Any, Any, T]) -> T:
 
     As ``asyncio.run``, except at the end: a task left over that does not end when
     cancelled (an action that catches ``CancelledError``) is given
-    :data:`LEFTOVER_GRACE_S`, then closed; ``asyncio.run`` waited for it for good, so
-    a ``serve`` that had stopped cleanly and handed its leases back never exited.
+    :data:`LEFTOVER_GRACE_S`, then left behind, the loop closed under it;
+    ``asyncio.run`` waited for it for good, so a ``serve`` that had stopped never
+    exited.
     """
     try:
         kind = loop_kind()
@@ -70,32 +71,45 @@ def run(main: Coroutine[Any, Any, T]) -> T:
         return runner.run(main)
     finally:
         try:
-            _end_leftovers(runner.get_loop())
+            stuck = _end_leftovers(runner.get_loop())
+        except BaseException:
+            stuck = False
+            raise
         finally:
-            runner.close()
+            if stuck:
+                # The runner's own close would wait for them for good: the loop is closed
+                # under them instead (Python may warn that a task was destroyed pending).
+                loop = runner.get_loop()
+                with contextlib.suppress(Exception):
+                    loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.close()
+            else:
+                runner.close()
 
 
-def _end_leftovers(loop: asyncio.AbstractEventLoop) -> None:
+#: tasks left running under a closed loop: kept, so that they are not finalized (their
+#: coroutine closed) while the process goes on
+_ABANDONED: list[asyncio.Task[Any]] = []
+
+
+def _end_leftovers(loop: asyncio.AbstractEventLoop) -> bool:
+    """Cancel the tasks left over and give them :data:`LEFTOVER_GRACE_S`; whether some
+    will not end (they catch the cancel). Their coroutines are not closed here: one
+    that catches everything would spin for good where no loop runs."""
     left = [t for t in asyncio.all_tasks(loop) if not t.done()]
     if not left:
-        return
+        return False
     for task in left:
         task.cancel()
     loop.run_until_complete(asyncio.wait(left, timeout=LEFTOVER_GRACE_S))
     stuck = [t for t in left if not t.done()]
-    if stuck:
-        logging.getLogger("fleetwave.engine").error(
-            "%d task(s) did not end when cancelled (an action catches CancelledError): "
-            "closed after %gs",
-            len(stuck),
-            LEFTOVER_GRACE_S,
-        )
-    for task in stuck:
-        # GeneratorExit where it waits: what catches only CancelledError lets it through
-        with contextlib.suppress(BaseException):
-            task.get_coro().close()
-        task.cancel()  # its task then ends as soon as it is woken
-    loop.run_until_complete(asyncio.wait(stuck, timeout=LEFTOVER_GRACE_S))
-    for task in stuck:
-        if task.done() and not task.cancelled():
-            task.exception()  # seen: not reported again as never retrieved
+    if not stuck:
+        return False
+    _ABANDONED.extend(stuck)
+    logging.getLogger("fleetwave.engine").error(
+        "%d task(s) did not end when cancelled (an action catches CancelledError): left "
+        "behind after %gs, the loop closed under them",
+        len(stuck),
+        LEFTOVER_GRACE_S,
+    )
+    return True

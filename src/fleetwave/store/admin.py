@@ -893,10 +893,11 @@ def create_strategy(
         # (a group is never renamed: the order stays right while its targets stay in it)
         gnames = _group_names(conn)
     _order(rows, gnames)
-    picked = {(r.id, r.name, r.group_id) for r in rows}
+    # (chosen by label: a label changed meanwhile chooses again too)
+    picked = {(r.id, r.name, r.group_id, r.labels if labels else "") for r in rows}
     with store.write() as conn:
         p = store.hooks.placeholder
-        if not _still_as_read(conn, picked, p):
+        if not _still_as_read(conn, picked, p, with_labels=bool(labels)):
             rows = choose(conn)  # the fleet changed meanwhile: chosen again, as of now
             _order(rows, _group_names(conn))
         held = _held_by_active(conn, [r.id for r in rows], placeholder=p)
@@ -1044,23 +1045,31 @@ def _order(rows: list[_Pick], gnames: dict[int | None, str]) -> None:
     rows.sort(key=lambda r: (r.group_id is None, gnames.get(r.group_id, ""), r.name))
 
 
-def _still_as_read(conn: Connection, picked: set[tuple[int, str, int | None]], p: str) -> bool:
+def _still_as_read(
+    conn: Connection,
+    picked: set[tuple[int, str, int | None, str]],
+    p: str,
+    *,
+    with_labels: bool,
+) -> bool:
     """Whether the targets chosen before the write lock, ``picked`` as (id, name,
-    group_id), are all still there, with the same name and group (targets added, or
-    labels changed, since: the strategy was created just before, as good a time as any).
-    The driver's own rows: at 150,000 targets SQLAlchemy's took half a second."""
+    group_id, labels or ""), are all still there, with the same name and group (and
+    labels, when chosen by them). Targets added since: the strategy was created just
+    before, as good a time as any. The driver's own rows: at 150,000 targets
+    SQLAlchemy's took half a second."""
+    columns = "id, name, group_id, " + ("labels" if with_labels else "''")
     cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
     try:
         if len(picked) <= 2_000:
-            ids = [tid for tid, _, _ in picked]
-            now: set[tuple[int, str, int | None]] = set()
+            ids = [row[0] for row in picked]
+            now: set[tuple[int, str, int | None, str]] = set()
             for start in range(0, len(ids), 500):
                 chunk = ids[start : start + 500]
                 marks = ", ".join([p] * len(chunk))
-                cur.execute(f"SELECT id, name, group_id FROM targets WHERE id IN ({marks})", chunk)
+                cur.execute(f"SELECT {columns} FROM targets WHERE id IN ({marks})", chunk)
                 now.update(cur.fetchall())
         else:  # one pass over the fleet beats thousands of lookups
-            cur.execute("SELECT id, name, group_id FROM targets")
+            cur.execute(f"SELECT {columns} FROM targets")
             now = set(cur.fetchall())
     finally:
         cur.close()

@@ -758,7 +758,8 @@ def iter_history(
     # Some steps' rows are found through the journal's (step, state) key; by strategy,
     # only the strategy's whole journal (600,000 rows at 100,000 targets) would do.
     if names or step_id is not None:
-        q = q.where(journal.c.step_id.in_(step_ids))
+        # (+ 0: still only this strategy's rows, checked row by row, not by its index)
+        q = q.where(journal.c.step_id.in_(step_ids), journal.c.strategy_id + 0 == sid)
     else:
         q = q.where(journal.c.strategy_id == sid)
     return _iter_history(store, sid, _only_last(store, q, journal.c.id, last))
