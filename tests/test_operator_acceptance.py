@@ -50,6 +50,11 @@ def test_an_option_of_one_value_given_twice_is_refused(
     assert cli("strategy", "list", "--format", "json").json() == []
 
 
+def test_help_asked_for_among_repeated_options_is_the_help(cli: Cli) -> None:
+    res = cli("target", "list", "--group", "a", "--group", "b", "--help", db=None)
+    assert res.code == 0 and "Usage:" in res.out, res.text
+
+
 def test_options_that_take_several_values_or_none_may_be_repeated(cli: Cli) -> None:
     add(cli, "a1", "a2")
     sid = create(cli, "--all")

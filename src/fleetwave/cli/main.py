@@ -111,8 +111,8 @@ class _Commands(typer.core.TyperGroup):
 
     def resolve_command(self, ctx: Any, args: list[str]) -> Any:
         name, cmd, rest = super().resolve_command(ctx, args)
-        if cmd is not None and not isinstance(cmd, typer.core.TyperGroup):
-            _refuse_repeats(ctx, cmd, rest)
+        if cmd is not None and not isinstance(cmd, typer.core.TyperGroup) and "--help" not in rest:
+            _refuse_repeats(ctx, cmd, rest)  # (asked for help: the help, whatever else)
         return name, cmd, rest
 
 
