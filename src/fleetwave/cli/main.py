@@ -120,13 +120,12 @@ def _refuse_repeats(ctx: Any, cmd: Any, args: list[str]) -> None:
     """An option that takes one value, given twice: Click keeps the last without a word
     (``--group ga --group gb`` made a strategy of gb only; ``--max-parallel 3
     --max-parallel 9`` ran at 9). Refused, as a name given twice in --targets is."""
-    takes: dict[str, tuple[str, bool]] = {}  # option -> (its first name, one value only)
-    for param in cmd.params:
-        if getattr(param, "param_type_name", "") != "option":
-            continue
-        one = not (param.multiple or param.is_flag or param.count)
-        for opt in [*param.opts, *param.secondary_opts]:
-            takes[opt] = (param.opts[0], one and not param.is_flag)
+    takes = {
+        opt: param
+        for param in cmd.params
+        if getattr(param, "param_type_name", "") == "option"
+        for opt in [*param.opts, *param.secondary_opts]
+    }
     seen: set[str] = set()
     #: a flag's forms given (--wait, --no-wait): both would keep the last silently
     forms: dict[str, list[str]] = {}
@@ -139,17 +138,18 @@ def _refuse_repeats(ctx: Any, cmd: Any, args: list[str]) -> None:
         opt = token.split("=", 1)[0] if token.startswith("--") else token
         if opt not in takes:
             continue
-        first, one = takes[opt]
-        param = next(p for p in cmd.params if first in p.opts)
+        param = takes[opt]
+        first = param.opts[0]
         if param.is_flag:
             given = forms.setdefault(first, [])
             if opt not in given:
                 given.append(opt)
             if len(given) > 1:
                 ctx.fail(f"{' and '.join(given)}: give one of them")
-        elif "=" not in token:
+            continue
+        if "=" not in token:
             i += 1  # its value, whatever it looks like
-        if one:
+        if not (param.multiple or param.count):  # one value only
             if first in seen:
                 ctx.fail(f"{first}: given more than once (it takes one value)")
             seen.add(first)

@@ -2400,7 +2400,7 @@ class Conductor:
                     # The target's report may have come just before the deadline: handed
                     # in the same instant, or stored by another process and not picked up
                     # yet (that is done once a second). It was in time: it counts.
-                    came = await self._callback_in_time(fl, waiter, rec.step_id, state)
+                    came = await self._callback_in_time(fl, waiter)
                     if came is not None:
                         callback_id = came.id
                         try:
@@ -2587,11 +2587,7 @@ class Conductor:
         return not fl.aborted
 
     async def _callback_in_time(
-        self,
-        fl: InFlight,
-        waiter: asyncio.Future[cbs.CallbackRecord],
-        step_id: int,
-        state: str,
+        self, fl: InFlight, waiter: asyncio.Future[cbs.CallbackRecord]
     ) -> cbs.CallbackRecord | None:
         """A report on the state that came before its deadline ran out, if any: handed to
         the wait in the same instant, or stored and not picked up yet (then it is marked
@@ -2600,7 +2596,7 @@ class Conductor:
             return waiter.result()
         if fl.stopped or fl.aborted:
             return None
-        came = await self._io(cbs.open_callback_of, self.store, step_id, state)
+        came = await self._io(cbs.open_callback_of, self.store, fl.rec.step_id, fl.state)
         if came is not None:
             self._first_sight(came)
         return came

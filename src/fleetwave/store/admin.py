@@ -33,7 +33,7 @@ from fleetwave.domain.models import (
 )
 from fleetwave.domain.workflow import WorkflowDef, WorkflowError, describe_workflow
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
-from fleetwave.store.db import Store
+from fleetwave.store.db import DialectHooks, Store
 from fleetwave.store.schema import (
     callbacks,
     events,
@@ -437,13 +437,11 @@ def set_managed(store: Store, name: str, managed: bool) -> list[dict[str, Any]]:
                 opts = options_from_json(raw)
             except (ValueError, TypeError):  # unreadable (a hand edit): not said
                 opts = StrategyOptions()
-            stops = (
-                "on failure"
-                if opts.stop_on_failure
-                else None
-                if opts.max_failures is None
-                else f"past {plural(opts.max_failures, 'failure')}"
-            )
+            stops = None
+            if opts.stop_on_failure:
+                stops = "on failure"
+            elif opts.max_failures is not None:
+                stops = f"past {plural(opts.max_failures, 'failure')}"
             out.append({"strategy": int(sid), "state": str(state), "stops": stops})
         return out
 
@@ -492,30 +490,26 @@ def _held_by_active(
     target_ids: Sequence[int],
     *,
     limit: int | None = None,
-    placeholder: str | None = None,
+    hooks: DialectHooks | None = None,
     open_steps: bool = False,
 ) -> dict[int, list[int]]:
     """The targets among ``target_ids`` already held by an active strategy, by strategy
     (strategies and targets in id order); at most ``limit`` of them when given.
-    ``placeholder``: the driver's (a whole fleet is then read in one pass)."""
+    ``hooks``: the store's (a whole fleet is then read in one pass)."""
     held: dict[int, list[int]] = {}
-    if placeholder is not None and limit is None and len(target_ids) > 2_000:
+    if hooks is not None and limit is None and len(target_ids) > 2_000:
         # A whole fleet: one pass over the active strategies' steps (the driver's own
         # rows) beats hundreds of lookups of 500 (0.7 s at 150,000 targets).
         wanted = set(target_ids)
-        marks = ", ".join([placeholder] * len(_ACTIVE))
-        cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
-        try:
-            cur.execute(
-                "SELECT steps.target_id, steps.strategy_id FROM steps JOIN strategies ON "
-                f"strategies.id = steps.strategy_id WHERE strategies.state IN ({marks})",
-                tuple(_ACTIVE),
-            )
-            for tid, sid in cur.fetchall():
-                if tid in wanted:
-                    held.setdefault(int(sid), []).append(int(tid))
-        finally:
-            cur.close()
+        for tid, sid in _driver_rows(
+            conn,
+            "SELECT steps.target_id, steps.strategy_id FROM steps JOIN strategies ON "
+            "strategies.id = steps.strategy_id "
+            f"WHERE strategies.state IN ({hooks.placeholders(len(_ACTIVE))})",
+            _ACTIVE,
+        ):
+            if tid in wanted:
+                held.setdefault(int(sid), []).append(int(tid))
         return {sid: sorted(tids) for sid, tids in sorted(held.items())}
     found = 0
     for start in range(0, len(target_ids), 500):
@@ -896,11 +890,10 @@ def create_strategy(
     # (chosen by label: a label changed meanwhile chooses again too)
     picked = {(r.id, r.name, r.group_id, r.labels if labels else "") for r in rows}
     with store.write() as conn:
-        p = store.hooks.placeholder
-        if not _still_as_read(conn, picked, p, with_labels=bool(labels)):
+        if not _still_as_read(conn, picked, store.hooks, with_labels=bool(labels)):
             rows = choose(conn)  # the fleet changed meanwhile: chosen again, as of now
             _order(rows, _group_names(conn))
-        held = _held_by_active(conn, [r.id for r in rows], placeholder=p)
+        held = _held_by_active(conn, [r.id for r in rows], hooks=store.hooks)
         if held:
             name_of = {r.id: r.name for r in rows}
             problems = []
@@ -950,6 +943,7 @@ def create_strategy(
         )
         # The driver's executemany of plain rows: through SQLAlchemy's of dicts, 100,000
         # steps held the write lock (and every running rollout's commits) twice as long.
+        p = store.hooks.placeholder
         conn.exec_driver_sql(
             "INSERT INTO steps (id, strategy_id, target_id, ordinal, stage, group_id, state, "
             f"details, attempt, fence) VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p}, '', 0, 0)",
@@ -1048,32 +1042,35 @@ def _order(rows: list[_Pick], gnames: dict[int | None, str]) -> None:
 def _still_as_read(
     conn: Connection,
     picked: set[tuple[int, str, int | None, str]],
-    p: str,
+    hooks: DialectHooks,
     *,
     with_labels: bool,
 ) -> bool:
     """Whether the targets chosen before the write lock, ``picked`` as (id, name,
     group_id, labels or ""), are all still there, with the same name and group (and
     labels, when chosen by them). Targets added since: the strategy was created just
-    before, as good a time as any. The driver's own rows: at 150,000 targets
-    SQLAlchemy's took half a second."""
+    before, as good a time as any."""
     columns = "id, name, group_id, " + ("labels" if with_labels else "''")
+    if len(picked) > 2_000:  # one pass over the fleet beats thousands of lookups
+        return picked <= set(_driver_rows(conn, f"SELECT {columns} FROM targets", ()))
+    ids = [row[0] for row in picked]
+    now: set[tuple[int, str, int | None, str]] = set()
+    for start in range(0, len(ids), 500):
+        chunk = ids[start : start + 500]
+        sql = f"SELECT {columns} FROM targets WHERE id IN ({hooks.placeholders(len(chunk))})"
+        now.update(_driver_rows(conn, sql, chunk))
+    return picked <= now
+
+
+def _driver_rows(conn: Connection, sql: str, params: Sequence[Any]) -> list[Any]:
+    """``sql``'s rows as the DBAPI driver gives them (plain tuples): at 150,000 rows
+    SQLAlchemy's own took half a second more."""
     cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
     try:
-        if len(picked) <= 2_000:
-            ids = [row[0] for row in picked]
-            now: set[tuple[int, str, int | None, str]] = set()
-            for start in range(0, len(ids), 500):
-                chunk = ids[start : start + 500]
-                marks = ", ".join([p] * len(chunk))
-                cur.execute(f"SELECT {columns} FROM targets WHERE id IN ({marks})", chunk)
-                now.update(cur.fetchall())
-        else:  # one pass over the fleet beats thousands of lookups
-            cur.execute(f"SELECT {columns} FROM targets")
-            now = set(cur.fetchall())
+        cur.execute(sql, tuple(params))
+        return list(cur.fetchall())
     finally:
         cur.close()
-    return picked <= now
 
 
 def _strategy_state(conn: Connection, sid: int) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
@@ -90,14 +90,15 @@ def get_group(store: Store, name: str) -> dict[str, Any]:
         }
 
 
-def _target_dict(r: Any) -> dict[str, Any]:
+def _target_dict(r: Any, read: Callable[[str], Any] = json.loads) -> dict[str, Any]:
+    """A target's row; its settings and labels through ``read`` (``str``: as stored)."""
     return {
         "name": r.name,
         "group": r.group_name,
         "driver": r.driver,
         "managed": bool(r.managed),
-        "settings": json.loads(r.settings),
-        "labels": json.loads(r.labels),
+        "settings": read(r.settings),
+        "labels": read(r.labels),
     }
 
 
@@ -151,20 +152,8 @@ def iter_targets(
                 raise NotFound(f"--group: no group named {shown(group)}")
         q = q.where(groups.c.name == group)
     for r in _pages(store, q, targets.c.name, ""):
-        if as_text:
-            if labels and not has_labels(json.loads(r.labels), labels):
-                continue
-            yield {
-                "name": r.name,
-                "group": r.group_name,
-                "driver": r.driver,
-                "managed": bool(r.managed),
-                "settings": r.settings,
-                "labels": r.labels,
-            }
-            continue
-        t = _target_dict(r)
-        if not labels or has_labels(t["labels"], labels):
+        t = _target_dict(r, str if as_text else json.loads)
+        if not labels or has_labels(json.loads(t["labels"]) if as_text else t["labels"], labels):
             yield t
 
 
