@@ -85,7 +85,8 @@ from sqlalchemy import func, select
 from fleetwave.domain.models import StrategyOptions, Target
 from fleetwave.domain.registry import get_workflow
 from fleetwave.engine import loop as event_loop
-from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.engine.conductor import Conductor
+from fleetwave.engine.config import EngineConfig
 from fleetwave.store import admin
 from fleetwave.store.db import open_store
 from fleetwave.store.schema import journal

@@ -12,7 +12,8 @@ import pytest
 from fleetwave.domain.models import StrategyOptions, Target
 from fleetwave.domain.registry import get_workflow
 from fleetwave.domain.workflow import ActionContext, Advance, Outcome, StateAction, WorkflowDef
-from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.engine.conductor import Conductor
+from fleetwave.engine.config import EngineConfig
 from fleetwave.store import admin
 from fleetwave.store.db import Store, open_store
 from fleetwave.testing.vloop import VirtualTimeLoop

@@ -17,7 +17,9 @@ from fleetwave.domain.registry import get_workflow, register_workflow
 from fleetwave.domain.workflow import StateDef, StepFailed, WorkflowDef
 from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.clock import LoopClock
-from fleetwave.engine.conductor import Conductor, EngineConfig, SimulatedCrash
+from fleetwave.engine.conductor import Conductor
+from fleetwave.engine.config import EngineConfig
+from fleetwave.engine.errors import SimulatedCrash
 from fleetwave.engine.messages import LeaseLost, StrategyClaimed
 from fleetwave.store import admin, queries
 from fleetwave.store import runtime as rt

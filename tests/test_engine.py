@@ -21,7 +21,8 @@ from fleetwave.domain.rules import Decision
 from fleetwave.domain.workflow import StateDef, WorkflowDef
 from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.clock import LoopClock
-from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.engine.conductor import Conductor
+from fleetwave.engine.config import EngineConfig
 from fleetwave.engine.messages import ActionFinished
 from fleetwave.store import admin, queries
 from fleetwave.store import runtime as rt

@@ -26,13 +26,11 @@ from fleetwave.domain.workflow import (
 )
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.drivers.sim import SimDriver
+from fleetwave.engine.claims import NOT_DRIVABLE_HERE
 from fleetwave.engine.clock import LoopClock
-from fleetwave.engine.conductor import (
-    NOT_DRIVABLE_HERE,
-    Conductor,
-    EngineConfig,
-    StoreUnavailable,
-)
+from fleetwave.engine.conductor import Conductor
+from fleetwave.engine.config import EngineConfig
+from fleetwave.engine.errors import StoreUnavailable
 from fleetwave.store import admin, queries
 from fleetwave.store import runtime as rt
 from fleetwave.store.callbacks import callback_outcomes

@@ -26,7 +26,8 @@ from fleetwave.domain.workflow import (
     WorkflowDef,
 )
 from fleetwave.engine.clock import LoopClock
-from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.engine.conductor import Conductor
+from fleetwave.engine.config import EngineConfig
 from fleetwave.store import admin, queries
 from fleetwave.store.db import Store
 from fleetwave.store.schema import conductors, steps

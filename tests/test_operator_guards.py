@@ -27,7 +27,8 @@ from fleetwave.domain import registry
 from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.registry import register_workflow
 from fleetwave.domain.workflow import DriverOperation, StateDef, WorkflowDef
-from fleetwave.engine.conductor import NOT_DRIVABLE_HERE, Conductor
+from fleetwave.engine.claims import NOT_DRIVABLE_HERE
+from fleetwave.engine.conductor import Conductor
 from fleetwave.store import admin, queries
 from fleetwave.store.db import Store
 from fleetwave.store.schema import strategies
@@ -366,7 +367,7 @@ def test_a_conductors_leases_last_as_long_as_it_is_told(
     """Written leases run ``lease_ttl_s`` from each renewal; a long lease is still
     renewed at least every 10 s, so the conductor keeps counting as serving."""
     from fleetwave.engine.clock import LoopClock
-    from fleetwave.engine.conductor import EngineConfig
+    from fleetwave.engine.config import EngineConfig
     from fleetwave.store import runtime as rt
 
     add_sim_targets(store, 2, {"latency_ms": 45_000})

@@ -366,8 +366,8 @@ def test_every_kind_of_event_written_can_be_asked_for() -> None:
 
     src = Path(queries.__file__).parents[1]
     words: set[str] = set()
-    for part in ("store/runtime.py", "engine/conductor.py"):
-        text = (src / part).read_text(encoding="utf-8")
+    for path in (src / "store/runtime.py", *sorted((src / "engine").glob("*.py"))):
+        text = path.read_text(encoding="utf-8")
         words |= set(re.findall(r"[\"']([a-z]+(?:-[a-z]+)+)[\"']", text))
     not_kinds = {
         "wait-for-callback",  # a state's mode
@@ -420,7 +420,7 @@ def test_a_fleet_wide_failure_is_logged_in_a_few_lines(
     """Found by a review: a warning per failed step, written on the dispatcher's loop,
     doubled the time of a rollout of 20,000 failing steps. A strategy's first 20 are
     logged one by one, the rest one line per batch with the count so far."""
-    from fleetwave.engine.conductor import FAILURES_LOGGED_ALONE
+    from fleetwave.engine.outcome_log import FAILURES_LOGGED_ALONE
 
     add_sim_targets(store, 300, settings={"fail_at": "pre-check"})
     sid = applied(store, max_parallel=100)

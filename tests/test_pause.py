@@ -18,7 +18,8 @@ from sqlalchemy import func, select
 
 from conftest import add_sim_targets, applied
 from fleetwave.domain.errors import Conflict, NotFound
-from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.engine.conductor import Conductor
+from fleetwave.engine.config import EngineConfig
 from fleetwave.store import admin, queries
 from fleetwave.store.db import Store
 from fleetwave.store.schema import journal, steps, strategies

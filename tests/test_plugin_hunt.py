@@ -28,7 +28,8 @@ from fleetwave.domain.workflow import (
     WorkflowDef,
     WorkflowError,
 )
-from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.engine.conductor import Conductor
+from fleetwave.engine.config import EngineConfig
 from fleetwave.store import queries
 from fleetwave.store.callbacks import accept_callback, callback_outcomes
 from fleetwave.store.db import Store

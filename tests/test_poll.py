@@ -21,7 +21,8 @@ from fleetwave.domain.workflow import StateDef, WorkflowDef, WorkflowError
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.clock import LoopClock
-from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.engine.conductor import Conductor
+from fleetwave.engine.config import EngineConfig
 from fleetwave.store import admin, queries
 from fleetwave.store.db import Store
 from fleetwave.testing.invariants import check

@@ -20,7 +20,8 @@ from fleetwave.domain.workflow import StateDef, WorkflowDef
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.clock import LoopClock
-from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.engine.conductor import Conductor
+from fleetwave.engine.config import EngineConfig
 from fleetwave.engine.messages import ActionFinished, LeaseLost, RetryAnswer, RetryScheduled
 from fleetwave.store import admin, queries
 from fleetwave.store.db import Store

@@ -20,7 +20,8 @@ from fleetwave import ActionContext, Advance, Outcome, StateAction
 from fleetwave.domain.registry import register_workflow
 from fleetwave.domain.workflow import DriverOperation, StateDef, WorkflowDef
 from fleetwave.engine.clock import LoopClock
-from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.engine.conductor import Conductor
+from fleetwave.engine.config import EngineConfig
 from fleetwave.store import admin, queries
 from fleetwave.store import runtime as rt
 from fleetwave.store.db import Store
@@ -150,7 +151,7 @@ def test_a_yaml_workflow_naming_a_plugin_action_is_left_by_a_conductor_without_i
     from fleetwave.domain import registry
     from fleetwave.domain.models import StrategyOptions
     from fleetwave.domain.yaml_workflow import parse_workflow_yaml
-    from fleetwave.engine.conductor import NOT_DRIVABLE_HERE
+    from fleetwave.engine.claims import NOT_DRIVABLE_HERE
 
     @registry.register_action("rv2-verify")
     class Verify(StateAction):

@@ -15,7 +15,8 @@ from fleetwave.domain.registry import register_workflow
 from fleetwave.domain.workflow import StateDef, StepFailed, TransientError, WorkflowDef
 from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.clock import LoopClock
-from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.engine.conductor import Conductor
+from fleetwave.engine.config import EngineConfig
 from fleetwave.engine.messages import CallbackArrived
 from fleetwave.store import admin, queries
 from fleetwave.store import runtime as rt

@@ -115,7 +115,7 @@ def demo_command(
         purpose = _on_purpose(fleet, failure_rate)
         if purpose:
             console.print(f"{purpose}: the failures below are the simulator's", highlight=False)
-    from fleetwave.engine.conductor import EngineConfig
+    from fleetwave.engine.config import EngineConfig
 
     # The summary below lists the failures and how it ended: not in the log as well
     # (below a debug or info level asked for, which shows everything).

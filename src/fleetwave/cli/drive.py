@@ -28,7 +28,8 @@ from sqlalchemy.exc import DBAPIError
 from fleetwave.cli.output import err_console
 from fleetwave.domain.models import STRATEGY_TERMINAL
 from fleetwave.engine import loop as event_loop
-from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.engine.conductor import Conductor
+from fleetwave.engine.config import EngineConfig
 from fleetwave.store import queries
 from fleetwave.store.db import Store
 from fleetwave.store.runtime import strategy_state

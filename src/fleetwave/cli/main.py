@@ -73,14 +73,9 @@ from fleetwave.domain.registry import get_workflow, load_plugins
 from fleetwave.domain.workflow import WorkflowError, describe_workflow
 from fleetwave.domain.yaml_workflow import MAX_SECONDS, parse_workflow_yaml
 from fleetwave.engine import loop as event_loop
-from fleetwave.engine.conductor import (
-    LEASE_TTL_MAX_S,
-    LEASE_TTL_MIN_S,
-    Conductor,
-    EngineConfig,
-    StoreReplaced,
-    StoreUnavailable,
-)
+from fleetwave.engine.conductor import Conductor
+from fleetwave.engine.config import LEASE_TTL_MAX_S, LEASE_TTL_MIN_S, EngineConfig
+from fleetwave.engine.errors import StoreReplaced, StoreUnavailable
 from fleetwave.store import admin, queries
 from fleetwave.store.admin import DEFAULT_MAX_PARALLEL
 from fleetwave.store.callbacks import KINDS as CALLBACK_KINDS

@@ -52,7 +52,9 @@ from fleetwave.domain.models import (
 from fleetwave.domain.registry import get_workflow
 from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.clock import LoopClock
-from fleetwave.engine.conductor import Conductor, EngineConfig, SimulatedCrash, StoreUnavailable
+from fleetwave.engine.conductor import Conductor
+from fleetwave.engine.config import EngineConfig
+from fleetwave.engine.errors import SimulatedCrash, StoreUnavailable
 from fleetwave.store import admin
 from fleetwave.store import runtime as rt
 from fleetwave.store.db import Store, open_store

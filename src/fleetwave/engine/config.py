@@ -1,0 +1,72 @@
+"""What a conductor is given and what it counts: :class:`EngineConfig` (its settings,
+and the lease lengths it may be given) and :class:`EngineStats` (its counters).
+
+Usage::
+
+    Conductor(store, config=EngineConfig(lease_ttl_s=60.0))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: lease lengths a conductor may be given (``--lease-ttl``), seconds
+#: (the watchdog stops actions at 80 % of the lease, up to a tick and a few busy
+#: timeouts (a twentieth each) late: under 15 s that could be after it ran out)
+LEASE_TTL_MIN_S = 15.0
+LEASE_TTL_MAX_S = 3600.0
+
+
+@dataclass
+class EngineConfig:
+    #: how long a strategy's lease (and its steps') lasts unless renewed: a conductor
+    #: that died on another host is taken over this long after its last renewal
+    lease_ttl_s: float = 30.0
+    tick_s: float = 1.0
+    seed: int = 0
+    #: record each dispatch latency (commit done -> action started), seconds
+    measure_latency: bool = False
+    #: most transitions per group commit: bounds how many actions one commit releases
+    #: at once, and so the dispatch latency of the last of them
+    batch_max: int = 128
+    #: waiting steps loaded from the database at a time when free slots need them
+    #: (0: twice max parallel, at least 512): the first actions start without loading
+    #: the whole strategy first. The first load takes just enough to fill the window.
+    waiting_page: int = 0
+    #: while the dispatcher is idle, waiting steps are topped up this many at a time
+    #: (0: as ``waiting_page``), so a busy moment rarely has to stop for a page load
+    prefetch_page: int = 128
+    #: on a clean stop, how long running actions may take to finish and commit
+    shutdown_grace_s: float = 10.0
+    #: how long an action cancelled (its deadline, a stop) has to end before it is
+    #: abandoned (it catches CancelledError): its step fails, or its lease is left to
+    #: run out
+    abandon_after_s: float = 10.0
+    #: a database error that is not an outage is retried this many times before the
+    #: conductor stops
+    store_retries_max: int = 8
+    #: an outage (locked, busy, unreachable, full, read-only) is retried for as long as
+    #: it lasts (the lease watchdog stops the actions meanwhile); False: as any error
+    ride_out_outages: bool = True
+    #: after a takeover, the recover hook gets what is left of the state's recorded
+    #: deadline plus this much (to observe the target even when the deadline has passed)
+    recover_grace_s: float = 30.0
+    #: after loading a strategy, move what is loaded out of the collector's sight
+    #: (gc.freeze): full collections otherwise rescan every loaded step, pausing
+    #: dispatch for 50-200 ms at a time, while they find almost nothing to free. Given
+    #: back to the collector when a strategy ends and when the conductor stops (what
+    #: a freeze holds is never freed otherwise, if it is part of a reference cycle)
+    gc_freeze: bool = True
+    #: False makes a stalled conductor (a long GC pause, SIGSTOP, a partition from the
+    #: database): it keeps running but stops renewing its leases. For fault injection.
+    renew_leases: bool = True
+
+
+@dataclass
+class EngineStats:
+    transitions: int = 0
+    batches: int = 0
+    rejected: int = 0
+    stale_outcomes: int = 0
+    store_retries: int = 0
+    dispatch_latency_s: list[float] = field(default_factory=list)
