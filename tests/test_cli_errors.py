@@ -154,7 +154,7 @@ def test_a_new_database_that_another_process_wrote_to_is_kept(
         admin.add_group(store, Group("east"))  # e.g. a `serve` beside this command
         return store
 
-    monkeypatch.setattr("fleetwave.cli.main.store_for", store_then_other_process_adds)
+    monkeypatch.setattr("fleetwave.cli.groups.store_for", store_then_other_process_adds)
     res = cli("group", "add", "g", "--max-parallel", "0", db=fresh)
     assert res.code == 2
     assert fresh.exists()

@@ -596,7 +596,7 @@ def test_workflow_show_says_hook_for_a_driver_operation_with_its_own_recover(
     ],
 )
 def test_durations_read_at_a_glance(seconds: float, shown: str) -> None:
-    from fleetwave.cli.main import _duration
+    from fleetwave.cli.workflows import _duration
 
     assert _duration(seconds) == shown
 

@@ -636,7 +636,7 @@ def test_strategy_list_shows_progress_and_who_drives_each(
 def test_ctrl_c_on_strategy_delete_says_how_to_finish(
     cli: Cli, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fleetwave.cli import main as cli_main
+    from fleetwave.cli import strategies as cli_strategies
 
     add(cli, "a", "b", "c")
     sid = create(cli, "--all")
@@ -654,14 +654,14 @@ def test_ctrl_c_on_strategy_delete_says_how_to_finish(
         store.write_fault = ctrl_c
         real(store, strategy_id, chunk=1)
 
-    monkeypatch.setattr(cli_main.admin, "delete_strategy", interrupted)
+    monkeypatch.setattr(cli_strategies.admin, "delete_strategy", interrupted)
     res = cli("strategy", "delete", str(sid))
     assert res.code == 130, res.text
     assert res.err == (
         f"stopped: strategy {sid} is partly deleted (it shows 'deleting'); "
         f"'fleetwave strategy delete {sid}' finishes it\n"
     )
-    monkeypatch.setattr(cli_main.admin, "delete_strategy", real)
+    monkeypatch.setattr(cli_strategies.admin, "delete_strategy", real)
     shown = cli("strategy", "show", str(sid), "--format", "json").json()
     assert shown["state"] == "deleting"
     assert cli("strategy", "delete", str(sid)).code == 0
@@ -764,7 +764,7 @@ def test_the_same_version_naming_another_python_class_of_the_same_name_is_refuse
 def test_ctrl_c_on_strategy_delete_says_what_the_database_holds(
     cli: Cli, monkeypatch: pytest.MonkeyPatch, when: str, code: int, said: str, state: str | None
 ) -> None:
-    from fleetwave.cli import main as cli_main
+    from fleetwave.cli import strategies as cli_strategies
 
     add(cli, "a")
     sid = create(cli, "--all")
@@ -776,7 +776,7 @@ def test_ctrl_c_on_strategy_delete_says_what_the_database_holds(
             real(store, strategy_id)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli_main.admin, "delete_strategy", interrupted)
+    monkeypatch.setattr(cli_strategies.admin, "delete_strategy", interrupted)
     res = cli("strategy", "delete", str(sid))
     assert res.code == code, res.text
     assert said in res.text

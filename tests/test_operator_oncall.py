@@ -496,7 +496,7 @@ def test_ctrl_c_of_an_admin_command_says_so_in_one_line(
         res = cli("target", "add", "n1")
     assert (res.code, res.err) == (130, "error: interrupted\n")
     # a command that says itself what an interrupt left says it once
-    monkeypatch.setattr("fleetwave.cli.main.drive_strategy", interrupted)
+    monkeypatch.setattr("fleetwave.cli.strategies.drive_strategy", interrupted)
     res = cli("strategy", "apply", str(sid), "--wait")
     assert res.code == 130
     assert "error: interrupted" not in res.err and res.err.count("\n") == 1, res.err

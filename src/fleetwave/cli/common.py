@@ -1,15 +1,24 @@
-"""Options and error handling shared by every command."""
+"""Options and error handling shared by every command, and what the commands of
+several groups do alike: say what they did (``done``), delete by name, take
+``--max-parallel`` and ``--lease-ttl``.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from sqlalchemy.exc import DBAPIError
 
-from fleetwave.cli.output import Format
-from fleetwave.domain.errors import InputError
+from fleetwave.cli.output import Format, console, print_json
+from fleetwave.domain.errors import InputError, NotFound
+from fleetwave.domain.models import ApplyType, name_problem
+from fleetwave.engine.config import LEASE_TTL_MAX_S, LEASE_TTL_MIN_S, EngineConfig
+from fleetwave.store import admin
+from fleetwave.store.admin import DEFAULT_MAX_PARALLEL
 from fleetwave.store.db import (
     Store,
     StoreError,
@@ -28,6 +37,14 @@ DbOpt = Annotated[
     ),
 ]
 FormatOpt = Annotated[Format, typer.Option("--format", help="table or json")]
+IgnoreMissingOpt = Annotated[
+    bool,
+    typer.Option(
+        "--ignore-missing",
+        help="one that is not there is no error (exit 0, nothing deleted): for scripts "
+        "that delete what may be gone already",
+    ),
+]
 
 #: the largest integer the database holds (SQLite's INTEGER, PostgreSQL's bigint): a
 #: larger id or count is refused as bad input, not a traceback
@@ -162,3 +179,83 @@ def discard_created() -> None:
             continue
         for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
             p.unlink(missing_ok=True)
+
+
+def done(fmt: Format, text: str, answer: dict[str, Any]) -> None:
+    """What a command that changes something did: a line, or (``--format json``) one
+    JSON object a script can read."""
+    if fmt is Format.json:
+        print_json(answer)
+    else:
+        console.print(text)
+
+
+def _never_a_name(name: str) -> None:
+    """A name not found that no target or group could have (empty: an unset variable
+    in a script) is bad input, also with --ignore-missing."""
+    problem = name_problem(name)
+    if problem:
+        raise InputError(f"NAME: {problem}")
+
+
+def delete_named(
+    kind: str, name: str, delete: Callable[[], None], ignore_missing: bool, fmt: Format
+) -> None:
+    """`target|group delete NAME`: ``delete`` it, and say so; one not there is refused
+    (exit 2) unless ``ignore_missing``, and a name nothing could have always is."""
+    try:
+        delete()
+    except NotFound:
+        _never_a_name(name)
+        if not ignore_missing:
+            raise
+        missing(fmt, f"{kind} {name}", {"name": name})
+        return
+    done(fmt, f"{kind} {name} deleted", {"name": name, "deleted": True})
+
+
+def missing(fmt: Format, what: str, key: dict[str, Any]) -> None:
+    """``delete --ignore-missing`` of one that is not there: said, not an error."""
+    done(fmt, f"{what}: not there, nothing deleted", {**key, "deleted": False})
+
+
+def max_parallel_as_stored(given: int | None, apply_type: ApplyType, what: str) -> int:
+    """--max-parallel as stored: serial means one at a time, so a serial group or
+    strategy given another number is refused rather than silently run one by one."""
+    if apply_type is not ApplyType.SERIAL:
+        return DEFAULT_MAX_PARALLEL if given is None else given
+    if given is not None and given < 1:
+        return given  # refused as every max parallel below 1 is, by the store
+    admin.check_serial(given, what)
+    return 1
+
+
+LeaseTtlOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--lease-ttl",
+        metavar="SECONDS",
+        help=f"lease length (default {EngineConfig.lease_ttl_s:g}): a conductor lost on "
+        "another host is taken over this long after its last renewal",
+    ),
+]
+
+
+def engine_config(lease_ttl: float | None) -> EngineConfig:
+    if lease_ttl is None:
+        return EngineConfig()
+    if not LEASE_TTL_MIN_S <= lease_ttl <= LEASE_TTL_MAX_S:  # also NaN
+        raise InputError(
+            f"--lease-ttl: must be {LEASE_TTL_MIN_S:g} to {LEASE_TTL_MAX_S:g} seconds, "
+            f"got {lease_ttl:g}"
+        )
+    return EngineConfig(lease_ttl_s=lease_ttl)
+
+
+def database_hint(exc: DBAPIError, *, waiting: bool = False) -> str:
+    text = str(exc.orig).lower()
+    if "locked" in text or "busy" in text:
+        if waiting:
+            return ": another program holds its write lock"
+        return " (another program holds its write lock: try again when it is done)"
+    return ""

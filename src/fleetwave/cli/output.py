@@ -174,6 +174,19 @@ def emit_rows(
 PLAIN_ABOVE = 500
 
 
+def first_then(
+    first: Iterator[dict[str, Any]], again: Callable[[], Iterator[dict[str, Any]]]
+) -> Callable[[], Iterator[dict[str, Any]]]:
+    """Rows for :func:`emit_rows` to read twice: the reader already made (its checks
+    done before anything is printed), then fresh ones."""
+    made = [first]
+
+    def read() -> Iterator[dict[str, Any]]:
+        return made.pop() if made else again()
+
+    return read
+
+
 def _column_widths(
     rows: list[dict[str, Any]], columns: list[str], whole_first: bool, room: int
 ) -> list[int | None] | None:

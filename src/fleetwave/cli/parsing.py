@@ -58,6 +58,19 @@ def parse_pairs(items: list[str] | None, option: str, *, typed: bool = True) -> 
     return out
 
 
+def several(option: str, given: list[str] | None) -> list[str]:
+    """A filter option given once or more, each perhaps ``a,b``: the values, in order,
+    each once (a step in any of them is shown). An empty value is refused."""
+    out: list[str] = []
+    for each in given or ():
+        for value in (v.strip() for v in each.split(",")):
+            if not value:
+                raise InputError(f"{option}: an empty value in {each!r}")
+            if value not in out:
+                out.append(value)
+    return out
+
+
 def check_target(t: Target, where: str) -> None:
     """The target's name (by the name rule) and its driver settings; ``where`` names it
     in the settings' errors."""

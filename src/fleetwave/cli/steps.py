@@ -1,0 +1,114 @@
+"""``fleetwave step``: the steps of a strategy (one target each) listed and shown, and
+a target's report (callback) for a wait-for-callback state."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+import typer
+
+from fleetwave.cli.common import DbOpt, FormatOpt, StepId, done, existing_store, whole_number
+from fleetwave.cli.output import Format, emit_one, emit_rows, err_console, first_then
+from fleetwave.cli.parsing import several
+from fleetwave.domain.errors import InputError
+from fleetwave.store import queries
+from fleetwave.store.callbacks import KINDS as CALLBACK_KINDS
+from fleetwave.store.callbacks import accept_callback
+
+# put under the root command by main.py, which gives it its command class (_Commands)
+step_app = typer.Typer(help="Steps: one target inside one strategy.", no_args_is_help=True)
+
+
+@step_app.command("list")
+def step_list(
+    strategy: Annotated[int, typer.Option(parser=whole_number, metavar="ID", help="strategy id")],
+    state: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="STATE",
+            help="only steps in this state; repeat it, or give a,b, for steps in any of them",
+        ),
+    ] = None,
+    target: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="NAME", help="only this target's step; repeat it, or give a,b, for several"
+        ),
+    ] = None,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
+    """List the steps of a strategy."""
+    store = existing_store(db)
+    states, names = several("--state", state), several("--target", target)
+    # refuses an unknown strategy (or target) now
+    rows = queries.iter_steps(store, strategy, states, target=names)
+    emit_rows(
+        first_then(rows, lambda: queries.iter_steps(store, strategy, states, target=names)),
+        # the step id last: what `step show` takes
+        ["target", "stage", "state", "details", "started_at", "finished_at", "step"],
+        fmt,
+    )
+
+
+@step_app.command("show")
+def step_show(step_id: StepId, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
+    """Show one step with its journal and events."""
+    emit_one(queries.get_step(existing_store(db), step_id), fmt)
+
+
+@step_app.command("callback")
+def step_callback(
+    step_id: StepId,
+    state: Annotated[str, typer.Argument(help="the state of the step the report is about")],
+    kind: Annotated[
+        str, typer.Option(help="done (the state's work finished), failed, or heartbeat")
+    ] = "done",
+    details: Annotated[str, typer.Option(help="what the target says (kept with it)")] = "",
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
+    """Report for a target: the callback a wait-for-callback state waits for.
+
+    Stored at once (one INSERT); the conductor that drives the step's strategy answers
+    it (applied, or ignored and why) within a tick.
+    """
+    if kind not in CALLBACK_KINDS:
+        raise InputError(f"--kind: must be one of {', '.join(CALLBACK_KINDS)}, got '{kind}'")
+    store = existing_store(db)
+    step = queries.get_step(store, step_id)
+    states = queries.get_strategy(store, step["strategy"])["states"]
+    if isinstance(states, list) and states and state not in states:
+        raise InputError(
+            f"STATE: '{state}' is not a state of strategy {step['strategy']}'s workflow "
+            f"({', '.join(states)})"
+        )
+    record = accept_callback(store, step_id, state, kind, details, time.time())
+    outcome, reason = record.outcome, record.reason  # a late one is answered at once
+    answer: dict[str, Any] = {
+        "id": record.id,
+        "step": step_id,
+        "strategy": record.strategy_id,
+        "state": state,
+        "kind": kind,
+        "outcome": outcome,
+        "reason": reason,
+    }
+    late = outcome is not None
+    if late:
+        said = f"callback {record.id} for step {step_id} stored and {outcome}: {reason}"
+    else:
+        said = (
+            f"callback {record.id} for step {step_id} ({state}, {kind}) stored; the conductor "
+            f"driving strategy {record.strategy_id} answers it ('fleetwave step show {step_id}' "
+            "says how)"
+        )
+    done(fmt, said, answer)
+    if not late and queries.driving(store, record.strategy_id).nobody:
+        err_console.print(
+            f"warning: no conductor drives strategy {record.strategy_id}: the callback is "
+            "answered once one does ('fleetwave serve', or 'fleetwave strategy apply "
+            f"{record.strategy_id} --wait')",
+            highlight=False,
+        )

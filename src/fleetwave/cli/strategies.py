@@ -1,0 +1,522 @@
+"""``fleetwave strategy``: rollouts of one workflow over targets: create, apply (or
+drive one here with ``--wait``), pause, resume, abort, show, list and delete."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from sqlalchemy.exc import OperationalError
+
+from fleetwave.catalog import resolve_workflow
+from fleetwave.cli.common import (
+    DbOpt,
+    FormatOpt,
+    IgnoreMissingOpt,
+    LeaseTtlOpt,
+    StrategyId,
+    database_hint,
+    done,
+    engine_config,
+    existing_store,
+    max_parallel_as_stored,
+    missing,
+    whole_number,
+)
+from fleetwave.cli.drive import UNREAD, drive_strategy, now_state, stopped_at_once, stopped_watching
+from fleetwave.cli.output import Format, console, emit_one, emit_rows, err_console, print_json
+from fleetwave.cli.parsing import decode_text, parse_pairs, read_text_file, several
+from fleetwave.domain.errors import InputError, NotFound
+from fleetwave.domain.models import (
+    STEP_ABORTED,
+    STEP_FAILED,
+    STRATEGY_TERMINAL,
+    ApplyType,
+    StrategyOptions,
+    StrategyState,
+    shown,
+)
+from fleetwave.domain.yaml_workflow import MAX_SECONDS, parse_workflow_yaml
+from fleetwave.engine import loop as event_loop
+from fleetwave.store import admin, queries
+from fleetwave.store.db import Store
+
+# put under the root command by main.py, which gives it its command class (_Commands)
+strategy_app = typer.Typer(help="Rollouts of one workflow over targets.", no_args_is_help=True)
+
+
+def _timeouts(items: list[str] | None) -> dict[str, float]:
+    out: dict[str, float] = {}
+    typed = parse_pairs(items, "--timeout", typed=False)  # as given, for the errors
+    for key, value in parse_pairs(items, "--timeout").items():
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not 0 < value < float("inf")
+        ):
+            raise InputError(
+                f"--timeout: {key}: expected a positive number of seconds, got {shown(typed[key])}"
+            )
+        if value > MAX_SECONDS:
+            raise InputError(
+                f"--timeout: {key}: at most {MAX_SECONDS} seconds (30 days), got {typed[key]}"
+            )
+        out[key] = float(value)
+    return out
+
+
+@strategy_app.command("create")
+def strategy_create(
+    workflow: Annotated[str, typer.Option(help="workflow name")],
+    targets: Annotated[
+        str | None,
+        typer.Option(
+            help="comma-separated target names; @FILE reads them from a file, - from stdin "
+            "(one per line, or comma- or space-separated; # starts a comment)"
+        ),
+    ] = None,
+    group: Annotated[str | None, typer.Option(help="every target of this group")] = None,
+    all_: Annotated[bool, typer.Option("--all", help="every target")] = False,
+    failed_in: Annotated[
+        int | None,
+        typer.Option(
+            parser=whole_number,
+            metavar="ID",
+            help="the targets whose step in strategy ID failed or was aborted (a retry)",
+        ),
+    ] = None,
+    label: Annotated[
+        list[str] | None,
+        typer.Option(help="only targets with this label k=v (repeatable; alone: of all)"),
+    ] = None,
+    max_parallel: Annotated[
+        int | None, typer.Option(help="steps in flight at once (default 20)")
+    ] = None,
+    apply_type: Annotated[
+        ApplyType, typer.Option(help="parallel, or serial (one at a time)")
+    ] = ApplyType.PARALLEL,
+    stop_on_failure: Annotated[
+        bool, typer.Option("--stop-on-failure", help="stop at the first failure")
+    ] = False,
+    max_failures: Annotated[
+        int | None,
+        typer.Option(parser=whole_number, metavar="N", help="stop once more than N steps failed"),
+    ] = None,
+    stages_by_group: Annotated[
+        bool,
+        typer.Option("--stages-by-group", help="one stage per group, run one after another"),
+    ] = False,
+    timeout: Annotated[
+        list[str] | None, typer.Option(help="state=seconds timeout override (repeatable)")
+    ] = None,
+    # The defaults, said out loud (scripts written for earlier versions say them); not
+    # in --help, where their second column cut every option's name at 80 columns.
+    no_stop_on_failure: Annotated[bool, typer.Option("--no-stop-on-failure", hidden=True)] = False,
+    no_stages_by_group: Annotated[bool, typer.Option("--no-stages-by-group", hidden=True)] = False,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
+    """Create a strategy (state initial); apply it to start."""
+    for flag, on, off in (
+        ("stop-on-failure", stop_on_failure, no_stop_on_failure),
+        ("stages-by-group", stages_by_group, no_stages_by_group),
+    ):
+        if on and off:
+            raise InputError(f"--{flag} and --no-{flag}: give one of them")
+    store = existing_store(db)
+    names = _target_names(targets) if targets is not None else None
+    if failed_in is not None:
+        if names is not None or group is not None or all_ or label:
+            raise InputError(
+                "--failed-in: picks the targets itself; not with --targets, --group, --all "
+                "or --label"
+            )
+        if queries.get_strategy(store, failed_in)["state"] == StrategyState.DELETING:
+            raise InputError(
+                f"--failed-in: strategy {failed_in} is being deleted, its steps partly gone "
+                f"('fleetwave strategy delete {failed_in}' finishes it)"
+            )
+        names = [
+            row["target"]
+            for row in queries.iter_steps(store, failed_in, [STEP_FAILED, STEP_ABORTED])
+        ]
+        if not names:
+            raise InputError(f"--failed-in: strategy {failed_in} has no failed or aborted step")
+    wf = resolve_workflow(store, workflow)
+    timeouts = _timeouts(timeout)
+    unknown = [state for state in timeouts if state not in wf.state_names]
+    if unknown:
+        raise InputError(
+            f"--timeout: {', '.join(unknown)}: workflow {wf.name} has no such state "
+            f"(its states: {', '.join(wf.state_names)})"
+        )
+    opts = StrategyOptions(
+        max_parallel=max_parallel_as_stored(max_parallel, apply_type, "strategy"),
+        apply_type=apply_type,
+        stop_on_failure=stop_on_failure,
+        max_failures=max_failures,
+        stages_by_group=stages_by_group,
+        timeouts_s=timeouts,
+    )
+    sid = admin.create_strategy(
+        store,
+        wf,
+        opts,
+        target_names=names,
+        group=group,
+        all_targets=all_,
+        labels=parse_pairs(label, "--label", typed=False),
+    )
+    if fmt is Format.json:
+        print_json(queries.get_strategy(store, sid))
+    else:
+        console.print(f"strategy {sid} created ({wf.name})")
+
+
+def _target_names(given: str) -> list[str]:
+    """``--targets``: the names as given (a,b,c), or read from ``@FILE`` or ``-`` (stdin):
+    one per line, or separated by commas or spaces; ``#`` starts a comment. (A name
+    starts with a letter or digit, so neither form can be a name.) An empty name in a
+    list, or one that is not text, is refused."""
+    if given != "-" and not given.startswith("@"):
+        names = given.split(",")
+        if any(not name.strip() for name in names):
+            raise InputError(f"--targets: an empty name in {shown(given)}")
+    else:
+        if given == "-":
+            text = decode_text(sys.stdin.buffer.read(), "--targets: stdin")
+            source = "stdin"
+        else:
+            path, source = Path(given[1:]), given
+            if not path.is_file():
+                what = "a directory" if path.is_dir() else "no such file"
+                raise InputError(f"--targets: {given}: {what}")
+            text = read_text_file(path)
+        names = [
+            name
+            for line in text.splitlines()
+            for name in line.split("#", 1)[0].replace(",", " ").split()
+        ]
+        if not names:
+            raise InputError(f"--targets: {source} names no target")
+    for name in names:
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InputError(f"--targets: {shown(name)} is not valid text") from None
+    return names
+
+
+@strategy_app.command("apply")
+def strategy_apply(
+    strategy_id: StrategyId,
+    wait: Annotated[bool, typer.Option(help="drive it here and wait for the end")] = False,
+    lease_ttl: LeaseTtlOpt = None,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
+    """Start (or resume) a strategy. With --wait, drive it in the foreground."""
+    if lease_ttl is not None and not wait:
+        raise InputError(
+            "--lease-ttl: only with --wait (the lease of the conductor that drives it here)"
+        )
+    config = engine_config(lease_ttl)
+    store = existing_store(db)
+    if wait:
+        ended = queries.get_strategy(store, strategy_id)
+        if ended["state"] in STRATEGY_TERMINAL:
+            # Ended already (this command run again, by a script or a retried job): its
+            # result, as if this run had waited for it; nothing is driven or changed,
+            # so nothing it would need to drive it is asked for (its workflow's code).
+            err_console.print(
+                f"strategy {strategy_id} had already ended ({ended['state']}): nothing to drive",
+                highlight=False,
+            )
+            _ended(ended, fmt)
+            return
+        event_loop.loop_kind()  # a bad FLEETWAVE_LOOP is refused before anything changes
+        # Driving it here needs its workflow here (a Python one, or a YAML one naming a
+        # Python action: its plug-in imported).
+        name, own_copy = queries.strategy_workflow(store, strategy_id)
+        if own_copy is None:
+            resolve_workflow(store, name, what=f"strategy {strategy_id}: workflow")
+        else:
+            parse_workflow_yaml(own_copy, source=f"strategy {strategy_id}: workflow {name}")
+    before = (
+        _apply_patiently(store, strategy_id, ended["state"])
+        if wait
+        else admin.apply_strategy(store, strategy_id)
+    )
+    if not wait:
+        who = queries.driving(store, strategy_id)
+        now = "applying" if before in ("initial", "paused", "applying") else before
+        if now != "applying":
+            now += " (apply does not undo an abort: a conductor finishes it)"
+        elif before == "paused":
+            now += " (resumed: it was paused)"
+        if who.owner is not None:
+            said = f"driven by conductor {who.owner}"
+        elif who.claimer is not None:
+            said = str(who.claim)
+        else:
+            said = "nothing drives it yet"
+        if fmt is Format.json:
+            # driven_by as `strategy show --format json` says it, word for word
+            print_json(
+                {
+                    "id": strategy_id,
+                    "state": now.split(" ")[0],
+                    "was": before,
+                    "driven_by": who.text,
+                }
+            )
+        else:
+            console.print(f"strategy {strategy_id} {now}; {said}")
+        if who.nobody:
+            err_console.print(
+                f"warning: no conductor serves {store.url}: strategy {strategy_id} waits until "
+                f"'fleetwave serve' runs (or drive it here: 'fleetwave strategy apply "
+                f"{strategy_id} --wait')",
+                highlight=False,
+            )
+        return
+    try:
+        result = drive_strategy(
+            store, strategy_id, show_progress=fmt is Format.table, config=config
+        )
+    except KeyboardInterrupt:
+        # Ctrl-C before the signal handlers were in place: stopped at once.
+        err_console.print(stopped_at_once(store, strategy_id, config.lease_ttl_s), highlight=False)
+        raise typer.Exit(130) from None
+    if result.state == "interrupted":
+        if not result.held:
+            err_console.print(stopped_watching(store, strategy_id), highlight=False)
+            raise typer.Exit(130)
+        left = now_state(store, strategy_id)
+        state = f"is still {left}" if left is not None else f"state could not be read ({UNREAD})"
+        err_console.print(
+            f"stopped: strategy {strategy_id} {state}"
+            f"; leases handed back. Go on with 'fleetwave strategy apply {strategy_id} --wait' "
+            "or 'fleetwave serve'",
+            highlight=False,
+        )
+        raise typer.Exit(130)
+    _ended(queries.get_strategy(store, strategy_id), fmt)
+
+
+def _apply_patiently(store: Store, strategy_id: int, was: str) -> str:
+    """``apply --wait``'s first write (the strategy marked applying), as patient as the
+    conductor it starts: an outage (the database locked by another program past the
+    time a write waits, read-only, full) is waited out and said once; Ctrl-C stops it
+    with nothing changed. ``was``: its state as read before; returns the state it was in
+    when applied."""
+    failures = 0
+    try:
+        while True:
+            try:
+                return admin.apply_strategy(store, strategy_id)
+            except OperationalError as exc:
+                if not store.hooks.is_outage(exc):
+                    raise
+                if store.hooks.needs_new_connections(exc):
+                    store.dispose()  # a connection opened read-only stays so
+                failures += 1
+                if failures == 1:
+                    err_console.print(
+                        f"waiting: the database does not answer ({exc.orig}"
+                        f"{database_hint(exc, waiting=True)}); strategy {strategy_id} is "
+                        "applied and driven here once it does (Ctrl-C to stop: nothing is "
+                        "changed until then)",
+                        highlight=False,
+                    )
+                time.sleep(min(5.0, 0.05 * 2 ** min(failures, 7)))
+    except KeyboardInterrupt:
+        # The write may have gone through as the interrupt came (the lock released just
+        # then): the database says which, if it answers.
+        now = now_state(store, strategy_id)
+        if now is not None and now != was:
+            said = (
+                f"stopped: strategy {strategy_id} is {now} (its apply went through as this "
+                f"command stopped), and nothing drives it here: 'fleetwave strategy apply "
+                f"{strategy_id} --wait' or 'fleetwave serve' does"
+            )
+        else:
+            said = (
+                f"stopped: strategy {strategy_id} was not applied (the database did not "
+                "answer); nothing changed"
+            )
+        err_console.print(said, highlight=False)
+        raise typer.Exit(130) from None
+
+
+def _ended(summary: dict[str, Any], fmt: Format) -> None:
+    """``apply --wait``'s answer: the strategy as it ended; exit 1 unless complete."""
+    if fmt is Format.json:
+        print_json(summary)
+    else:
+        emit_one(summary, fmt)
+    if summary["state"] != StrategyState.COMPLETE:
+        raise typer.Exit(1)
+
+
+@strategy_app.command("pause")
+def strategy_pause(
+    strategy_id: StrategyId, fmt: FormatOpt = Format.table, db: DbOpt = None
+) -> None:
+    """Pause: no new step starts; steps in flight go on to their end. Undo with resume."""
+    before = admin.pause_strategy(existing_store(db), strategy_id)
+    done(
+        fmt,
+        f"strategy {strategy_id}: already paused"
+        if before == "paused"
+        else (
+            f"strategy {strategy_id}: paused; no new step starts, steps in flight go on to "
+            f"their end ('fleetwave strategy resume {strategy_id}' to go on)"
+        ),
+        {"id": strategy_id, "state": "paused", "was": str(before)},
+    )
+
+
+@strategy_app.command("resume")
+def strategy_resume(
+    strategy_id: StrategyId, fmt: FormatOpt = Format.table, db: DbOpt = None
+) -> None:
+    """Resume a paused strategy: its waiting steps start again."""
+    store = existing_store(db)
+    before = admin.resume_strategy(store, strategy_id)
+    done(
+        fmt,
+        f"strategy {strategy_id}: not paused (applying)"
+        if before == "applying"
+        else f"strategy {strategy_id}: resumed",
+        {"id": strategy_id, "state": "applying", "was": str(before)},
+    )
+    _warn_if_undriven(store, strategy_id, "strategy {sid} goes on", "drive")
+
+
+@strategy_app.command("abort")
+def strategy_abort(
+    strategy_id: StrategyId, fmt: FormatOpt = Format.table, db: DbOpt = None
+) -> None:
+    """Abort: nothing new starts; running actions finish their current state, and waits
+    on a target (for its callback, between polls) end at once."""
+    store = existing_store(db)
+    before = admin.request_abort(store, strategy_id)
+    # its state now (a never-applied one is aborted by this very call), and whether
+    # this call asked for the abort
+    after: dict[str | None, str] = {
+        None: StrategyState.ABORT_REQUESTED.value,
+        StrategyState.INITIAL.value: StrategyState.ABORTED.value,
+    }
+    now = after.get(before, str(before))
+    answer = {
+        "id": strategy_id,
+        "state": now,
+        "asked_now": before is None or before == StrategyState.INITIAL,
+    }
+    if before == StrategyState.ABORTED:
+        done(fmt, f"strategy {strategy_id}: already aborted", answer)
+        return
+    if before == StrategyState.INITIAL:
+        # never applied: its steps were ended in the same transaction, nothing to wait for
+        done(fmt, f"strategy {strategy_id}: aborted (it was never applied)", answer)
+        return
+    if before is None:
+        done(fmt, f"strategy {strategy_id}: abort requested", answer)
+    else:
+        done(fmt, f"strategy {strategy_id}: abort already requested ({before})", answer)
+    # Its abort waits for a conductor (none drives it): said each time it is asked.
+    _warn_if_undriven(store, strategy_id, "the abort of strategy {sid} finishes", "finish")
+
+
+def _warn_if_undriven(store: Store, sid: int, what: str, verb: str) -> None:
+    """Warn on stderr when no conductor drives strategy ``sid`` nor will claim it: what
+    was just asked waits until one does (``what`` says what waits; ``verb`` how the
+    operator does it here)."""
+    who = queries.driving(store, sid)
+    if who.nobody and who.text is not None:
+        err_console.print(
+            f"warning: no conductor serves {store.url}: {what.format(sid=sid)} once "
+            f"'fleetwave serve' runs (or {verb} it here: 'fleetwave strategy apply {sid} "
+            "--wait')",
+            highlight=False,
+        )
+
+
+@strategy_app.command("show")
+def strategy_show(strategy_id: StrategyId, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
+    """Show a strategy with its step counts per state."""
+    emit_one(queries.get_strategy(existing_store(db), strategy_id), fmt)
+
+
+@strategy_app.command("list")
+def strategy_list(
+    state: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="STATE",
+            help="only strategies in this state; repeat it, or give a,b, for several",
+        ),
+    ] = None,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
+    """List strategies."""
+    table = fmt is Format.table
+    states = several("--state", state)
+    known = [s.value for s in StrategyState]
+    for one in states:
+        if one not in known:
+            raise InputError(f"--state: '{one}' is not a strategy state ({', '.join(known)})")
+    rows = queries.list_strategies(existing_store(db), brief=table, states=states)
+    if table:
+        for row in rows:
+            # at a glance: steps ended of all, how many of them did not complete, and who
+            # drives it (`strategy show` says more: how to get it driven)
+            counts = row["step_states"]
+            bad = [f"{counts[s]} {s}" for s in ("failed", "aborted") if counts.get(s)]
+            row["done"] = f"{row['done']}/{row['steps']}" + (f" ({', '.join(bad)})" if bad else "")
+    emit_rows(rows, ["id", "workflow", "state", "done", "driven_by", "details"], fmt)
+
+
+@strategy_app.command("delete")
+def strategy_delete(
+    strategy_id: StrategyId,
+    ignore_missing: IgnoreMissingOpt = False,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
+    """Delete a strategy that is not running, with its steps and journal."""
+    store = existing_store(db)
+    try:
+        admin.delete_strategy(store, strategy_id)
+    except NotFound:
+        if not ignore_missing:
+            raise
+        missing(fmt, f"strategy {strategy_id}", {"id": strategy_id})
+        return
+    except KeyboardInterrupt:
+        # Each chunk is its own transaction: what was removed stays removed, the rest
+        # stays until the command runs again (the strategy shows `deleting`). Ctrl-C
+        # may also come before the first commit (waiting for the write lock) or after
+        # the last: the database says which.
+        try:
+            now: str | None = queries.get_strategy(store, strategy_id)["state"]
+        except NotFound:
+            now = None
+        if now is None:
+            done(fmt, f"strategy {strategy_id} deleted", {"id": strategy_id, "deleted": True})
+            return
+        if now == StrategyState.DELETING:
+            said = (
+                f"stopped: strategy {strategy_id} is partly deleted (it shows 'deleting'); "
+                f"'fleetwave strategy delete {strategy_id}' finishes it"
+            )
+        else:
+            said = f"stopped: nothing deleted; strategy {strategy_id} is still {now}"
+        err_console.print(said, highlight=False)
+        raise typer.Exit(130) from None
+    done(fmt, f"strategy {strategy_id} deleted", {"id": strategy_id, "deleted": True})

@@ -1,0 +1,226 @@
+"""``fleetwave target``: the managed targets (subclouds, hosts, nodes): add, import,
+list, show, manage, unmanage, set and delete."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from fleetwave.cli.common import (
+    DbOpt,
+    FormatOpt,
+    IgnoreMissingOpt,
+    delete_named,
+    done,
+    existing_store,
+    store_for,
+)
+from fleetwave.cli.output import Format, emit_one, emit_rows, err_console
+from fleetwave.cli.parsing import check_target, parse_pairs, targets_from_file
+from fleetwave.domain.errors import InputError
+from fleetwave.domain.models import Target, plural
+from fleetwave.store import admin, queries
+
+# put under the root command by main.py, which gives it its command class (_Commands)
+target_app = typer.Typer(help="Managed targets (subclouds, hosts, nodes).", no_args_is_help=True)
+
+
+@target_app.command("add")
+def target_add(
+    name: str,
+    group: Annotated[str | None, typer.Option(help="group name")] = None,
+    driver: Annotated[str, typer.Option(help="driver: sim")] = "sim",
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="driver setting key=value (repeatable)")
+    ] = None,
+    label: Annotated[list[str] | None, typer.Option(help="label k=v (repeatable)")] = None,
+    unmanaged: Annotated[bool, typer.Option("--unmanaged", help="add as unmanaged")] = False,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
+    """Add one target."""
+    t = Target(
+        name=name,
+        group=group,
+        driver=driver,
+        settings=parse_pairs(set_, "--set"),
+        labels=parse_pairs(label, "--label", typed=False),
+        managed=not unmanaged,
+    )
+    check_target(t, f"target {name}")
+    added = bool(admin.ensure_targets(store_for(db), [t]))
+    done(
+        fmt,
+        f"target {name} added" if added else f"target {name} already exists, unchanged",
+        {"name": name, "added": added},
+    )
+
+
+@target_app.command("import")
+def target_import(file: Path, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
+    """Add targets from CSV (name,group,driver,<settings...>) or YAML, in one transaction."""
+    items = targets_from_file(file)
+    kept: list[str] = []
+    n = admin.ensure_targets(store_for(db), items, managed_kept=kept)
+    same = len(items) - n
+    done(
+        fmt,
+        f"{n} target{'' if n == 1 else 's'} imported from {file}"
+        + (f"; {same} already there, unchanged" if same else ""),
+        {"file": str(file), "imported": n, "unchanged": same, "managed_kept": kept},
+    )
+    if kept and fmt is Format.table:
+        # the file meant to fence them off; it does not (the flag is the operator's)
+        names = ", ".join(kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+        err_console.print(
+            f"warning: {plural(len(kept), 'target')} given as unmanaged, already there "
+            f"managed, stay managed ({names}): whether a target is managed is the "
+            "operator's; 'fleetwave target unmanage NAME' keeps a rollout off one",
+            highlight=False,
+        )
+
+
+@target_app.command("list")
+def target_list(
+    group: Annotated[str | None, typer.Option(help="only this group")] = None,
+    label: Annotated[
+        list[str] | None, typer.Option(help="only targets with this label k=v (repeatable)")
+    ] = None,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
+    """List targets."""
+    store = existing_store(db)
+    labels = parse_pairs(label, "--label", typed=False)
+    emit_rows(
+        lambda: queries.iter_targets(store, group, labels, as_text=fmt is not Format.json),
+        ["name", "group", "driver", "managed", "settings", "labels"],
+        fmt,
+    )
+
+
+@target_app.command("show")
+def target_show(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
+    """Show one target and the strategies it has been in."""
+    emit_one(queries.get_target(existing_store(db), name), fmt)
+
+
+@target_app.command("manage")
+def target_manage(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
+    """Mark a target managed: rollouts may touch it."""
+    admin.set_managed(existing_store(db), name, True)
+    done(fmt, f"target {name} is managed", {"name": name, "managed": True})
+
+
+@target_app.command("unmanage")
+def target_unmanage(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
+    """Mark a target unmanaged: its step fails when its turn comes, nothing touches it."""
+    waiting = admin.set_managed(existing_store(db), name, False)
+    done(
+        fmt,
+        f"target {name} is unmanaged",
+        {"name": name, "managed": False, "steps_to_fail": waiting},
+    )
+    for w in waiting if fmt is Format.table else ():
+        # A failed step makes the strategy end failed (apply --wait exits 1, alerts fire),
+        # and may stop it: said now, not found at the end.
+        stops = (
+            f"; strategy {w['strategy']} stops {w['stops']}: its steps not started then end aborted"
+            if w["stops"]
+            else ""
+        )
+        err_console.print(
+            f"warning: target {name}: its step in strategy {w['strategy']} ({w['state']}) "
+            "has not started: it fails when its turn comes (the strategy then ends "
+            f"failed){stops}; "
+            f"'fleetwave target manage {name}' before then lets it run",
+            highlight=False,
+        )
+
+
+@target_app.command("set")
+def target_set(
+    name: str,
+    group: Annotated[str | None, typer.Option(help="move it to this group")] = None,
+    no_group: Annotated[bool, typer.Option("--no-group", help="take it out of its group")] = False,
+    driver: Annotated[str | None, typer.Option(help="another driver")] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="driver setting key=value to add or change (repeatable)"),
+    ] = None,
+    unset: Annotated[
+        list[str] | None, typer.Option(help="driver setting to remove (repeatable)")
+    ] = None,
+    label: Annotated[
+        list[str] | None, typer.Option(help="label k=v to add or change (repeatable)")
+    ] = None,
+    unlabel: Annotated[list[str] | None, typer.Option(help="label to remove (repeatable)")] = None,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
+    """Change a target's group, driver, settings or labels (not while in an active strategy)."""
+    if group is not None and no_group:
+        raise InputError("--group and --no-group: give one of them")
+    if (
+        group is None
+        and not no_group
+        and driver is None
+        and not (set_ or unset or label or unlabel)
+    ):
+        raise InputError(
+            "nothing to change: give --group, --no-group, --driver, --set, --unset, --label "
+            "or --unlabel"
+        )
+    changes = admin.change_target(
+        existing_store(db),
+        name,
+        group=None if no_group else (group if group is not None else admin.KEEP),
+        driver=driver,
+        settings=parse_pairs(set_, "--set"),
+        unset=[k.strip() for k in unset or []],
+        labels=parse_pairs(label, "--label", typed=False),
+        unlabel=[k.strip() for k in unlabel or []],
+        check=lambda t: check_target(t, f"target {name}"),
+    )
+    said = "; ".join(_said_change(field, c["before"], c["after"]) for field, c in changes.items())
+    done(
+        fmt,
+        f"target {name}: {said}" if changes else f"target {name}: unchanged (it is so already)",
+        {"name": name, "changed": bool(changes), "changes": changes},
+    )
+
+
+def _said_change(field: str, before: Any, after: Any) -> str:
+    """``group east -> west``; for settings and labels, key by key:
+    ``settings: latency_ms 5 -> 10, failure_rate (unset) -> 0.1``."""
+    if not isinstance(before, dict):
+        return f"{field} {before or '(none)'} -> {after or '(none)'}"
+
+    def value(d: dict[str, Any], k: str) -> str:
+        if k not in d:
+            return "(unset)"
+        v = d[k]
+        return json.dumps(v) if isinstance(v, bool) or v in ("", None) else str(v)
+
+    keys = [*before, *(k for k in after if k not in before)]
+    return f"{field}: " + ", ".join(
+        f"{k} {value(before, k)} -> {value(after, k)}"
+        for k in keys
+        if json.dumps(before.get(k)) != json.dumps(after.get(k)) or (k in before) != (k in after)
+    )
+
+
+@target_app.command("delete")
+def target_delete(
+    name: str,
+    ignore_missing: IgnoreMissingOpt = False,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
+    """Delete a target that is in no strategy."""
+    delete_named(
+        "target", name, lambda: admin.delete_target(existing_store(db), name), ignore_missing, fmt
+    )
