@@ -414,6 +414,24 @@ def test_sigterm_stops_an_admin_command_as_ctrl_c_does(tmp_path: Path) -> None:
         assert conn.execute("SELECT count(*) FROM targets").fetchone() == (0,)
 
 
+def test_an_interrupt_before_any_command_ran_is_one_line(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: a Ctrl-C or SIGTERM in the moment Typer builds the command
+    tree (after the imports, before a command runs) printed a traceback and died of
+    the signal (-2), instead of the README's one line and 130."""
+    import typer.main
+
+    def interrupted(_app: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(typer.main, "get_command", interrupted)
+    result = cli("target", "list")
+    assert result.code == 130
+    assert result.err == "error: interrupted\n"
+    assert result.out == ""
+
+
 def test_a_fleet_wide_failure_is_logged_in_a_few_lines(
     store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:

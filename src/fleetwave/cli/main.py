@@ -270,8 +270,10 @@ def main() -> None:
     except typer.TyperException as exc:  # usage: exit 2 (Click's code for bad usage)
         discard_created()
         _fail(_usage_problem(exc), exc.exit_code)
-    except (typer.Abort, _Interrupted):
-        # what it was writing is rolled back (an admin command writes in one transaction)
+    except (typer.Abort, _Interrupted, KeyboardInterrupt):
+        # What it was writing is rolled back (an admin command writes in one
+        # transaction). A bare KeyboardInterrupt: before any command ran (Typer building
+        # the command tree), which printed a traceback and died of the signal.
         _fail("interrupted", 130)
     except (InputError, WorkflowError, StoreError, event_loop.LoopChoiceError) as exc:
         discard_created()
