@@ -4,6 +4,7 @@ them the first time anyone runs ``fleetwave target list``."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from pathlib import Path
@@ -190,6 +191,15 @@ def test_the_refusal_names_fleetwave_db_when_that_named_the_database(
     assert _revision(old) == HEAD_REVISION
 
 
+def _has_open(pid: int, path: str) -> bool:
+    """Whether process ``pid`` has ``path`` open (Linux's /proc)."""
+    fds = Path(f"/proc/{pid}/fd")
+    try:
+        return any(os.readlink(fds / fd) == path for fd in os.listdir(fds))
+    except (FileNotFoundError, ProcessLookupError):
+        return False  # ended, or an fd closed while listed
+
+
 def test_two_inits_at_once_upgrade_once_and_say_so(tmp_path: Path) -> None:
     """Two ``fleetwave init`` started together on an older database (two operators, or
     a deploy script on two hosts): both said "upgraded", as each had read the old
@@ -208,7 +218,16 @@ def test_two_inits_at_once_upgrade_once_and_say_so(tmp_path: Path) -> None:
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
-    time.sleep(2.0)
+    # Both must have read the old revision before the lock is let go: under load a
+    # fixed two seconds was not always enough for a process to start (its imports take
+    # most of a second). Each has the WAL's shared memory open once it has read.
+    shm = str(old) + "-shm"
+    deadline = time.monotonic() + 60
+    while not all(_has_open(p.pid, shm) for p in procs):
+        assert time.monotonic() < deadline, "the inits did not get to the database"
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        time.sleep(0.05)
+    time.sleep(0.5)  # from its read to the write it waits for
     holder.execute("ROLLBACK")
     holder.close()
     outs = [p.communicate(timeout=60) for p in procs]
