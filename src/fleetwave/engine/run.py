@@ -1,6 +1,7 @@
 """In-memory bookkeeping of one strategy being driven: pending queues and in-flight steps.
 
-Owned by the dispatcher alone (G2): workers never see a :class:`StrategyRun`.
+Owned by the dispatcher alone (G2): workers read a :class:`StrategyRun` (its workflow,
+its id), never change it.
 """
 
 from __future__ import annotations
