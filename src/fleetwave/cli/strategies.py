@@ -283,6 +283,20 @@ def strategy_apply(
                 highlight=False,
             )
         return
+    if before == StrategyState.PAUSED.value:
+        # Not resumed: this may be a job driving the rollout again after a crash, and the
+        # pause an operator's, made meanwhile (an incident). Plain apply, or resume, ends it.
+        err_console.print(
+            f"strategy {strategy_id} is paused: driven here, nothing new starts until "
+            f"'fleetwave strategy resume {strategy_id}' (apply --wait does not undo a pause)",
+            highlight=False,
+        )
+    elif before in (StrategyState.ABORT_REQUESTED.value, StrategyState.ABORTING.value):
+        err_console.print(
+            f"strategy {strategy_id}: its abort was requested; apply does not undo an abort: "
+            "driven here to its end",
+            highlight=False,
+        )
     try:
         result = drive_strategy(
             store, strategy_id, show_progress=fmt is Format.table, config=config
@@ -308,16 +322,16 @@ def strategy_apply(
 
 
 def _apply_patiently(store: Store, strategy_id: int, was: str) -> str:
-    """``apply --wait``'s first write (the strategy marked applying), as patient as the
-    conductor it starts: an outage (the database locked by another program past the
-    time a write waits, read-only, full) is waited out and said once; Ctrl-C stops it
-    with nothing changed. ``was``: its state as read before; returns the state it was in
-    when applied."""
+    """``apply --wait``'s first write (the strategy marked applying; a paused one is left
+    paused), as patient as the conductor it starts: an outage (the database locked by
+    another program past the time a write waits, read-only, full) is waited out and said
+    once; Ctrl-C stops it with nothing changed. ``was``: its state as read before;
+    returns the state it was in when applied."""
     failures = 0
     try:
         while True:
             try:
-                return admin.apply_strategy(store, strategy_id)
+                return admin.apply_strategy(store, strategy_id, resume=False)
             except OperationalError as exc:
                 if not store.hooks.is_outage(exc):
                     raise

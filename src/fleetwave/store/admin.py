@@ -1080,11 +1080,16 @@ def _strategy_state(conn: Connection, sid: int) -> str:
     return str(row[0])
 
 
-def apply_strategy(store: Store, sid: int) -> str:
-    """Mark the strategy applying; returns the state it was in."""
+def apply_strategy(store: Store, sid: int, *, resume: bool = True) -> str:
+    """Mark the strategy applying; returns the state it was in.
+
+    ``resume``: a paused strategy is resumed too; without it, it is left paused (an
+    ``apply --wait`` that drives a rollout again after a crash does not undo a pause an
+    operator made meanwhile).
+    """
     with store.write() as conn:
         state = _strategy_state(conn, sid)
-        if state in (StrategyState.INITIAL, StrategyState.PAUSED):
+        if state == StrategyState.INITIAL or (resume and state == StrategyState.PAUSED):
             conn.execute(
                 update(strategies)
                 .where(strategies.c.id == sid, strategies.c.state == state)
@@ -1096,6 +1101,7 @@ def apply_strategy(store: Store, sid: int) -> str:
             )
         elif state not in (
             StrategyState.APPLYING,
+            StrategyState.PAUSED,
             StrategyState.ABORT_REQUESTED,
             StrategyState.ABORTING,
         ):
