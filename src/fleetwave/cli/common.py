@@ -20,6 +20,7 @@ from fleetwave.engine.config import LEASE_TTL_MAX_S, LEASE_TTL_MIN_S, EngineConf
 from fleetwave.store import admin
 from fleetwave.store.admin import DEFAULT_MAX_PARALLEL
 from fleetwave.store.db import (
+    WRITTEN_BY_COMMANDS,
     Store,
     StoreError,
     check_db_path,
@@ -168,17 +169,61 @@ def forget_created() -> None:
 
 def discard_created() -> None:
     """Bad input: remove the databases this command created (with their WAL files),
-    if nothing has been written to them since (another process may have begun to)."""
+    if nothing has been written to them since and no other process has them open.
+
+    Another command may have begun to use the new file meanwhile (a ``target import``
+    started a moment before, on the same fresh path): removing it then lost what that
+    command went on to commit into the unlinked file, after it said it succeeded."""
     while _created:
         path, store = _created.pop()
         try:
             empty = is_empty(store)
         finally:
             store.dispose()
-        if not empty:
-            continue
-        for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
-            p.unlink(missing_ok=True)
+        if empty and not _in_use_elsewhere(path):
+            for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+                p.unlink(missing_ok=True)
+
+
+#: the byte of a WAL database's shared-memory file that every connection to it holds a
+#: shared lock on while open (SQLite's unix VFS: its "dead man switch")
+_SHM_DMS_BYTE = 128
+
+
+def _in_use_elsewhere(path: Path) -> bool:
+    """Whether another process has the SQLite database at ``path`` open (this one's
+    connections are closed): it holds a shared lock on the shared-memory file's
+    dead-man-switch byte, so an exclusive lock on it is refused. Then whether anything
+    was written, read again (a process may have written and closed since)."""
+    import fcntl
+    import sqlite3
+
+    shm = path.with_name(path.name + "-shm")
+    try:
+        fd = os.open(shm, os.O_RDWR)
+    except FileNotFoundError:
+        fd = None  # no connection open: the last one to close removed it
+    except OSError:
+        return True  # not ours to judge: kept
+    try:
+        if fd is not None:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, _SHM_DMS_BYTE)
+            except OSError:
+                return True
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            return any(
+                conn.execute(f"SELECT 1 FROM {table} LIMIT 1").fetchone()
+                for table in WRITTEN_BY_COMMANDS
+            )
+        except sqlite3.Error:
+            return True  # not a database as this command left it: kept
+        finally:
+            conn.close()
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def done(fmt: Format, text: str, answer: dict[str, Any]) -> None:

@@ -31,8 +31,6 @@ from fleetwave.cli.output import Format, console, emit_one, emit_rows, err_conso
 from fleetwave.cli.parsing import decode_text, parse_pairs, read_text_file, several
 from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.models import (
-    STEP_ABORTED,
-    STEP_FAILED,
     STRATEGY_TERMINAL,
     ApplyType,
     StrategyOptions,
@@ -134,15 +132,7 @@ def strategy_create(
                 "--failed-in: picks the targets itself; not with --targets, --group, --all "
                 "or --label"
             )
-        if queries.get_strategy(store, failed_in)["state"] == StrategyState.DELETING:
-            raise InputError(
-                f"--failed-in: strategy {failed_in} is being deleted, its steps partly gone "
-                f"('fleetwave strategy delete {failed_in}' finishes it)"
-            )
-        names = [
-            row["target"]
-            for row in queries.iter_steps(store, failed_in, [STEP_FAILED, STEP_ABORTED])
-        ]
+        names = queries.ended_badly_in(store, failed_in)
         if not names:
             raise InputError(f"--failed-in: strategy {failed_in} has no failed or aborted step")
     wf = resolve_workflow(store, workflow)
@@ -169,6 +159,7 @@ def strategy_create(
         group=group,
         all_targets=all_,
         labels=parse_pairs(label, "--label", typed=False),
+        failed_in=failed_in,
     )
     if fmt is Format.json:
         print_json(queries.get_strategy(store, sid))

@@ -851,10 +851,13 @@ def create_strategy(
     group: str | None = None,
     all_targets: bool = False,
     labels: dict[str, str] | None = None,
+    failed_in: int | None = None,
 ) -> int:
     """Create a strategy over the targets named, those of a group, or all of them;
     ``labels`` keeps only the targets with every one of these labels (of the group,
-    or of all targets when neither a group nor names are given)."""
+    or of all targets when neither a group nor names are given). ``failed_in``: the
+    strategy the names were read from (its failed and aborted steps): refused if it is
+    being deleted by the time the write lock is taken."""
     _check_max_parallel(opts.max_parallel)
     if opts.max_failures is not None and opts.max_failures < 0:
         raise InputError(f"--max-failures: must not be negative, got {opts.max_failures}")
@@ -890,6 +893,19 @@ def create_strategy(
     # (chosen by label: a label changed meanwhile chooses again too)
     picked = {(r.id, r.name, r.group_id, r.labels if labels else "") for r in rows}
     with store.write() as conn:
+        if wf.yaml_text is not None:
+            _workflow_still_stored(conn, wf)
+        if failed_in is not None:
+            # Its failed and aborted steps never change (G8), but a delete of it may have
+            # begun since they were read: not created from a strategy going away.
+            gone = conn.execute(
+                select(strategies.c.state).where(strategies.c.id == failed_in)
+            ).scalar_one_or_none()
+            if gone is None or gone == StrategyState.DELETING.value:
+                raise Conflict(
+                    f"--failed-in: strategy {failed_in} was deleted while the strategy "
+                    "was being created; nothing was created"
+                )
         if not _still_as_read(conn, picked, store.hooks, with_labels=bool(labels)):
             rows = choose(conn)  # the fleet changed meanwhile: chosen again, as of now
             _order(rows, _group_names(conn))
@@ -961,6 +977,26 @@ def create_strategy(
             ],
         )
         return sid
+
+
+def _workflow_still_stored(conn: Connection, wf: WorkflowDef) -> None:
+    """A stored workflow read before the write lock (``wf``) is still stored as read: one
+    replaced or deleted meanwhile by another command refuses the new strategy (it was
+    made from the copy read before, and both commands said they succeeded)."""
+    row = conn.execute(
+        select(workflows.c.version, workflows.c.source_yaml).where(workflows.c.name == wf.name)
+    ).first()
+    if row is None:
+        raise Conflict(
+            f"--workflow: workflow '{wf.name}' was deleted while the strategy was being "
+            "created; nothing was created"
+        )
+    if row.source_yaml != wf.yaml_text:
+        raise Conflict(
+            f"--workflow: workflow '{wf.name}' was replaced (version {wf.version} by "
+            f"{row.version}) while the strategy was being created; nothing was created: "
+            "create it again to use the new version"
+        )
 
 
 class _Pick(NamedTuple):

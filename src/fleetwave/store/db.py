@@ -234,12 +234,16 @@ def open_store(
     return store
 
 
+#: what a database as ``init`` leaves it has none of
+WRITTEN_BY_COMMANDS = ("targets", "groups", "workflows", "strategies")
+
+
 def is_empty(store: Store) -> bool:
     """No target, group, workflow or strategy: a database as ``init`` leaves it."""
     with store.read() as conn:
         return not any(
             conn.execute(text(f"SELECT 1 FROM {table} LIMIT 1")).first()
-            for table in ("targets", "groups", "workflows", "strategies")
+            for table in WRITTEN_BY_COMMANDS
         )
 
 

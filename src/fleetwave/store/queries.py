@@ -12,7 +12,15 @@ from typing import Any
 from sqlalchemy import case, func, select
 
 from fleetwave.domain.errors import InputError, NotFound
-from fleetwave.domain.models import STEP_INITIAL, STEP_TERMINAL, has_labels, shown
+from fleetwave.domain.models import (
+    STEP_ABORTED,
+    STEP_FAILED,
+    STEP_INITIAL,
+    STEP_TERMINAL,
+    StrategyState,
+    has_labels,
+    shown,
+)
 from fleetwave.store.db import Store
 from fleetwave.store.runtime import DRIVEN_STATES, conductor_gone
 from fleetwave.store.schema import (
@@ -443,6 +451,35 @@ def _driving(r: Any, now: float, known: _Conductors) -> Driving:
         f"nobody: {lapsed}no conductor serves this database "
         f"(start 'fleetwave serve', or 'fleetwave strategy apply {r.id} --wait')",
     )
+
+
+def ended_badly_in(store: Store, sid: int) -> list[str]:
+    """The targets of strategy ``sid``'s failed and aborted steps (``strategy create
+    --failed-in``), in its step order, all read in one transaction: read a page at a
+    time, a ``strategy delete`` of it running meanwhile left some out. Refused when the
+    strategy is not there or is being deleted (its steps partly gone)."""
+    with store.read() as conn:
+        state = conn.execute(
+            select(strategies.c.state).where(strategies.c.id == sid)
+        ).scalar_one_or_none()
+        if state is None:
+            raise NotFound(f"--failed-in: strategy {sid} not found")
+        if state == StrategyState.DELETING.value:
+            raise InputError(
+                f"--failed-in: strategy {sid} is being deleted, its steps partly gone "
+                f"('fleetwave strategy delete {sid}' finishes it)"
+            )
+        return list(
+            conn.execute(
+                select(targets.c.name)
+                .join(steps, steps.c.target_id == targets.c.id)
+                .where(
+                    steps.c.strategy_id == sid,
+                    steps.c.state.in_([STEP_FAILED, STEP_ABORTED]),
+                )
+                .order_by(steps.c.id)
+            ).scalars()
+        )
 
 
 def get_strategy(store: Store, sid: int) -> dict[str, Any]:

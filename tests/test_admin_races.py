@@ -1,0 +1,148 @@
+"""Operators' admin writes racing each other from several processes (found by a race
+hunt of session 17): what a command read before its write lock must still hold when
+it commits, and a command that fails on bad input removes only a database file
+nobody else uses."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select, update
+
+from cli_harness import Cli
+from conftest import add_sim_targets
+from fleetwave.catalog import resolve_workflow
+from fleetwave.cli.common import discard_created, forget_created, store_for
+from fleetwave.domain.errors import Conflict
+from fleetwave.domain.models import StrategyOptions, StrategyState
+from fleetwave.domain.yaml_workflow import parse_workflow_yaml
+from fleetwave.store import admin, queries
+from fleetwave.store.db import Store
+from fleetwave.store.schema import steps, strategies
+from test_cli_workflow import GOOD
+
+GOOD_V4 = GOOD.replace("version: 3", "version: 4").replace(
+    "  - name: verify\n", "  - name: drain\n  - name: verify\n"
+)
+
+
+def _stored(store: Store, text: str) -> None:
+    admin.save_workflow(store, parse_workflow_yaml(text, source="test"), text)
+
+
+def test_a_workflow_replaced_while_a_strategy_is_created_refuses_it(store: Store) -> None:
+    """The strategy was made from the copy read before the write lock (v3), after v4 was
+    committed; both commands said they succeeded."""
+    add_sim_targets(store, 3)
+    _stored(store, GOOD)
+    read = resolve_workflow(store, "site-patch")  # as strategy create reads it
+    _stored(store, GOOD_V4)  # another operator, in between
+    with pytest.raises(Conflict, match=r"replaced \(version 3 by 4\) while the strategy"):
+        admin.create_strategy(store, read, StrategyOptions(), all_targets=True)
+    assert queries.list_strategies(store) == []
+    sid = admin.create_strategy(
+        store, resolve_workflow(store, "site-patch"), StrategyOptions(), all_targets=True
+    )
+    assert queries.get_strategy(store, sid)["workflow_version"] == 4
+
+
+def test_a_workflow_deleted_while_a_strategy_is_created_refuses_it(store: Store) -> None:
+    add_sim_targets(store, 3)
+    _stored(store, GOOD)
+    read = resolve_workflow(store, "site-patch")
+    admin.delete_workflow(store, "site-patch")
+    with pytest.raises(Conflict, match="'site-patch' was deleted while the strategy"):
+        admin.create_strategy(store, read, StrategyOptions(), all_targets=True)
+    assert queries.list_strategies(store) == []
+
+
+def test_failed_in_reads_every_failed_step_in_one_transaction(store: Store) -> None:
+    """Read a page of 5,000 at a time, a delete of the strategy running meanwhile (it
+    deletes 5,000 steps a transaction) left a new strategy with part of the targets."""
+    add_sim_targets(store, 12_000)
+    wf = resolve_workflow(store, "patch")
+    sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
+    assert admin.request_abort(store, sid) == StrategyState.INITIAL  # never applied
+    names = queries.ended_badly_in(store, sid)
+    assert len(names) == 12_000 and names[0] == "t00000"
+    with store.write() as conn:  # a delete under way
+        conn.execute(
+            update(strategies)
+            .where(strategies.c.id == sid)
+            .values(state=StrategyState.DELETING.value)
+        )
+    with pytest.raises(Exception, match=f"--failed-in: strategy {sid} is being deleted"):
+        queries.ended_badly_in(store, sid)
+
+
+def test_failed_in_of_a_strategy_deleted_before_the_write_lock_is_refused(
+    store: Store,
+) -> None:
+    add_sim_targets(store, 4)
+    wf = resolve_workflow(store, "patch")
+    sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
+    admin.request_abort(store, sid)
+    names = queries.ended_badly_in(store, sid)  # read as strategy create reads them
+    admin.delete_strategy(store, sid)  # another operator, in between
+    with pytest.raises(Conflict, match=f"--failed-in: strategy {sid} was deleted while"):
+        admin.create_strategy(store, wf, StrategyOptions(), target_names=names, failed_in=sid)
+    with store.read() as conn:
+        assert conn.execute(select(func.count()).select_from(steps)).scalar_one() == 0
+
+
+def test_failed_in_as_an_operator_runs_it(cli: Cli) -> None:
+    for name in ("a", "b", "c"):
+        assert cli("target", "add", name, "--set", "fail_at=pre-check").code == 0
+    first = cli("strategy", "create", "--workflow", "patch", "--all", "--format", "json")
+    sid = first.json()["id"]
+    assert cli("strategy", "apply", str(sid), "--wait").code == 1
+    again = cli("strategy", "create", "--workflow", "patch", "--failed-in", str(sid))
+    assert again.code == 0, again.text
+    assert cli("strategy", "show", "2", "--format", "json").json()["steps"] == 3
+    missing = cli("strategy", "create", "--workflow", "patch", "--failed-in", "99")
+    assert (missing.code, missing.err) == (2, "error: --failed-in: strategy 99 not found\n")
+
+
+def test_a_failed_command_keeps_a_new_database_another_process_has_open(
+    tmp_path: Path,
+) -> None:
+    """A command that fails on bad input removes the database file it created; when a
+    'target import' on the same fresh path had opened it meanwhile, what the import then
+    committed went into the removed file, and was lost after it said it succeeded."""
+    path = tmp_path / "fresh.db"
+    forget_created()
+    store = store_for(str(path))  # created by this command, which then fails
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sqlite3, sys, time\n"
+            f"c = sqlite3.connect({str(path)!r})\n"
+            "c.execute('SELECT count(*) FROM targets').fetchone()\n"
+            "print('open', flush=True)\n"
+            "sys.stdin.read()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "open\n"
+        assert store is not None
+        discard_created()
+        assert path.exists()  # kept: another process has it open
+    finally:
+        holder.communicate("", timeout=30)
+    # alone, the same failure removes what it created
+    other = tmp_path / "other.db"
+    store_for(str(other))
+    discard_created()
+    deadline = time.monotonic() + 5
+    while other.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not other.exists()
+    assert not other.with_name("other.db-wal").exists()
