@@ -146,3 +146,20 @@ def test_a_failed_command_keeps_a_new_database_another_process_has_open(
         time.sleep(0.05)
     assert not other.exists()
     assert not other.with_name("other.db-wal").exists()
+
+
+def test_a_failed_command_keeps_a_new_database_an_init_announced(tmp_path: Path) -> None:
+    """'fleetwave init' on the same fresh path in the meantime said "database ready"
+    (it writes no row): the failing command's clean-up removed it all the same."""
+    path = tmp_path / "fresh.db"
+    forget_created()
+    store_for(str(path))  # created by this command, which then fails
+    done = subprocess.run(
+        [sys.executable, "-m", "fleetwave.cli.main", "init", "--db", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and done.stdout.startswith("database ready"), done
+    discard_created()
+    assert path.exists()

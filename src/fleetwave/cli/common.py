@@ -213,6 +213,8 @@ def _in_use_elsewhere(path: Path) -> bool:
                 return True
         conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
         try:
+            if conn.execute("PRAGMA user_version").fetchone() != (0,):
+                return True  # an init ran on it meanwhile: announced as ready
             return any(
                 conn.execute(f"SELECT 1 FROM {table} LIMIT 1").fetchone()
                 for table in WRITTEN_BY_COMMANDS

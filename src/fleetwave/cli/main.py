@@ -56,6 +56,7 @@ from fleetwave.store.db import (
     SchemaOutdated,
     StoreError,
     default_db_path,
+    mark_initialised,
     migrate,
     open_store,
 )
@@ -179,6 +180,7 @@ def init(db: DbOpt = None) -> None:
             f"database upgraded from schema revision {old.revision} to {HEAD_REVISION}: {store.url}"
         )
         return
+    mark_initialised(store)
     console.print(f"database ready: {store.url}")
 
 

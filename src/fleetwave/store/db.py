@@ -234,6 +234,21 @@ def open_store(
     return store
 
 
+#: ``PRAGMA user_version`` of a database ``fleetwave init`` has run on (0 otherwise): a
+#: command that fails on bad input removes the new file it created only while this is
+#: 0, so an ``init`` racing it on the same fresh path keeps the database it announced
+INITIALISED = 1
+
+
+def mark_initialised(store: Store) -> None:
+    """Record that ``fleetwave init`` ran on this database (see :data:`INITIALISED`)."""
+    with store.read() as conn:
+        if conn.exec_driver_sql("PRAGMA user_version").scalar() == INITIALISED:
+            return
+    with store.write() as conn:
+        conn.exec_driver_sql(f"PRAGMA user_version = {INITIALISED}")
+
+
 #: what a database as ``init`` leaves it has none of
 WRITTEN_BY_COMMANDS = ("targets", "groups", "workflows", "strategies")
 
