@@ -42,7 +42,9 @@ def test_a_workflow_replaced_while_a_strategy_is_created_refuses_it(store: Store
     read = resolve_workflow(store, "site-patch")  # as strategy create reads it
     _stored(store, GOOD_V4)  # another operator, in between
     with pytest.raises(Conflict, match=r"replaced \(version 3 by 4\) while the strategy"):
-        admin.create_strategy(store, read, StrategyOptions(), all_targets=True)
+        admin.create_strategy(
+            store, read, StrategyOptions(), all_targets=True, workflow_from_store=True
+        )
     assert queries.list_strategies(store) == []
     sid = admin.create_strategy(
         store, resolve_workflow(store, "site-patch"), StrategyOptions(), all_targets=True
@@ -56,7 +58,9 @@ def test_a_workflow_deleted_while_a_strategy_is_created_refuses_it(store: Store)
     read = resolve_workflow(store, "site-patch")
     admin.delete_workflow(store, "site-patch")
     with pytest.raises(Conflict, match="'site-patch' was deleted while the strategy"):
-        admin.create_strategy(store, read, StrategyOptions(), all_targets=True)
+        admin.create_strategy(
+            store, read, StrategyOptions(), all_targets=True, workflow_from_store=True
+        )
     assert queries.list_strategies(store) == []
 
 
@@ -163,3 +167,33 @@ def test_a_failed_command_keeps_a_new_database_an_init_announced(tmp_path: Path)
     assert done.returncode == 0 and done.stdout.startswith("database ready"), done
     discard_created()
     assert path.exists()
+
+
+def test_strategy_create_refuses_a_workflow_replaced_meanwhile(
+    cli: Cli, db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The command as an operator runs it: another 'workflow add' commits v4 right after
+    this create read v3."""
+    import fleetwave.cli.strategies as strategies_cli
+    from fleetwave.store.db import open_store
+
+    assert cli("target", "add", "a").code == 0
+    wf_file = db_path.parent / "wf.yaml"
+    wf_file.write_text(GOOD, encoding="utf-8")
+    assert cli("workflow", "add", str(wf_file)).code == 0
+    real = strategies_cli.resolve_workflow
+
+    def read_then_replaced(store: Store, name: str, what: str = "--workflow") -> object:
+        read = real(store, name, what)
+        other = open_store(str(db_path))  # the other operator's command
+        try:
+            _stored(other, GOOD_V4)
+        finally:
+            other.dispose()
+        return read
+
+    monkeypatch.setattr(strategies_cli, "resolve_workflow", read_then_replaced)
+    res = cli("strategy", "create", "--workflow", "site-patch", "--all")
+    assert res.code == 2, res.text
+    assert "workflow 'site-patch' was replaced (version 3 by 4)" in res.err
+    assert cli("strategy", "list", "--format", "json").json() == []

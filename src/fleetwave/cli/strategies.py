@@ -37,6 +37,7 @@ from fleetwave.domain.models import (
     StrategyState,
     shown,
 )
+from fleetwave.domain.registry import get_workflow
 from fleetwave.domain.yaml_workflow import MAX_SECONDS, parse_workflow_yaml
 from fleetwave.engine import loop as event_loop
 from fleetwave.store import admin, queries
@@ -160,6 +161,8 @@ def strategy_create(
         all_targets=all_,
         labels=parse_pairs(label, "--label", typed=False),
         failed_in=failed_in,
+        # (a built-in or plug-in workflow of that name comes first: then not the store's)
+        workflow_from_store=get_workflow(wf.name) is None,
     )
     if fmt is Format.json:
         print_json(queries.get_strategy(store, sid))

@@ -852,12 +852,15 @@ def create_strategy(
     all_targets: bool = False,
     labels: dict[str, str] | None = None,
     failed_in: int | None = None,
+    workflow_from_store: bool = False,
 ) -> int:
     """Create a strategy over the targets named, those of a group, or all of them;
     ``labels`` keeps only the targets with every one of these labels (of the group,
     or of all targets when neither a group nor names are given). ``failed_in``: the
     strategy the names were read from (its failed and aborted steps): refused if it is
-    being deleted by the time the write lock is taken."""
+    being deleted by the time the write lock is taken. ``workflow_from_store``: ``wf``
+    was read from the stored workflows (not a built-in or plug-in one): refused if it
+    was replaced or deleted by the time the write lock is taken."""
     _check_max_parallel(opts.max_parallel)
     if opts.max_failures is not None and opts.max_failures < 0:
         raise InputError(f"--max-failures: must not be negative, got {opts.max_failures}")
@@ -893,7 +896,7 @@ def create_strategy(
     # (chosen by label: a label changed meanwhile chooses again too)
     picked = {(r.id, r.name, r.group_id, r.labels if labels else "") for r in rows}
     with store.write() as conn:
-        if wf.yaml_text is not None:
+        if workflow_from_store:
             _workflow_still_stored(conn, wf)
         if failed_in is not None:
             # Its failed and aborted steps never change (G8), but a delete of it may have
