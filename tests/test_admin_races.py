@@ -197,3 +197,29 @@ def test_strategy_create_refuses_a_workflow_replaced_meanwhile(
     assert res.code == 2, res.text
     assert "workflow 'site-patch' was replaced (version 3 by 4)" in res.err
     assert cli("strategy", "list", "--format", "json").json() == []
+
+
+def test_init_on_a_database_it_cannot_write_just_now_still_says_ready(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mark is best effort: a database locked by a long writer (or read-only) is left
+    unmarked, and init does not fail where it found the database ready."""
+    from contextlib import contextmanager
+
+    from sqlalchemy.exc import OperationalError
+
+    from fleetwave.store.db import mark_initialised
+
+    @contextmanager
+    def locked() -> object:
+        raise OperationalError("PRAGMA user_version", None, Exception("database is locked"))
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(store, "write", locked)
+    mark_initialised(store)  # no error
+    with store.read() as conn:
+        assert conn.exec_driver_sql("PRAGMA user_version").scalar() == 0
+    monkeypatch.undo()
+    mark_initialised(store)
+    with store.read() as conn:
+        assert conn.exec_driver_sql("PRAGMA user_version").scalar() == 1

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
-from sqlalchemy.exc import DatabaseError
+from sqlalchemy.exc import DatabaseError, OperationalError
 from sqlalchemy.pool import QueuePool
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
@@ -241,12 +241,19 @@ INITIALISED = 1
 
 
 def mark_initialised(store: Store) -> None:
-    """Record that ``fleetwave init`` ran on this database (see :data:`INITIALISED`)."""
+    """Record that ``fleetwave init`` ran on this database (see :data:`INITIALISED`).
+
+    Best effort: a database that cannot be written just now (read-only, locked by a long
+    writer) is left unmarked rather than failing an ``init`` that found it ready (only
+    a fresh file another command created and is about to remove needs the mark)."""
     with store.read() as conn:
         if conn.exec_driver_sql("PRAGMA user_version").scalar() == INITIALISED:
             return
-    with store.write() as conn:
-        conn.exec_driver_sql(f"PRAGMA user_version = {INITIALISED}")
+    try:
+        with store.write() as conn:
+            conn.exec_driver_sql(f"PRAGMA user_version = {INITIALISED}")
+    except OperationalError:
+        pass
 
 
 #: what a database as ``init`` leaves it has none of
