@@ -180,9 +180,8 @@ def discard_created() -> None:
             empty = is_empty(store)
         finally:
             store.dispose()
-        if empty and not _in_use_elsewhere(path):
-            for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
-                p.unlink(missing_ok=True)
+        if empty:
+            _remove_if_unused(path)
 
 
 #: the byte of a WAL database's shared-memory file that every connection to it holds a
@@ -190,42 +189,74 @@ def discard_created() -> None:
 _SHM_DMS_BYTE = 128
 
 
-def _in_use_elsewhere(path: Path) -> bool:
-    """Whether another process has the SQLite database at ``path`` open (this one's
-    connections are closed): it holds a shared lock on the shared-memory file's
-    dead-man-switch byte, so an exclusive lock on it is refused. Then whether anything
-    was written, read again (a process may have written and closed since)."""
+def _remove_if_unused(path: Path) -> None:
+    """Remove the new database at ``path`` (with its WAL files) unless another process
+    has written to it or has it open.
+
+    POSIX record locks belong to the process, and closing any descriptor of a file drops
+    all of them: so the database is read (a separate connection, closed) before the lock
+    is taken, and no SQLite connection of this process is open while it is held. Every
+    connection to a WAL database holds a shared lock on the dead-man-switch byte of its
+    shared-memory file: an exclusive lock on it is refused while another process has
+    the database open. Under it, the files are checked unchanged since the read, and
+    removed. (A process that has opened the file but not read it yet holds no lock: that
+    instant is not covered.)"""
     import fcntl
     import sqlite3
 
-    shm = path.with_name(path.name + "-shm")
+    real = path.resolve()
+    wal, shm = (real.with_name(real.name + suffix) for suffix in ("-wal", "-shm"))
+    # before the read: a commit by another process after this changes it
+    seen = _identity(real, wal) if real.exists() else None
     try:
+        conn = sqlite3.connect(f"{real.as_uri()}?mode=ro", uri=True)
+        try:
+            if conn.execute("PRAGMA user_version").fetchone() != (0,):
+                return  # an init ran on it meanwhile: announced as ready
+            if any(
+                conn.execute(f"SELECT 1 FROM {table} LIMIT 1").fetchone()
+                for table in WRITTEN_BY_COMMANDS
+            ):
+                return
+        finally:
+            conn.close()
         fd = os.open(shm, os.O_RDWR)
     except FileNotFoundError:
-        fd = None  # no connection open: the last one to close removed it
-    except OSError:
-        return True  # not ours to judge: kept
+        fd = None  # no connection open anywhere (the last to close removed it)
+    except (OSError, sqlite3.Error):
+        return  # gone, or not a database as this command left it: nothing to remove
+    if seen is None:
+        return
     try:
         if fd is not None:
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, _SHM_DMS_BYTE)
             except OSError:
-                return True
-        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
-        try:
-            if conn.execute("PRAGMA user_version").fetchone() != (0,):
-                return True  # an init ran on it meanwhile: announced as ready
-            return any(
-                conn.execute(f"SELECT 1 FROM {table} LIMIT 1").fetchone()
-                for table in WRITTEN_BY_COMMANDS
-            )
-        except sqlite3.Error:
-            return True  # not a database as this command left it: kept
-        finally:
-            conn.close()
+                return  # another process has it open
+        if _identity(real, wal) != seen:
+            return  # written since it was read
+        for p in (real, wal, shm):
+            p.unlink(missing_ok=True)
     finally:
         if fd is not None:
-            os.close(fd)
+            os.close(fd)  # (the lock with it: this process has no connection to it now)
+
+
+def _identity(db: Path, wal: Path) -> tuple[tuple[int, int, int] | None, ...]:
+    """Inode, size and modification time of the database file and its WAL (None for one
+    not there, or a WAL with nothing in it: a reader may create it): any commit changes
+    one of them."""
+
+    def of(p: Path) -> tuple[int, int, int] | None:
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            return None
+        if p == wal and st.st_size == 0:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    return (of(db), of(wal))
 
 
 def done(fmt: Format, text: str, answer: dict[str, Any]) -> None:

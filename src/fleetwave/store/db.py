@@ -249,6 +249,8 @@ def mark_initialised(store: Store) -> None:
     with store.read() as conn:
         if conn.exec_driver_sql("PRAGMA user_version").scalar() == INITIALISED:
             return
+    if not is_empty(store):
+        return  # (a database with rows is never removed: no mark needed, none written)
     try:
         with store.write() as conn:
             conn.exec_driver_sql(f"PRAGMA user_version = {INITIALISED}")
