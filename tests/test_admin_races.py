@@ -222,3 +222,57 @@ def test_init_on_a_database_it_cannot_write_just_now_still_says_ready(
     mark_initialised(store)
     with store.read() as conn:
         assert conn.exec_driver_sql("PRAGMA user_version").scalar() == 1
+
+
+@pytest.mark.parametrize("stays_open", [True, False])
+def test_a_failed_command_keeps_a_new_database_written_while_it_looked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stays_open: bool
+) -> None:
+    """Another process opens the new file and commits the moment the clean-up has read
+    it (found by a review: the lock was dropped by then, and the file removed): kept,
+    whether that process stays connected or has closed again."""
+    import sqlite3
+
+    path = tmp_path / "fresh.db"
+    forget_created()
+    store_for(str(path))  # created by this command, which then fails
+    real_connect = sqlite3.connect
+    writers: list[subprocess.Popen[str]] = []
+    keep = "sys.stdin.read()" if stays_open else "c.close()"
+
+    class ReadThenWritten:
+        def __init__(self, conn: sqlite3.Connection) -> None:
+            self.conn = conn
+
+        def execute(self, *args: object) -> sqlite3.Cursor:
+            return self.conn.execute(*args)  # type: ignore[arg-type]
+
+        def close(self) -> None:
+            writer = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    f"import sqlite3, sys\nc = sqlite3.connect({str(path)!r}, timeout=5)\n"
+                    'c.execute("INSERT INTO groups (name, max_parallel, apply_type) '
+                    "VALUES ('g', 1, 'parallel')\")\n"
+                    f"c.commit()\nprint('committed', flush=True)\n{keep}\n",
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            writers.append(writer)
+            assert writer.stdout is not None and writer.stdout.readline() == "committed\n"
+            self.conn.close()
+
+    monkeypatch.setattr(sqlite3, "connect", lambda *a, **k: ReadThenWritten(real_connect(*a, **k)))
+    try:
+        discard_created()
+    finally:
+        monkeypatch.undo()
+        for writer in writers:
+            writer.communicate("", timeout=30)
+    assert len(writers) == 1
+    assert path.exists()
+    with real_connect(path) as conn:
+        assert conn.execute("SELECT name FROM groups").fetchall() == [("g",)]
