@@ -25,7 +25,6 @@ from fleetwave.store.db import (
     StoreError,
     check_db_path,
     default_db_path,
-    is_empty,
     open_store,
 )
 
@@ -176,12 +175,8 @@ def discard_created() -> None:
     command went on to commit into the unlinked file, after it said it succeeded."""
     while _created:
         path, store = _created.pop()
-        try:
-            empty = is_empty(store)
-        finally:
-            store.dispose()
-        if empty:
-            _remove_if_unused(path)
+        store.dispose()  # (no connection of this process open while it looks)
+        _remove_if_unused(path)
 
 
 #: the byte of a WAL database's shared-memory file that every connection to it holds a

@@ -901,10 +901,11 @@ def create_strategy(
         if failed_in is not None:
             # Its failed and aborted steps never change (G8), but a delete of it may have
             # begun since they were read: not created from a strategy going away.
-            gone = conn.execute(
-                select(strategies.c.state).where(strategies.c.id == failed_in)
-            ).scalar_one_or_none()
-            if gone is None or gone == StrategyState.DELETING.value:
+            try:
+                going = _strategy_state(conn, failed_in) == StrategyState.DELETING
+            except NotFound:
+                going = True
+            if going:
                 raise Conflict(
                     f"--failed-in: strategy {failed_in} was deleted while the strategy "
                     "was being created; nothing was created"
