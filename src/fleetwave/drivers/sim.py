@@ -34,14 +34,17 @@ from __future__ import annotations
 import asyncio
 import heapq
 import math
+import os
 import random
 import re
+import time
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fleetwave.domain.models import Target, shown, typed_as_number
 from fleetwave.domain.workflow import ActionContext, RemoteResult, StepFailed, TransientError
+from fleetwave.drivers.wakeup import PreciseTimer, on_monotonic_clock
 
 #: the longest simulated operation: a day
 MAX_LATENCY_MS = 86_400_000
@@ -223,57 +226,103 @@ class _Profile:
 
 
 class _Sleeps:
-    """The targets' simulated latencies, on one loop timer.
+    """The targets' simulated latencies, on one timer.
 
     A simulated fleet has thousands of operations sleeping at once: one heap of
-    (due, seq, future) and one loop timer for its earliest entry cost less per
-    operation than a loop timer each (about 7 % of the CPU of a 20 ms-latency
-    rollout). When the timer fires, every entry due by then wakes, as the loop does
-    with its own timers; a cancelled sleeper stays in the heap until then. One loop at
-    a time: sleeping on a new loop forgets the old one's sleepers (tests run a loop
-    per case; one driver never serves two loops at once).
+    (due, seq, future) and one timer for its earliest entry cost less per operation
+    than a loop timer each (about 7 % of the CPU of a 20 ms-latency rollout). When the
+    timer fires, every entry due by then wakes; a cancelled sleeper stays in the heap
+    until then. One loop at a time: sleeping on a new loop forgets the old one's
+    sleepers (tests run a loop per case; one driver never serves two loops at once).
+
+    The timer is a :class:`~fleetwave.drivers.wakeup.PreciseTimer` where there is one
+    (Linux) and the loop runs on the monotonic clock: an operation then ends when it is
+    due, to the microsecond, as a real target's reply wakes the loop when it arrives.
+    The loop's own timers (elsewhere, and on a virtual-time loop) wake on millisecond
+    ticks: every operation due within one wakes with the others, half a tick late, and
+    operations that started apart end together, in cohorts that each wait for all of
+    their members (0.02 of the I/O-bound benchmark's ratio to its ideal).
     """
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, asyncio.Future[None]]] = []
         self._seq = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: the loop's timer for the earliest entry, when not on the precise timer
         self._timer: asyncio.TimerHandle | None = None
-        self._at = 0.0
+        #: the precise timer (made once, on the first loop that can use it), and whether
+        #: this loop does (due times are then on the monotonic clock, not the loop's)
+        self._precise: PreciseTimer | None = None
+        self._on_precise = False
+        #: when the timer goes off next (None: it is not set)
+        self._at: float | None = None
 
     def sleep(self, delay: float) -> asyncio.Future[None]:
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
-            # A new loop (tests run several): the old one's sleepers went with it.
-            self._loop, self._heap, self._timer = loop, [], None
+            self._use(loop)
         fut = loop.create_future()
-        when = loop.time() + delay
+        when = (time.monotonic() if self._on_precise else loop.time()) + delay
         self._seq += 1
         heapq.heappush(self._heap, (when, self._seq, fut))
-        if self._timer is None or when < self._at:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._at = when
-            self._timer = loop.call_at(when, self._fire)
+        if self._at is None or when < self._at:
+            self._set(when)
         return fut
+
+    def _use(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Sleep on ``loop`` from now on (tests run several): the old one's sleepers went
+        with it."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._loop, self._heap, self._timer, self._at = loop, [], None, None
+        self._on_precise = False
+        if self._precise is not None and self._precise.pid != os.getpid():
+            self._precise = None  # a forked child's: the parent's timer, not its own
+        if on_monotonic_clock(loop):
+            if self._precise is None:
+                self._precise = PreciseTimer.open()
+            if self._precise is not None:
+                self._precise.attach(loop, self._fire)
+                self._on_precise = True
+        elif self._precise is not None:
+            self._precise.close()  # detached from the loop it watched on
+            self._precise = None
+
+    def _set(self, when: float) -> None:
+        self._at = when
+        if self._on_precise:
+            assert self._precise is not None
+            self._precise.arm(when)
+            return
+        assert self._loop is not None
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_at(when, self._fire)
 
     def _fire(self) -> None:
         heap = self._heap
         assert self._loop is not None
-        # Everyone due by now, not only by the timer's own time: a timer fires late when
-        # the loop was busy, and on a loop whose clock has no millisecond grain (asyncio's
-        # own) each sleeper has its own due time, so releasing only those due at the
-        # timer's time woke one operation per loop turn (and the dispatcher committed
-        # each one alone: five times the ideal wall time in the I/O-bound benchmark).
-        due = max(self._at, self._loop.time())
+        if self._on_precise:
+            assert self._precise is not None
+            self._precise.clear()
+            due = time.monotonic()
+        else:
+            # Everyone due by now, not only by the timer's own time: a timer fires late
+            # when the loop was busy, and on a loop whose clock has no millisecond grain
+            # (asyncio's own) each sleeper has its own due time, so releasing only those
+            # due at the timer's time woke one operation per loop turn (and the
+            # dispatcher committed each one alone: five times the ideal wall time in the
+            # I/O-bound benchmark).
+            self._timer = None
+            due = max(self._at or 0.0, self._loop.time())
         while heap and heap[0][0] <= due:
             fut = heapq.heappop(heap)[2]
             if not fut.done():
                 fut.set_result(None)
-        self._timer = None
-        if heap and self._loop is not None:
-            self._at = heap[0][0]
-            self._timer = self._loop.call_at(self._at, self._fire)
+        if heap:
+            self._set(heap[0][0])
+        else:
+            self._at = None
 
 
 class _Run:
