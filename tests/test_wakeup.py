@@ -5,6 +5,8 @@ the loop's millisecond ticks; on a virtual-time loop they keep to the loop's tim
 from __future__ import annotations
 
 import asyncio
+import gc
+import math
 import os
 import sys
 import time
@@ -14,7 +16,9 @@ from typing import Any
 import pytest
 import uvloop
 
-from fleetwave.drivers.sim import _Sleeps
+from fleetwave.domain.models import Target
+from fleetwave.domain.workflow import ActionContext
+from fleetwave.drivers.sim import SimDriver, _Sleeps
 from fleetwave.drivers.wakeup import PreciseTimer, on_monotonic_clock
 from fleetwave.testing.vloop import VirtualTimeLoop
 
@@ -121,7 +125,7 @@ def test_a_timer_moves_to_a_new_loop_and_its_descriptor_is_closed_with_it() -> N
             timer.arm(time.monotonic() + 0.005)
         await asyncio.sleep(0.05)
 
-    _run(asyncio.new_event_loop, on(1, arm=False))  # left armed for nothing: closed with it
+    _run(asyncio.new_event_loop, on(1, arm=False))  # a loop closed with the timer on it
     _run(uvloop.new_event_loop, on(2, arm=True))
     assert fired == [2]
     timer.close()
@@ -137,8 +141,9 @@ def test_sim_sleeps_on_a_real_loop_end_when_due_by_the_monotonic_clock(kind: str
     woke: list[tuple[float, float]] = []
 
     async def one(delay: float) -> None:
-        due = time.monotonic() + delay
-        await sleeps.sleep(delay)
+        fut = sleeps.sleep(delay)
+        due = next(when for when, _, f in sleeps._heap if f is fut)  # its own due time
+        await fut
         woke.append((due, time.monotonic()))
 
     async def main() -> None:
@@ -191,3 +196,94 @@ def test_sim_sleeps_go_from_a_real_loop_to_a_virtual_one_and_back() -> None:
     assert not sleeps._on_precise
     _run(asyncio.new_event_loop, nap(0.002))
     assert sleeps._on_precise
+
+
+def test_a_closed_timer_refuses_to_be_used_and_nonsense_times_are_refused_or_bounded() -> None:
+    timer = _opened()
+    with pytest.raises(ValueError, match="not a number"):
+        timer.arm(math.nan)
+
+    async def far() -> None:
+        fired: list[int] = []
+        timer.attach(asyncio.get_running_loop(), lambda: fired.append(1))
+        timer.arm(1e30)  # bounded (a day's latency is the most the sim asks), not wrapped
+        await asyncio.sleep(0.02)
+        assert fired == [], "armed for the far future, not wrapped into the past"
+
+    _run(uvloop.new_event_loop, far())
+    timer.close()
+    timer.close()  # again: nothing
+    for use in (timer.clear, lambda: timer.arm(time.monotonic() + 1), timer.disarm):
+        with pytest.raises(ValueError, match="after it was closed"):
+            use()
+    sleeps = _Sleeps()
+
+    async def nan() -> None:
+        with pytest.raises(ValueError, match="not a number"):
+            sleeps.sleep(math.nan)
+        assert sleeps._heap == []
+        await sleeps.sleep(0.001)  # the timer is fine after it
+
+    _run(uvloop.new_event_loop, nan())
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_drivers_dropped_while_their_loop_lives_take_their_timers_with_them() -> None:
+    """A conductor made per takeover makes a sim driver each time, on the same loop:
+    each one's timer (a file descriptor) goes with the driver, not with the loop."""
+
+    async def main() -> None:
+        gc.collect()
+        before = _fds()
+        for i in range(50):
+            driver = SimDriver()
+            await driver._sleeps.sleep(0.0001)
+            assert driver._sleeps._on_precise, i
+            del driver
+        gc.collect()
+        await asyncio.sleep(0.01)  # a reader of a closed descriptor would now misfire
+        assert _fds() <= before + 1
+
+    _run(uvloop.new_event_loop, main())
+
+
+@pytest.mark.parametrize("kind", LOOPS)
+def test_a_plain_run_whose_caller_is_lost_ends_no_sooner_than_its_latency(kind: str) -> None:
+    """A plain operation (fixed latency) runs in its caller's task; cancelled mid-way,
+    the rest of it runs on by itself: for what is left by the clock its sleep keeps (on
+    uvloop the loop's clock is floored to the millisecond: it ended up to a millisecond
+    early)."""
+
+    async def one(i: int) -> float:
+        driver = SimDriver()
+        target = Target(name=f"t{i}", settings={"latency_ms": 20})
+        ctx = ActionContext(
+            target=target, state="apply", attempt=1, strategy_id=1, step_id=1, driver=driver
+        )
+        ended: list[float] = []
+        ran = driver._ran
+
+        def spy(*args: Any) -> None:
+            ended.append(time.monotonic())
+            ran(*args)
+
+        driver._ran = spy  # type: ignore[method-assign]
+        await asyncio.sleep(0)
+        start = time.monotonic()
+        task = asyncio.ensure_future(driver.perform(target, "apply", ctx))
+        await asyncio.sleep(0.008)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        while not ended:
+            await asyncio.sleep(0.001)
+        return ended[0] - start
+
+    async def main() -> list[float]:
+        return [await one(i) for i in range(30)]
+
+    took = _run(LOOPS[kind], main())
+    assert min(took) >= 0.020, sorted(took)[:3]

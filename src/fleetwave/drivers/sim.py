@@ -38,6 +38,7 @@ import os
 import random
 import re
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -237,7 +238,8 @@ class _Sleeps:
 
     The timer is a :class:`~fleetwave.drivers.wakeup.PreciseTimer` where there is one
     (Linux) and the loop runs on the monotonic clock: an operation then ends when it is
-    due, to the microsecond, as a real target's reply wakes the loop when it arrives.
+    due (never before, and not held to a millisecond tick), as a real target's reply
+    wakes the loop when it arrives.
     The loop's own timers (elsewhere, and on a virtual-time loop) wake on millisecond
     ticks: every operation due within one wakes with the others, half a tick late, and
     operations that started apart end together, in cohorts that each wait for all of
@@ -257,7 +259,17 @@ class _Sleeps:
         #: when the timer goes off next (None: it is not set)
         self._at: float | None = None
 
+    def now(self) -> float:
+        """The time on the clock the sleeps keep (the monotonic clock on the precise
+        timer, the loop's otherwise)."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._use(loop)
+        return time.monotonic() if self._on_precise else loop.time()
+
     def sleep(self, delay: float) -> asyncio.Future[None]:
+        if math.isnan(delay):
+            raise ValueError("a simulated latency is not a number")
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             self._use(loop)
@@ -281,8 +293,13 @@ class _Sleeps:
         if on_monotonic_clock(loop):
             if self._precise is None:
                 self._precise = PreciseTimer.open()
+                if self._precise is not None:
+                    # The loop holds what it calls back: a weak reference here, so that
+                    # a driver dropped while its loop lives (a conductor made per
+                    # takeover) takes its timer, and the timer's descriptor, with it.
+                    weakref.finalize(self, self._precise.close)
             if self._precise is not None:
-                self._precise.attach(loop, self._fire)
+                self._precise.attach(loop, _fire_weakly(weakref.ref(self)))
                 self._on_precise = True
         elif self._precise is not None:
             self._precise.close()  # detached from the loop it watched on
@@ -323,6 +340,17 @@ class _Sleeps:
             self._set(heap[0][0])
         else:
             self._at = None
+
+
+def _fire_weakly(ref: weakref.ReferenceType[_Sleeps]) -> Callable[[], None]:
+    """The timer's callback on the loop, holding its sleeps only weakly."""
+
+    def fire() -> None:
+        sleeps = ref()
+        if sleeps is not None:
+            sleeps._fire()
+
+    return fire
 
 
 class _Run:
@@ -437,12 +465,13 @@ class SimDriver:
             # it runs on, as its own task.
             run = self._remote[key] = _Run()
             if prof.latency_s > 0:
-                loop = asyncio.get_running_loop()
-                due = loop.time() + prof.latency_s
+                sleeps = self._sleeps
+                due = sleeps.now() + prof.latency_s  # on the clock the sleeps keep
                 try:
-                    await self._sleeps.sleep(prof.latency_s)
+                    await sleeps.sleep(prof.latency_s)
                 except asyncio.CancelledError:
-                    self._spawn(self._execute(prof, target, operation, ctx, run, due - loop.time()))
+                    left = due - sleeps.now()
+                    self._spawn(self._execute(prof, target, operation, ctx, run, left))
                     raise
             try:
                 result = self._finish(prof, ctx)

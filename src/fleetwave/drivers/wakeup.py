@@ -22,16 +22,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import logging
 import os
 import sys
 import time
 import weakref
 from collections.abc import Callable
 
-_CLOCK_MONOTONIC = 1
+log = logging.getLogger("fleetwave.drivers")
+
 _TFD_TIMER_ABSTIME = 1
-_TFD_NONBLOCK = 0o4000
-_TFD_CLOEXEC = 0o2000000
+#: the timerfd's flags are the file flags' values (they differ between architectures)
+_TFD_FLAGS = os.O_NONBLOCK | os.O_CLOEXEC
+#: the latest time a timer is armed for (seconds of the monotonic clock: 68 years of
+#: uptime, and what a 32-bit ``long`` holds)
+_MAX_WHEN_S = 2**31 - 1
 
 
 class _TimeSpec(ctypes.Structure):
@@ -86,24 +91,27 @@ class PreciseTimer:
 
     @classmethod
     def open(cls) -> PreciseTimer | None:
-        """A new timer; None where the system has no timerfd (not Linux)."""
-        flags = _TFD_NONBLOCK | _TFD_CLOEXEC
+        """A new timer; None where the system has no timerfd (not Linux), or will not
+        give one (out of file descriptors): the caller uses the loop's timers then."""
         try:
             if hasattr(os, "timerfd_create"):
-                fd = os.timerfd_create(time.CLOCK_MONOTONIC, flags=flags)
+                fd = os.timerfd_create(time.CLOCK_MONOTONIC, flags=_TFD_FLAGS)
             elif _LIBC is not None:
-                fd = _LIBC.timerfd_create(_CLOCK_MONOTONIC, flags)
+                fd = _LIBC.timerfd_create(time.CLOCK_MONOTONIC, _TFD_FLAGS)
                 if fd < 0:
-                    return None
+                    err = ctypes.get_errno()
+                    raise OSError(err, os.strerror(err))
             else:
                 return None
-        except OSError:
+        except OSError as exc:
+            log.debug("no timerfd (%s): the loop's own timers are used", exc)
             return None
         return cls(fd)
 
     def attach(self, loop: asyncio.AbstractEventLoop, fired: Callable[[], None]) -> None:
         """Watch the timer on ``loop`` (instead of the loop it was attached to before,
         if that one is still open); ``fired`` runs on the loop when the timer goes off."""
+        self._check_open()
         old = self._loop
         if old is not None and old is not loop and not old.is_closed():
             old.remove_reader(self._fd)
@@ -113,8 +121,10 @@ class PreciseTimer:
 
     def arm(self, when: float) -> None:
         """Go off at ``when`` (monotonic seconds); at once if that has passed."""
+        if when != when:
+            raise ValueError("timer: the time to go off at is not a number")
         # 0 would disarm the timer: a time in the past fires at once instead
-        when = max(when, 1e-9)
+        when = min(max(when, 1e-9), _MAX_WHEN_S)
         self._set(int(when), round((when - int(when)) * 1e9))
 
     def disarm(self) -> None:
@@ -123,16 +133,27 @@ class PreciseTimer:
 
     def clear(self) -> None:
         """Take in that the timer went off (the loop would call back again until then)."""
+        self._check_open()
         with contextlib.suppress(BlockingIOError):
             os.read(self._fd, 8)
 
     def close(self) -> None:
+        """Stop watching it and close its descriptor (again: nothing more)."""
+        if self._fd < 0:
+            return
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._fd)
         self._loop = None
+        self._fd = -1
         self._closer()
 
+    def _check_open(self) -> None:
+        # (its number may belong to another file by now)
+        if self._fd < 0:
+            raise ValueError("timer: used after it was closed")
+
     def _set(self, sec: int, nsec: int) -> None:
+        self._check_open()
         if nsec >= 1_000_000_000:
             sec, nsec = sec + 1, nsec - 1_000_000_000
         if hasattr(os, "timerfd_settime_ns"):
