@@ -259,13 +259,13 @@ class _Sleeps:
         #: when the timer goes off next (None: it is not set)
         self._at: float | None = None
 
-    def now(self) -> float:
+    def clock(self) -> float:
         """The time on the clock the sleeps keep (the monotonic clock on the precise
-        timer, the loop's otherwise)."""
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:
-            self._use(loop)
-        return time.monotonic() if self._on_precise else loop.time()
+        timer, the loop's otherwise), on the loop of the last :meth:`sleep`."""
+        if self._on_precise:
+            return time.monotonic()
+        assert self._loop is not None
+        return self._loop.time()
 
     def sleep(self, delay: float) -> asyncio.Future[None]:
         if math.isnan(delay):
@@ -320,8 +320,7 @@ class _Sleeps:
         heap = self._heap
         assert self._loop is not None
         if self._on_precise:
-            assert self._precise is not None
-            self._precise.clear()
+            # (it reads as ready until set again, which the end of this does)
             due = time.monotonic()
         else:
             # Everyone due by now, not only by the timer's own time: a timer fires late
@@ -340,6 +339,9 @@ class _Sleeps:
             self._set(heap[0][0])
         else:
             self._at = None
+            if self._on_precise:
+                assert self._precise is not None
+                self._precise.disarm()
 
 
 def _fire_weakly(ref: weakref.ReferenceType[_Sleeps]) -> Callable[[], None]:
@@ -466,11 +468,13 @@ class SimDriver:
             run = self._remote[key] = _Run()
             if prof.latency_s > 0:
                 sleeps = self._sleeps
-                due = sleeps.now() + prof.latency_s  # on the clock the sleeps keep
+                slept = sleeps.sleep(prof.latency_s)
+                # (on the clock the sleeps keep; a hair after the sleep's own due time)
+                due = sleeps.clock() + prof.latency_s
                 try:
-                    await sleeps.sleep(prof.latency_s)
+                    await slept
                 except asyncio.CancelledError:
-                    left = due - sleeps.now()
+                    left = due - sleeps.clock()
                     self._spawn(self._execute(prof, target, operation, ctx, run, left))
                     raise
             try:

@@ -88,6 +88,9 @@ class PreciseTimer:
         self._loop: asyncio.AbstractEventLoop | None = None
         # the descriptor is the process's: closed with the timer, not left to the exit
         self._closer = weakref.finalize(self, os.close, fd)
+        # the argument of libc's timerfd_settime, made once (it is set at every wake-up)
+        self._spec = _ITimerSpec()
+        self._spec_ref = ctypes.byref(self._spec)
 
     @classmethod
     def open(cls) -> PreciseTimer | None:
@@ -124,12 +127,12 @@ class PreciseTimer:
         if when != when:
             raise ValueError("timer: the time to go off at is not a number")
         # 0 would disarm the timer: a time in the past fires at once instead
-        when = min(max(when, 1e-9), _MAX_WHEN_S)
-        self._set(int(when), round((when - int(when)) * 1e9))
+        self._set(max(round(min(when, _MAX_WHEN_S) * 1e9), 1))
 
     def disarm(self) -> None:
-        self._set(0, 0)
-        self.clear()
+        """Stop it; if it went off meanwhile, that is forgotten too (as by any new
+        setting: the loop does not call back for it)."""
+        self._set(0)
 
     def clear(self) -> None:
         """Take in that the timer went off (the loop would call back again until then)."""
@@ -152,17 +155,16 @@ class PreciseTimer:
         if self._fd < 0:
             raise ValueError("timer: used after it was closed")
 
-    def _set(self, sec: int, nsec: int) -> None:
+    def _set(self, ns: int) -> None:
+        """Set it to go off at ``ns`` (monotonic nanoseconds; 0: not at all). A new
+        setting also forgets that it went off (it no longer reads as ready)."""
         self._check_open()
-        if nsec >= 1_000_000_000:
-            sec, nsec = sec + 1, nsec - 1_000_000_000
         if hasattr(os, "timerfd_settime_ns"):
-            os.timerfd_settime_ns(
-                self._fd, flags=_TFD_TIMER_ABSTIME, initial=sec * 1_000_000_000 + nsec
-            )
+            os.timerfd_settime_ns(self._fd, flags=_TFD_TIMER_ABSTIME, initial=ns)
             return
         assert _LIBC is not None
-        spec = _ITimerSpec(_TimeSpec(0, 0), _TimeSpec(sec, nsec))
-        if _LIBC.timerfd_settime(self._fd, _TFD_TIMER_ABSTIME, ctypes.byref(spec), None) != 0:
+        value = self._spec.it_value
+        value.tv_sec, value.tv_nsec = divmod(ns, 1_000_000_000)
+        if _LIBC.timerfd_settime(self._fd, _TFD_TIMER_ABSTIME, self._spec_ref, None) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"timerfd_settime: {os.strerror(err)}")

@@ -842,6 +842,8 @@ class TransitionWriter:
             f"UPDATE callbacks SET outcome={p}, reason={p}, processed_at={p} "
             f"WHERE id={p} AND outcome IS NULL"
         )
+        #: the fence check's statement by how many strategies a commit touches
+        self._held_sql: dict[int, str] = {}
         self._event_sql = (
             "INSERT INTO events (at, conductor, strategy_id, step_id, kind, details) "
             f"VALUES ({p}, {p}, {p}, {p}, {p}, {p})"
@@ -971,11 +973,13 @@ class TransitionWriter:
         if not fences:
             return set(), {}
         ids = sorted(fences)
-        cur.execute(
-            "SELECT id, owner, fence, state FROM strategies "
-            f"WHERE id IN ({self.store.hooks.placeholders(len(ids))})",
-            ids,
-        )
+        sql = self._held_sql.get(len(ids))
+        if sql is None:
+            sql = self._held_sql[len(ids)] = (
+                "SELECT id, owner, fence, state FROM strategies "
+                f"WHERE id IN ({self.store.hooks.placeholders(len(ids))})"
+            )
+        cur.execute(sql, ids)
         held: set[int] = set()
         hold: dict[int, str] = {}
         for sid, owner, fence, state in cur.fetchall():
