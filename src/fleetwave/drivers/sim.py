@@ -260,8 +260,9 @@ class _Sleeps:
         self._at: float | None = None
 
     def clock(self) -> float:
-        """The time on the clock the sleeps keep (the monotonic clock on the precise
-        timer, the loop's otherwise), on the loop of the last :meth:`sleep`."""
+        """The time on the clock the sleeps keep and their due times are on (the
+        monotonic clock on the precise timer, the loop's otherwise), on the loop of the
+        last :meth:`sleep`."""
         if self._on_precise:
             return time.monotonic()
         assert self._loop is not None
@@ -274,7 +275,7 @@ class _Sleeps:
         if loop is not self._loop:
             self._use(loop)
         fut = loop.create_future()
-        when = (time.monotonic() if self._on_precise else loop.time()) + delay
+        when = self.clock() + delay
         self._seq += 1
         heapq.heappush(self._heap, (when, self._seq, fut))
         if self._at is None or when < self._at:

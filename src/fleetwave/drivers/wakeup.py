@@ -20,7 +20,6 @@ callers use the loop's own timers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import logging
 import os
@@ -64,7 +63,11 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
-_LIBC = None if hasattr(os, "timerfd_create") else _libc()
+#: the timerfd calls in os (Python 3.13+); else libc's, through ctypes (looked up once:
+#: the timer is set at every wake-up)
+_OS_CREATE: Callable[..., int] | None = getattr(os, "timerfd_create", None)
+_OS_SETTIME_NS: Callable[..., object] | None = getattr(os, "timerfd_settime_ns", None)
+_LIBC = None if _OS_CREATE is not None else _libc()
 
 
 def on_monotonic_clock(loop: asyncio.AbstractEventLoop) -> bool:
@@ -97,8 +100,8 @@ class PreciseTimer:
         """A new timer; None where the system has no timerfd (not Linux), or will not
         give one (out of file descriptors): the caller uses the loop's timers then."""
         try:
-            if hasattr(os, "timerfd_create"):
-                fd = os.timerfd_create(time.CLOCK_MONOTONIC, flags=_TFD_FLAGS)
+            if _OS_CREATE is not None:
+                fd = _OS_CREATE(time.CLOCK_MONOTONIC, flags=_TFD_FLAGS)
             elif _LIBC is not None:
                 fd = _LIBC.timerfd_create(time.CLOCK_MONOTONIC, _TFD_FLAGS)
                 if fd < 0:
@@ -130,15 +133,9 @@ class PreciseTimer:
         self._set(max(round(min(when, _MAX_WHEN_S) * 1e9), 1))
 
     def disarm(self) -> None:
-        """Stop it; if it went off meanwhile, that is forgotten too (as by any new
-        setting: the loop does not call back for it)."""
+        """Stop it; if it went off meanwhile, that is forgotten too, as by any new
+        setting (it no longer reads as ready: the loop does not call back for it)."""
         self._set(0)
-
-    def clear(self) -> None:
-        """Take in that the timer went off (the loop would call back again until then)."""
-        self._check_open()
-        with contextlib.suppress(BlockingIOError):
-            os.read(self._fd, 8)
 
     def close(self) -> None:
         """Stop watching it and close its descriptor (again: nothing more)."""
@@ -159,8 +156,8 @@ class PreciseTimer:
         """Set it to go off at ``ns`` (monotonic nanoseconds; 0: not at all). A new
         setting also forgets that it went off (it no longer reads as ready)."""
         self._check_open()
-        if hasattr(os, "timerfd_settime_ns"):
-            os.timerfd_settime_ns(self._fd, flags=_TFD_TIMER_ABSTIME, initial=ns)
+        if _OS_SETTIME_NS is not None:
+            _OS_SETTIME_NS(self._fd, flags=_TFD_TIMER_ABSTIME, initial=ns)
             return
         assert _LIBC is not None
         value = self._spec.it_value
