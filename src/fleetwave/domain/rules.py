@@ -15,7 +15,7 @@ from fleetwave.domain.models import (
     STEP_INITIAL,
     STEP_TERMINAL,
 )
-from fleetwave.domain.workflow import NotYet, Outcome, Skip
+from fleetwave.domain.workflow import Advance, NotYet, Outcome, Skip
 
 
 class Decision(NamedTuple):
@@ -27,6 +27,11 @@ class Decision(NamedTuple):
 
 def decide(states: tuple[str, ...], current: str, outcome: Outcome) -> Decision:
     """The next state of a step at ``current`` given its action's outcome."""
+    if type(outcome) is Advance and outcome.to is None:  # the usual answer: asked first
+        idx = states.index(current)
+        nxt = states[idx + 1] if idx + 1 < len(states) else STEP_COMPLETE
+        details = outcome.details
+        return Decision(nxt, "" if details == "" else details_text(details))
     if isinstance(outcome, Skip):
         return Decision(STEP_COMPLETE, f"skipped at {current}: {details_text(outcome.reason)}")
     if isinstance(outcome, NotYet):  # the engine polls again; it never gets here

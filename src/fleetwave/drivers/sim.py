@@ -258,6 +258,8 @@ class _Sleeps:
         self._on_precise = False
         #: when the timer goes off next (None: it is not set)
         self._at: float | None = None
+        #: the due time of the last sleep asked for
+        self.due = 0.0
 
     def clock(self) -> float:
         """The time on the clock the sleeps keep and their due times are on (the
@@ -269,16 +271,19 @@ class _Sleeps:
         return self._loop.time()
 
     def sleep(self, delay: float) -> asyncio.Future[None]:
-        if math.isnan(delay):
+        """A future that is done ``delay`` seconds from now (its due time is then
+        :attr:`due`, on :meth:`clock`)."""
+        if delay != delay:
             raise ValueError("a simulated latency is not a number")
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             self._use(loop)
         fut = loop.create_future()
-        when = self.clock() + delay
+        when = self.due = (time.monotonic() if self._on_precise else loop.time()) + delay
         self._seq += 1
         heapq.heappush(self._heap, (when, self._seq, fut))
-        if self._at is None or when < self._at:
+        at = self._at
+        if at is None or when < at:
             self._set(when)
         return fut
 
@@ -442,7 +447,8 @@ class SimDriver:
 
     async def perform(self, target: Target, operation: str, ctx: ActionContext) -> RemoteResult:
         """Start the operation on the target, or join the run already going; wait for it."""
-        prof = self._profile(target)
+        last = self._last
+        prof = last[1] if last is not None and last[0] is target.settings else self._profile(target)
         key = (ctx.strategy_id, target.name, operation)
         running = self._remote.get(key) if self._remote else None
         joins = running is not None  # a run is in progress until it is removed
@@ -470,8 +476,7 @@ class SimDriver:
             if prof.latency_s > 0:
                 sleeps = self._sleeps
                 slept = sleeps.sleep(prof.latency_s)
-                # (on the clock the sleeps keep; a hair after the sleep's own due time)
-                due = sleeps.clock() + prof.latency_s
+                due = sleeps.due  # (on the clock the sleeps keep)
                 try:
                     await slept
                 except asyncio.CancelledError:
@@ -484,7 +489,8 @@ class SimDriver:
                 run.ended(None, exc)
                 self._ran(ctx, key, run, (str(exc), False))
                 raise
-            run.ended(result)
+            if run.joiners is not None:  # (nobody joined it, nearly always)
+                run.ended(result)
             self._ran(ctx, key, run, None)
             return result
         run = self._remote[key] = _Run()

@@ -420,7 +420,9 @@ class Conductor(
         refused_retries: set[int] = set()
         held_retries: set[int] = set()
         for i, msg in enumerate(msgs):
-            if isinstance(msg, RetryScheduled):
+            if type(msg) is ActionFinished:  # (nearly every message: asked first)
+                self._on_finished(msg, now, batch, events, marks)
+            elif isinstance(msg, RetryScheduled):
                 if self._reported(msg) is None or (msg.started and self._draining):
                     # Stale: the step moved on, or is another worker's now (taken over
                     # at a new fence): this worker must not run the retry. Or a clean
@@ -462,7 +464,7 @@ class Conductor(
             elif isinstance(msg, LeaseLost):
                 self._drop_run(msg.strategy_id, lapsed=msg.lapsed, later=msgs[i + 1 :])
             else:
-                self._on_finished(msg, now, batch, events, marks)
+                self._on_finished(msg, now, batch, events, marks)  # (a subclass of it)
         if self._stale:
             self._log_stale()
         self._stop_moves_before_the_stop(batch, now)
@@ -1052,21 +1054,25 @@ class Conductor(
         Its deadline (when ``to_state`` runs out of time), and its not-started mark:
         while draining, :meth:`_apply` starts no next state, so the next owner will.
         """
+        terminal = to_state in STEP_TERMINAL
+        # (positional: the fields in order; keywords cost this hot path a quarter more)
         return rt.Transition(
-            step_id=step_id,
-            strategy_id=run.id,
-            from_state=from_state,
-            from_fence=from_fence,
-            to_state=to_state,
-            fence=from_fence if fence is None else fence,
+            step_id,
+            run.id,
+            from_state,
+            from_fence,
+            to_state,
+            from_fence if fence is None else fence,
             # (already clean but for a callback's or a hand edit's: checked in one place,
             # as a surrogate the database cannot store failed every commit of the batch)
-            details=details_text(details),
+            "" if details == "" else details_text(details),
             # (written as the step's attempt when it ends: the attempts its last state
             # took; entering a state, the writer writes 1, that state's first)
-            attempt=attempt,
-            not_started=self._draining and to_state not in STEP_TERMINAL,
-            deadline_at=self._deadline_of(run, to_state, now),
+            attempt,
+            # not started: the conductor is draining (it enters the state, starts nothing)
+            self._draining and not terminal,
+            # its deadline
+            None if terminal else now + run.workflow.state(to_state).timeout_s,
         )
 
     @staticmethod
@@ -1117,11 +1123,13 @@ class Conductor(
                 # Marked not started in this commit: the next owner starts it afresh.
                 _resolve(fl.go, False)
             else:
-                self._release(fl)
+                self._release(fl, run)
 
-    def _release(self, fl: InFlight) -> None:
-        """Let the step's worker run the action of the state just committed (G4)."""
-        run = self.runs[fl.rec.strategy_id]
+    def _release(self, fl: InFlight, run: StrategyRun | None = None) -> None:
+        """Let the step's worker run the action of the state just committed (G4).
+        (``run``: the step's, when the caller has it at hand.)"""
+        if run is None:
+            run = self.runs[fl.rec.strategy_id]
         if run.lapsed:
             return  # its lease is lapsing: nothing starts (the next owner recovers it)
         fl.waiter = None
@@ -1140,7 +1148,9 @@ class Conductor(
             self._workers.add(task)
             task.add_done_callback(self._worker_ended)
         else:
-            _resolve(fl.go, True)
+            go = fl.go
+            if go is not None and not go.done():
+                go.set_result(True)
 
     def _worker_ended(self, task: asyncio.Task[None]) -> None:
         self._workers.discard(task)

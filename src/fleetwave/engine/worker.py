@@ -78,6 +78,7 @@ class WorkerMixin(StoreCalls):
     _committed_at: float
     _attempts: int
     _inbox: list[Message]
+    _wake: asyncio.Event | None
     _ending_waits: list[InFlight]
     post: Callable[[Message], None]
     _first_sight: Callable[[cbs.CallbackRecord], bool]
@@ -92,8 +93,9 @@ class WorkerMixin(StoreCalls):
         """
         recovering = fl.recovering
         loop = self._loop
+        measure = self.config.measure_latency
         while True:
-            if self.config.measure_latency and not recovering:
+            if measure and not recovering:
                 self.stats.dispatch_latency_s.append(time.perf_counter() - self._committed_at)
             try:
                 msg = await self._run_state(run, fl, recovering)
@@ -114,7 +116,12 @@ class WorkerMixin(StoreCalls):
                 msg = ActionFinished(run.id, fl.rec.step_id, fl.state, fl.fence, decision, 1, None)
             recovering = False
             go = fl.go = msg.go = loop.create_future()
-            self.post(msg)
+            # (self.post, inline: once an action; the dispatcher swaps its inbox, so it is
+            # looked up each time)
+            self._inbox.append(msg)
+            wake = self._wake
+            if wake is not None:
+                wake.set()
             if not await go:
                 return
 
@@ -180,17 +187,20 @@ class WorkerMixin(StoreCalls):
             try:
                 if driver is None:
                     raise StepFailed(f"no driver named '{rec.target.driver}' on this conductor")
+                # (positional, in the fields' order: keywords cost the hot path more)
                 ctx = ActionContext(
-                    target=rec.target,
-                    state=state,
-                    attempt=attempts,
-                    strategy_id=run.id,
-                    step_id=rec.step_id,
-                    driver=driver,
-                    callback_expected=waiter is not None,
-                    recovering=recovering,
-                    polling=st.mode == "poll",
-                    is_stopping=(lambda: fl.stopped) if recovering else None,
+                    rec.target,
+                    state,
+                    attempts,
+                    run.id,
+                    rec.step_id,
+                    driver,
+                    {},  # settings
+                    waiter is not None,  # callback_expected
+                    recovering,
+                    st.mode == "poll",  # polling
+                    0,  # poll
+                    (lambda: fl.stopped) if recovering else None,  # is_stopping
                 )
                 self._attempts += 1
                 attempt = fl.running = self._attempts

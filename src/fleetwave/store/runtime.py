@@ -8,6 +8,7 @@ insert would enter a state twice (G1), is rejected alone; the others still commi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -802,11 +803,19 @@ class TransitionWriter:
         self.store = store
         self.cid = conductor_id
         self._raw: PoolProxiedConnection | None = None
+        #: the hot path's DBAPI connection and cursor (kept while ``_raw`` is), and module
+        self._driver: Any = None
+        self._cur: Any = None
+        self._dbapi: Any = store.engine.dialect.dbapi
         #: the commit being written: its time, whether a strategy's lease is lapsing,
         #: and the strategies whose entries it wrote as not started for that
         self._at = 0.0
         self._lapsing: Callable[[int], bool] = _never
         self._lapsed_now: set[int] = set()
+        #: the commit's answers of ``_lapsing``, by strategy
+        self._lapsing_now: dict[int, bool] = {}
+        #: how a boolean column is bound (index by the value)
+        self._flags = (store.hooks.flag(False), store.hooks.flag(True))
         p = store.hooks.placeholder
         # One compare-and-set UPDATE per kind of move, so that what a kind always sets to
         # NULL is written in the SQL: binding a None costs the driver an adapter lookup
@@ -861,16 +870,21 @@ class TransitionWriter:
         of it starts here any more, and the next owner starts it afresh.
         """
         at = self._at
+        flags = self._flags
         if t.to_state not in STEP_TERMINAL:
             sql = self._enter_sql
-            stale = t.strategy_id in self._lapsed_now or self._lapsing(t.strategy_id)
-            if stale:
-                self._lapsed_now.add(t.strategy_id)
-            not_started = self.store.hooks.flag(t.not_started or stale)
+            sid = t.strategy_id
+            stale = self._lapsing_now.get(sid)
+            if stale is None:
+                # (asked once a commit for each strategy)
+                stale = self._lapsing_now[sid] = self._lapsing(sid)
+                if stale:
+                    self._lapsed_now.add(sid)
+            not_started = flags[t.not_started or stale]
             args: tuple[Any, ...] = (self.cid, lease_until, at, not_started, t.deadline_at)
             attempt = 1
         else:
-            not_started = self.store.hooks.flag(t.not_started)
+            not_started = flags[t.not_started]
             attempt = t.attempt
             if t.from_state == STEP_INITIAL:
                 sql, args = self._end_unstarted_sql, (at, not_started)
@@ -923,6 +937,7 @@ class TransitionWriter:
         """
         self._at, self._lapsing = now, lapsing or _never
         self._lapsed_now = set()
+        self._lapsing_now = {}
         mk = [(m.outcome, m.reason, now, m.callback_id) for m in marks or ()]
         dl = [
             (d.deadline_at, d.attempt, d.details, d.not_started, d.step_id, d.state, d.fence)
@@ -1107,14 +1122,15 @@ class TransitionWriter:
         False (rolled back) when a strategy was lost, or a compare-and-set or a unique
         key refused a row: the caller then sorts the batch out row by row.
         """
-        if self._raw is None:
+        dbapi = self._dbapi
+        cur = self._cur
+        if cur is None:
             self._raw = self.store.engine.raw_connection()
-        dbapi = self.store.engine.dialect.dbapi
-        assert dbapi is not None
-        raw: Any = self._raw.driver_connection
-        assert raw is not None
-        self.store.wait_for_locks(raw, self._raw.info)
-        cur = raw.cursor()
+            self._driver = self._raw.driver_connection
+            # (kept with the connection: made anew each commit, it cost the hot path)
+            cur = self._cur = self._driver.cursor()
+        raw = self._driver
+        self.store.wait_for_locks(raw, self._raw.info)  # type: ignore[union-attr]
         try:
             cur.execute(self.store.hooks.begin_write_sql)
             if self.store.write_fault is not None:
@@ -1163,8 +1179,6 @@ class TransitionWriter:
         except BaseException:
             raw.rollback()
             raise
-        finally:
-            cur.close()
 
     def _commit_one_by_one(
         self,
@@ -1315,6 +1329,11 @@ class TransitionWriter:
         )
 
     def close(self) -> None:
+        if self._cur is not None:
+            with contextlib.suppress(Exception):
+                self._cur.close()
+            self._cur = None
+        self._driver = None
         if self._raw is not None:
             self._raw.close()
             self._raw = None
