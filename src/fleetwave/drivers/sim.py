@@ -187,6 +187,7 @@ class _Profile:
         "latency_s",
         "plain",
         "remote_state",
+        "result",
         "sigma",
         "unexpected_at",
     )
@@ -216,6 +217,11 @@ class _Profile:
         self.remote_state = _remote_state(settings)
         self.unexpected_at = _state(settings, "unexpected_at")
         self.callback_rates = {k: _float(settings, k, 0, 0, 1) for k in CALLBACK_RATES}
+        #: what every operation reports when nothing about the state can change it
+        #: (no remote_state, no fail_at): asked once here, not at each operation's end
+        self.result: RemoteResult | None = None
+        if self.remote_state is None and self.fail_at is None:
+            self.result = RemoteResult.ALREADY_DONE if self.already_done else RemoteResult.DONE
         self.plain = (
             self.failure == 0
             and self.flaky == 0
@@ -484,7 +490,7 @@ class SimDriver:
                     self._spawn(self._execute(prof, target, operation, ctx, run, left))
                     raise
             try:
-                result = self._finish(prof, ctx)
+                result = prof.result if prof.result is not None else self._finish(prof, ctx)
             except StepFailed as exc:
                 run.ended(None, exc)
                 self._ran(ctx, key, run, (str(exc), False))

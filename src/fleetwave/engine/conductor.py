@@ -488,12 +488,16 @@ class Conductor(
             self._crash_point("before-commit")
             # A strategy dropped in this very batch (lease lost) writes nothing more:
             # its new owner decides what its outcomes and callbacks mean.
-            batch = [t for t in batch if t.strategy_id in self.runs]
-            marks = [m for m in marks if m.strategy_id in self.runs]
-            deadlines = [d for d in deadlines if d.strategy_id in self.runs]
-            touched = {t.strategy_id for t in batch} | {m.strategy_id for m in marks}
+            runs = self.runs
+            touched = {t.strategy_id for t in batch}
+            touched.update(m.strategy_id for m in marks)
             touched.update(d.strategy_id for d in deadlines)
-            fences = {sid: self.runs[sid].record.fence for sid in touched}
+            if not touched <= runs.keys():  # (rare: everything is kept otherwise)
+                batch = [t for t in batch if t.strategy_id in runs]
+                marks = [m for m in marks if m.strategy_id in runs]
+                deadlines = [d for d in deadlines if d.strategy_id in runs]
+                touched &= runs.keys()
+            fences = {sid: runs[sid].record.fence for sid in touched}
             result = await self._io(
                 self._writer.commit,
                 batch,
@@ -797,15 +801,18 @@ class Conductor(
         events: list[rt.Event],
         marks: list[rt.CallbackMark],
     ) -> None:
-        reported = self._reported(msg)
+        # (what self._reported says, asked here: once an action)
+        run = self.runs.get(msg.strategy_id)
+        fl = run.inflight.get(msg.step_id) if run is not None else None
+        stale = fl is None or fl.fence != msg.fence or fl.state != msg.state
         if msg.callback_id is not None:
             # The callback counts as applied exactly when its transition commits.
             outcome, why = ("applied", f"moved the step on from {msg.state}")
-            if reported is None:
+            if stale:
                 outcome, why = ("ignored", "its step had moved on")
-            step = msg.step_id if reported is not None else None
+            step = None if stale else msg.step_id
             marks.append(rt.CallbackMark(msg.callback_id, outcome, why, msg.strategy_id, step))
-        if reported is None:
+        if stale:
             _resolve(msg.go, False)  # its worker has nothing more to do
             self.stats.stale_outcomes += 1
             events.append(
@@ -818,7 +825,7 @@ class Conductor(
             )
             self._stale.append(msg)  # logged once for the batch (a lost strategy: many)
             return
-        run, fl = reported
+        assert run is not None and fl is not None
         decision = msg.decision
         handed = fl.waiter
         if (
@@ -1072,7 +1079,7 @@ class Conductor(
             # not started: the conductor is draining (it enters the state, starts nothing)
             self._draining and not terminal,
             # its deadline
-            None if terminal else now + run.workflow.state(to_state).timeout_s,
+            None if terminal else now + run.defs[to_state].timeout_s,
         )
 
     @staticmethod
@@ -1133,7 +1140,7 @@ class Conductor(
         if run.lapsed:
             return  # its lease is lapsing: nothing starts (the next owner recovers it)
         fl.waiter = None
-        if run.workflow.state(fl.state).mode == "wait-for-callback":
+        if run.defs[fl.state].mode == "wait-for-callback":
             fl.waiter = asyncio.get_running_loop().create_future()
             early = run.early_callbacks.get(fl.rec.step_id)
             if early:

@@ -11,11 +11,15 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from fleetwave.domain.models import StrategyOptions
-from fleetwave.domain.workflow import WorkflowDef
+from fleetwave.domain.rules import Decision, decide
+from fleetwave.domain.workflow import Advance, StateDef, WorkflowDef
 from fleetwave.store.callbacks import CallbackRecord
 from fleetwave.store.runtime import CallbackMark, StepRecord, StrategyRecord, Transition
 
 UNCAPPED = 1 << 30
+
+
+_PLAIN_ADVANCE = Advance()
 
 
 @dataclass(slots=True)
@@ -118,9 +122,17 @@ class StrategyRun:
 
     #: the strategy's id (asked for on every transition: a plain attribute)
     id: int = field(init=False)
+    #: its workflow's states by name (asked for on every action: a plain dict)
+    defs: dict[str, StateDef] = field(init=False, repr=False)
+    #: by state, what :func:`decide` makes of a plain :class:`Advance` (the next state,
+    #: no details): nearly every action's outcome, made once
+    advance: dict[str, Decision] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.id = self.record.id
+        self.defs = {st.name: st for st in self.workflow.states}
+        names = self.workflow.state_names
+        self.advance = {name: decide(names, name, _PLAIN_ADVANCE) for name in names}
 
     @property
     def waits_for_callbacks(self) -> bool:

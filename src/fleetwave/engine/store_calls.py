@@ -41,6 +41,10 @@ class _Fresh:
         self.value = value
 
 
+#: the positions of :class:`_Fresh` arguments, by the types of a call's arguments
+_FRESH_AT: dict[tuple[type, ...], list[int]] = {}
+
+
 class StoreCalls:
     """Runs the conductor's store calls (``_io``): a mixin of :class:`Conductor`, which
     sets what is declared here."""
@@ -79,7 +83,12 @@ class StoreCalls:
         failures = 0
         name = ""  # said only once a call fails
         started = said = 0.0
-        fresh = [i for i, a in enumerate(args) if type(a) is _Fresh]
+        kinds = tuple(map(type, args))
+        fresh = _FRESH_AT.get(kinds)
+        if fresh is None:
+            # (where a call's arguments are worked out at each attempt, by their types:
+            # a store call's are the same each time it is made)
+            fresh = _FRESH_AT[kinds] = [i for i, kind in enumerate(kinds) if kind is _Fresh]
         while True:
             self._attempt_at = self._loop.time()
             call_args: Any = args

@@ -128,7 +128,7 @@ class WorkerMixin(StoreCalls):
     async def _run_state(self, run: StrategyRun, fl: InFlight, recovering: bool) -> ActionFinished:
         """Run one state's action (or its recover hook), with retries; never raises."""
         rec, state, fence, waiter = fl.rec, fl.state, fl.fence, fl.waiter
-        st = run.workflow.state(state)
+        st = run.defs[state]
         timeout_s = st.timeout_s
         #: the attempt the row names (a takeover goes on from there, not from 1 again)
         resume = recovering
@@ -255,7 +255,10 @@ class WorkerMixin(StoreCalls):
                         task = asyncio.current_task()
                         assert task is not None
                         task.uncancel()
-                decision = decide(run.workflow.state_names, state, outcome)
+                if type(outcome) is Advance and outcome.to is None and outcome.details == "":
+                    decision = run.advance[state]  # (decide's answer, made once)
+                else:
+                    decision = decide(run.workflow.state_names, state, outcome)
             except _WaitEnded as exc:
                 decision = Decision(STEP_ABORTED, f"{state}: {exc}")
             except NotStarted as exc:

@@ -871,7 +871,11 @@ class TransitionWriter:
         """
         at = self._at
         flags = self._flags
-        if t.to_state not in STEP_TERMINAL:
+        to_state, fence, details = t.to_state, t.fence, t.details
+        step_id, from_state, from_fence = t.step_id, t.from_state, t.from_fence
+        upd: tuple[Any, ...]
+        # (each tuple built at once, in the statement's order: once a transition)
+        if to_state not in STEP_TERMINAL:
             sql = self._enter_sql
             sid = t.strategy_id
             stale = self._lapsing_now.get(sid)
@@ -880,28 +884,48 @@ class TransitionWriter:
                 stale = self._lapsing_now[sid] = self._lapsing(sid)
                 if stale:
                     self._lapsed_now.add(sid)
-            not_started = flags[t.not_started or stale]
-            args: tuple[Any, ...] = (self.cid, lease_until, at, not_started, t.deadline_at)
-            attempt = 1
+            upd = (
+                to_state,
+                fence,
+                details,
+                1,  # the attempt: a state is entered at its first
+                self.cid,
+                lease_until,
+                at,
+                flags[t.not_started or stale],
+                t.deadline_at,
+                step_id,
+                from_state,
+                from_fence,
+            )
+        elif from_state == STEP_INITIAL:
+            sql = self._end_unstarted_sql
+            upd = (
+                to_state,
+                fence,
+                details,
+                t.attempt,
+                at,
+                flags[t.not_started],
+                step_id,
+                from_state,
+                from_fence,
+            )
         else:
-            not_started = flags[t.not_started]
-            attempt = t.attempt
-            if t.from_state == STEP_INITIAL:
-                sql, args = self._end_unstarted_sql, (at, not_started)
-            else:
-                sql, args = self._finish_sql, (at, at, not_started)
-        cas = (t.step_id, t.from_state, t.from_fence)
-        upd = (t.to_state, t.fence, t.details, attempt, *args, *cas)
-        jr = (
-            t.strategy_id,
-            t.step_id,
-            at,
-            self.cid,
-            t.from_state,
-            t.to_state,
-            t.fence,
-            t.details,
-        )
+            sql = self._finish_sql
+            upd = (
+                to_state,
+                fence,
+                details,
+                t.attempt,
+                at,
+                at,
+                flags[t.not_started],
+                step_id,
+                from_state,
+                from_fence,
+            )
+        jr = (t.strategy_id, step_id, at, self.cid, from_state, to_state, fence, details)
         return sql, upd, jr
 
     def commit(
