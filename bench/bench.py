@@ -157,6 +157,11 @@ class RunResult:
     #: 1-minute load average just before and just after the run
     load_before: float
     load_after: float
+    #: how fast the VM was just before the run (its speed moves from minute to minute):
+    #: a fixed piece of Python (ms), and the median fdatasync of 40 KB rewritten in a
+    #: file beside the database (us)
+    probe_python_ms: float = math.nan
+    probe_fsync_us: float = math.nan
 
     @property
     def transitions_per_s(self) -> float:
@@ -240,6 +245,7 @@ def child_run(db: str, sid: int, spec: RunSpec, states: int, setup_s: float) -> 
         final = await conductor.run(strategy_ids=[sid])
         return final, time.perf_counter() - t0
 
+    probe_python_ms, probe_fsync_us = _probe_vm(Path(db).parent)
     load_before = os.getloadavg()[0]
     cpu0, nivcsw0 = _cpu_s_and_preemptions()
     final, wall_s = event_loop.run(timed_run())
@@ -286,8 +292,35 @@ def child_run(db: str, sid: int, spec: RunSpec, states: int, setup_s: float) -> 
         involuntary_switches=nivcsw1 - nivcsw0,
         load_before=load_before,
         load_after=load_after,
+        probe_python_ms=probe_python_ms,
+        probe_fsync_us=probe_fsync_us,
     )
     return asdict(result)
+
+
+def _probe_vm(directory: Path) -> tuple[float, float]:
+    """How fast the machine is just now: a fixed piece of Python (ms), and the median
+    of 21 fdatasyncs of 40 KB rewritten in a scratch file in ``directory`` (us)."""
+    t0 = time.perf_counter()
+    total = 0
+    for i in range(200_000):
+        total += i & 7
+    python_ms = (time.perf_counter() - t0) * 1e3
+    sync = getattr(os, "fdatasync", os.fsync)
+    path = directory / "probe.bin"
+    block = b"\0" * 40_960
+    took: list[float] = []
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for _ in range(21):
+            os.pwrite(fd, block, 0)
+            t0 = time.perf_counter()
+            sync(fd)
+            took.append(time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    return python_ms, sorted(took)[10] * 1e6
 
 
 def _spawn(role: str, payload: dict[str, Any]) -> dict[str, Any]:
@@ -457,6 +490,15 @@ def scenario_io_bound(quick: bool) -> ScenarioReport:
         (
             f"ratio wall / ideal, all {len(runs)} runs",
             ", ".join(f"{run.wall_s / ideal:.3f}" for run in runs),
+        ),
+    )
+    figures.insert(
+        6,
+        (
+            "the VM just before each run, same order: a fixed Python loop / fdatasync 40 KB",
+            ", ".join(
+                f"{run.probe_python_ms:.0f} ms / {run.probe_fsync_us:.0f} us" for run in runs
+            ),
         ),
     )
     checks = [

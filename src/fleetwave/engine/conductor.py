@@ -953,6 +953,8 @@ class Conductor(
         """For each strategy starting steps in this batch under a failure limit: how
         many more failures it tolerates, and what stops it past that."""
         rules: dict[int, rt.StopRule] = {}
+        if all(run.options.failure_limit is None for run in self.runs.values()):
+            return rules  # (no limit anywhere: the batch need not be looked at)
         for t in batch:
             if t.from_state != STEP_INITIAL or t.strategy_id in rules:
                 continue
@@ -1115,16 +1117,18 @@ class Conductor(
                 t.to_state,
                 t.step_id,
             )
+        runs = self.runs
         for t in batch:
-            if t.to_state in STEP_TERMINAL:
-                if t.to_state == STEP_FAILED and id(t) not in bad:
+            to_state = t.to_state
+            if to_state in STEP_TERMINAL:
+                if to_state == STEP_FAILED and id(t) not in bad:
                     self._log_failed(t)
                 continue
-            if id(t) in bad:
+            if bad and id(t) in bad:
                 continue
-            run = self.runs.get(t.strategy_id)
+            run = runs.get(t.strategy_id)
             fl = run.inflight.get(t.step_id) if run is not None else None
-            if fl is None or fl.state != t.to_state:
+            if fl is None or fl.state != to_state:
                 continue
             if self._draining:
                 # Marked not started in this commit: the next owner starts it afresh.
