@@ -16,7 +16,9 @@ What it measures (each scenario in a fresh SQLite database in a temporary direct
     targets * states * 0.020 s / max parallel = 0.5 s. Target: ratio <= 1.15. It is
     run five times (three with ``--quick``), each in fresh processes and a fresh
     database; the median run's figures are shown and checked, and every run's ratio
-    is listed: a single half-second run moves by 10 % with the VM's noise.
+    is listed: a single half-second run moves by 10 % with the VM's noise. Before
+    each run its process times a fixed Python loop and an fdatasync of 40 KB beside
+    the database, listed with the runs: how fast the VM was just then.
 ``sim_scale``
     ``fleetwave sim`` at scale: 10,000 targets through ``patch`` with all faults on
     virtual time, seeds 1, 2 and 3, each in its own process, without failure limits
