@@ -31,7 +31,9 @@ def decide(states: tuple[str, ...], current: str, outcome: Outcome) -> Decision:
         idx = states.index(current)
         nxt = states[idx + 1] if idx + 1 < len(states) else STEP_COMPLETE
         details = outcome.details
-        return Decision(nxt, "" if details == "" else details_text(details))
+        # (any text but "" goes through details_text: so does anything not a str, whose
+        # comparison with "" may even raise)
+        return Decision(nxt, "" if type(details) is str and not details else details_text(details))
     if isinstance(outcome, Skip):
         return Decision(STEP_COMPLETE, f"skipped at {current}: {details_text(outcome.reason)}")
     if isinstance(outcome, NotYet):  # the engine polls again; it never gets here

@@ -1074,7 +1074,7 @@ class Conductor(
             from_fence if fence is None else fence,
             # (already clean but for a callback's or a hand edit's: checked in one place,
             # as a surrogate the database cannot store failed every commit of the batch)
-            "" if details == "" else details_text(details),
+            "" if type(details) is str and not details else details_text(details),
             # (written as the step's attempt when it ends: the attempts its last state
             # took; entering a state, the writer writes 1, that state's first)
             attempt,

@@ -255,7 +255,12 @@ class WorkerMixin(StoreCalls):
                         task = asyncio.current_task()
                         assert task is not None
                         task.uncancel()
-                if type(outcome) is Advance and outcome.to is None and outcome.details == "":
+                if (
+                    type(outcome) is Advance
+                    and outcome.to is None
+                    and type(outcome.details) is str
+                    and not outcome.details
+                ):
                     decision = run.advance[state]  # (decide's answer, made once)
                 else:
                     decision = decide(run.workflow.state_names, state, outcome)

@@ -955,9 +955,10 @@ class TransitionWriter:
         are written as aborted, not started. Both are listed in
         :attr:`CommitResult.replaced`; ``batch`` itself is left as it is.
 
-        ``lapsing``: whether a strategy's lease is lapsing at this conductor, asked as
-        the commit is written (each attempt of a retried one asks again); its entries
-        are then written as not started (:attr:`CommitResult.not_started`).
+        ``lapsing``: whether a strategy's lease is lapsing at this conductor, asked once
+        for each strategy as the commit is written (each attempt of a retried one asks
+        again): all of its entries in the commit are then written as not started
+        (:attr:`CommitResult.not_started`), or none.
         """
         self._at, self._lapsing = now, lapsing or _never
         self._lapsed_now = set()
@@ -1147,14 +1148,17 @@ class TransitionWriter:
         key refused a row: the caller then sorts the batch out row by row.
         """
         dbapi = self._dbapi
+        raw_conn = self._raw
+        if raw_conn is None:
+            raw_conn = self._raw = self.store.engine.raw_connection()
+            self._driver = raw_conn.driver_connection
+        raw = self._driver
         cur = self._cur
         if cur is None:
-            self._raw = self.store.engine.raw_connection()
-            self._driver = self._raw.driver_connection
-            # (kept with the connection: made anew each commit, it cost the hot path)
-            cur = self._cur = self._driver.cursor()
-        raw = self._driver
-        self.store.wait_for_locks(raw, self._raw.info)  # type: ignore[union-attr]
+            # (kept from one commit to the next: made anew each time, it cost the hot
+            # path; let go after an error, which may leave a statement open on it)
+            cur = self._cur = raw.cursor()
+        self.store.wait_for_locks(raw, raw_conn.info)
         try:
             cur.execute(self.store.hooks.begin_write_sql)
             if self.store.write_fault is not None:
@@ -1192,17 +1196,27 @@ class TransitionWriter:
             raw.commit()
             return True
         except dbapi.IntegrityError:
-            raw.rollback()
+            self._rollback(raw)
             return False
         except dbapi.OperationalError as exc:
-            raw.rollback()
+            self._rollback(raw)
             raise OperationalError("commit", None, exc) from exc
         except dbapi.DatabaseError as exc:  # a malformed file, ...: as SQLAlchemy says it
-            raw.rollback()
+            self._rollback(raw)
             raise DatabaseError("commit", None, exc) from exc
         except BaseException:
-            raw.rollback()
+            self._rollback(raw)
             raise
+
+    def _rollback(self, raw: Any) -> None:
+        """After an error in the hot path's transaction: roll it back, and let go of the
+        cursor (a statement it left half read would keep a read snapshot of the WAL open
+        until the next commit, holding back checkpoints; rollback does not reset it)."""
+        cur, self._cur = self._cur, None
+        if cur is not None:
+            with contextlib.suppress(Exception):
+                cur.close()
+        raw.rollback()
 
     def _commit_one_by_one(
         self,
