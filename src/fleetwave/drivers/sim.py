@@ -453,8 +453,7 @@ class SimDriver:
 
     async def perform(self, target: Target, operation: str, ctx: ActionContext) -> RemoteResult:
         """Start the operation on the target, or join the run already going; wait for it."""
-        last = self._last
-        prof = last[1] if last is not None and last[0] is target.settings else self._profile(target)
+        prof = self._profile(target)
         key = (ctx.strategy_id, target.name, operation)
         running = self._remote.get(key) if self._remote else None
         joins = running is not None  # a run is in progress until it is removed
@@ -495,8 +494,7 @@ class SimDriver:
                 run.ended(None, exc)
                 self._ran(ctx, key, run, (str(exc), False))
                 raise
-            if run.joiners is not None:  # (nobody joined it, nearly always)
-                run.ended(result)
+            run.ended(result)
             self._ran(ctx, key, run, None)
             return result
         run = self._remote[key] = _Run()

@@ -801,10 +801,8 @@ class Conductor(
         events: list[rt.Event],
         marks: list[rt.CallbackMark],
     ) -> None:
-        # (what self._reported says, asked here: once an action)
-        run = self.runs.get(msg.strategy_id)
-        fl = run.inflight.get(msg.step_id) if run is not None else None
-        stale = fl is None or fl.fence != msg.fence or fl.state != msg.state
+        reported = self._reported(msg)
+        stale = reported is None
         if msg.callback_id is not None:
             # The callback counts as applied exactly when its transition commits.
             outcome, why = ("applied", f"moved the step on from {msg.state}")
@@ -825,7 +823,8 @@ class Conductor(
             )
             self._stale.append(msg)  # logged once for the batch (a lost strategy: many)
             return
-        assert run is not None and fl is not None
+        assert reported is not None
+        run, fl = reported
         decision = msg.decision
         handed = fl.waiter
         if (
@@ -1063,7 +1062,6 @@ class Conductor(
         Its deadline (when ``to_state`` runs out of time), and its not-started mark:
         while draining, :meth:`_apply` starts no next state, so the next owner will.
         """
-        terminal = to_state in STEP_TERMINAL
         # (positional: the fields in order; keywords cost this hot path a quarter more)
         return rt.Transition(
             step_id,
@@ -1079,16 +1077,15 @@ class Conductor(
             # took; entering a state, the writer writes 1, that state's first)
             attempt,
             # not started: the conductor is draining (it enters the state, starts nothing)
-            self._draining and not terminal,
-            # its deadline
-            None if terminal else now + run.defs[to_state].timeout_s,
+            self._draining and to_state not in STEP_TERMINAL,
+            self._deadline_of(run, to_state, now),
         )
 
     @staticmethod
     def _deadline_of(run: StrategyRun, state: str, now: float) -> float | None:
         if state in STEP_TERMINAL:
             return None
-        return now + run.workflow.state(state).timeout_s
+        return now + run.defs[state].timeout_s
 
     def _apply(
         self,

@@ -78,7 +78,6 @@ class WorkerMixin(StoreCalls):
     _committed_at: float
     _attempts: int
     _inbox: list[Message]
-    _wake: asyncio.Event | None
     _ending_waits: list[InFlight]
     post: Callable[[Message], None]
     _first_sight: Callable[[cbs.CallbackRecord], bool]
@@ -116,12 +115,7 @@ class WorkerMixin(StoreCalls):
                 msg = ActionFinished(run.id, fl.rec.step_id, fl.state, fl.fence, decision, 1, None)
             recovering = False
             go = fl.go = msg.go = loop.create_future()
-            # (self.post, inline: once an action; the dispatcher swaps its inbox, so it is
-            # looked up each time)
-            self._inbox.append(msg)
-            wake = self._wake
-            if wake is not None:
-                wake.set()
+            self.post(msg)
             if not await go:
                 return
 

@@ -898,28 +898,17 @@ class TransitionWriter:
                 from_state,
                 from_fence,
             )
-        elif from_state == STEP_INITIAL:
-            sql = self._end_unstarted_sql
-            upd = (
-                to_state,
-                fence,
-                details,
-                t.attempt,
-                at,
-                flags[t.not_started],
-                step_id,
-                from_state,
-                from_fence,
-            )
         else:
-            sql = self._finish_sql
+            # an end: without started_at if the step never started, else with it
+            unstarted = from_state == STEP_INITIAL
+            sql = self._end_unstarted_sql if unstarted else self._finish_sql
+            stamps = (at,) if unstarted else (at, at)
             upd = (
                 to_state,
                 fence,
                 details,
                 t.attempt,
-                at,
-                at,
+                *stamps,
                 flags[t.not_started],
                 step_id,
                 from_state,
@@ -1212,11 +1201,14 @@ class TransitionWriter:
         """After an error in the hot path's transaction: roll it back, and let go of the
         cursor (a statement it left half read would keep a read snapshot of the WAL open
         until the next commit, holding back checkpoints; rollback does not reset it)."""
+        self._drop_cursor()
+        raw.rollback()
+
+    def _drop_cursor(self) -> None:
         cur, self._cur = self._cur, None
         if cur is not None:
             with contextlib.suppress(Exception):
                 cur.close()
-        raw.rollback()
 
     def _commit_one_by_one(
         self,
@@ -1367,10 +1359,7 @@ class TransitionWriter:
         )
 
     def close(self) -> None:
-        if self._cur is not None:
-            with contextlib.suppress(Exception):
-                self._cur.close()
-            self._cur = None
+        self._drop_cursor()
         self._driver = None
         if self._raw is not None:
             self._raw.close()
