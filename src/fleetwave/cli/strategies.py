@@ -445,7 +445,7 @@ def _warn_if_undriven(store: Store, sid: int, what: str, verb: str) -> None:
     was just asked waits until one does (``what`` says what waits; ``verb`` how the
     operator does it here)."""
     who = queries.driving(store, sid)
-    if who.nobody and who.text is not None:
+    if who.wanted and who.nobody:
         err_console.print(
             f"warning: no conductor serves {store.url}: {what.format(sid=sid)} once "
             f"'fleetwave serve' runs (or {verb} it here: 'fleetwave strategy apply {sid} "

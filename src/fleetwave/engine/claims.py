@@ -30,7 +30,7 @@ from fleetwave.domain.workflow import WorkflowError
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.engine.messages import Message, StrategyClaimed
 from fleetwave.engine.run import InFlight, StrategyRun, Unsettled
-from fleetwave.engine.stopping import _not_started, _stop_details
+from fleetwave.engine.stopping import not_started_reason, stop_reason
 from fleetwave.engine.store_calls import StoreCalls
 from fleetwave.store import runtime as rt
 from fleetwave.store.admin import options_from_json
@@ -203,7 +203,7 @@ class ClaimsMixin(StoreCalls):
             run.stopping = "failure"
             # as the conductor that saw it said it: the failure that went past the limit
             who = await self._io(rt.failure_past_limit, self.store, rec.id, limit)
-            run.stop_details = _stop_details(run.options, limit + 1, who)
+            run.stop_details = stop_reason(run.options, limit + 1, who)
         if rec.state in (StrategyState.ABORT_REQUESTED, StrategyState.ABORTING):
             # The operator's abort wins over the failure threshold, as it does when the
             # abort reaches a running conductor (found by the simulator's abort fault).
@@ -263,11 +263,11 @@ class ClaimsMixin(StoreCalls):
             if step.not_started and run.stopping is not None:
                 # Nothing of this state (or of this attempt of it) ran, and nothing new
                 # may start: end it here.
-                end(step, STEP_ABORTED, _not_started(run, step.state, step.attempt))
+                end(step, STEP_ABORTED, not_started_reason(run, step.state, step.attempt))
                 continue
             # A clean stop records the states it entered but never started: those start
             # afresh; any other may have started, so its recover hook looks first.
-            fl = _put_in_flight(run, step, step.state, recovering=not step.not_started)
+            fl = put_in_flight(run, step, step.state, recovering=not step.not_started)
             out.append(fl)
             log.debug(
                 "step %s (%s): taken over in %s; %s",
@@ -348,7 +348,7 @@ class ClaimsMixin(StoreCalls):
         self.finished[rec.id] = final.value if ok else "lost"
 
 
-def _put_in_flight(
+def put_in_flight(
     run: StrategyRun, step: rt.StepRecord, state: str, *, recovering: bool
 ) -> InFlight:
     """A step taken over (a claim, or settling a refused transition) holds a slot again;

@@ -81,9 +81,9 @@ from fleetwave.engine.outcome_log import OutcomeLogMixin, outcomes
 from fleetwave.engine.periodic import PeriodicMixin
 from fleetwave.engine.run import InFlight, StrategyRun
 from fleetwave.engine.settle import SettleMixin
-from fleetwave.engine.stopping import _stop_details
+from fleetwave.engine.stopping import stop_reason
 from fleetwave.engine.store_calls import StoreCalls, _Fresh
-from fleetwave.engine.worker import WorkerMixin, _resolve
+from fleetwave.engine.worker import WorkerMixin, resolve_future
 from fleetwave.store import callbacks as cbs
 from fleetwave.store import runtime as rt
 from fleetwave.store.db import Store
@@ -368,7 +368,7 @@ class Conductor(
                     for run in self.runs.values():
                         for fl in run.inflight.values():
                             # a retry waiting out its backoff is left to the next owner
-                            _resolve(fl.backoff, None)
+                            resolve_future(fl.backoff, None)
                     log.info("stopping: draining %d running actions", len(self._workers))
                 if drain_until is not None and (
                     (not self._workers and not self._inbox) or loop.time() >= drain_until
@@ -427,7 +427,7 @@ class Conductor(
                     # Stale: the step moved on, or is another worker's now (taken over
                     # at a new fence): this worker must not run the retry. Or a clean
                     # stop: nothing starts, the retry is left (marked) to the next owner.
-                    _resolve(msg.handled, RetryAnswer.REFUSED)
+                    resolve_future(msg.handled, RetryAnswer.REFUSED)
                     continue
                 if msg.handled is not None:
                     retries.append((msg, msg.handled))
@@ -780,7 +780,7 @@ class Conductor(
                 return
 
     def _failure_details(self, run: StrategyRun, who: str | None = None) -> str:
-        return _stop_details(run.options, run.failed, who)
+        return stop_reason(run.options, run.failed, who)
 
     def _reported(
         self, msg: ActionFinished | RetryScheduled
@@ -811,7 +811,7 @@ class Conductor(
             step = None if stale else msg.step_id
             marks.append(rt.CallbackMark(msg.callback_id, outcome, why, msg.strategy_id, step))
         if stale:
-            _resolve(msg.go, False)  # its worker has nothing more to do
+            resolve_future(msg.go, False)  # its worker has nothing more to do
             self.stats.stale_outcomes += 1
             events.append(
                 rt.Event(
@@ -962,7 +962,7 @@ class Conductor(
             if run is None or limit is None:
                 continue
             # the commit names the target whose failure crossed the limit
-            details = _stop_details(run.options, limit + 1, rt.StopRule.TARGET)
+            details = stop_reason(run.options, limit + 1, rt.StopRule.TARGET)
             rules[run.id] = rt.StopRule(limit - run.failed, details)
         return rules
 
@@ -1129,7 +1129,7 @@ class Conductor(
                 continue
             if self._draining:
                 # Marked not started in this commit: the next owner starts it afresh.
-                _resolve(fl.go, False)
+                resolve_future(fl.go, False)
             else:
                 self._release(fl, run)
 
@@ -1212,7 +1212,7 @@ def _free_slot(run: StrategyRun, step_id: int) -> InFlight | None:
     if fl is None:
         return None
     run.group_load[fl.rec.group_id] -= 1
-    _resolve(fl.go, False)
+    resolve_future(fl.go, False)
     return fl
 
 
@@ -1224,10 +1224,10 @@ def _stop_flights(run: StrategyRun, end_wait: Callable[[InFlight], None]) -> Non
     abort = run.stopping == "abort"
     for fl in run.inflight.values():
         fl.stopped = True
-        _resolve(fl.backoff, None)  # a retry waiting out its backoff ends now
+        resolve_future(fl.backoff, None)  # a retry waiting out its backoff ends now
         if abort:
             fl.aborted = True
             if fl.waiter is not None:
                 end_wait(fl)
             else:
-                _resolve(fl.waiting, None)
+                resolve_future(fl.waiting, None)

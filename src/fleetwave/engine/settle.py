@@ -13,11 +13,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fleetwave.domain.models import STEP_ABORTED, STEP_FAILED, STEP_INITIAL, STEP_TERMINAL
-from fleetwave.engine.claims import _put_in_flight
+from fleetwave.engine.claims import put_in_flight
 from fleetwave.engine.clock import Clock
 from fleetwave.engine.messages import CallbackArrived, Message
 from fleetwave.engine.run import InFlight, StrategyRun, Unsettled
-from fleetwave.engine.stopping import _not_started
+from fleetwave.engine.stopping import not_started_reason
 from fleetwave.engine.store_calls import StoreCalls
 from fleetwave.store import callbacks as cbs
 from fleetwave.store import runtime as rt
@@ -197,7 +197,7 @@ class SettleMixin(StoreCalls):
                 why = f"{row.state}: set back after it had entered {refused.to_state}"
                 end(row, STEP_FAILED, why, f"{why}: failed")
             elif row.not_started and run.stopping is not None:
-                why = _not_started(run, row.state, row.attempt)
+                why = not_started_reason(run, row.state, row.attempt)
                 end(row, STEP_ABORTED, why, f"{why}: aborted")
             else:
                 if row.not_started and row.attempt <= 1:
@@ -258,7 +258,7 @@ class SettleMixin(StoreCalls):
     def _back_in_flight(
         self, run: StrategyRun, step: rt.StepRecord, state: str, *, recovering: bool
     ) -> None:
-        self._release(_put_in_flight(run, step, state, recovering=recovering))
+        self._release(put_in_flight(run, step, state, recovering=recovering))
 
     def _settle_later(self, run: StrategyRun) -> None:
         run.settle_timer = None

@@ -7,7 +7,7 @@ from fleetwave.domain.models import StrategyOptions
 from fleetwave.engine.run import StrategyRun
 
 
-def _stop_details(options: StrategyOptions, failed: int, who: str | None = None) -> str:
+def stop_reason(options: StrategyOptions, failed: int, who: str | None = None) -> str:
     """Why a strategy stopped starting steps, once ``failed`` steps exceed its limit
     (``who``: the target whose failure did it, if known)."""
     if options.stop_on_failure:
@@ -17,7 +17,7 @@ def _stop_details(options: StrategyOptions, failed: int, who: str | None = None)
     return f"stopped: {failed} failed {many} the failure threshold of {options.failure_limit}{last}"
 
 
-def _not_started(run: StrategyRun, state: str, attempt: int) -> str:
+def not_started_reason(run: StrategyRun, state: str, attempt: int) -> str:
     """Why a step entered but not started (its state, or a recorded retry of it: its
     ``attempt``) ends aborted once its strategy stops."""
     if attempt > 1:

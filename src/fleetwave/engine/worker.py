@@ -2,7 +2,7 @@
 
 A step's worker runs its state's action (or recover hook) with retries and backoff,
 polls, waits for the target's callback, and reports the outcome to the dispatcher by
-message (G2); it never touches the dispatcher's tables. :func:`_resolve` is how the
+message (G2); it never touches the dispatcher's tables. :func:`resolve_future` is how the
 dispatcher answers the futures a worker waits on.
 """
 
@@ -40,7 +40,7 @@ from fleetwave.engine.messages import (
     RetryScheduled,
 )
 from fleetwave.engine.run import InFlight, StrategyRun
-from fleetwave.engine.stopping import _not_started
+from fleetwave.engine.stopping import not_started_reason
 from fleetwave.engine.store_calls import StoreCalls
 from fleetwave.store import callbacks as cbs
 from fleetwave.store import runtime as rt
@@ -417,7 +417,7 @@ class WorkerMixin(StoreCalls):
 
     async def _sleep(self, delay: float, early: asyncio.Future[None]) -> None:
         """``delay`` seconds, or until ``early`` is resolved (by a stop or an abort)."""
-        timer = self._loop.call_later(delay, _resolve, early, None)
+        timer = self._loop.call_later(delay, resolve_future, early, None)
         try:
             await early
         finally:
@@ -437,7 +437,7 @@ class WorkerMixin(StoreCalls):
             if fl.rec.step_id in queued:
                 keep.append(fl)  # the inbox is not empty: the next turn comes at once
             else:
-                _resolve(fl.waiting, None)
+                resolve_future(fl.waiting, None)
         self._ending_waits = keep
 
     async def _poll_again(
@@ -486,7 +486,7 @@ class WorkerMixin(StoreCalls):
             ended = fl.waiting = self._loop.create_future()
 
             def answered(_: object) -> None:
-                _resolve(ended, None)
+                resolve_future(ended, None)
 
             waiter.add_done_callback(answered)
             if fl.aborted:
@@ -506,7 +506,7 @@ def _retry_not_started(
 ) -> ActionFinished:
     """A retry recorded and taken over that the strategy's stop keeps from starting: the
     step ends aborted, the attempt its row names not started."""
-    why = _not_started(run, state, rec.attempt)
+    why = not_started_reason(run, state, rec.attempt)
     return ActionFinished(
         run.id, rec.step_id, state, fence, Decision(STEP_ABORTED, why), rec.attempt, None
     )
@@ -517,7 +517,7 @@ def _utc(at: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at)) + "Z"
 
 
-def _resolve(fut: asyncio.Future[R] | None, value: R) -> None:
+def resolve_future(fut: asyncio.Future[R] | None, value: R) -> None:
     if fut is not None and not fut.done():
         fut.set_result(value)
 

@@ -403,6 +403,11 @@ class Driving:
         return self.owner is None and self.claimer is None
 
     @property
+    def wanted(self) -> bool:
+        """Its state asks for a conductor (applying, aborting): not ended, and applied."""
+        return self.text is not None
+
+    @property
     def brief(self) -> str:
         """As a list's column says it: the conductor, or that nobody drives it (and
         whether a serving conductor is about to claim it); ``strategy show`` says more."""
