@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 import json
 import logging
 import signal
@@ -208,6 +209,34 @@ def test_show_says_how_many_steps_are_in_flight_and_until_when(cli: Cli, db_path
     plain = cli("strategy", "show", str(sid)).out
     (line,) = [x for x in plain.splitlines() if x.startswith("in_flight_until")]
     assert line.endswith(when(later)), line  # a time, as every time shown is
+
+
+def test_show_counts_steps_whose_action_has_not_started_apart(cli: Cli, db_path: Path) -> None:
+    """After a clean stop (Ctrl-C of apply --wait) `strategy show` said `in_flight 6` and
+    a deadline 15 minutes ahead for steps entered but never started: at 3 a.m. that
+    reads as six actions running somewhere. A retry waiting out its backoff runs
+    nothing either. Neither is in flight, nor has a say in `in_flight_until`."""
+    add(cli, "a", "b", "c", "d")
+    sid = create(cli, "--all")
+    assert cli("strategy", "apply", str(sid)).code == 0
+    now = time.time()
+    rows = (
+        ("a", "pre-check", now + 600, 0, 1),  # running
+        ("b", "finishing", now + 1800, 1, 1),  # entered while stopping
+        ("c", "apply", now + 3600, 1, 2),  # a retry, waiting
+        ("d", "apply", now + 900, 0, 3),  # a retry that started: running
+    )
+    with sqlite3.connect(db_path) as db:
+        for name, state, deadline, not_started, attempt in rows:
+            db.execute(
+                "UPDATE steps SET state=?, deadline_at=?, not_started=?, attempt=? WHERE "
+                "target_id=(SELECT id FROM targets WHERE name=?)",
+                (state, deadline, not_started, attempt, name),
+            )
+    shown = cli("strategy", "show", str(sid), "--format", "json").json()
+    got = {k: shown[k] for k in ("in_flight", "not_started", "waiting_to_retry")}
+    assert got == {"in_flight": 2, "not_started": 1, "waiting_to_retry": 1}
+    assert shown["in_flight_until"] == now + 900
 
 
 def test_a_drawn_table_never_splits_a_time_over_two_lines() -> None:
@@ -518,3 +547,26 @@ def test_ctrl_c_of_an_admin_command_says_so_in_one_line(
     res = cli("strategy", "apply", str(sid), "--wait")
     assert res.code == 130
     assert "error: interrupted" not in res.err and res.err.count("\n") == 1, res.err
+
+
+def test_apply_wait_to_a_log_writes_progress_lines(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under cron, systemd or CI (stderr not a terminal) `apply --wait` wrote nothing
+    while it ran: Rich's live bar draws only on a terminal, so a healthy rollout read
+    as a hung one. To a log it writes a line when the counts change (at most every
+    PROGRESS_LINE_EVERY_S), the first at once and the last with the final state."""
+    monkeypatch.setattr("fleetwave.cli.drive.PROGRESS_LINE_EVERY_S", 0.05)
+    add(cli, *(f"t{i}" for i in range(8)), latency_ms=150)
+    sid = create(cli, "--all", "--max-parallel", "2")
+    res = cli("strategy", "apply", str(sid), "--wait")
+    assert res.code == 0, res.err
+    lines = [x for x in res.err.splitlines() if f" strategy {sid}: " in x]
+    assert len(lines) >= 4, res.err  # 8 targets, 2 at a time, 5 states of 150 ms
+    ended = [int(x.split(f"strategy {sid}: ")[1].split(" of ")[0]) for x in lines]
+    assert ended == sorted(ended) and ended[0] < 8 and ended[-1] == 8, lines
+    assert lines[0].endswith("; applying"), lines[0]
+    assert lines[-1].endswith("8 of 8 steps ended (8 complete), 0 in a state, 0 waiting; complete")
+    said = [x[21:] for x in lines]
+    assert all(a != b for a, b in itertools.pairwise(said)), lines  # each says something new
+    datetime.strptime(lines[0][:20], "%Y-%m-%d %H:%M:%SZ")  # each starts with a UTC time

@@ -1,4 +1,5 @@
-"""Driving a strategy in the foreground with a live progress bar.
+"""Driving a strategy in the foreground with a live progress bar (on a terminal), or
+progress lines (to a log: cron, systemd, CI).
 
 If another live conductor (``fleetwave serve``) owns the strategy, this waits for
 it to end, and takes it over if that conductor dies (once its lease has run out,
@@ -12,6 +13,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +35,27 @@ from fleetwave.engine.config import EngineConfig
 from fleetwave.store import queries
 from fleetwave.store.db import Store
 from fleetwave.store.runtime import strategy_state
+
+#: progress lines (stderr not a terminal): one when the counts or the strategy's state
+#: changed, at most this often (seconds) ...
+PROGRESS_LINE_EVERY_S = 10.0
+#: ... and at least this often, changed or not (a log that stops reads as a hang)
+PROGRESS_LINE_QUIET_S = 300.0
+
+
+def progress_line(sid: int, total: int, counts: dict[str, int], state: str) -> str:
+    """One line of a rollout's progress for a log: the time (UTC), the steps ended (by
+    final state), in a state, waiting, and the strategy's state."""
+    ended = {k: counts.get(k, 0) for k in ("complete", "failed", "aborted") if counts.get(k)}
+    done = queries.steps_ended(counts)
+    waiting = counts.get("initial", 0)
+    moving = sum(counts.values()) - done - waiting
+    how = ", ".join(f"{n} {k}" for k, n in ended.items())
+    at = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime())
+    return (
+        f"{at} strategy {sid}: {done} of {total} steps ended{f' ({how})' if how else ''}, "
+        f"{moving} in a state, {waiting} waiting; {state}"
+    )
 
 
 @dataclass
@@ -157,6 +180,25 @@ def stopped_at_once(store: Store, sid: int, lease_ttl_s: float) -> str:
     )
 
 
+async def _log_progress(store: Store, sid: int, total: int, done: asyncio.Event) -> None:
+    """Progress as lines on stderr, for a log (see :data:`PROGRESS_LINE_EVERY_S`): the
+    first at once, the last (unless the one before said the same) when the drive ends."""
+    last, last_at = "", -PROGRESS_LINE_QUIET_S
+    while True:
+        now = time.monotonic()
+        counts = queries.step_counts(store, sid)
+        state, _owner = strategy_state(store, sid)
+        line = progress_line(sid, total, counts, state)
+        seen = line.split(" ", 2)[2]  # what it says, without its time
+        if seen != last or now - last_at >= PROGRESS_LINE_QUIET_S:
+            err_console.print(line, highlight=False)
+            last, last_at = seen, now
+        if done.is_set():
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), timeout=PROGRESS_LINE_EVERY_S)
+
+
 async def _watch(
     store: Store, sid: int, total: int, progress: Progress | None, done: asyncio.Event
 ) -> None:
@@ -200,12 +242,16 @@ async def _drive(store: Store, sid: int, show_progress: bool, config: EngineConf
             console=err_console,
             transient=False,
         )
-        if show_progress
+        if show_progress and err_console.is_terminal
         else None
     )
     if progress is not None:
         progress.start()
-    watcher = asyncio.create_task(_watch(store, sid, total, progress, done))
+        watcher = asyncio.create_task(_watch(store, sid, total, progress, done))
+    elif show_progress:  # to a log: a live bar would show only its last frame
+        watcher = asyncio.create_task(_log_progress(store, sid, total, done))
+    else:
+        watcher = asyncio.create_task(_watch(store, sid, total, None, done))
     stop = asyncio.Event()
     driving = [conductor]
     held = [True]

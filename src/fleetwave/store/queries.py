@@ -498,15 +498,34 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
         out["options"] = _shown_json(r.options)
         out["driven_by"] = _driving(r, now, _Conductors.read(conn, now)).text
         out["step_states"] = counts = _step_counts(conn, sid)
-        # Steps in one of their states, and the latest of their deadlines: a stop or an
-        # abort lets them finish that state, so it is over by then at the latest (an
-        # operator waiting on an abort asked when it would end).
-        out["in_flight_until"] = conn.execute(
-            select(func.max(steps.c.deadline_at)).where(
+        # Steps in one of their states, by whether its action started: a started one
+        # (in flight) and the latest of their deadlines: a stop or an abort lets them
+        # finish that state, so it is over by then at the latest (an operator waiting on
+        # an abort asked when it would end). One entered but not started (by a conductor
+        # that was stopping), or a retry waiting out its backoff, runs nothing meanwhile,
+        # and a stop ends it at once: counted apart, no deadline (after a clean stop,
+        # they read as actions running somewhere).
+        out["in_flight"] = out["not_started"] = out["waiting_to_retry"] = 0
+        out["in_flight_until"] = None
+        for not_started, retry, n, until in conn.execute(
+            select(
+                steps.c.not_started,
+                steps.c.attempt > 1,
+                func.count(),
+                func.max(steps.c.deadline_at),
+            )
+            .where(
                 steps.c.strategy_id == sid,
                 steps.c.state.not_in([STEP_INITIAL, *sorted(STEP_TERMINAL)]),
             )
-        ).scalar_one()
+            .group_by(steps.c.not_started, steps.c.attempt > 1)
+        ):
+            if not not_started:
+                out["in_flight"] += int(n)
+                if until is not None:
+                    out["in_flight_until"] = max(out["in_flight_until"] or until, until)
+            else:
+                out["waiting_to_retry" if retry else "not_started"] += int(n)
         # when the rollout last moved (the row's updated_at is its own state's change)
         out["last_transition_at"] = conn.execute(
             select(journal.c.at)
@@ -515,7 +534,6 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
             .limit(1)
         ).scalar_one_or_none()
     out["done"] = steps_ended(counts)  # as strategy list has it
-    out["in_flight"] = sum(n for state, n in counts.items() if state != STEP_INITIAL) - out["done"]
     return out
 
 
