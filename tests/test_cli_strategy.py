@@ -1040,6 +1040,32 @@ def test_the_demos_odd_remote_state_is_the_workflows_own(
     assert logging.getLogger("fleetwave.engine.outcomes").level == logging.NOTSET
 
 
+@pytest.mark.parametrize(("workflow", "skipper"), [("patch", "pre-check"), ("clean", None)])
+def test_the_demo_makes_targets_already_done_only_where_its_workflow_skips_them(
+    cli: Cli, tmp_path: Path, workflow: str, skipper: str | None
+) -> None:
+    """An operator walkthrough: `demo --workflow clean` said "5 targets already patched
+    (they skip)", then "of which skipped (already done) 0": clean has no state that
+    skips a target already done."""
+    res = cli(
+        "demo",
+        *("--targets", "200", "--latency-ms", "0", "--workflow", workflow),
+        *("--db", str(tmp_path / "demo.db")),
+        db=None,
+    )
+    assert res.code == 0, res.text
+    (purpose,) = [x for x in res.out.splitlines() if x.startswith("on purpose: ")]
+    (skipped,) = [x for x in res.out.splitlines() if "of which skipped" in x]
+    if skipper is None:
+        assert "already" not in purpose, purpose
+        assert skipped.split()[-1] == "0", skipped
+    else:
+        said = purpose.split("already done")[0].split(", ")[-1]  # "6 targets "
+        n = int(said.split()[0])
+        assert n > 0 and f"already done ({skipper} skips them)" in purpose, purpose
+        assert skipped.split()[-1] == str(n), skipped
+
+
 def test_demo_json_summary(cli: Cli, tmp_path: Path) -> None:
     demo_db = tmp_path / "demo.db"
     res = cli(

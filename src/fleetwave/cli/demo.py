@@ -26,6 +26,7 @@ from fleetwave.cli.drive import drive_strategy
 from fleetwave.cli.output import Format, console, emit_rows, err_console, print_json
 from fleetwave.domain.errors import InputError
 from fleetwave.domain.models import StrategyOptions, Target, plural
+from fleetwave.domain.workflow import WorkflowDef
 from fleetwave.drivers.sim import MAX_LATENCY_MS
 from fleetwave.engine import loop as event_loop
 from fleetwave.store import admin, queries
@@ -44,9 +45,26 @@ ODD_REMOTE_STATES = {
 }
 
 
+def skipping_state(wf: WorkflowDef) -> str | None:
+    """The first state of ``wf`` that skips a target reporting it already done, if any
+    (a workflow without one runs such a target through)."""
+    for st in wf.states:
+        if getattr(st.action, "skip_when_done", False):
+            return st.name
+    return None
+
+
 def demo_targets(
-    n: int, seed: int, latency_ms: float, failure_rate: float, workflow: str = "patch"
+    n: int,
+    seed: int,
+    latency_ms: float,
+    failure_rate: float,
+    workflow: str = "patch",
+    *,
+    skips: bool = True,
 ) -> list[Target]:
+    """The demo's fleet; ``skips``: the workflow skips targets already done (a few then
+    report they are; without such a state, none is made so)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -56,8 +74,8 @@ def demo_targets(
             "latency_sigma": 0.4,
             "failure_rate": failure_rate,
         }
-        if rng.random() < 0.03:
-            settings["already_done"] = True  # pre-check skips: already patched
+        if rng.random() < 0.03 and skips:
+            settings["already_done"] = True  # e.g. patch's pre-check skips: already patched
         out.append(Target(name=f"subcloud{i + 1:05d}", settings=settings))
     if n >= 10:
         # One target someone unmanaged mid-change, and one whose remote side is in a state
@@ -99,7 +117,8 @@ def demo_command(
     elif Path(db).exists():
         raise InputError(f"--db: {db} already exists; the demo needs a new database file")
     store = open_store(db)
-    fleet = demo_targets(targets, seed, latency_ms, failure_rate, wf.name)
+    skipper = skipping_state(wf)
+    fleet = demo_targets(targets, seed, latency_ms, failure_rate, wf.name, skips=bool(skipper))
     admin.add_targets(store, fleet)
     sid = admin.create_strategy(
         store, wf, StrategyOptions(max_parallel=max_parallel), all_targets=True
@@ -112,7 +131,7 @@ def demo_command(
             f"max parallel {max_parallel} (db {escape(db)})",
             markup=True,
         )
-        purpose = _on_purpose(fleet, failure_rate)
+        purpose = _on_purpose(fleet, failure_rate, skipper)
         if purpose:
             console.print(f"{purpose}: the failures below are the simulator's", highlight=False)
     from fleetwave.engine.config import EngineConfig
@@ -224,12 +243,17 @@ def _prog() -> str:
     return invoked if os.path.basename(invoked) == "fleetwave" else "fleetwave"
 
 
-def _on_purpose(fleet: list[Target], failure_rate: float) -> str:
-    """What the demo's fleet does wrong on purpose: its failures are the simulator's."""
+def _on_purpose(fleet: list[Target], failure_rate: float, skipper: str | None) -> str:
+    """What the demo's fleet does wrong on purpose: its failures are the simulator's
+    (``skipper``: the state that skips targets already done)."""
     said = [f"a failure rate of {failure_rate:.2%} per operation"] if failure_rate else []
-    done = sum(1 for t in fleet if t.settings.get("already_done"))
+    done = sum(
+        1
+        for t in fleet
+        if t.settings.get("already_done") and t.managed and "remote_state" not in t.settings
+    )  # (the unmanaged one and the odd one fail first)
     if done:
-        said.append(f"{plural(done, 'target')} already patched (they skip)")
+        said.append(f"{plural(done, 'target')} already done ({skipper} skips them)")
     said += [f"{t.name} unmanaged" for t in fleet if not t.managed]
     said += [
         f"{t.name} in an unexpected remote state" for t in fleet if "remote_state" in t.settings
