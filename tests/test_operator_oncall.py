@@ -570,3 +570,40 @@ def test_apply_wait_to_a_log_writes_progress_lines(
     said = [x[21:] for x in lines]
     assert all(a != b for a, b in itertools.pairwise(said)), lines  # each says something new
     datetime.strptime(lines[0][:20], "%Y-%m-%d %H:%M:%SZ")  # each starts with a UTC time
+
+
+def test_a_callback_for_a_state_the_step_has_not_reached_says_it_is_kept(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """An operator walkthrough: a `done` callback for clean-steps sent while the step
+    was still in wait-for-agent was answered "stored; the conductor answers it", then
+    moved the step through clean-steps at once. Such a report is kept for the state
+    (an agent's report can overtake the step's move); the answer now says so."""
+    wf = tmp_path / "agent.yaml"
+    wf.write_text(
+        "name: agent-wf\nstates:\n  - name: prep\n  - name: wait-agent\n"
+        "    mode: wait-for-callback\n    timeout_s: 60\n  - name: last\n",
+        encoding="utf-8",
+    )
+    assert cli("workflow", "add", str(wf)).code == 0
+    add(cli, "a")
+    res = cli("strategy", "create", "--workflow", "agent-wf", "--all", "--format", "json")
+    sid = int(res.json()["id"])
+    (step,) = cli("step", "list", "--strategy", str(sid), "--format", "json").json()
+    kept = cli("step", "callback", str(step["step"]), "wait-agent")
+    assert kept.code == 0, kept.err
+    assert kept.out.strip() == (
+        f"callback 1 for step {step['step']} (wait-agent, done) stored and kept: the step is "
+        "not started, before wait-agent; it counts once the step reaches wait-agent, and is "
+        "ignored if the step ends first"
+    )
+    with sqlite3.connect(tmp_path / "fleet.db") as db:
+        db.execute("UPDATE steps SET state='prep' WHERE id=?", (step["step"],))
+    kept = cli("step", "callback", str(step["step"]), "wait-agent", "--format", "json")
+    assert kept.json()["outcome"] is None
+    assert "the step is in prep, before wait-agent" in cli(
+        "step", "callback", str(step["step"]), "wait-agent"
+    ).out
+    # a state that waits for no callback: the conductor ignores it, no "kept"
+    plain = cli("step", "callback", str(step["step"]), "last")
+    assert plain.code == 0 and "kept" not in plain.out and "stored;" in plain.out, plain.out

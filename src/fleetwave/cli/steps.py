@@ -8,13 +8,19 @@ from typing import Annotated, Any
 
 import typer
 
+from fleetwave.catalog import resolve_workflow
 from fleetwave.cli.common import DbOpt, FormatOpt, StepId, done, existing_store, whole_number
 from fleetwave.cli.output import Format, emit_one, emit_rows, err_console, first_then
 from fleetwave.cli.parsing import several
-from fleetwave.domain.errors import InputError
+from fleetwave.domain.errors import InputError, NotFound
+from fleetwave.domain.models import STEP_INITIAL, STEP_TERMINAL
+from fleetwave.domain.registry import ActionNotFound, PluginError
+from fleetwave.domain.workflow import WorkflowError
+from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.store import queries
 from fleetwave.store.callbacks import KINDS as CALLBACK_KINDS
 from fleetwave.store.callbacks import accept_callback
+from fleetwave.store.db import Store
 
 # put under the root command by main.py, which gives it its command class (_Commands)
 step_app = typer.Typer(help="Steps: one target inside one strategy.", no_args_is_help=True)
@@ -96,8 +102,15 @@ def step_callback(
         "reason": reason,
     }
     late = outcome is not None
+    ahead = None if late else _ahead_of(store, step, states, state)
     if late:
         said = f"callback {record.id} for step {step_id} stored and {outcome}: {reason}"
+    elif ahead is not None:
+        said = (
+            f"callback {record.id} for step {step_id} ({state}, {kind}) stored and kept: the "
+            f"step is {ahead}, before {state}; it counts once the step reaches {state}, and "
+            "is ignored if the step ends first"
+        )
     else:
         said = (
             f"callback {record.id} for step {step_id} ({state}, {kind}) stored; the conductor "
@@ -112,3 +125,28 @@ def step_callback(
             f"{record.strategy_id} --wait')",
             highlight=False,
         )
+
+
+def _ahead_of(store: Store, step: dict[str, Any], states: Any, state: str) -> str | None:
+    """Where a step is (its state, or "not started"), when a callback for ``state``
+    came before the step reached it and ``state`` waits for callbacks: the conductor
+    keeps such a report for it (an agent's report can overtake the step's move).
+    None otherwise, or when the strategy's workflow cannot be read here."""
+    now = str(step["state"])
+    if not isinstance(states, list) or state not in states or now in STEP_TERMINAL:
+        return None
+    if now != STEP_INITIAL and (now not in states or states.index(now) >= states.index(state)):
+        return None
+    name, own_copy = queries.strategy_workflow(store, int(step["strategy"]))
+    try:
+        wf = (
+            parse_workflow_yaml(own_copy, source=f"workflow {name}")
+            if own_copy is not None
+            else resolve_workflow(store, name)
+        )
+        waits = wf.state(state).mode == "wait-for-callback"
+    except (NotFound, ActionNotFound, PluginError, WorkflowError, KeyError):
+        return None  # (only what the answer says depends on it)
+    if not waits:
+        return None
+    return "not started" if now == STEP_INITIAL else f"in {now}"
