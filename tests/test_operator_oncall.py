@@ -601,9 +601,10 @@ def test_a_callback_for_a_state_the_step_has_not_reached_says_it_is_kept(
         db.execute("UPDATE steps SET state='prep' WHERE id=?", (step["step"],))
     kept = cli("step", "callback", str(step["step"]), "wait-agent", "--format", "json")
     assert kept.json()["outcome"] is None
-    assert "the step is in prep, before wait-agent" in cli(
-        "step", "callback", str(step["step"]), "wait-agent"
-    ).out
+    assert (
+        "the step is in prep, before wait-agent"
+        in cli("step", "callback", str(step["step"]), "wait-agent").out
+    )
     # a state that waits for no callback: the conductor ignores it, no "kept"
     plain = cli("step", "callback", str(step["step"]), "last")
     assert plain.code == 0 and "kept" not in plain.out and "stored;" in plain.out, plain.out
