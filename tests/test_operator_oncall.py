@@ -237,6 +237,11 @@ def test_show_counts_steps_whose_action_has_not_started_apart(cli: Cli, db_path:
     got = {k: shown[k] for k in ("in_flight", "not_started", "waiting_to_retry")}
     assert got == {"in_flight": 2, "not_started": 1, "waiting_to_retry": 1}
     assert shown["in_flight_until"] == now + 900
+    # the list too: a rollout retrying under backoff showed "0/4" and empty details
+    (listed,) = cli("strategy", "list", "--format", "json").json()
+    assert listed["waiting_to_retry"] == 1
+    table = cli("strategy", "list").out
+    assert "0/4 (1 waiting to retry)" in table, table
 
 
 def test_a_drawn_table_never_splits_a_time_over_two_lines() -> None:

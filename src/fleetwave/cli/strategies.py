@@ -486,6 +486,8 @@ def strategy_list(
             # drives it (`strategy show` says more: how to get it driven)
             counts = row["step_states"]
             bad = [f"{counts[s]} {s}" for s in ("failed", "aborted") if counts.get(s)]
+            if row["waiting_to_retry"]:
+                bad.append(f"{row['waiting_to_retry']} waiting to retry")
             row["done"] = f"{row['done']}/{row['steps']}" + (f" ({', '.join(bad)})" if bad else "")
     emit_rows(rows, ["id", "workflow", "state", "done", "driven_by", "details"], fmt)
 

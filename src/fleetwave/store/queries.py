@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
-from sqlalchemy import case, func, select
+from sqlalchemy import and_, case, func, select
 
 from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.models import (
@@ -277,18 +277,26 @@ def list_strategies(
             q = q.where(strategies.c.state.in_(list(states)))
         rows = conn.execute(q).all()
         counts: dict[int, dict[str, int]] = {}
-        for sid, state, n in conn.execute(
-            select(steps.c.strategy_id, steps.c.state, func.count()).group_by(
-                steps.c.strategy_id, steps.c.state
+        retrying: dict[int, int] = {}
+        retry = and_(steps.c.not_started, steps.c.attempt > 1)
+        for sid, state, waits, n in conn.execute(
+            select(steps.c.strategy_id, steps.c.state, retry, func.count()).group_by(
+                steps.c.strategy_id, steps.c.state, retry
             )
         ):
-            counts.setdefault(int(sid), {})[str(state)] = int(n)
+            mine = counts.setdefault(int(sid), {})
+            mine[str(state)] = mine.get(str(state), 0) + int(n)
+            if waits and state != STEP_INITIAL and state not in STEP_TERMINAL:
+                retrying[int(sid)] = retrying.get(int(sid), 0) + int(n)
         known = _Conductors.read(conn, now)
     out = []
     for r in rows:
         item = _strategy_dict(r)
         item["step_states"] = counts.get(int(r.id), {})
         item["done"] = steps_ended(item["step_states"])
+        # steps between two attempts of a state, waiting out its backoff (as `strategy
+        # show` counts them): a rollout that retries does not look idle
+        item["waiting_to_retry"] = retrying.get(int(r.id), 0)
         who = _driving(r, now, known)
         item["driven_by"] = who.brief if brief else who.text
         out.append(item)
