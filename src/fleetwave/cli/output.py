@@ -311,6 +311,9 @@ def emit_one(obj: dict[str, Any], fmt: Format) -> None:
     if fmt is Format.json:
         print_json(obj)
         return
+    # a list of rows (history, events, callbacks) with none: "none" among the fields
+    # (it prints as a table of its own below them when it has some)
+    obj = {k: "none" if isinstance(v, list) and not v else v for k, v in obj.items()}
     if not console.is_terminal:
         # piped: one "field  value" line each, never wrapped (as emit_rows' plain rows)
         fields = [

@@ -35,6 +35,7 @@ from fleetwave.domain.models import (
     ApplyType,
     StrategyOptions,
     StrategyState,
+    plural,
     shown,
 )
 from fleetwave.domain.registry import get_workflow
@@ -164,10 +165,15 @@ def strategy_create(
         # (a built-in or plug-in workflow of that name comes first: then not the store's)
         workflow_from_store=get_workflow(wf.name) is None,
     )
+    made = queries.get_strategy(store, sid)
     if fmt is Format.json:
-        print_json(queries.get_strategy(store, sid))
+        print_json(made)
     else:
-        console.print(f"strategy {sid} created ({wf.name})")
+        console.print(
+            f"strategy {sid} created ({wf.name}, {plural(int(made['steps']), 'target')}, max "
+            f"parallel {made['max_parallel']}); 'fleetwave strategy apply {sid}' starts it",
+            highlight=False,
+        )
 
 
 def _target_names(given: str) -> list[str]:
