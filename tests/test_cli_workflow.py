@@ -763,6 +763,9 @@ def test_validate_with_a_database_says_what_add_would_say_of_the_version(
     assert_rejected(cli("workflow", "add", str(older)), said)
     said = "version 3 is already stored with other states or settings"
     assert_rejected(cli("workflow", "validate", str(changed)), said)
+    # named with its file, as every other error of a workflow file is (a walkthrough)
+    res = cli("workflow", "add", str(changed))
+    assert res.err.startswith(f"error: {changed}: workflow site-patch: version 3 is"), res.err
     res = cli("workflow", "validate", str(tmp_path / "wf.yaml"))
     assert res.code == 0 and res.out.strip().endswith("already stored as v3, unchanged")
     res = cli("workflow", "validate", str(newer))

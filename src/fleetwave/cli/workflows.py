@@ -3,6 +3,8 @@ YAML one validated, added and deleted."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -21,7 +23,7 @@ from fleetwave.cli.common import (
 )
 from fleetwave.cli.output import Format, emit_one, emit_rows, err_console
 from fleetwave.cli.parsing import read_text_file
-from fleetwave.domain.errors import InputError, NotFound
+from fleetwave.domain.errors import Conflict, InputError, NotFound
 from fleetwave.domain.models import plural
 from fleetwave.domain.registry import get_workflow
 from fleetwave.domain.workflow import describe_workflow
@@ -155,7 +157,8 @@ def workflow_validate(file: Path, fmt: FormatOpt = Format.table, db: DbOpt = Non
     }
     store = store_if_any(db)
     if store is not None:
-        stored = answer["stored_version"] = admin.check_workflow_version(store, wf)
+        with _naming(file):
+            stored = answer["stored_version"] = admin.check_workflow_version(store, wf)
         if stored is None:
             said += "; 'workflow add' would store it"
             answer["add_would"] = "store"
@@ -177,6 +180,16 @@ def _check_file(file: Path) -> None:
         raise InputError(f"FILE: {file} is not a regular file (a device, pipe or socket)")
 
 
+@contextmanager
+def _naming(file: Path) -> Iterator[None]:
+    """A version the store refuses is named with its file, as the file's other errors
+    are (``bad.yaml: workflow w: version 1 is already stored with other states``)."""
+    try:
+        yield
+    except Conflict as exc:
+        raise Conflict(f"{file}: {exc}") from None
+
+
 def _not_builtin(file: Path, name: str) -> None:
     """``workflow add`` refuses a built-in's (or a plug-in's) name; validate says so too."""
     known = get_workflow(name)
@@ -191,7 +204,8 @@ def workflow_add(file: Path, fmt: FormatOpt = Format.table, db: DbOpt = None) ->
     text = read_text_file(file)
     wf = parse_workflow_yaml(text, source=str(file), strict=True)
     _not_builtin(file, wf.name)
-    replaced = admin.save_workflow(store_for(db), wf, text)
+    with _naming(file):
+        replaced = admin.save_workflow(store_for(db), wf, text)
     answer = {
         "name": wf.name,
         "version": wf.version,
