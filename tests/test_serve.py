@@ -86,6 +86,14 @@ def test_serve_drives_apply_and_a_second_process_only_watches(tmp_path: Path) ->
         _out, err = serve.communicate(timeout=30)
     assert serve.returncode == 0, err
     assert "leases handed back" in err
+    # its log says what it drove (it said nothing between "serving" and "stopped"): a
+    # line when it took the strategy on, and one when the strategy ended
+    said = [x for x in err.splitlines() if f" strategy {sid}: " in x]
+    assert len(said) >= 2, err
+    assert said[0].endswith("; applying") and " of 60 steps ended" in said[0], said
+    assert said[-1].endswith(
+        "60 of 60 steps ended (60 complete), 0 in a state, 0 waiting; complete (ended)"
+    ), said
 
     store = open_store(db)
     with store.read() as conn:
@@ -600,3 +608,26 @@ def test_a_callback_sent_with_the_cli_moves_a_waiting_step_on(tmp_path: Path) ->
         "outcome": "ignored",
         "reason": "late: step already complete",
     }
+
+
+def test_serve_says_what_it_hands_back_at_a_clean_stop(tmp_path: Path) -> None:
+    """serve's log said nothing of the strategies it drove: at a clean stop it now says
+    which it handed back, with where each stood (and that the next conductor goes on)."""
+    db = str(tmp_path / "back.db")
+    sid = _slow_strategy(db)
+    assert _cli(db, "strategy", "apply", str(sid)).returncode == 0
+
+    def ctrl_c(proc: subprocess.Popen[str]) -> None:
+        time.sleep(1.5)  # its first line (taken on) is said within a second
+        proc.send_signal(signal.SIGINT)
+
+    code, err = _once_claimed(db, sid, ["serve"], ctrl_c)
+    assert code == 0, err
+    said = [x for x in err.splitlines() if f" strategy {sid}: " in x]
+    assert len(said) == 2, err
+    assert said[0].endswith("0 of 1 steps ended, 1 in a state, 0 waiting; applying"), said
+    assert said[1].endswith(
+        "0 of 1 steps ended, 1 in a state, 0 waiting; applying "
+        "(handed back: the next conductor goes on with it)"
+    ), said
+    assert err.strip().splitlines()[-1].endswith("stopped; leases handed back"), err

@@ -25,7 +25,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, NoResultFound
 
 from fleetwave.cli.output import err_console
 from fleetwave.domain.models import STRATEGY_TERMINAL
@@ -180,23 +180,117 @@ def stopped_at_once(store: Store, sid: int, lease_ttl_s: float) -> str:
     )
 
 
+def _read_progress(store: Store, sid: int) -> tuple[dict[str, int], str, float] | None:
+    """A strategy's steps by state and its state, and what reading them took (seconds);
+    None when they cannot be read now (a locked or failing database, the strategy
+    gone): a watch skips a turn, it never stops the drive."""
+    started = time.monotonic()
+    try:
+        counts = queries.step_counts(store, sid)
+        state, _owner = strategy_state(store, sid)
+    except (DBAPIError, NoResultFound):
+        return None
+    return counts, state, time.monotonic() - started
+
+
+def _pause(every_s: float, cost_s: float) -> float:
+    """How long a watch waits between two reads: ``every_s``, or longer when a read is
+    slow (a strategy of 100,000 steps: about 40 ms), so that watching takes at most
+    about 2 % of the event loop that drives the rollout."""
+    return max(every_s, 50 * cost_s)
+
+
 async def _log_progress(store: Store, sid: int, total: int, done: asyncio.Event) -> None:
     """Progress as lines on stderr, for a log (see :data:`PROGRESS_LINE_EVERY_S`): the
     first at once, the last (unless the one before said the same) when the drive ends."""
-    last, last_at = "", -PROGRESS_LINE_QUIET_S
+    last, last_at, cost = "", -PROGRESS_LINE_QUIET_S, 0.0
     while True:
         now = time.monotonic()
-        counts = queries.step_counts(store, sid)
-        state, _owner = strategy_state(store, sid)
-        line = progress_line(sid, total, counts, state)
-        seen = line.split(" ", 2)[2]  # what it says, without its time
-        if seen != last or now - last_at >= PROGRESS_LINE_QUIET_S:
-            err_console.print(line, highlight=False)
-            last, last_at = seen, now
+        read = _read_progress(store, sid)
+        if read is not None:
+            counts, state, cost = read
+            line = progress_line(sid, total, counts, state)
+            seen = line.split(" ", 2)[2]  # what it says, without its time
+            if seen != last or now - last_at >= PROGRESS_LINE_QUIET_S:
+                err_console.print(line, highlight=False)
+                last, last_at = seen, now
         if done.is_set():
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(done.wait(), timeout=PROGRESS_LINE_EVERY_S)
+            await asyncio.wait_for(done.wait(), timeout=_pause(PROGRESS_LINE_EVERY_S, cost))
+
+
+class ServeReport:
+    """``fleetwave serve``'s log of what it drives, on stderr: a line when it takes a
+    strategy on, then when that strategy's counts change (as :func:`_log_progress`: at
+    most every :data:`PROGRESS_LINE_EVERY_S`), and one when it lets it go (ended, lost
+    to another conductor, or handed back at a stop). Without it a served rollout left no
+    line between "serving" and "stopped". :meth:`run` ticks until cancelled; a last
+    :meth:`tick` once the conductor has stopped says what it handed back."""
+
+    def __init__(self, store: Store, conductor: Conductor) -> None:
+        self.store, self.conductor = store, conductor
+        self._last: dict[int, tuple[str, float]] = {}  # what was said of each held, and when
+        self._said_end: dict[int, str | None] = {}
+        self._due = 0.0
+
+    async def run(self) -> None:
+        while True:
+            cost = self.tick()
+            # in-memory checks each second; the database read only when due
+            await asyncio.sleep(max(1.0, 10 * cost))
+
+    def _say(self, sid: int, suffix: str = "", *, always: bool = False) -> float:
+        read = _read_progress(self.store, sid)
+        if read is None:
+            return 0.0
+        counts, state, took = read
+        line = progress_line(sid, sum(counts.values()), counts, state)
+        seen, now = line.split(" ", 2)[2], time.monotonic()
+        before = self._last.get(sid)
+        if (
+            always
+            or before is None
+            or seen != before[0]
+            or now - before[1] >= PROGRESS_LINE_QUIET_S
+        ):
+            err_console.print(line + suffix, highlight=False)
+            self._last[sid] = (seen, now)
+        return took
+
+    def tick(self, *, stopped: bool = False) -> float:
+        """Say what changed; the time the database reads took (seconds). ``stopped``:
+        the conductor has stopped: a strategy it held and did not end was handed back."""
+        c, now = self.conductor, time.monotonic()
+        held = sorted(c.runs)
+        if now >= self._due:  # every held strategy
+            cost = sum(self._say(sid) for sid in held)
+            self._due = now + _pause(PROGRESS_LINE_EVERY_S, cost)
+        else:  # only one just taken on
+            cost = sum(self._say(sid) for sid in held if sid not in self._last)
+        for sid in held:
+            # what its end says now is old news (lost earlier, then claimed back)
+            self._said_end[sid] = c.finished.get(sid)
+        for sid, how in list(c.finished.items()):
+            if sid in c.runs or self._said_end.get(sid) == how:
+                continue
+            self._said_end[sid] = how
+            if how in STRATEGY_TERMINAL:
+                self._say(sid, " (ended)", always=True)
+            else:
+                at = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime())
+                what = (
+                    "lost to another conductor (its lease was taken over): that one drives it"
+                    if how == "lost"
+                    else f"not driven by this conductor ({how})"
+                )
+                err_console.print(f"{at} strategy {sid}: {what}", highlight=False)
+            self._last.pop(sid, None)
+        if stopped:  # held, and not said to have ended or been lost: handed back
+            for sid in sorted(self._last):
+                self._say(sid, " (handed back: the next conductor goes on with it)", always=True)
+                self._last.pop(sid, None)
+        return cost
 
 
 async def _watch(
@@ -208,11 +302,12 @@ async def _watch(
         # progress made: the time left is estimated from what ends from now on.
         ended_before = queries.steps_ended(queries.step_counts(store, sid))
         task = progress.add_task(f"strategy {sid}", total=total, completed=ended_before)
+    cost = 0.0
     while True:
-        if progress is not None and task is not None:
-            counts = queries.step_counts(store, sid)
+        read = _read_progress(store, sid) if task is not None else None
+        if progress is not None and task is not None and read is not None:
+            counts, state, cost = read
             finished = queries.steps_ended(counts)
-            state, _owner = strategy_state(store, sid)
             ended = f"{counts.get('failed', 0)} failed"
             if counts.get("aborted"):
                 ended += f", {counts['aborted']} aborted"
@@ -224,7 +319,7 @@ async def _watch(
         if done.is_set():
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(done.wait(), timeout=0.25)
+            await asyncio.wait_for(done.wait(), timeout=_pause(0.25, cost))
 
 
 async def _drive(store: Store, sid: int, show_progress: bool, config: EngineConfig) -> DriveResult:

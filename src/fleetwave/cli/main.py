@@ -34,7 +34,7 @@ from fleetwave.cli.common import (
     store_for,
 )
 from fleetwave.cli.demo import demo_command
-from fleetwave.cli.drive import stop_on_signals
+from fleetwave.cli.drive import ServeReport, stop_on_signals
 from fleetwave.cli.groups import group_app
 from fleetwave.cli.journal import check, events, history
 from fleetwave.cli.output import console, err_console
@@ -221,13 +221,22 @@ def serve(lease_ttl: LeaseTtlOpt = None, db: DbOpt = None) -> None:
         stop = asyncio.Event()
         conductor = Conductor(store, config=config)
         stop_on_signals(stop, conductor.config.shutdown_grace_s, at_once=stopped_now)
-        # Said once registered: a database locked at start is waited for (logged) first.
-        await conductor.run(
-            stop=stop,
-            on_ready=lambda: err_console.print(
-                f"conductor {conductor.id} serving {store.url}; Ctrl-C to stop"
-            ),
-        )
+        report = ServeReport(store, conductor)
+        reporter: list[asyncio.Task[None]] = []
+
+        def ready() -> None:
+            # Said once registered: a database locked at start is waited for (logged) first.
+            err_console.print(f"conductor {conductor.id} serving {store.url}; Ctrl-C to stop")
+            reporter.append(asyncio.create_task(report.run()))
+
+        try:
+            await conductor.run(stop=stop, on_ready=ready)
+        finally:
+            for task in reporter:
+                task.cancel()
+            await asyncio.gather(*reporter, return_exceptions=True)
+        if reporter:
+            report.tick(stopped=True)  # what ended meanwhile, and what was handed back
         err_console.print(f"conductor {conductor.id} stopped; leases handed back")
 
     try:

@@ -13,7 +13,6 @@ from fleetwave.cli.common import DbOpt, FormatOpt, StepId, done, existing_store,
 from fleetwave.cli.output import Format, emit_one, emit_rows, err_console, first_then
 from fleetwave.cli.parsing import several
 from fleetwave.domain.errors import InputError, NotFound
-from fleetwave.domain.models import STEP_INITIAL, STEP_TERMINAL
 from fleetwave.domain.registry import ActionNotFound, PluginError
 from fleetwave.domain.workflow import WorkflowError
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
@@ -128,14 +127,16 @@ def step_callback(
 
 
 def _ahead_of(store: Store, step: dict[str, Any], states: Any, state: str) -> str | None:
-    """Where a step is (its state, or "not started"), when a callback for ``state``
-    came before the step reached it and ``state`` waits for callbacks: the conductor
-    keeps such a report for it (an agent's report can overtake the step's move).
-    None otherwise, or when the strategy's workflow cannot be read here."""
+    """Where a step under way is ("in STATE"), when a callback for ``state`` came
+    before the step reached it and ``state`` waits for callbacks: the conductor keeps
+    such a report for it (an agent's report can overtake the step's move). None
+    otherwise (a step not under way yet keeps none), or when the strategy's workflow
+    cannot be read here."""
     now = str(step["state"])
-    if not isinstance(states, list) or state not in states or now in STEP_TERMINAL:
+    # (a step not under way yet keeps nothing: its conductor ignores such a report)
+    if not isinstance(states, list) or state not in states or now not in states:
         return None
-    if now != STEP_INITIAL and (now not in states or states.index(now) >= states.index(state)):
+    if states.index(now) >= states.index(state):
         return None
     name, own_copy = queries.strategy_workflow(store, int(step["strategy"]))
     try:
@@ -149,4 +150,4 @@ def _ahead_of(store: Store, step: dict[str, Any], states: Any, state: str) -> st
         return None  # (only what the answer says depends on it)
     if not waits:
         return None
-    return "not started" if now == STEP_INITIAL else f"in {now}"
+    return f"in {now}"

@@ -515,18 +515,15 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
         # they read as actions running somewhere).
         out["in_flight"] = out["not_started"] = out["waiting_to_retry"] = 0
         out["in_flight_until"] = None
+        again = steps.c.attempt > 1  # one expression: one bound parameter (PostgreSQL
+        # refuses a GROUP BY whose expression differs from the selected one by its name)
         for not_started, retry, n, until in conn.execute(
-            select(
-                steps.c.not_started,
-                steps.c.attempt > 1,
-                func.count(),
-                func.max(steps.c.deadline_at),
-            )
+            select(steps.c.not_started, again, func.count(), func.max(steps.c.deadline_at))
             .where(
                 steps.c.strategy_id == sid,
                 steps.c.state.not_in([STEP_INITIAL, *sorted(STEP_TERMINAL)]),
             )
-            .group_by(steps.c.not_started, steps.c.attempt > 1)
+            .group_by(steps.c.not_started, again)
         ):
             if not not_started:
                 out["in_flight"] += int(n)
