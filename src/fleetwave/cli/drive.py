@@ -200,20 +200,45 @@ def _pause(every_s: float, cost_s: float) -> float:
     return max(every_s, 50 * cost_s)
 
 
+class _ProgressLines:
+    """Progress lines of strategies (:func:`progress_line`) on stderr, each said when
+    it says something new (its time aside) or the last is :data:`PROGRESS_LINE_QUIET_S`
+    old."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        #: what was last said of each strategy (without its time), and when
+        self.last: dict[int, tuple[str, float]] = {}
+
+    def say(
+        self, sid: int, total: int | None = None, suffix: str = "", *, always: bool = False
+    ) -> float:
+        """Read and maybe say strategy ``sid``'s line (``total``: its steps, else what
+        is read); what the read took (seconds; 0 when it failed: a turn skipped)."""
+        read = _read_progress(self.store, sid)
+        if read is None:
+            return 0.0
+        counts, state, took = read
+        line = progress_line(sid, sum(counts.values()) if total is None else total, counts, state)
+        seen, now = line.split(" ", 2)[2], time.monotonic()
+        before = self.last.get(sid)
+        if (
+            always
+            or before is None
+            or seen != before[0]
+            or now - before[1] >= PROGRESS_LINE_QUIET_S
+        ):
+            err_console.print(line + suffix, highlight=False)
+            self.last[sid] = (seen, now)
+        return took
+
+
 async def _log_progress(store: Store, sid: int, total: int, done: asyncio.Event) -> None:
     """Progress as lines on stderr, for a log (see :data:`PROGRESS_LINE_EVERY_S`): the
     first at once, the last (unless the one before said the same) when the drive ends."""
-    last, last_at, cost = "", -PROGRESS_LINE_QUIET_S, 0.0
+    lines = _ProgressLines(store)
     while True:
-        now = time.monotonic()
-        read = _read_progress(store, sid)
-        if read is not None:
-            counts, state, cost = read
-            line = progress_line(sid, total, counts, state)
-            seen = line.split(" ", 2)[2]  # what it says, without its time
-            if seen != last or now - last_at >= PROGRESS_LINE_QUIET_S:
-                err_console.print(line, highlight=False)
-                last, last_at = seen, now
+        cost = lines.say(sid, total)
         if done.is_set():
             return
         with contextlib.suppress(TimeoutError):
@@ -229,8 +254,9 @@ class ServeReport:
     :meth:`tick` once the conductor has stopped says what it handed back."""
 
     def __init__(self, store: Store, conductor: Conductor) -> None:
-        self.store, self.conductor = store, conductor
-        self._last: dict[int, tuple[str, float]] = {}  # what was said of each held, and when
+        self.conductor = conductor
+        self._lines = _ProgressLines(store)
+        self._last = self._lines.last  # what was said of each held strategy, and when
         self._said_end: dict[int, str | None] = {}
         self._due = 0.0
 
@@ -240,34 +266,16 @@ class ServeReport:
             # in-memory checks each second; the database read only when due
             await asyncio.sleep(max(1.0, 10 * cost))
 
-    def _say(self, sid: int, suffix: str = "", *, always: bool = False) -> float:
-        read = _read_progress(self.store, sid)
-        if read is None:
-            return 0.0
-        counts, state, took = read
-        line = progress_line(sid, sum(counts.values()), counts, state)
-        seen, now = line.split(" ", 2)[2], time.monotonic()
-        before = self._last.get(sid)
-        if (
-            always
-            or before is None
-            or seen != before[0]
-            or now - before[1] >= PROGRESS_LINE_QUIET_S
-        ):
-            err_console.print(line + suffix, highlight=False)
-            self._last[sid] = (seen, now)
-        return took
-
     def tick(self, *, stopped: bool = False) -> float:
         """Say what changed; the time the database reads took (seconds). ``stopped``:
         the conductor has stopped: a strategy it held and did not end was handed back."""
         c, now = self.conductor, time.monotonic()
         held = sorted(c.runs)
         if now >= self._due:  # every held strategy
-            cost = sum(self._say(sid) for sid in held)
+            cost = sum(self._lines.say(sid) for sid in held)
             self._due = now + _pause(PROGRESS_LINE_EVERY_S, cost)
         else:  # only one just taken on
-            cost = sum(self._say(sid) for sid in held if sid not in self._last)
+            cost = sum(self._lines.say(sid) for sid in held if sid not in self._last)
         for sid in held:
             # what its end says now is old news (lost earlier, then claimed back)
             self._said_end[sid] = c.finished.get(sid)
@@ -276,7 +284,7 @@ class ServeReport:
                 continue
             self._said_end[sid] = how
             if how in STRATEGY_TERMINAL:
-                self._say(sid, " (ended)", always=True)
+                self._lines.say(sid, suffix=" (ended)", always=True)
             else:
                 at = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime())
                 what = (
@@ -288,7 +296,9 @@ class ServeReport:
             self._last.pop(sid, None)
         if stopped:  # held, and not said to have ended or been lost: handed back
             for sid in sorted(self._last):
-                self._say(sid, " (handed back: the next conductor goes on with it)", always=True)
+                self._lines.say(
+                    sid, suffix=" (handed back: the next conductor goes on with it)", always=True
+                )
                 self._last.pop(sid, None)
         return cost
 
