@@ -571,7 +571,7 @@ def test_apply_wait_to_a_log_writes_progress_lines(
     ended = [int(x.split(f"strategy {sid}: ")[1].split(" of ")[0]) for x in lines]
     assert ended == sorted(ended) and ended[0] < 8 and ended[-1] == 8, lines
     assert lines[0].endswith("; applying"), lines[0]
-    assert lines[-1].endswith("8 of 8 steps ended (8 complete), 0 in a state, 0 waiting; complete")
+    assert lines[-1].endswith("8 of 8 steps ended (8 complete), 0 under way, 0 waiting; complete")
     said = [x[21:] for x in lines]
     assert all(a != b for a, b in itertools.pairwise(said)), lines  # each says something new
     datetime.strptime(lines[0][:20], "%Y-%m-%d %H:%M:%SZ")  # each starts with a UTC time
@@ -637,4 +637,4 @@ def test_a_failed_progress_read_does_not_fail_the_drive(
     assert calls[0] > 2, calls  # it went on reading after the failed one
     assert res.code == 0, res.err
     lines = [x for x in res.err.splitlines() if f" strategy {sid}: " in x]
-    assert lines[-1].endswith("4 of 4 steps ended (4 complete), 0 in a state, 0 waiting; complete")
+    assert lines[-1].endswith("4 of 4 steps ended (4 complete), 0 under way, 0 waiting; complete")

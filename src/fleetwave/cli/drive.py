@@ -28,7 +28,7 @@ from rich.progress import (
 from sqlalchemy.exc import DBAPIError, NoResultFound
 
 from fleetwave.cli.output import err_console
-from fleetwave.domain.models import STRATEGY_TERMINAL
+from fleetwave.domain.models import STRATEGY_TERMINAL, plural
 from fleetwave.engine import loop as event_loop
 from fleetwave.engine.conductor import Conductor
 from fleetwave.engine.config import EngineConfig
@@ -45,7 +45,8 @@ PROGRESS_LINE_QUIET_S = 300.0
 
 def progress_line(sid: int, total: int, counts: dict[str, int], state: str) -> str:
     """One line of a rollout's progress for a log: the time (UTC), the steps ended (by
-    final state), in a state, waiting, and the strategy's state."""
+    final state), under way (in one of their states: running, or waiting out a retry's
+    backoff), waiting for their turn, and the strategy's state."""
     ended = {k: counts.get(k, 0) for k in ("complete", "failed", "aborted") if counts.get(k)}
     done = queries.steps_ended(counts)
     waiting = counts.get("initial", 0)
@@ -53,8 +54,8 @@ def progress_line(sid: int, total: int, counts: dict[str, int], state: str) -> s
     how = ", ".join(f"{n} {k}" for k, n in ended.items())
     at = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime())
     return (
-        f"{at} strategy {sid}: {done} of {total} steps ended{f' ({how})' if how else ''}, "
-        f"{moving} in a state, {waiting} waiting; {state}"
+        f"{at} strategy {sid}: {done} of {plural(total, 'step')} ended"
+        f"{f' ({how})' if how else ''}, {moving} under way, {waiting} waiting; {state}"
     )
 
 
