@@ -308,6 +308,16 @@ def test_every_help_names_every_option_whole_at_80_columns(
         assert "…" not in res.out, (words, res.out)
         for option in options:
             assert any(f" {option} " in line for line in lines), (words, option, res.out)
+        # a flag shows no type (`--all <bool>` read as if it took a value: a walkthrough),
+        # and a repeatable option what one value looks like, not `<list[str]>`
+        assert "<bool>" not in res.out and "<list[" not in res.out, (words, res.out)
+        if "--db" in options:
+            assert any(" --db " in x and " PATH " in x for x in lines), (words, res.out)
+    # the flag that would have shown `<bool>` shows nothing in the type column
+    (row,) = [
+        x for x in cli("strategy", "create", "--help", db=None).out.splitlines() if " --all " in x
+    ]
+    assert row.split("--all")[1].split()[:2] == ["every", "target"], row
 
 
 # -- the demo cut short ------------------------------------------------------------------

@@ -32,6 +32,7 @@ DbOpt = Annotated[
     str | None,
     typer.Option(
         "--db",
+        metavar="PATH",
         help="SQLite database file (default: $FLEETWAVE_DB or ./fleetwave.db)",
         show_default=False,
     ),

@@ -95,7 +95,8 @@ def demo_command(
     latency_ms: Annotated[float, typer.Option(help="median operation latency")] = 20.0,
     seed: Annotated[int, typer.Option(help="simulator seed")] = 1,
     db: Annotated[
-        str | None, typer.Option(help="new database file (default: a temporary one)")
+        str | None,
+        typer.Option(metavar="PATH", help="new database file (default: a temporary one)"),
     ] = None,
     fmt: Annotated[Format, typer.Option("--format", help="table or json")] = Format.table,
 ) -> None:

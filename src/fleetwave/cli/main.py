@@ -67,6 +67,22 @@ class _Interrupted(BaseException):
     ``KeyboardInterrupt`` into exit 130 without a word."""
 
 
+def _no_type_for_a_flag(shown: Any) -> Any:
+    """Typer's help shows a flag's type (``--all <bool>``, ``--wait <bool>``), which
+    reads as if it took a value (``--all true``); a flag shows none. Typer's own hook
+    for the type column, wrapped (tests/test_cli_errors.py checks the help)."""
+
+    def display_type_rich(self: Any, ctx: Any) -> Any:
+        return None if self.is_flag else shown(self, ctx)
+
+    return display_type_rich
+
+
+typer.core.TyperOption.display_type_rich = _no_type_for_a_flag(  # type: ignore[method-assign]
+    typer.core.TyperOption.display_type_rich
+)
+
+
 class _Commands(typer.core.TyperGroup):
     def invoke(self, ctx: Any) -> Any:
         try:

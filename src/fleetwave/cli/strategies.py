@@ -70,15 +70,18 @@ def _timeouts(items: list[str] | None) -> dict[str, float]:
 
 @strategy_app.command("create")
 def strategy_create(
-    workflow: Annotated[str, typer.Option(help="workflow name")],
+    workflow: Annotated[str, typer.Option(metavar="NAME", help="workflow name")],
     targets: Annotated[
         str | None,
         typer.Option(
+            metavar="NAMES",
             help="comma-separated target names; @FILE reads them from a file, - from stdin "
-            "(one per line, or comma- or space-separated; # starts a comment)"
+            "(one per line, or comma- or space-separated; # starts a comment)",
         ),
     ] = None,
-    group: Annotated[str | None, typer.Option(help="every target of this group")] = None,
+    group: Annotated[
+        str | None, typer.Option(metavar="NAME", help="every target of this group")
+    ] = None,
     all_: Annotated[bool, typer.Option("--all", help="every target")] = False,
     failed_in: Annotated[
         int | None,
@@ -90,7 +93,9 @@ def strategy_create(
     ] = None,
     label: Annotated[
         list[str] | None,
-        typer.Option(help="only targets with this label k=v (repeatable; alone: of all)"),
+        typer.Option(
+            metavar="KEY=VALUE", help="only targets with this label (repeatable; alone: of all)"
+        ),
     ] = None,
     max_parallel: Annotated[
         int | None, typer.Option(help="steps in flight at once (default 20)")
@@ -110,7 +115,8 @@ def strategy_create(
         typer.Option("--stages-by-group", help="one stage per group, run one after another"),
     ] = False,
     timeout: Annotated[
-        list[str] | None, typer.Option(help="state=seconds timeout override (repeatable)")
+        list[str] | None,
+        typer.Option(metavar="STATE=SECONDS", help="timeout override (repeatable)"),
     ] = None,
     # The defaults, said out loud (scripts written for earlier versions say them); not
     # in --help, where their second column cut every option's name at 80 columns.

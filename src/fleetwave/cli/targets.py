@@ -31,12 +31,15 @@ target_app = typer.Typer(help="Managed targets (subclouds, hosts, nodes).", no_a
 @target_app.command("add")
 def target_add(
     name: str,
-    group: Annotated[str | None, typer.Option(help="group name")] = None,
-    driver: Annotated[str, typer.Option(help="driver: sim")] = "sim",
+    group: Annotated[str | None, typer.Option(metavar="NAME", help="group name")] = None,
+    driver: Annotated[str, typer.Option(metavar="NAME", help="driver: sim")] = "sim",
     set_: Annotated[
-        list[str] | None, typer.Option("--set", help="driver setting key=value (repeatable)")
+        list[str] | None,
+        typer.Option("--set", metavar="KEY=VALUE", help="driver setting (repeatable)"),
     ] = None,
-    label: Annotated[list[str] | None, typer.Option(help="label k=v (repeatable)")] = None,
+    label: Annotated[
+        list[str] | None, typer.Option(metavar="KEY=VALUE", help="label (repeatable)")
+    ] = None,
     unmanaged: Annotated[bool, typer.Option("--unmanaged", help="add as unmanaged")] = False,
     fmt: FormatOpt = Format.table,
     db: DbOpt = None,
@@ -87,7 +90,8 @@ def target_import(file: Path, fmt: FormatOpt = Format.table, db: DbOpt = None) -
 def target_list(
     group: Annotated[str | None, typer.Option(help="only this group")] = None,
     label: Annotated[
-        list[str] | None, typer.Option(help="only targets with this label k=v (repeatable)")
+        list[str] | None,
+        typer.Option(metavar="KEY=VALUE", help="only targets with this label (repeatable)"),
     ] = None,
     fmt: FormatOpt = Format.table,
     db: DbOpt = None,
@@ -144,20 +148,25 @@ def target_unmanage(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) 
 @target_app.command("set")
 def target_set(
     name: str,
-    group: Annotated[str | None, typer.Option(help="move it to this group")] = None,
+    group: Annotated[str | None, typer.Option(metavar="NAME", help="move it to this group")] = None,
     no_group: Annotated[bool, typer.Option("--no-group", help="take it out of its group")] = False,
-    driver: Annotated[str | None, typer.Option(help="another driver")] = None,
+    driver: Annotated[str | None, typer.Option(metavar="NAME", help="another driver")] = None,
     set_: Annotated[
         list[str] | None,
-        typer.Option("--set", help="driver setting key=value to add or change (repeatable)"),
+        typer.Option(
+            "--set", metavar="KEY=VALUE", help="driver setting to add or change (repeatable)"
+        ),
     ] = None,
     unset: Annotated[
-        list[str] | None, typer.Option(help="driver setting to remove (repeatable)")
+        list[str] | None, typer.Option(metavar="KEY", help="driver setting to remove (repeatable)")
     ] = None,
     label: Annotated[
-        list[str] | None, typer.Option(help="label k=v to add or change (repeatable)")
+        list[str] | None,
+        typer.Option(metavar="KEY=VALUE", help="label to add or change (repeatable)"),
     ] = None,
-    unlabel: Annotated[list[str] | None, typer.Option(help="label to remove (repeatable)")] = None,
+    unlabel: Annotated[
+        list[str] | None, typer.Option(metavar="KEY", help="label to remove (repeatable)")
+    ] = None,
     fmt: FormatOpt = Format.table,
     db: DbOpt = None,
 ) -> None:
