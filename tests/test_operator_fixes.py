@@ -249,12 +249,12 @@ def test_apply_wait_of_an_ended_strategy_answers_with_its_result(cli: Cli) -> No
     [
         (("strategy", "show", "-1"), "-1: ids and counts are whole numbers from 0"),
         (("step", "show", "-7"), "-7: ids and counts are whole numbers from 0"),
-        (("history", "--strategy", "-5"), "Invalid value for '--strategy': -5 is negative"),
+        (("history", "--strategy", "-5"), "--strategy: -5 is negative"),
         (("history", "--strategy", "x1"), "'x1' is not a whole number"),
         (("check", "--strategy", "1.5"), "'1.5' is not a whole number"),
         (
             ("strategy", "create", "--workflow", "patch", "--all", "--max-failures", "-3"),
-            "Invalid value for '--max-failures': -3 is negative",
+            "--max-failures: -3 is negative",
         ),
         (
             ("strategy", "show", "9223372036854775808"),
@@ -591,11 +591,11 @@ def test_log_lines_and_tables_give_one_time_for_one_event(
     [
         (
             ("strategy", "list", "--format", "yaml"),
-            "error: Invalid value for '--format': 'yaml' is not one of 'table', 'json'.",
+            "error: --format: 'yaml' is not one of 'table', 'json'.",
         ),
         (
             ("group", "add", "g", "--apply-type", "bogus"),
-            "error: Invalid value for '--apply-type': 'bogus' is not one of 'parallel', 'serial'.",
+            "error: --apply-type: 'bogus' is not one of 'parallel', 'serial'.",
         ),
         (
             ("strategy", "create", "--workflow", "patch", "--all", "--timeout", "bogus=3"),

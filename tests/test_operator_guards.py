@@ -430,7 +430,7 @@ def test_a_value_that_is_not_a_number_is_named(cli: Cli, args: tuple[str, ...], 
     """Typer's number check said only 'unable to parse string as a number', at length."""
     option = args[1].split("=")[0]
     line = one_line(cli(*args))
-    assert line == f"error: Invalid value for '{option}': {said}", line
+    assert line == f"error: {option}: {said}", line
 
 
 def test_a_yaml_action_registered_by_a_plugin_is_found(

@@ -348,7 +348,10 @@ def _usage_problem(exc: typer.TyperException) -> str:
         what = "a whole number" if typed.group(2) == "integer" else "a number"
         given = _option_value(getattr(getattr(exc, "param", None), "opts", None) or [])
         message = f"{typed.group(1)}{'the value' if given is None else repr(given)} is not {what}"
-    return message
+    # as every other bad value is said: the option, then the problem ("--max-parallel:
+    # must be at least 1, got 0"), not Click's "Invalid value for '--max-parallel': ..."
+    worded = re.fullmatch(r"Invalid value for '([^']+)': (.*)", message, re.DOTALL)
+    return message if worded is None else f"{worded.group(1)}: {worded.group(2)}"
 
 
 def _option_value(opts: list[str]) -> str | None:
