@@ -638,3 +638,72 @@ def test_a_failed_progress_read_does_not_fail_the_drive(
     assert res.code == 0, res.err
     lines = [x for x in res.err.splitlines() if f" strategy {sid}: " in x]
     assert lines[-1].endswith("4 of 4 steps ended (4 complete), 0 under way, 0 waiting; complete")
+
+
+def test_serves_report_tells_a_lease_lost_and_a_claim_back_from_the_strategys_row(
+    store: Store, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A review: a strategy serve lost when its lease lapsed (the engine drops it and
+    keeps no word of it) was said to be "handed back" at the next stop, its claim back
+    was silent, and a second loss was never said. The report tells why a strategy left
+    from the strategy's row: ended, owned by another conductor, or handed back."""
+    import sqlite3 as sq
+
+    from fleetwave.cli.drive import ServeReport
+
+    add_sim_targets(store, 3)
+    sid = applied(store)
+
+    class Held:
+        id = "c-me"
+        runs: dict[int, object] = {}
+
+    def owner(who: str | None, state: str = "applying") -> None:
+        db = sq.connect(store.url.removeprefix("sqlite:///"))
+        with db:
+            db.execute("UPDATE strategies SET owner=?, state=? WHERE id=?", (who, state, sid))
+        db.close()
+
+    report = ServeReport(store, Held())  # type: ignore[arg-type]
+    said: list[str] = []
+
+    def tick(*, stopped: bool = False) -> None:
+        report.tick(stopped=stopped)
+        said.extend(
+            x.split(f"strategy {sid}: ", 1)[1] for x in capsys.readouterr().err.splitlines()
+        )
+
+    Held.runs = {sid: object()}
+    owner("c-me")
+    tick()  # taken on
+    Held.runs = {}
+    owner("c-other")
+    tick()  # lost: its lease lapsed, another took it
+    Held.runs = {sid: object()}
+    owner("c-me")
+    tick()  # claimed back
+    Held.runs = {}
+    owner("c-other")
+    tick()  # lost again
+    tick(stopped=True)  # nothing held: nothing "handed back"
+    Held.runs = {sid: object()}
+    owner("c-me")
+    tick()
+    owner(None)
+    tick(stopped=True)  # a clean stop: handed back
+    Held.runs = {sid: object()}
+    tick()
+    Held.runs = {}
+    owner(None, "complete")
+    tick()
+    start = "0 of 3 steps ended, 0 under way, 3 waiting; "
+    assert said == [
+        f"{start}applying (taken on)",
+        f"{start}applying (lost: conductor c-other drives it now)",
+        f"{start}applying (taken on)",
+        f"{start}applying (lost: conductor c-other drives it now)",
+        f"{start}applying (taken on)",
+        f"{start}applying (handed back: the next conductor goes on with it)",
+        f"{start}applying (taken on)",
+        f"{start}complete (ended)",
+    ], said

@@ -90,7 +90,7 @@ def test_serve_drives_apply_and_a_second_process_only_watches(tmp_path: Path) ->
     # line when it took the strategy on, and one when the strategy ended
     said = [x for x in err.splitlines() if f" strategy {sid}: " in x]
     assert len(said) >= 2, err
-    assert said[0].endswith("; applying") and " of 60 steps ended" in said[0], said
+    assert said[0].endswith("; applying (taken on)") and " of 60 steps ended" in said[0], said
     assert said[-1].endswith(
         "60 of 60 steps ended (60 complete), 0 under way, 0 waiting; complete (ended)"
     ), said
@@ -625,7 +625,7 @@ def test_serve_says_what_it_hands_back_at_a_clean_stop(tmp_path: Path) -> None:
     assert code == 0, err
     said = [x for x in err.splitlines() if f" strategy {sid}: " in x]
     assert len(said) == 2, err
-    assert said[0].endswith("0 of 1 step ended, 1 under way, 0 waiting; applying"), said
+    assert said[0].endswith("0 of 1 step ended, 1 under way, 0 waiting; applying (taken on)"), said
     assert said[1].endswith(
         "0 of 1 step ended, 1 under way, 0 waiting; applying "
         "(handed back: the next conductor goes on with it)"

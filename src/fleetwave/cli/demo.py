@@ -90,7 +90,7 @@ def demo_targets(
 def demo_command(
     targets: Annotated[int, typer.Option(help="simulated subclouds")] = 1000,
     max_parallel: Annotated[int, typer.Option(help="steps in flight at once")] = 100,
-    workflow: Annotated[str, typer.Option(help="workflow to roll out")] = "patch",
+    workflow: Annotated[str, typer.Option(metavar="NAME", help="workflow to roll out")] = "patch",
     failure_rate: Annotated[float, typer.Option(help="chance an operation fails")] = 0.002,
     latency_ms: Annotated[float, typer.Option(help="median operation latency")] = 20.0,
     seed: Annotated[int, typer.Option(help="simulator seed")] = 1,

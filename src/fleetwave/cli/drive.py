@@ -181,17 +181,17 @@ def stopped_at_once(store: Store, sid: int, lease_ttl_s: float) -> str:
     )
 
 
-def _read_progress(store: Store, sid: int) -> tuple[dict[str, int], str, float] | None:
-    """A strategy's steps by state and its state, and what reading them took (seconds);
-    None when they cannot be read now (a locked or failing database, the strategy
-    gone): a watch skips a turn, it never stops the drive."""
+def _read_progress(store: Store, sid: int) -> tuple[dict[str, int], str, str | None, float] | None:
+    """A strategy's steps by state, its state and owner, and what reading them took
+    (seconds); None when they cannot be read now (a locked or failing database, the
+    strategy gone): a watch skips a turn, it never stops the drive."""
     started = time.monotonic()
     try:
         counts = queries.step_counts(store, sid)
-        state, _owner = strategy_state(store, sid)
+        state, owner = strategy_state(store, sid)
     except (DBAPIError, NoResultFound):
         return None
-    return counts, state, time.monotonic() - started
+    return counts, state, owner, time.monotonic() - started
 
 
 def _pause(every_s: float, cost_s: float) -> float:
@@ -212,16 +212,23 @@ class _ProgressLines:
         self.last: dict[int, tuple[str, float]] = {}
 
     def say(
-        self, sid: int, total: int | None = None, suffix: str = "", *, always: bool = False
-    ) -> float:
+        self,
+        sid: int,
+        total: int | None = None,
+        suffix: str | Callable[[str, str | None], str] = "",
+        *,
+        always: bool = False,
+    ) -> float | None:
         """Read and maybe say strategy ``sid``'s line (``total``: its steps, else what
-        is read); what the read took (seconds; 0 when it failed: a turn skipped)."""
+        is read; ``suffix``: added to the line, or made from the strategy's state and
+        owner); what the read took (seconds), or None when it failed (a turn skipped)."""
         read = _read_progress(self.store, sid)
         if read is None:
-            return 0.0
-        counts, state, took = read
+            return None
+        counts, state, owner, took = read
         line = progress_line(sid, sum(counts.values()) if total is None else total, counts, state)
-        seen, now = line.split(" ", 2)[2], time.monotonic()
+        seen, now = line.split(" ", 2)[2], time.monotonic()  # without its time or suffix
+        line += suffix if isinstance(suffix, str) else suffix(state, owner)
         before = self.last.get(sid)
         if (
             always
@@ -229,7 +236,7 @@ class _ProgressLines:
             or seen != before[0]
             or now - before[1] >= PROGRESS_LINE_QUIET_S
         ):
-            err_console.print(line + suffix, highlight=False)
+            err_console.print(line, highlight=False)
             self.last[sid] = (seen, now)
         return took
 
@@ -239,7 +246,7 @@ async def _log_progress(store: Store, sid: int, total: int, done: asyncio.Event)
     first at once, the last (unless the one before said the same) when the drive ends."""
     lines = _ProgressLines(store)
     while True:
-        cost = lines.say(sid, total)
+        cost = lines.say(sid, total) or 0.0
         if done.is_set():
             return
         with contextlib.suppress(TimeoutError):
@@ -249,16 +256,17 @@ async def _log_progress(store: Store, sid: int, total: int, done: asyncio.Event)
 class ServeReport:
     """``fleetwave serve``'s log of what it drives, on stderr: a line when it takes a
     strategy on, then when that strategy's counts change (as :func:`_log_progress`: at
-    most every :data:`PROGRESS_LINE_EVERY_S`), and one when it lets it go (ended, lost
-    to another conductor, or handed back at a stop). Without it a served rollout left no
-    line between "serving" and "stopped". :meth:`run` ticks until cancelled; a last
-    :meth:`tick` once the conductor has stopped says what it handed back."""
+    most every :data:`PROGRESS_LINE_EVERY_S`), and one when it lets it go: ended, lost
+    to another conductor, or handed back at a stop. Why it was let go is read from the
+    strategy's row, not from what the engine kept (a lease that lapsed leaves no word
+    there). Without it a served rollout left no line between "serving" and "stopped".
+    :meth:`run` ticks until cancelled; a last ``tick(stopped=True)`` once the conductor
+    has stopped lets go of what it still held."""
 
     def __init__(self, store: Store, conductor: Conductor) -> None:
         self.conductor = conductor
         self._lines = _ProgressLines(store)
-        self._last = self._lines.last  # what was said of each held strategy, and when
-        self._said_end: dict[int, str | None] = {}
+        self._held: set[int] = set()  # the strategies it held at the last tick
         self._due = 0.0
 
     async def run(self) -> None:
@@ -267,40 +275,35 @@ class ServeReport:
             # in-memory checks each second; the database read only when due
             await asyncio.sleep(max(1.0, 10 * cost))
 
+    def _let_go_why(self, stopped: bool) -> Callable[[str, str | None], str]:
+        def why(state: str, owner: str | None) -> str:
+            if state in STRATEGY_TERMINAL:
+                return " (ended)"
+            if owner is not None and owner != self.conductor.id:
+                return f" (lost: conductor {owner} drives it now)"
+            if stopped:
+                return " (handed back: the next conductor goes on with it)"
+            return " (let go: not driven here now; the log says why)"
+
+        return why
+
     def tick(self, *, stopped: bool = False) -> float:
         """Say what changed; the time the database reads took (seconds). ``stopped``:
-        the conductor has stopped: a strategy it held and did not end was handed back."""
-        c, now = self.conductor, time.monotonic()
-        held = sorted(c.runs)
-        if now >= self._due:  # every held strategy
-            cost = sum(self._lines.say(sid) for sid in held)
+        the conductor has stopped: what it still held is let go."""
+        now, cost = time.monotonic(), 0.0
+        held = set() if stopped else set(self.conductor.runs)
+        for sid in sorted(held - self._held):  # taken on (again, after a loss)
+            cost += self._lines.say(sid, suffix=" (taken on)", always=True) or 0.0
+        if now >= self._due:  # every held strategy, when its line changed
+            cost += sum(self._lines.say(sid) or 0.0 for sid in sorted(held & self._held))
             self._due = now + _pause(PROGRESS_LINE_EVERY_S, cost)
-        else:  # only one just taken on
-            cost = sum(self._lines.say(sid) for sid in held if sid not in self._last)
-        for sid in held:
-            # what its end says now is old news (lost earlier, then claimed back)
-            self._said_end[sid] = c.finished.get(sid)
-        for sid, how in list(c.finished.items()):
-            if sid in c.runs or self._said_end.get(sid) == how:
-                continue
-            self._said_end[sid] = how
-            if how in STRATEGY_TERMINAL:
-                self._lines.say(sid, suffix=" (ended)", always=True)
-            else:
+        why = self._let_go_why(stopped)
+        for sid in sorted(self._held - held):
+            if self._lines.say(sid, suffix=why, always=True) is None:
                 at = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime())
-                what = (
-                    "lost to another conductor (its lease was taken over): that one drives it"
-                    if how == "lost"
-                    else f"not driven by this conductor ({how})"
-                )
-                err_console.print(f"{at} strategy {sid}: {what}", highlight=False)
-            self._last.pop(sid, None)
-        if stopped:  # held, and not said to have ended or been lost: handed back
-            for sid in sorted(self._last):
-                self._lines.say(
-                    sid, suffix=" (handed back: the next conductor goes on with it)", always=True
-                )
-                self._last.pop(sid, None)
+                err_console.print(f"{at} strategy {sid}: let go", highlight=False)
+            self._lines.last.pop(sid, None)
+        self._held = held
         return cost
 
 
@@ -317,7 +320,7 @@ async def _watch(
     while True:
         read = _read_progress(store, sid) if task is not None else None
         if progress is not None and task is not None and read is not None:
-            counts, state, cost = read
+            counts, state, _owner, cost = read
             finished = queries.steps_ended(counts)
             ended = f"{counts.get('failed', 0)} failed"
             if counts.get("aborted"):

@@ -26,7 +26,7 @@ from fleetwave.testing.simulate import FAULTS, Interrupt, SimConfig, parse_fault
 def sim_command(
     seed: Annotated[int, typer.Option(help="first seed; a failing run prints its seed")] = 1,
     targets: Annotated[int, typer.Option(help="simulated targets")] = 200,
-    workflow: Annotated[str, typer.Option(help="workflow to roll out")] = "patch",
+    workflow: Annotated[str, typer.Option(metavar="NAME", help="workflow to roll out")] = "patch",
     faults: Annotated[
         str,
         typer.Option(help=f"all, none, or a list of: {', '.join(FAULTS)}"),

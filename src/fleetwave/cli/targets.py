@@ -88,7 +88,7 @@ def target_import(file: Path, fmt: FormatOpt = Format.table, db: DbOpt = None) -
 
 @target_app.command("list")
 def target_list(
-    group: Annotated[str | None, typer.Option(help="only this group")] = None,
+    group: Annotated[str | None, typer.Option(metavar="NAME", help="only this group")] = None,
     label: Annotated[
         list[str] | None,
         typer.Option(metavar="KEY=VALUE", help="only targets with this label (repeatable)"),
