@@ -657,6 +657,7 @@ def test_serves_report_tells_a_lease_lost_and_a_claim_back_from_the_strategys_ro
     class Held:
         id = "c-me"
         runs: dict[int, object] = {}
+        finished: dict[int, str] = {}
 
     def owner(who: str | None, state: str = "applying") -> None:
         db = sq.connect(store.url.removeprefix("sqlite:///"))
@@ -696,6 +697,11 @@ def test_serves_report_tells_a_lease_lost_and_a_claim_back_from_the_strategys_ro
     Held.runs = {}
     owner(None, "complete")
     tick()
+    # taken on and ended between two ticks (a small strategy, within a second): said
+    # once, as it ended (the conductor's ends say it was there)
+    Held.finished[sid] = "complete"
+    tick()
+    tick()
     start = "0 of 3 steps ended, 0 under way, 3 waiting; "
     assert said == [
         f"{start}applying (taken on)",
@@ -705,5 +711,6 @@ def test_serves_report_tells_a_lease_lost_and_a_claim_back_from_the_strategys_ro
         f"{start}applying (taken on)",
         f"{start}applying (handed back: the next conductor goes on with it)",
         f"{start}applying (taken on)",
+        f"{start}complete (ended)",
         f"{start}complete (ended)",
     ], said

@@ -267,6 +267,7 @@ class ServeReport:
         self.conductor = conductor
         self._lines = _ProgressLines(store)
         self._held: set[int] = set()  # the strategies it held at the last tick
+        self._finished: dict[int, str] = {}  # the conductor's ends, at the last tick
         self._due = 0.0
 
     async def run(self) -> None:
@@ -298,12 +299,20 @@ class ServeReport:
             cost += sum(self._lines.say(sid) or 0.0 for sid in sorted(held & self._held))
             self._due = now + _pause(PROGRESS_LINE_EVERY_S, cost)
         why = self._let_go_why(stopped)
-        for sid in sorted(self._held - held):
+        # held and let go since the last tick; also one taken on and ended between two
+        # ticks (a small strategy ends within a second: said once, as it ended)
+        finished = dict(self.conductor.finished)
+        brief = {
+            sid
+            for sid, how in finished.items()
+            if how != self._finished.get(sid) and sid not in held | self._held
+        }
+        for sid in sorted((self._held - held) | brief):
             if self._lines.say(sid, suffix=why, always=True) is None:
                 at = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime())
                 err_console.print(f"{at} strategy {sid}: let go", highlight=False)
             self._lines.last.pop(sid, None)
-        self._held = held
+        self._held, self._finished = held, finished
         return cost
 
 
