@@ -8,6 +8,7 @@ from fleetwave.domain.errors import NotFound
 from fleetwave.domain.registry import all_workflows, get_workflow
 from fleetwave.domain.workflow import WorkflowDef, WorkflowError
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
+from fleetwave.store import queries
 from fleetwave.store.admin import stored_workflows
 from fleetwave.store.db import Store
 
@@ -57,3 +58,14 @@ def resolve_workflow(store: Store | None, name: str, what: str = "--workflow") -
         # a Python workflow is known only where its module is imported
         hint = "; a Python workflow needs its module named in FLEETWAVE_PLUGINS"
     raise NotFound(f"{what}: unknown workflow '{name}' (known: {known}){hint}")
+
+
+def strategy_workflow_def(store: Store, sid: int) -> WorkflowDef:
+    """The workflow strategy ``sid`` runs: its own copy (YAML, taken at creation), or
+    the registered one of its name (a built-in or plug-in); raises as
+    :func:`resolve_workflow` and :func:`parse_workflow_yaml` do when this process cannot
+    have it."""
+    name, own_copy = queries.strategy_workflow(store, sid)
+    if own_copy is None:
+        return resolve_workflow(store, name, what=f"strategy {sid}: workflow")
+    return parse_workflow_yaml(own_copy, source=f"strategy {sid}: workflow {name}")

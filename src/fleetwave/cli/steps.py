@@ -8,14 +8,13 @@ from typing import Annotated, Any
 
 import typer
 
-from fleetwave.catalog import resolve_workflow
+from fleetwave.catalog import strategy_workflow_def
 from fleetwave.cli.common import DbOpt, FormatOpt, StepId, done, existing_store, whole_number
 from fleetwave.cli.output import Format, emit_one, emit_rows, err_console, first_then
 from fleetwave.cli.parsing import several
 from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.registry import ActionNotFound, PluginError
 from fleetwave.domain.workflow import WorkflowError
-from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.store import queries
 from fleetwave.store.callbacks import KINDS as CALLBACK_KINDS
 from fleetwave.store.callbacks import accept_callback
@@ -138,13 +137,8 @@ def _ahead_of(store: Store, step: dict[str, Any], states: Any, state: str) -> st
         return None
     if states.index(now) >= states.index(state):
         return None
-    name, own_copy = queries.strategy_workflow(store, int(step["strategy"]))
     try:
-        wf = (
-            parse_workflow_yaml(own_copy, source=f"workflow {name}")
-            if own_copy is not None
-            else resolve_workflow(store, name)
-        )
+        wf = strategy_workflow_def(store, int(step["strategy"]))
         waits = wf.state(state).mode == "wait-for-callback"
     except (NotFound, ActionNotFound, PluginError, WorkflowError, KeyError):
         return None  # (only what the answer says depends on it)

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 from sqlalchemy.exc import OperationalError
 
-from fleetwave.catalog import resolve_workflow
+from fleetwave.catalog import resolve_workflow, strategy_workflow_def
 from fleetwave.cli.common import (
     DbOpt,
     FormatOpt,
@@ -39,7 +39,7 @@ from fleetwave.domain.models import (
     shown,
 )
 from fleetwave.domain.registry import get_workflow
-from fleetwave.domain.yaml_workflow import MAX_SECONDS, parse_workflow_yaml
+from fleetwave.domain.yaml_workflow import MAX_SECONDS
 from fleetwave.engine import loop as event_loop
 from fleetwave.store import admin, queries
 from fleetwave.store.db import Store
@@ -246,11 +246,7 @@ def strategy_apply(
         event_loop.loop_kind()  # a bad FLEETWAVE_LOOP is refused before anything changes
         # Driving it here needs its workflow here (a Python one, or a YAML one naming a
         # Python action: its plug-in imported).
-        name, own_copy = queries.strategy_workflow(store, strategy_id)
-        if own_copy is None:
-            resolve_workflow(store, name, what=f"strategy {strategy_id}: workflow")
-        else:
-            parse_workflow_yaml(own_copy, source=f"strategy {strategy_id}: workflow {name}")
+        strategy_workflow_def(store, strategy_id)
     before = (
         _apply_patiently(store, strategy_id, ended["state"])
         if wait
