@@ -27,7 +27,7 @@ from rich.progress import (
 )
 from sqlalchemy.exc import DBAPIError, NoResultFound
 
-from fleetwave.cli.output import err_console
+from fleetwave.cli.output import err_console, when
 from fleetwave.domain.models import STRATEGY_TERMINAL, plural
 from fleetwave.engine import loop as event_loop
 from fleetwave.engine.conductor import Conductor
@@ -44,7 +44,8 @@ PROGRESS_LINE_QUIET_S = 300.0
 
 
 def progress_line(sid: int, total: int, counts: dict[str, int], state: str) -> str:
-    """One line of a rollout's progress for a log: the time (UTC), the steps ended (by
+    """One line of a rollout's progress for a log: the time (UTC, as log lines and
+    tables give it), the steps ended (by
     final state), under way (in one of their states: running, or waiting out a retry's
     backoff), waiting for their turn, and the strategy's state."""
     ended = {k: counts.get(k, 0) for k in ("complete", "failed", "aborted") if counts.get(k)}
@@ -52,9 +53,8 @@ def progress_line(sid: int, total: int, counts: dict[str, int], state: str) -> s
     waiting = counts.get("initial", 0)
     moving = sum(counts.values()) - done - waiting
     how = ", ".join(f"{n} {k}" for k, n in ended.items())
-    at = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime())
     return (
-        f"{at} strategy {sid}: {done} of {plural(total, 'step')} ended"
+        f"{when(time.time())} strategy {sid}: {done} of {plural(total, 'step')} ended"
         f"{f' ({how})' if how else ''}, {moving} under way, {waiting} waiting; {state}"
     )
 
@@ -309,8 +309,7 @@ class ServeReport:
         }
         for sid in sorted((self._held - held) | brief):
             if self._lines.say(sid, suffix=why, always=True) is None:
-                at = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime())
-                err_console.print(f"{at} strategy {sid}: let go", highlight=False)
+                err_console.print(f"{when(time.time())} strategy {sid}: let go", highlight=False)
             self._lines.last.pop(sid, None)
         self._held, self._finished = held, finished
         return cost
