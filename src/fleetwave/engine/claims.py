@@ -216,8 +216,20 @@ class ClaimsMixin(StoreCalls):
                 # its deadline: its due time and timeout.)
                 step.deadline_at = self._deadline_of(run, step.state, now)
         taken = await self._io(
-            rt.take_over_steps, self.store, lost, self.id, self._NOW, self._LEASE
+            rt.take_over_steps,
+            self.store,
+            lost,
+            self.id,
+            self._NOW,
+            self._LEASE,
+            held=(rec.id, rec.fence),
         )
+        if taken is None:
+            # Another conductor claimed it after this one did (this process stalled
+            # between its claim and here for longer than the lease): its steps are that
+            # conductor's. Nothing is taken over, no recover hook runs here.
+            self._fenced_off_before_adopting(rec)
+            return []
         if len(taken) != len(lost):
             events.append(
                 rt.Event("takeover-incomplete", f"{len(lost) - len(taken)} steps moved on", rec.id)
@@ -288,11 +300,25 @@ class ClaimsMixin(StoreCalls):
                 recovering,
                 len(out) - recovering,
             )
+        if rec.id in self.runs:  # (cannot be: claimed only while neither run nor claiming)
+            raise AssertionError(f"strategy {rec.id} adopted twice by conductor {self.id}")
         self.runs[rec.id] = run
         self._freeze()
         if run.stopping is None and rec.state == StrategyState.APPLYING and not lost:
             log.info("strategy %s: driving its waiting steps", rec.id)
         return out
+
+    def _fenced_off_before_adopting(self, rec: rt.StrategyRecord) -> None:
+        log.warning(
+            "adopt-fenced-off: strategy %s: claimed at fence %d, but another conductor claimed it before "
+            "this one could take its steps over (this process stalled for longer than "
+            "the lease): left to that conductor",
+            rec.id,
+            rec.fence,
+        )
+        self.finished[rec.id] = "lost"
+        if self._wake is not None:
+            self._wake.set()
 
     async def _cannot_drive_here(self, rec: rt.StrategyRecord, reason: str) -> None:
         """Hand a claimed strategy back untouched, and claim it no more: its Python

@@ -452,8 +452,13 @@ class Conductor(
             elif isinstance(msg, CallbackArrived):
                 self._on_callback(msg.record, marks)
             elif isinstance(msg, StrategyClaimed):
-                self._claiming.discard(msg.record.id)
-                recover += await self._adopt(msg.record, events, batch, now)
+                try:
+                    recover += await self._adopt(msg.record, events, batch, now)
+                finally:
+                    # Claimed until adopted: a periodic pass while the adopt's store
+                    # calls back off must not claim it again (a second run, a second
+                    # worker per step).
+                    self._claiming.discard(msg.record.id)
                 for record in await self._io(cbs.open_callbacks, self.store, [msg.record.id], 0):
                     if self._first_sight(record):
                         claimed_callbacks.append(record)

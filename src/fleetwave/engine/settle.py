@@ -212,6 +212,10 @@ class SettleMixin(StoreCalls):
             self._LEASE,
             held=(run.id, run.record.fence),
         )
+        if taken is None:
+            # Another conductor holds the strategy now: it settles these steps.
+            self._drop_run(run.id)
+            return
         for step in taken:
             settled(step.step_id, f"in {step.state}: taken over")
             self._back_in_flight(run, step, step.state, recovering=not step.not_started)

@@ -714,7 +714,7 @@ def take_over_steps(
     lease_until: float,
     *,
     held: tuple[int, int] | None = None,
-) -> list[StepRecord]:
+) -> list[StepRecord] | None:
     """Fence off the previous owner of in-flight steps: fence+1, owner=us (CAS per step).
 
     ``not_started`` is cleared in the same write: from here on this owner may start
@@ -722,7 +722,7 @@ def take_over_steps(
     retry recorded and not started (attempt above 1) keeps its mark until its start is
     recorded: this owner waits for it to be due first, and may be lost meanwhile.
     ``held`` (strategy id, fence): take nothing unless this conductor still holds that
-    strategy at that fence (checked in the same transaction).
+    strategy at that fence (checked in the same transaction): None when it does not.
     """
     taken: list[StepRecord] = []
     if not recs:
@@ -734,7 +734,7 @@ def take_over_steps(
                 f"SELECT owner, fence FROM strategies WHERE id = {p}", (held[0],)
             ).first()
             if row is None or (row[0], row[1]) != (cid, held[1]):
-                return taken
+                return None
         for rec in recs:
             res = conn.execute(
                 update(steps)
