@@ -63,9 +63,7 @@ async def _crashed_with_steps_in_flight(
     store: Store, sid: int, cfg: EngineConfig, clock: LoopClock
 ) -> None:
     """A first conductor starts every step, then dies (its leases run out later)."""
-    c0 = Conductor(
-        store, clock=clock, config=cfg, drivers={"sim": SimDriver()}, conductor_id="c0"
-    )
+    c0 = Conductor(store, clock=clock, config=cfg, drivers={"sim": SimDriver()}, conductor_id="c0")
     task = asyncio.ensure_future(c0.run(strategy_ids=[sid]))
     await asyncio.sleep(30)
     task.cancel()

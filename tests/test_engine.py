@@ -20,13 +20,14 @@ from fleetwave.domain.registry import get_workflow, register_workflow
 from fleetwave.domain.rules import Decision
 from fleetwave.domain.workflow import StateDef, WorkflowDef
 from fleetwave.drivers.sim import SimDriver
-from fleetwave.engine.clock import LoopClock
+from fleetwave.engine.clock import LoopClock, WallClock
 from fleetwave.engine.conductor import Conductor
 from fleetwave.engine.config import EngineConfig
 from fleetwave.engine.messages import ActionFinished
 from fleetwave.store import admin, queries
 from fleetwave.store import runtime as rt
 from fleetwave.store.db import Store
+from fleetwave.store.leases import host_lease_now
 from fleetwave.store.schema import conductors, events, journal, steps
 from fleetwave.testing.invariants import check
 
@@ -378,14 +379,20 @@ def test_dead_conductor_on_another_host_is_taken_over_after_lease_expiry(store: 
     with store.write() as conn:
         conn.execute(
             insert(conductors).values(
-                id="ghost", hostname="elsewhere", pid=1, started_at=0, heartbeat_at=0
+                id="ghost",
+                hostname="elsewhere",
+                pid=1,
+                started_at=0,
+                heartbeat_at=0,
+                lease_clock=WallClock.lease_clock,  # (on SQLite, every conductor's)
             )
         )
-        conn.execute(update(strategies).values(owner="ghost", fence=1, lease_expires_at=10**12))
+        live = host_lease_now() + 3600
+        conn.execute(update(strategies).values(owner="ghost", fence=1, lease_expires_at=live))
         conn.execute(
             update(steps)
             .where(steps.c.id == 1)
-            .values(state="updating-patches", owner="ghost", fence=3, lease_expires_at=10**12)
+            .values(state="updating-patches", owner="ghost", fence=3)
         )
         # as the ghost would have journalled it (G9: every move has its row)
         for frm, to in (("initial", "pre-check"), ("pre-check", "updating-patches")):
@@ -404,8 +411,7 @@ def test_dead_conductor_on_another_host_is_taken_over_after_lease_expiry(store: 
     # The lease is live: nobody may take it.
     assert asyncio.run(Conductor(store).run(strategy_ids=[sid]))[sid] == "owned"
     with store.write() as conn:
-        conn.execute(update(strategies).values(lease_expires_at=1.0))
-        conn.execute(update(steps).where(steps.c.id == 1).values(lease_expires_at=1.0))
+        conn.execute(update(strategies).values(lease_expires_at=host_lease_now() - 1))
     assert asyncio.run(Conductor(store).run(strategy_ids=[sid]))[sid] == "complete"
     with store.read() as conn:
         evts = conn.execute(select(events.c.kind, events.c.details)).all()

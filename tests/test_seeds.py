@@ -37,11 +37,7 @@ def _assert_clean_end(store: Store, sid: int) -> None:
                 steps.c.strategy_id == sid, steps.c.state.not_in(list(STEP_TERMINAL))
             )
         ).scalar_one()
-        held = conn.execute(
-            select(func.count()).where(
-                steps.c.owner.is_not(None) | steps.c.lease_expires_at.is_not(None)
-            )
-        ).scalar_one()
+        held = conn.execute(select(func.count()).where(steps.c.owner.is_not(None))).scalar_one()
         strat_owner = conn.execute(
             select(strategies.c.owner).where(strategies.c.id == sid)
         ).scalar_one()
@@ -80,7 +76,7 @@ def test_seed_000_stale_snapshot_never_reenters_a_finished_state(store: Store) -
     before = queries.history(store, sid)
 
     # The stale scanner: take over and re-dispatch every step it saw in flight.
-    assert rt.take_over_steps(store, snapshot, "stale-scanner", 0.0, 1.0) == []
+    assert rt.take_over_steps(store, snapshot, "stale-scanner", 0.0) == []
     writer = rt.TransitionWriter(store, "stale-scanner")
     patch = get_workflow("patch")
     assert patch is not None

@@ -174,7 +174,7 @@ def test_taking_a_step_over_clears_its_not_started_mark(tmp_path: Path) -> None:
         )
     (rec,), _failed = rt.load_open_steps(store, sid)
     assert rec.not_started
-    (taken,) = rt.take_over_steps(store, [rec], "c-new", 1.0, 2.0)
+    (taken,) = rt.take_over_steps(store, [rec], "c-new", 1.0)
     assert taken.fence == 2
     with store.read() as conn:
         row = conn.exec_driver_sql("SELECT not_started, owner, fence FROM steps").one()
@@ -355,7 +355,7 @@ def test_a_takeover_by_a_conductor_fenced_off_takes_nothing(tmp_path: Path) -> N
         conn.exec_driver_sql("UPDATE steps SET state = 'pre-check', fence = 1, owner = 'gone'")
     (step,), _failed = rt.load_open_steps(store, sid)
     rt.claim_strategies(store, "c2", 200.0, 300.0, register=True)  # fence + 1
-    assert rt.take_over_steps(store, [step], "c1", 201.0, 300.0, held=(sid, rec.fence)) == []
+    assert rt.take_over_steps(store, [step], "c1", 201.0, held=(sid, rec.fence)) is None
     with store.read() as conn:
         assert conn.exec_driver_sql("SELECT owner, fence FROM steps").one() == ("gone", 1)
     store.dispose()
@@ -369,9 +369,9 @@ def test_a_takeover_from_a_stale_copy_of_a_step_takes_nothing(tmp_path: Path) ->
         conn.exec_driver_sql("UPDATE steps SET state = 'pre-check', fence = 1, owner = 'gone'")
     (first_copy,), _ = rt.load_open_steps(store, sid)
     (second_copy,), _ = rt.load_open_steps(store, sid)
-    (taken,) = rt.take_over_steps(store, [first_copy], "c1", 2.0, 100.0)
+    (taken,) = rt.take_over_steps(store, [first_copy], "c1", 2.0)
     assert taken.fence == 2
-    assert rt.take_over_steps(store, [second_copy], "c2", 2.0, 100.0) == []
+    assert rt.take_over_steps(store, [second_copy], "c2", 2.0) == []
     with store.read() as conn:
         assert conn.exec_driver_sql("SELECT owner, fence FROM steps").one() == ("c1", 2)
     store.dispose()

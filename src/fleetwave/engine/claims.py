@@ -28,6 +28,7 @@ from fleetwave.domain.registry import ActionNotFound, PluginError
 from fleetwave.domain.rules import details_text
 from fleetwave.domain.workflow import WorkflowError
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
+from fleetwave.engine.clock import Clock
 from fleetwave.engine.messages import Message, StrategyClaimed
 from fleetwave.engine.run import InFlight, StrategyRun, Unsettled
 from fleetwave.engine.stopping import not_started_reason, stop_reason
@@ -46,6 +47,7 @@ class ClaimsMixin(StoreCalls):
 
     # the conductor's, used here (besides what StoreCalls declares)
     id: str
+    clock: Clock
     runs: dict[int, StrategyRun]
     finished: dict[int, str]
     _wanted: set[int] | None
@@ -80,6 +82,7 @@ class ClaimsMixin(StoreCalls):
                         self.id,
                         self._NOW,
                         serves_all=False,
+                        lease_clock=self.clock.lease_clock,
                     )
                 return
         claimed = await self._io(
@@ -89,7 +92,9 @@ class ClaimsMixin(StoreCalls):
             self._NOW,
             self._LEASE,
             todo,
+            self._LEASE_NOW,
             register=register,
+            lease_clock=self.clock.lease_clock,
             driving=set(self.runs) | self._claiming,
             serves_all=self._wanted is None,
             skip=self._not_here,
@@ -215,14 +220,24 @@ class ClaimsMixin(StoreCalls):
                 # It starts afresh here: its time starts now. (A recorded retry keeps
                 # its deadline: its due time and timeout.)
                 step.deadline_at = self._deadline_of(run, step.state, now)
+        # Steps entered and never started start afresh here (their first attempt is
+        # recorded as they are taken over), unless they end at once (below).
+        afresh = {
+            s.step_id
+            for s in lost
+            if s.not_started
+            and s.attempt <= 1
+            and run.stopping is None
+            and (s.target.managed or s.state != wf.first_state)
+        }
         taken = await self._io(
             rt.take_over_steps,
             self.store,
             lost,
             self.id,
             self._NOW,
-            self._LEASE,
             held=(rec.id, rec.fence),
+            afresh=afresh,
         )
         if taken is None:
             # Another conductor claimed it after this one did (this process stalled
@@ -310,9 +325,9 @@ class ClaimsMixin(StoreCalls):
 
     def _fenced_off_before_adopting(self, rec: rt.StrategyRecord) -> None:
         log.warning(
-            "adopt-fenced-off: strategy %s: claimed at fence %d, but another conductor claimed it before "
-            "this one could take its steps over (this process stalled for longer than "
-            "the lease): left to that conductor",
+            "adopt-fenced-off: strategy %s: claimed at fence %d, but another conductor "
+            "claimed it before this one could take its steps over (this process stalled "
+            "for longer than the lease): left to that conductor",
             rec.id,
             rec.fence,
         )
@@ -361,6 +376,8 @@ class ClaimsMixin(StoreCalls):
                 if st.state == STEP_INITIAL
                 else f"{st.state}: {reason}",
                 attempt=st.attempt,
+                # nobody can drive them: ended whoever held them (at their fence)
+                any_owner=True,
             )
             for st in open_steps
         ]

@@ -204,6 +204,8 @@ class Conductor(
         #: from then (typed Any: they stand for a float wherever one is passed)
         self._NOW: Any = _Fresh(self.clock.now)
         self._LEASE: Any = _Fresh(self._lease_until)
+        #: the lease clock's reading at each attempt (leases are compared on it)
+        self._LEASE_NOW: Any = _Fresh(self.clock.lease_now)
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -241,7 +243,8 @@ class Conductor(
             self._crash_hook(point)
 
     def _lease_until(self) -> float:
-        return self.clock.now() + self.config.lease_ttl_s
+        """A lease from now, on the lease clock (never the wall clock: see .clock)."""
+        return self.clock.lease_now() + self.config.lease_ttl_s
 
     # -- lifecycle --------------------------------------------------------------------
 

@@ -90,7 +90,6 @@ class PeriodicMixin(StoreCalls):
                 )
             now_loop = asyncio.get_running_loop().time()
             if self.config.renew_leases and now_loop - last_renew >= renew_every:
-                in_flight = [i for run in self.runs.values() for i in run.inflight]
                 renewing = list(self.runs.values())
                 # The lease written runs from now (it is computed once, here), however
                 # long the write then takes: the watchdog measures from here too.
@@ -100,7 +99,6 @@ class PeriodicMixin(StoreCalls):
                     self.id,
                     self._NOW,
                     self._LEASE,
-                    in_flight,
                 )
                 # The lease written runs from the attempt that went through.
                 last_renew = self._attempt_at

@@ -130,11 +130,12 @@ class SettleMixin(StoreCalls):
             attempt: int | None = None,
         ) -> None:
             attempt = row.attempt if attempt is None else attempt
-            batch.append(
-                self._move(
-                    run, row.step_id, row.state, row.fence, to_state, why, attempt, now, fence=fence
-                )
+            moved = self._move(
+                run, row.step_id, row.state, row.fence, to_state, why, attempt, now, fence=fence
             )
+            # the row is the truth: written whoever owns it now (its fence is checked)
+            moved.any_owner = True
+            batch.append(moved)
             # Written with the transition (if that is refused too, the rejection's event
             # follows it, and the step is read again).
             events.append(
@@ -209,8 +210,8 @@ class SettleMixin(StoreCalls):
             to_take,
             self.id,
             self._NOW,
-            self._LEASE,
             held=(run.id, run.record.fence),
+            afresh={r.step_id for r in to_take if r.not_started and r.attempt <= 1},
         )
         if taken is None:
             # Another conductor holds the strategy now: it settles these steps.

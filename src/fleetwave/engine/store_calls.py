@@ -62,6 +62,7 @@ class StoreCalls:
     #: and a lease from then
     _NOW: Any
     _LEASE: Any
+    _LEASE_NOW: Any
 
     async def _io(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Run a store call (one transaction) on the loop.

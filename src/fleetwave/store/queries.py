@@ -21,6 +21,7 @@ from fleetwave.domain.models import (
     has_labels,
     shown,
 )
+from fleetwave.store import leases
 from fleetwave.store.db import Store
 from fleetwave.store.runtime import DRIVEN_STATES, conductor_gone
 from fleetwave.store.schema import (
@@ -347,6 +348,9 @@ class _Conductors:
     serving: tuple[dict[str, Any], ...]
     #: each known one as named for an operator (:func:`conductor_named`)
     where: dict[str, str]
+    #: each one's lease clock, and this host's (its name, and its reading)
+    clocks: dict[str, str | None]
+    lease_clock: tuple[str, float]
 
     def named(self, cid: str) -> str:
         """A conductor as an operator finds it: its id, host and process."""
@@ -362,8 +366,10 @@ class _Conductors:
                 conductors.c.stopped_at,
                 conductors.c.heartbeat_at,
                 conductors.c.serves_all,
+                conductors.c.lease_clock,
             ).order_by(conductors.c.id)
         ).all()
+        name, read_clock = leases.READER.get()
         gone = {r.id for r in rows if conductor_gone(r.hostname, r.pid, r.stopped_at)}
         serving = tuple(
             {"id": r.id, "hostname": r.hostname, "pid": r.pid}
@@ -371,7 +377,29 @@ class _Conductors:
             if r.serves_all and r.id not in gone and r.heartbeat_at >= now - SERVING_WITHIN_S
         )
         where = {r.id: conductor_named(r._asdict()) for r in rows}
-        return cls(frozenset(gone), frozenset(r.id for r in rows), serving, where)
+        clocks = {r.id: r.lease_clock for r in rows}
+        return cls(
+            frozenset(gone),
+            frozenset(r.id for r in rows),
+            serving,
+            where,
+            clocks,
+            (name, read_clock()),
+        )
+
+    def lease_left(self, owner: str | None, lease_expires_at: float | None) -> float | None:
+        """Seconds left of ``owner``'s lease (negative: run out that long ago); None when
+        there is none, or it is on a clock this host cannot read (another boot's)."""
+        if owner is None or lease_expires_at is None:
+            return None
+        if self.clocks.get(owner) != self.lease_clock[0]:
+            return None
+        return float(lease_expires_at) - self.lease_clock[1]
+
+    def holds(self, owner: str | None, lease_expires_at: float | None) -> bool:
+        """Whether ``owner`` holds a lease that expires then: alive, and not run out."""
+        left = self.lease_left(owner, lease_expires_at)
+        return owner is not None and left is not None and left > 0 and not self.owner_gone(owner)
 
     def owner_gone(self, owner: str) -> bool:
         """The owner stopped, or its process on this host is gone (a claim takes over
@@ -440,15 +468,16 @@ def driving(store: Store, sid: int, now: float | None = None) -> Driving:
 def _driving(r: Any, now: float, known: _Conductors) -> Driving:
     if r.state not in DRIVEN_STATES:
         return Driving(None, None, None)
-    expired = r.lease_expires_at is None or r.lease_expires_at < now
-    if r.owner is not None and not expired and not known.owner_gone(r.owner):
+    if known.holds(r.owner, r.lease_expires_at):
         return Driving(r.owner, None, f"conductor {known.named(r.owner)}")
+    left = known.lease_left(r.owner, r.lease_expires_at)
+    expired = left is None or left <= 0
     serving = [known.named(c["id"]) for c in known.serving if c["id"] != r.owner]
     if r.owner is None:
         lapsed = ""
     elif expired:
-        ago = now - (r.lease_expires_at or now)
-        lapsed = f"the lease of conductor {known.named(r.owner)} ran out {ago:.0f}s ago; "
+        ago = f" {-left:.0f}s ago" if left is not None else " (under an earlier boot)"
+        lapsed = f"the lease of conductor {known.named(r.owner)} ran out{ago}; "
     else:
         lapsed = f"conductor {known.named(r.owner)} is gone; "
     if serving:
@@ -630,7 +659,6 @@ def _iter_steps(
             steps.c.attempt,
             steps.c.owner,
             steps.c.ordinal,
-            steps.c.lease_expires_at,
             steps.c.not_started,
         )
         .join(targets, targets.c.id == steps.c.target_id)
@@ -642,9 +670,9 @@ def _iter_steps(
         q = q.where(targets.c.name.in_(names))
     rows = _pages(store, q, steps.c.ordinal, -1)
     now = time.time()
-    gone = _gone_conductors(store, now)
+    lease = _step_lease(store, sid, now)
     for r in rows if limit is None else islice(rows, limit):
-        details = _shown_details(r, now, gone)
+        details = _shown_details(r, lease)
         yield {
             "step": r.id,
             "strategy": sid,
@@ -659,10 +687,34 @@ def _iter_steps(
         }
 
 
-def _gone_conductors(store: Store, now: float) -> frozenset[str]:
+@dataclass(frozen=True)
+class _StepLease:
+    """The lease a strategy's steps in flight are held under (their strategy's)."""
+
+    #: the conductor holding it now (alive, its lease not run out), if any
+    holder: str | None
+    #: the strategy's owner, and the lease's time left (None: none, or not readable)
+    owner: str | None
+    left: float | None
+    #: when it ran out (wall time, for an operator), if it has
+    ran_out_at: float | None
+
+
+def _step_lease(store: Store, sid: int, now: float) -> _StepLease:
     with store.read() as conn:
+        r = conn.execute(
+            select(strategies.c.owner, strategies.c.lease_expires_at).where(strategies.c.id == sid)
+        ).first()
         known = _Conductors.read(conn, now)
-    return known.gone
+    owner = r.owner if r is not None else None
+    until = r.lease_expires_at if r is not None else None
+    left = known.lease_left(owner, until)
+    return _StepLease(
+        owner if known.holds(owner, until) else None,
+        owner,
+        left,
+        now + left if left is not None and left <= 0 else None,
+    )
 
 
 #: what a takeover does with a state whose conductor was lost: its workflow says (a
@@ -673,7 +725,7 @@ _RECOVERS = (
 )
 
 
-def _shown_details(r: Any, now: float, gone: frozenset[str]) -> str:
+def _shown_details(r: Any, lease: _StepLease) -> str:
     """A step's details as shown (``r``: its row): for one in its workflow's states
     that nobody drives now, or entered but not started, what is happening to it and
     what comes next, then what its row says (a step whose conductor was killed showed
@@ -681,13 +733,11 @@ def _shown_details(r: Any, now: float, gone: frozenset[str]) -> str:
     state: str = r.state
     details: str = r.details
     owner: str | None = r.owner
-    lease_until: float | None = r.lease_expires_at
     not_started, attempt = bool(r.not_started), int(r.attempt)
     if state == STEP_INITIAL or state in STEP_TERMINAL:
         return details
     resumes = "when a conductor drives the strategy again (serve, or strategy apply --wait)"
-    live = owner is not None and lease_until is not None and lease_until > now
-    live = live and owner not in gone
+    live = owner is not None and owner == lease.holder
     if not_started and attempt > 1:
         # a retry recorded, waiting to start
         if live:
@@ -703,9 +753,11 @@ def _shown_details(r: Any, now: float, gone: frozenset[str]) -> str:
         return details or f"running on conductor {owner}"
     elif owner is not None:
         why = "its process ended"
-        if lease_until is None or lease_until <= now:
-            at = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(lease_until or 0))
+        if owner == lease.owner and lease.ran_out_at is not None:
+            at = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(lease.ran_out_at))
             why = f"its lease ran out at {at}Z"
+        elif owner == lease.owner and lease.left is None:
+            why = "its lease was taken under an earlier boot of this host"
         said = (
             f"its conductor {owner} is gone ({why}); the step is taken over {resumes}, "
             f"and {_RECOVERS}"
@@ -720,7 +772,6 @@ def _shown_details(r: Any, now: float, gone: frozenset[str]) -> str:
 
 def get_step(store: Store, step_id: int) -> dict[str, Any]:
     now = time.time()
-    gone = _gone_conductors(store, now)
     with store.read() as conn:
         r = conn.execute(
             select(steps, targets.c.name.label("target"))
@@ -735,13 +786,18 @@ def get_step(store: Store, step_id: int) -> dict[str, Any]:
             "target": r.target,
             "stage": r.stage,
             "state": r.state,
-            "details": _shown_details(r, now, gone),
+            "details": _shown_details(r, lease := _step_lease(store, r.strategy_id, now)),
             "started_at": r.started_at,
             "finished_at": r.finished_at,
             "attempt": r.attempt,
             "fence": r.fence,
             "owner": r.owner,
-            "lease_expires_at": r.lease_expires_at,
+            # the lease it is held under (its strategy's), as wall time
+            "lease_expires_at": (
+                now + lease.left
+                if r.owner is not None and r.owner == lease.owner and lease.left is not None
+                else None
+            ),
             # when the current state runs out of time; None once terminal
             "deadline_at": r.deadline_at,
             # entered by a conductor that stopped before starting its action

@@ -32,6 +32,7 @@ from fleetwave.domain.models import (
 )
 from fleetwave.store.db import Store
 from fleetwave.store.schema import (
+    attempts,
     conductors,
     events,
     journal,
@@ -81,6 +82,9 @@ class Transition:
     not_started: bool = False
     #: when ``to_state`` runs out of time (engine clock); None for terminal states
     deadline_at: float | None = None
+    #: written whoever owns the step's row now (settling a row someone else changed,
+    #: ending the steps of a strategy nobody can drive): the fence still decides
+    any_owner: bool = False
 
 
 @dataclass(slots=True)
@@ -215,17 +219,26 @@ class StrategyRecord:
 # more than the statement itself (about a millisecond each at startup).
 
 
-def register_conductor(store: Store, cid: str, now: float, *, serves_all: bool) -> None:
+def register_conductor(
+    store: Store, cid: str, now: float, *, serves_all: bool, lease_clock: str | None = None
+) -> None:
     with store.write() as conn:
-        _register(conn, store, cid, now, serves_all)
+        _register(conn, store, cid, now, serves_all, lease_clock)
 
 
-def _register(conn: Connection, store: Store, cid: str, now: float, serves_all: bool) -> None:
+def _register(
+    conn: Connection,
+    store: Store,
+    cid: str,
+    now: float,
+    serves_all: bool,
+    lease_clock: str | None,
+) -> None:
     p = store.hooks.placeholder
     conn.exec_driver_sql(
-        "INSERT INTO conductors (id, hostname, pid, started_at, heartbeat_at, serves_all) "
-        f"VALUES ({p}, {p}, {p}, {p}, {p}, {p})",
-        (cid, HOSTNAME, os.getpid(), now, now, store.hooks.flag(serves_all)),
+        "INSERT INTO conductors (id, hostname, pid, started_at, heartbeat_at, serves_all, "
+        f"lease_clock) VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p})",
+        (cid, HOSTNAME, os.getpid(), now, now, store.hooks.flag(serves_all), lease_clock),
     )
 
 
@@ -254,11 +267,20 @@ def conductor_gone(hostname: str, pid: int, stopped_at: float | None) -> bool:
     return stopped_at is not None or (hostname == HOSTNAME and not _pid_alive(pid))
 
 
-def dead_conductors(conn: Connection, self_id: str) -> set[str]:
-    """Conductors known to be gone (:func:`conductor_gone`), other than ``self_id``."""
-    rows = conn.exec_driver_sql("SELECT id, hostname, pid, stopped_at FROM conductors")
+def dead_conductors(conn: Connection, self_id: str, lease_clock: str | None = None) -> set[str]:
+    """Conductors known to be gone (:func:`conductor_gone`), other than ``self_id``; and,
+    given this conductor's ``lease_clock``, those whose leases are on another clock (of
+    an earlier boot of this host, or from before leases named their clock): their
+    leases cannot be compared with this clock, and their writers are gone with it."""
+    rows = conn.exec_driver_sql("SELECT id, hostname, pid, stopped_at, lease_clock FROM conductors")
     return {
-        r.id for r in rows if r.id != self_id and conductor_gone(r.hostname, r.pid, r.stopped_at)
+        r.id
+        for r in rows
+        if r.id != self_id
+        and (
+            conductor_gone(r.hostname, r.pid, r.stopped_at)
+            or (lease_clock is not None and r.lease_clock != lease_clock)
+        )
     }
 
 
@@ -278,13 +300,9 @@ class ConductorUnknown(Exception):
     was replaced while the conductor ran (a backup restored into the same file)."""
 
 
-def heartbeat(store: Store, cid: str, now: float, lease_until: float, step_ids: list[int]) -> int:
-    """Renew every lease this conductor holds; returns how many strategies it still owns.
-
-    ``step_ids`` are the steps it has in flight (the dispatcher knows them): renewing
-    by id keeps this cheap however large the strategy.
-    """
-    p = store.hooks.placeholder
+def heartbeat(store: Store, cid: str, now: float, lease_until: float) -> int:
+    """Renew every lease this conductor holds (its strategies': a step in flight is held
+    under its strategy's lease); returns how many strategies it still owns."""
     with store.write() as conn:
         known = conn.execute(
             update(conductors).where(conductors.c.id == cid).values(heartbeat_at=now)
@@ -293,13 +311,6 @@ def heartbeat(store: Store, cid: str, now: float, lease_until: float, step_ids: 
             # Nothing deletes a conductor's row: the database's content was replaced
             # under this conductor (a backup restored into it). Nothing is written.
             raise ConductorUnknown(cid)
-        _update_steps_by_id(
-            conn,
-            store,
-            f"UPDATE steps SET lease_expires_at={p} WHERE owner={p}",
-            (lease_until, cid),
-            step_ids,
-        )
         res = conn.execute(
             update(strategies).where(strategies.c.owner == cid).values(lease_expires_at=lease_until)
         )
@@ -323,7 +334,7 @@ def release_conductor(store: Store, cid: str, now: float, step_ids: list[int]) -
         _update_steps_by_id(
             conn,
             store,
-            f"UPDATE steps SET owner = NULL, lease_expires_at = NULL WHERE owner = {p}",
+            f"UPDATE steps SET owner = NULL WHERE owner = {p}",
             (cid,),
             step_ids,
         )
@@ -406,11 +417,13 @@ def claim_strategies(
     now: float,
     lease_until: float,
     only: set[int] | None = None,
+    lease_now: float | None = None,
     *,
     register: bool = False,
     driving: set[int] | None = None,
     serves_all: bool = False,
     skip: set[int] | None = None,
+    lease_clock: str | None = None,
 ) -> list[StrategyRecord]:
     """Claim every driven strategy that is free, expired, or held by a dead conductor.
 
@@ -419,7 +432,13 @@ def claim_strategies(
     conductor owns but is not ``driving`` (it stopped acting on it when its lease
     renewal lapsed) is claimed again, with a new fence, as if from another. Those in
     ``skip`` (this conductor cannot drive them) are left to others.
+
+    Leases are compared on the lease clock (``lease_now``, read on the clock named
+    ``lease_clock``; see :mod:`fleetwave.store.leases`), never on the wall clock ``now``
+    (which stamps records only): a conductor whose wall clock steps ahead does not take
+    a live conductor's strategy. Without ``lease_now``, ``now`` (tests of this function).
     """
+    lease_now = now if lease_now is None else lease_now
     p = store.hooks.placeholder
     claimed: list[StrategyRecord] = []
     sql = (
@@ -433,10 +452,10 @@ def claim_strategies(
         params += sorted(only)
     with store.write() as conn:
         if register:
-            _register(conn, store, cid, now, serves_all)
+            _register(conn, store, cid, now, serves_all, lease_clock)
         elif conn.execute(select(conductors.c.id).where(conductors.c.id == cid)).first() is None:
             raise ConductorUnknown(cid)  # see heartbeat: nothing is claimed
-        dead = dead_conductors(conn, cid)
+        dead = dead_conductors(conn, cid, lease_clock)
         for r in conn.exec_driver_sql(sql + " ORDER BY id", tuple(params)).all():
             mine = r.owner == cid
             if (mine and r.id in (driving or ())) or r.id in (skip or ()):
@@ -445,7 +464,7 @@ def claim_strategies(
                 r.owner is None
                 or mine
                 or r.owner in dead
-                or (r.lease_expires_at is not None and r.lease_expires_at < now)
+                or (r.lease_expires_at is not None and r.lease_expires_at < lease_now)
             )
             if not free:
                 continue
@@ -711,9 +730,9 @@ def take_over_steps(
     recs: list[StepRecord],
     cid: str,
     now: float,
-    lease_until: float,
     *,
     held: tuple[int, int] | None = None,
+    afresh: set[int] | None = None,
 ) -> list[StepRecord] | None:
     """Fence off the previous owner of in-flight steps: fence+1, owner=us (CAS per step).
 
@@ -723,6 +742,8 @@ def take_over_steps(
     recorded: this owner waits for it to be due first, and may be lost meanwhile.
     ``held`` (strategy id, fence): take nothing unless this conductor still holds that
     strategy at that fence (checked in the same transaction): None when it does not.
+    ``afresh``: steps entered but never started that this owner will start now: their
+    state's first attempt is recorded (:data:`attempts`) in the same transaction.
     """
     taken: list[StepRecord] = []
     if not recs:
@@ -746,7 +767,6 @@ def take_over_steps(
                 .values(
                     owner=cid,
                     fence=rec.fence + 1,
-                    lease_expires_at=lease_until,
                     not_started=rec.not_started and rec.attempt > 1,
                     deadline_at=rec.deadline_at,
                 )
@@ -768,6 +788,19 @@ def take_over_steps(
             rec.fence += 1
             rec.owner = cid
             taken.append(rec)
+            if afresh and rec.step_id in afresh:
+                conn.execute(
+                    insert(attempts).values(
+                        strategy_id=rec.strategy_id,
+                        step_id=rec.step_id,
+                        state=rec.state,
+                        attempt=1,
+                        at=now,
+                        conductor=cid,
+                        fence=rec.fence,
+                        how="afresh",
+                    )
+                )
     return taken
 
 
@@ -821,21 +854,28 @@ class TransitionWriter:
         # NULL is written in the SQL: binding a None costs the driver an adapter lookup
         # (SQLite: about 2.5 us a row, a quarter of the statement).
         head = f"UPDATE steps SET state={p}, fence={p}, details={p}, attempt={p}, "
-        cas = f" WHERE id={p} AND state={p} AND fence={p}"
-        #: into a workflow state: held by this conductor until its deadline
+        # The step's owner is checked with its state and fence: a step in a workflow
+        # state is written only by the conductor that owns it (a row whose owner was
+        # changed or cleared is refused, read back and settled); a waiting one has none.
+        cas = f" WHERE id={p} AND state={p} AND fence={p} AND (owner={p} OR {p})"
+        #: into a workflow state: owned by this conductor (under its strategy's lease)
         self._enter_sql = (
-            f"{head}owner={p}, lease_expires_at={p}, started_at=COALESCE(started_at, {p}), "
+            f"{head}owner={p}, started_at=COALESCE(started_at, {p}), "
             f"finished_at=NULL, not_started={p}, deadline_at={p}{cas}"
         )
         #: a started step ends
         self._finish_sql = (
-            f"{head}owner=NULL, lease_expires_at=NULL, started_at=COALESCE(started_at, {p}), "
+            f"{head}owner=NULL, started_at=COALESCE(started_at, {p}), "
             f"finished_at={p}, not_started={p}, deadline_at=NULL{cas}"
         )
         #: a step ends without having started (aborted, unmanaged): no started_at
         self._end_unstarted_sql = (
-            f"{head}owner=NULL, lease_expires_at=NULL, finished_at={p}, not_started={p}, "
-            f"deadline_at=NULL{cas}"
+            f"{head}owner=NULL, finished_at={p}, not_started={p}, deadline_at=NULL{cas}"
+        )
+        #: an attempt released to its target (see :data:`attempts`)
+        self._attempt_sql = (
+            "INSERT INTO attempts (strategy_id, step_id, state, attempt, at, conductor, "
+            f"fence, how) VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p}, {p})"
         )
         self._journal_sql = (
             "INSERT INTO journal (strategy_id, step_id, at, conductor, from_state, to_state, "
@@ -845,7 +885,7 @@ class TransitionWriter:
         #: left alone
         self._deadline_sql = (
             f"UPDATE steps SET deadline_at={p}, attempt={p}, details=COALESCE({p}, details), "
-            f"not_started={p} WHERE id={p} AND state={p} AND fence={p}"
+            f"not_started={p} WHERE id={p} AND state={p} AND fence={p} AND owner={p}"
         )
         self._mark_sql = (
             f"UPDATE callbacks SET outcome={p}, reason={p}, processed_at={p} "
@@ -890,13 +930,14 @@ class TransitionWriter:
                 details,
                 1,  # the attempt: a state is entered at its first
                 self.cid,
-                lease_until,
                 at,
                 flags[t.not_started or stale],
                 t.deadline_at,
                 step_id,
                 from_state,
                 from_fence,
+                self.cid,
+                flags[t.any_owner or from_state == STEP_INITIAL],
             )
         else:
             # an end: without started_at if the step never started, else with it
@@ -913,6 +954,8 @@ class TransitionWriter:
                 step_id,
                 from_state,
                 from_fence,
+                self.cid,
+                flags[t.any_owner or unstarted],
             )
         jr = (t.strategy_id, step_id, at, self.cid, from_state, to_state, fence, details)
         return sql, upd, jr
@@ -954,7 +997,16 @@ class TransitionWriter:
         self._lapsing_now = {}
         mk = [(m.outcome, m.reason, now, m.callback_id) for m in marks or ()]
         dl = [
-            (d.deadline_at, d.attempt, d.details, d.not_started, d.step_id, d.state, d.fence)
+            (
+                d.deadline_at,
+                d.attempt,
+                d.details,
+                d.not_started,
+                d.step_id,
+                d.state,
+                d.fence,
+                self.cid,
+            )
             for d in deadlines or ()
         ]
         ups: list[tuple[str, tuple[Any, ...]]] = []
@@ -1163,6 +1215,8 @@ class TransitionWriter:
                 raw.rollback()  # the row-by-row path says what was not written, and why
                 return False
             replaced += self._end_unmanaged(cur, batch, lease_until, ups, jrs, stops)
+            ats = self._first_attempts(batch)
+            ats += [self._attempt_row(d) for d in deadlines if not d.not_started]
             by_sql: dict[str, list[tuple[Any, ...]]] = {}
             for sql, u in ups:
                 by_sql.setdefault(sql, []).append(u)
@@ -1173,6 +1227,8 @@ class TransitionWriter:
                     return False
             if jrs:
                 cur.executemany(self._journal_sql, jrs)
+            if ats:
+                cur.executemany(self._attempt_sql, ats)
             if ev:
                 cur.executemany(self._event_sql, ev)
             if mk:
@@ -1196,6 +1252,22 @@ class TransitionWriter:
         except BaseException:
             self._rollback(raw)
             raise
+
+    def _first_attempts(self, batch: list[Transition]) -> list[tuple[Any, ...]]:
+        """The attempt rows of the states ``batch`` enters and starts here (attempt 1): not
+        those entered as not started (their next owner records the start)."""
+        at, cid, lapsing = self._at, self.cid, self._lapsing_now
+        return [
+            (t.strategy_id, t.step_id, t.to_state, 1, at, cid, t.fence, "first")
+            for t in batch
+            if t.to_state not in STEP_TERMINAL
+            and not t.not_started
+            and not lapsing.get(t.strategy_id)
+        ]
+
+    def _attempt_row(self, d: AttemptDeadline) -> tuple[Any, ...]:
+        """A retry's start (its attempt row)."""
+        return (d.strategy_id, d.step_id, d.state, d.attempt, self._at, self.cid, d.fence, "retry")
 
     def _rollback(self, raw: Any) -> None:
         """After an error in the hot path's transaction: roll it back, and let go of the
@@ -1273,6 +1345,8 @@ class TransitionWriter:
                             held[t.strategy_id] += t.to_state in STEP_TERMINAL
                         return
                     conn.exec_driver_sql(self._journal_sql, j)
+                    for a in self._first_attempts([t]):
+                        conn.exec_driver_sql(self._attempt_sql, a)
                     sp.commit()
                 except IntegrityError:
                     sp.rollback()
@@ -1332,18 +1406,29 @@ class TransitionWriter:
                     retries_held.add(d.step_id)
                     held_back[d.strategy_id] = hold[d.strategy_id]
                     continue
-                written = conn.exec_driver_sql(
-                    self._deadline_sql,
-                    (
-                        d.deadline_at,
-                        d.attempt,
-                        d.details,
-                        d.not_started,
-                        d.step_id,
-                        d.state,
-                        d.fence,
-                    ),
-                )
+                sp = conn.begin_nested()
+                try:
+                    written = conn.exec_driver_sql(
+                        self._deadline_sql,
+                        (
+                            d.deadline_at,
+                            d.attempt,
+                            d.details,
+                            d.not_started,
+                            d.step_id,
+                            d.state,
+                            d.fence,
+                            self.cid,
+                        ),
+                    )
+                    if written.rowcount == 1 and not d.not_started:
+                        # (an attempt recorded twice is refused: it must not run twice)
+                        conn.exec_driver_sql(self._attempt_sql, self._attempt_row(d))
+                except IntegrityError:
+                    sp.rollback()
+                    retries_refused.add(d.step_id)
+                    continue
+                sp.commit()
                 if written.rowcount != 1:
                     retries_refused.add(d.step_id)
         refused = {id(t) for t in rejected} | {id(t) for t in deferred}

@@ -34,6 +34,9 @@ conductors = Table(
     Column("stopped_at", Float),
     #: ``fleetwave serve`` (every applying strategy), not a conductor started for some
     Column("serves_all", Boolean, nullable=False, server_default=false()),
+    #: the clock its leases are written on (see fleetwave.engine.clock): a lease is
+    #: compared only with a reading of the same clock
+    Column("lease_clock", String(80)),
 )
 
 groups = Table(
@@ -102,8 +105,9 @@ steps = Table(
     Column("finished_at", Float),
     Column("attempt", Integer, nullable=False, default=0),
     Column("fence", Integer, nullable=False, default=0),
+    #: the conductor that owns it while it is in one of its workflow's states: every
+    #: write of the row checks it (a step is held under its strategy's lease)
     Column("owner", String(64)),
-    Column("lease_expires_at", Float),
     #: entered ``state`` while its conductor was stopping: the action never started
     Column("not_started", Boolean, nullable=False, server_default=false()),
     #: when ``state`` runs out of time (its first attempt), by the engine's clock
@@ -126,6 +130,26 @@ journal = Table(
     Column("details", Text, nullable=False, default=""),
     UniqueConstraint("step_id", "to_state", name="uq_journal_step_state"),
     Index("ix_journal_strategy", "strategy_id", "id"),
+)
+
+#: one row per attempt of a state sent to a target, written (committed) before it is
+#: sent: the unique key means no attempt is sent twice (G1 at the target)
+attempts = Table(
+    "attempts",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("strategy_id", Integer, nullable=False),
+    Column("step_id", Integer, nullable=False),
+    Column("state", String(64), nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("at", Float, nullable=False),
+    Column("conductor", String(64), nullable=False),
+    Column("fence", Integer, nullable=False),
+    #: first (the state's entry), retry (after a failed attempt), afresh (entered by a
+    #: conductor that was stopping, started by the next owner)
+    Column("how", String(16), nullable=False),
+    UniqueConstraint("step_id", "state", "attempt", name="uq_attempts_step_state"),
+    Index("ix_attempts_strategy", "strategy_id", "id"),
 )
 
 events = Table(
