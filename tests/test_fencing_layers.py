@@ -143,3 +143,25 @@ def test_an_attempt_is_recorded_once(tmp_path: Path) -> None:
         ("updating-patches", 2, "retry"),
     ]
     store.dispose()
+
+
+def test_check_finds_an_attempt_sent_on_no_record(tmp_path: Path) -> None:
+    """`fleetwave check` reads the attempts: a retry recorded with no attempt before it,
+    or an attempt of a state the step never entered, is a violation."""
+    from fleetwave.testing.invariants import check
+
+    store, sid, step = _claimed(tmp_path)
+    assert check(store, sid).ok
+    with store.write() as conn:
+        for state, attempt in (("updating-patches", 3), ("finishing", 1)):
+            conn.exec_driver_sql(
+                "INSERT INTO attempts (strategy_id, step_id, state, attempt, at, conductor, "
+                "fence, how) VALUES (?, ?, ?, ?, 5.0, 'c1', 1, 'retry')",
+                (sid, step, state, attempt),
+            )
+    found = check(store, sid).violations
+    assert any(
+        "recorded attempt 3 of 'updating-patches' where attempt 2 was due" in v for v in found
+    )
+    assert any("attempt 1 of 'finishing', never entered" in v for v in found)
+    store.dispose()

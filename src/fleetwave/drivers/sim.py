@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import inspect
 import math
 import os
 import random
@@ -421,6 +422,8 @@ class SimDriver:
         self.callback_sink: CallbackSink | None = None
         self.callbacks_sent = 0
         self.callbacks_delivered = 0
+        #: callbacks whose answer took virtual time (step, state, seconds): none should
+        self.callback_waits: list[tuple[int, str, float]] = []
         self._agents: set[asyncio.Task[None]] = set()
         #: the targets' own view of each operation; remote work outlives a lost conductor:
         #: the operations running now, and per strategy and step the last one finished
@@ -639,8 +642,11 @@ class SimDriver:
         give_up = loop.time() + AGENT_RETRY_S
         attempt = 0
         while self.callback_sink is not None:
+            asked = loop.time()
             try:
-                self.callback_sink(step_id, state, kind, details)
+                answer = self.callback_sink(step_id, state, kind, details)
+                if inspect.isawaitable(answer):
+                    await answer
             except Exception:
                 if loop.time() >= give_up:
                     return
@@ -648,6 +654,10 @@ class SimDriver:
                 attempt += 1
                 continue
             self.callbacks_delivered += 1
+            waited = loop.time() - asked
+            if waited > 0:
+                # stored and answered at once, always (G6): on virtual time, it takes none
+                self.callback_waits.append((step_id, state, waited))
             return
 
     async def wait_agents(self) -> None:

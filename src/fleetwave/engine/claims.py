@@ -48,6 +48,7 @@ class ClaimsMixin(StoreCalls):
     # the conductor's, used here (besides what StoreCalls declares)
     id: str
     clock: Clock
+    renewed_at: float | None
     runs: dict[int, StrategyRun]
     finished: dict[int, str]
     _wanted: set[int] | None
@@ -100,6 +101,8 @@ class ClaimsMixin(StoreCalls):
             skip=self._not_here,
         )
         started = self._attempt_at  # its lease runs from the attempt that went through
+        if claimed:
+            self.renewed_at = started
         for rec in claimed:
             self._claiming.add(rec.id)
             self._claimed_at[rec.id] = started

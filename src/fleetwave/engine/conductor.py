@@ -206,6 +206,9 @@ class Conductor(
         self._LEASE: Any = _Fresh(self._lease_until)
         #: the lease clock's reading at each attempt (leases are compared on it)
         self._LEASE_NOW: Any = _Fresh(self.clock.lease_now)
+        #: loop time its leases were last written (a claim or a renewal that went
+        #: through): the simulator checks nobody takes them while they last
+        self.renewed_at: float | None = None
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -1167,6 +1170,11 @@ class Conductor(
             go = fl.go
             if go is not None and not go.done():
                 go.set_result(True)
+
+    @property
+    def stopping(self) -> bool:
+        """A clean stop is under way (it hands its leases back)."""
+        return self._draining
 
     def _worker_ended(self, task: asyncio.Task[None]) -> None:
         self._workers.discard(task)

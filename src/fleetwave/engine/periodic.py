@@ -45,6 +45,7 @@ class PeriodicMixin(StoreCalls):
     finished: dict[int, str]
     _wanted: set[int] | None
     _draining: bool
+    renewed_at: float | None
     _fatal: BaseException | None
     _wake: asyncio.Event | None
     _lease_watch: asyncio.TimerHandle | None
@@ -101,7 +102,7 @@ class PeriodicMixin(StoreCalls):
                     self._LEASE,
                 )
                 # The lease written runs from the attempt that went through.
-                last_renew = self._attempt_at
+                last_renew = self.renewed_at = self._attempt_at
                 for run in renewing:
                     run.lease_from = max(run.lease_from, last_renew)
             states = await self._io(rt.strategy_states, self.store, list(self.runs))

@@ -8,6 +8,9 @@ Used by ``fleetwave check``, the demo, the simulator and the tests:
 * G7 replaying the journal in commit order, steps in flight never exceed the
   strategy's max parallel nor a group's cap;
 * G8 nothing leaves a terminal state;
+* attempts: each attempt of a state sent to a target was recorded once, before it was
+  sent (the database's unique key), only for a state the step entered, and a retry
+  only after the attempt before it (attempts 1 to n, none missing);
 * stages: no step of a stage starts before every step of the earlier stages has
   ended (a step and the one it frees a slot for may share a commit: journal order);
 * and the bookkeeping around them: each step's row agrees with its journal, a
@@ -18,7 +21,7 @@ Used by ``fleetwave check``, the demo, the simulator and the tests:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +39,7 @@ from fleetwave.domain.rules import is_allowed_move
 from fleetwave.store.admin import options_from_json
 from fleetwave.store.db import Store
 from fleetwave.store.runtime import strategy_layout
-from fleetwave.store.schema import journal, steps, strategies, targets
+from fleetwave.store.schema import attempts, journal, steps, strategies, targets
 
 MAX_REPORTED = 200
 
@@ -108,12 +111,21 @@ def check(store: Store, strategy_id: int | None = None) -> CheckResult:
                 .where(journal.c.strategy_id == strat.id)
                 .order_by(journal.c.id)
             )  # read as checked: 600,000 rows of a 100,000-target rollout are not held
-            _check_strategy(result, strat, step_rows, jrows)
+            arows = conn.execute(
+                select(attempts.c.step_id, attempts.c.state, attempts.c.attempt)
+                .where(attempts.c.strategy_id == strat.id)
+                .order_by(attempts.c.step_id, attempts.c.state, attempts.c.attempt)
+            ).all()
+            _check_strategy(result, strat, step_rows, jrows, arows)
     return result
 
 
 def _check_strategy(
-    result: CheckResult, strat: Row[Any], step_rows: Sequence[Row[Any]], jrows: Iterable[Row[Any]]
+    result: CheckResult,
+    strat: Row[Any],
+    step_rows: Sequence[Row[Any]],
+    jrows: Iterable[Row[Any]],
+    arows: Sequence[Row[Any]] = (),
 ) -> None:
     sid = strat.id
     try:
@@ -225,6 +237,8 @@ def _check_strategy(
             f"steps failed (threshold {limit})"
         )
 
+    _check_attempts(result, arows, bit, entered, who)
+
     terminal_strategy = strat.state in STRATEGY_TERMINAL
     for r in step_rows:
         journalled = last.get(r.id, STEP_INITIAL)
@@ -236,3 +250,29 @@ def _check_strategy(
             result.add(f"lease: {who(r.id)} is terminal but still owned by {r.owner}")
     if terminal_strategy and strat.owner is not None:
         result.add(f"lease: strategy {sid} is terminal but still owned by {strat.owner}")
+
+
+def _check_attempts(
+    result: CheckResult,
+    arows: Sequence[Row[Any]],
+    bit: dict[str, int],
+    entered: dict[int, int],
+    who: Callable[[int], str],
+) -> None:
+    """Each state's attempts (ordered by step, state, attempt) are 1 to n, of a state the
+    step entered: a retry recorded with no attempt before it, or an attempt of a state
+    never entered, was sent on no record."""
+    expect: dict[tuple[int, str], int] = {}
+    for step_id, state, attempt in arows:
+        mask = bit.get(state, 0)
+        if not entered.get(step_id, 0) & mask:
+            result.add(
+                f"attempts: {who(step_id)} has attempt {attempt} of '{state}', never entered"
+            )
+        want = expect.get((step_id, state), 1)
+        if attempt != want:
+            result.add(
+                f"attempts: {who(step_id)} recorded attempt {attempt} of '{state}' "
+                f"where attempt {want} was due"
+            )
+        expect[(step_id, state)] = attempt + 1

@@ -13,9 +13,13 @@ One run, for one seed:
    inside write transactions; an operator who aborts the strategy mid-run, who pauses
    it and resumes it later, or who unmanages a few targets while it runs; an outside
    writer that changes the rows of steps in flight (a hand edit, a rogue tool), so the
-   conductor's next transitions for them are refused;
+   conductor's next transitions for them are refused; wall clocks that differ between
+   conductors, drift and step (leases must not care);
 4. then every guarantee is checked from the journal and final rows, and the journal's
-   digest is printed: the same seed gives the same journal, byte for byte.
+   digest is printed: the same seed gives the same journal, byte for byte. Besides the
+   journal, the run watches that no two conductors act on one target at once, that no
+   lease is taken from a conductor that renews it, and that every callback is answered
+   at once (:mod:`fleetwave.testing.watch`).
 
 ``fleetwave sim --seed S`` runs this; the test suite sweeps seeds; a failing seed
 replays exactly.
@@ -62,6 +66,7 @@ from fleetwave.store.schema import callbacks, events, journal, steps, strategies
 from fleetwave.store.schema import targets as target_table
 from fleetwave.testing.invariants import check
 from fleetwave.testing.vloop import Deadlock, Livelock, VirtualTimeLoop
+from fleetwave.testing.watch import ActionWatch, LeaseWatch, SkewedClocks, callback_checks
 
 FAULTS = (
     "errors",
@@ -77,7 +82,11 @@ FAULTS = (
     "pause",
     "unmanage",
     "meddle",
+    "skew",
 )
+
+#: a time a conductor stamped, as the run's own clock read it (see SkewedClocks)
+TrueAt = Callable[[str | None, float], float]
 
 #: virtual time after which a strategy that has not ended is a liveness violation
 VIRTUAL_LIMIT_S = 7 * 24 * 3600.0
@@ -410,25 +419,27 @@ class _OperatorPause:
         self.resumed_at = self.clock.now()
 
 
-def _pause_checks(store: Store, sid: int, window: tuple[float, float] | None) -> list[str]:
+def _pause_checks(
+    store: Store, sid: int, window: tuple[float, float] | None, true_at: TrueAt
+) -> list[str]:
     """While paused (from the commit of the pause to that of the resume), no step starts."""
     if window is None:
         return []
     paused, resumed = window
     with store.read() as conn:
-        started = conn.execute(
-            select(journal.c.step_id, journal.c.at).where(
+        entries = conn.execute(
+            select(journal.c.step_id, journal.c.at, journal.c.conductor).where(
                 journal.c.strategy_id == sid,
                 journal.c.from_state == "initial",
                 journal.c.to_state.not_in(sorted(STEP_TERMINAL)),
-                journal.c.at > paused,
-                journal.c.at < resumed,
             )
         ).all()
+    started = [(r.step_id, true_at(r.conductor, r.at)) for r in entries]
     return [
-        f"pause: step {r.step_id} started {r.at - paused:.1f} s after the operator's pause "
+        f"pause: step {step} started {at - paused:.1f} s after the operator's pause "
         f"(resumed {resumed - paused:.1f} s after it)"
-        for r in started
+        for step, at in started
+        if paused < at < resumed
     ]
 
 
@@ -467,28 +478,35 @@ class _OutsideWriter:
         self.meddled += 1
 
 
-def _unmanage_checks(store: Store, sid: int, done: dict[str, float]) -> list[str]:
+def _unmanage_checks(store: Store, sid: int, done: dict[str, float], true_at: TrueAt) -> list[str]:
     """A target unmanaged before its step started: the step never starts, and it ends
     failed as unmanaged (or aborted, when the strategy stopped first)."""
     out: list[str] = []
     with store.read() as conn:
         for name, at in sorted(done.items()):
             rows = conn.execute(
-                select(journal.c.from_state, journal.c.to_state, journal.c.at, journal.c.details)
+                select(
+                    journal.c.from_state,
+                    journal.c.to_state,
+                    journal.c.at,
+                    journal.c.details,
+                    journal.c.conductor,
+                )
                 .join(steps, steps.c.id == journal.c.step_id)
                 .join(target_table, target_table.c.id == steps.c.target_id)
                 .where(journal.c.strategy_id == sid, target_table.c.name == name)
                 .order_by(journal.c.id)
             ).all()
             entry = next((r for r in rows if r.from_state == "initial"), None)
-            if entry is None or entry.at < at:
+            entry_at = true_at(entry.conductor, entry.at) if entry is not None else 0.0
+            if entry is None or entry_at < at - 1e-6:
                 continue  # started (or ended) before the operator unmanaged it
-            if entry.at == at:
+            if abs(entry_at - at) <= 1e-6:
                 continue  # the same virtual instant: either order is right
             if entry.to_state not in ("failed", "aborted"):
                 out.append(
                     f"unmanage: {name} started ({entry.to_state}) "
-                    f"{entry.at - at:.1f} s after the operator unmanaged it"
+                    f"{entry_at - at:.1f} s after the operator unmanaged it"
                 )
             elif entry.to_state == "failed" and entry.details != unmanaged_reason(name):
                 out.append(f"unmanage: {name} failed with '{entry.details}', not as unmanaged")
@@ -519,7 +537,11 @@ class _OperatorAbort:
 
 
 def _abort_checks(
-    store: Store, sid: int, retries: list[tuple[str, str, int, float]], epoch: float
+    store: Store,
+    sid: int,
+    retries: list[tuple[str, str, int, float]],
+    epoch: float,
+    true_at: TrueAt,
 ) -> list[str]:
     """Once a conductor has seen the abort (running, or on taking the strategy over),
     no step enters a workflow state (none starts, none moves on), no state is tried
@@ -527,33 +549,40 @@ def _abort_checks(
     out: list[str] = []
     with store.read() as conn:
         seen = conn.execute(
-            select(events.c.at)
+            select(events.c.at, events.c.conductor)
             .where(events.c.strategy_id == sid, events.c.kind == "abort-seen")
             .order_by(events.c.id)
         ).first()
         final = conn.execute(select(strategies.c.state).where(strategies.c.id == sid)).scalar()
         if seen is not None:
+            seen_at = true_at(seen.conductor, seen.at)
             # (rows of the very batch that saw it share its time, and come after it)
-            late = conn.execute(
+            moves = conn.execute(
                 select(
-                    journal.c.step_id, journal.c.from_state, journal.c.to_state, journal.c.at
+                    journal.c.step_id,
+                    journal.c.from_state,
+                    journal.c.to_state,
+                    journal.c.at,
+                    journal.c.conductor,
                 ).where(
                     journal.c.strategy_id == sid,
                     journal.c.to_state.not_in(sorted(STEP_TERMINAL)),
-                    journal.c.at > seen.at,
                 )
             ).all()
-            for r in late:
+            for r in moves:
+                at = true_at(r.conductor, r.at)
+                if at <= seen_at + 1e-6:
+                    continue
                 what = "started" if r.from_state == "initial" else f"moved on from {r.from_state}"
                 out.append(
                     f"abort: step {r.step_id} {what} ({r.to_state}) "
-                    f"{r.at - seen.at:.1f} s after a conductor saw the operator's abort"
+                    f"{at - seen_at:.1f} s after a conductor saw the operator's abort"
                 )
             for name, op, attempt, t in retries:
-                if epoch + t > seen.at:
+                if epoch + t > seen_at + 1e-6:
                     out.append(
                         f"abort: {name} saw attempt {attempt} of {op} start "
-                        f"{epoch + t - seen.at:.1f} s after a conductor saw the operator's abort"
+                        f"{epoch + t - seen_at:.1f} s after a conductor saw the operator's abort"
                     )
             if final != "aborted":
                 out.append(f"abort: a conductor saw the operator's abort, yet it ended {final}")
@@ -640,6 +669,29 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
         waiting_page=page,
         prefetch_page=prefetch,
     )
+    skews = SkewedClocks(clock, random.Random(cfg.seed * 7919 + 9), "skew" in cfg.faults)
+    actions = ActionWatch()
+    leases = LeaseWatch(store, sid, config.lease_ttl_s)
+    lease_watch = asyncio.ensure_future(leases.run())
+    rivals: list[tuple[Conductor, asyncio.Future[dict[int, str]]]] = []
+    if skews.on:
+        # A second conductor on the same database at a random moment (an operator's
+        # `apply --wait` beside `serve`), patient: with leases on one clock it never
+        # takes the strategy from one that renews it, whatever its wall clock says.
+        def rival() -> None:
+            rid = f"sim{cfg.seed}-rival"
+            other = cfg.conductor_cls(
+                store,
+                clock=skews.clock_for(rid, loop),
+                config=config,
+                drivers={"sim": actions.driver(sim, rid)},
+                conductor_id=rid,
+            )
+            task = asyncio.ensure_future(other.run(strategy_ids=[sid], patient=True))
+            leases.add(other, task, stalls=False)
+            rivals.append((other, task))
+
+        loop.call_later(skews.rng.uniform(1.0, 600.0), rival)
     crashes = 0
     stops = 0
     retries = 0
@@ -670,26 +722,28 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
         if stall_after is not None:
             # This generation stalls: it runs on without renewing its leases, and a rival
             # starts later and takes over once they expire. The staller must be fenced off.
+            zid = f"sim{cfg.seed}-c{generation}-stalled"
             zombie = cfg.conductor_cls(
                 store,
-                clock=clock,
+                clock=skews.clock_for(zid, loop),
                 config=replace(config, renew_leases=False),
-                drivers={"sim": sim},
-                conductor_id=f"sim{cfg.seed}-c{generation}-stalled",
+                drivers={"sim": actions.driver(sim, zid, counted=False)},
+                conductor_id=zid,
             )
             generation += 1
-            stalled.append(
-                (zombie, asyncio.ensure_future(zombie.run(strategy_ids=[sid], patient=True)))
-            )
+            zombie_task = asyncio.ensure_future(zombie.run(strategy_ids=[sid], patient=True))
+            leases.add(zombie, zombie_task, stalls=True)
+            stalled.append((zombie, zombie_task))
             await asyncio.sleep(stall_after)
         plan = faults.crash_plan()
         hook = _crash_hook(str(plan[0]), int(plan[1])) if plan and plan[0] != "time" else None
+        cid = f"sim{cfg.seed}-c{generation}"
         conductor = cfg.conductor_cls(
             store,
-            clock=clock,
+            clock=skews.clock_for(cid, loop),
             config=config,
-            drivers={"sim": sim},
-            conductor_id=f"sim{cfg.seed}-c{generation}",
+            drivers={"sim": actions.driver(sim, cid)},
+            conductor_id=cid,
             crash_hook=hook,
         )
         generation += 1
@@ -697,6 +751,7 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
         stop = asyncio.Event() if stop_after is not None else None
         stopper = loop.call_later(stop_after, stop.set) if stop and stop_after else None
         task = asyncio.ensure_future(conductor.run(strategy_ids=[sid], patient=True, stop=stop))
+        leases.add(conductor, task, stalls=False)
         killer: asyncio.TimerHandle | None = None
         if plan and plan[0] == "time":
             killer = loop.call_later(float(plan[1]), task.cancel)
@@ -733,11 +788,13 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
         if stop is not None and stop.is_set():
             stops += 1
             await asyncio.sleep(faults.stop_rng.uniform(0, 120))  # restarted a little later
-    for zombie, ztask in stalled:
+    for zombie, ztask in stalled + rivals:
         if not ztask.done():
             ztask.cancel()
         await asyncio.gather(ztask, return_exceptions=True)
         transitions += zombie.stats.transitions
+    lease_watch.cancel()
+    await asyncio.gather(lease_watch, return_exceptions=True)
     store.write_fault = None
     await sim.wait_agents()  # late callbacks still arrive after the end
     await sim.aclose()
@@ -746,10 +803,11 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
     verdict = check(store, sid)
     violations = list(verdict.violations) + _extra_checks(store, sid, final_state)
     if operator_abort.accepted:
-        violations += _abort_checks(store, sid, sim.retried_at, clock.epoch)
-    violations += _unmanage_checks(store, sid, unmanage.done)
-    violations += _pause_checks(store, sid, pause.window(clock.now()))
+        violations += _abort_checks(store, sid, sim.retried_at, clock.epoch, skews.true_at)
+    violations += _unmanage_checks(store, sid, unmanage.done, skews.true_at)
+    violations += _pause_checks(store, sid, pause.window(clock.now()), skews.true_at)
     violations += _target_checks(sim) + stuck
+    violations += actions.violations + leases.violations + callback_checks(sim.callback_waits)
     with store.read() as conn:
         n_callbacks = len(conn.execute(select(callbacks.c.id)).all())
     digest = _journal_digest(store, sid)

@@ -1,0 +1,217 @@
+"""Break the engine on purpose, one way at a time, and fail unless each is caught.
+
+Each mutation is one textual change to a copy of ``src/`` (the script stops if the
+text is not found exactly once, so it stays in step with the code). Its detectors
+run against that copy: simulator seeds (the run stops at the first violation) and
+the tests written for that layer. A mutation no detector catches fails the check.
+
+Usage: python scripts/mutation_check.py [--seeds N] [--only NAME]
+(``scripts/test.sh`` runs it; about 3 minutes on two cores.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SIM = """
+import sys
+from fleetwave.testing.simulate import SimConfig, parse_faults, run_simulation
+workflow, first, count, targets = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+for seed in range(first, first + count):
+    r = run_simulation(SimConfig(seed=seed, targets=targets, workflow=workflow))
+    if not r.ok:
+        print(f"seed {seed}: {r.violations[0]}")
+        sys.exit(1)
+print(f"{count} seeds ok")
+"""
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str
+    old: str
+    new: str
+    #: test node ids that must fail
+    tests: tuple[str, ...] = ()
+    #: simulator runs that must find a violation: (workflow, targets)
+    sims: tuple[tuple[str, int], ...] = field(default_factory=tuple)
+
+
+ENGINE = "src/fleetwave/engine/"
+STORE = "src/fleetwave/store/"
+
+MUTATIONS = [
+    Mutation(
+        "d1: adopt takes steps over without checking it still holds the strategy",
+        ENGINE + "claims.py",
+        "            held=(rec.id, rec.fence),\n            afresh=afresh,",
+        "            afresh=afresh,",
+        tests=(
+            "tests/test_adoption.py::test_a_conductor_fenced_off_before_adopting_takes_no_step_over",
+        ),
+    ),
+    Mutation(
+        "d1b: a strategy stops being 'claiming' before it is adopted",
+        ENGINE + "conductor.py",
+        "                try:\n                    recover += await self._adopt(",
+        "                self._claiming.discard(msg.record.id)\n"
+        "                try:\n                    recover += await self._adopt(",
+        tests=(
+            "tests/test_adoption.py::"
+            "test_a_store_error_while_adopting_does_not_claim_the_strategy_again",
+        ),
+    ),
+    Mutation(
+        "d4: leases written and compared on the conductor's wall clock",
+        ENGINE + "clock.py",
+        "    def lease_now(self) -> float:\n        return asyncio.get_running_loop().time()",
+        "    def lease_now(self) -> float:\n        return self.now()",
+        tests=("tests/test_lease_clock.py::test_a_wall_clock_ahead_takes_no_live_lease",),
+        sims=(("patch", 60),),
+    ),
+    Mutation(
+        "step compare-and-set: state and fence not checked",
+        STORE + "runtime.py",
+        'cas = f" WHERE id={p} AND state={p} AND fence={p} AND (owner={p} OR {p})"',
+        'cas = f" WHERE id={p} AND {p} IS NOT NULL AND {p} IS NOT NULL AND (owner={p} OR {p})"',
+        tests=(
+            "tests/test_fencing_layers.py::test_the_step_compare_and_set_refuses_a_stale_state",
+            "tests/test_fencing_layers.py::test_the_step_compare_and_set_refuses_a_stale_fence",
+        ),
+    ),
+    Mutation(
+        "step owner not checked by its writes",
+        STORE + "runtime.py",
+        'cas = f" WHERE id={p} AND state={p} AND fence={p} AND (owner={p} OR {p})"',
+        'cas = f" WHERE id={p} AND state={p} AND fence={p} AND ({p} IS NOT NULL OR {p})"',
+        tests=("tests/test_fencing_layers.py::test_a_step_is_written_only_by_its_owner",),
+    ),
+    Mutation(
+        "strategy fence not checked by a commit",
+        STORE + "runtime.py",
+        "            if owner == self.cid and fence == fences[sid]:",
+        "            if True:",
+        tests=(
+            "tests/test_fencing_layers.py::test_the_strategy_fence_refuses_a_conductor_claimed_over",
+        ),
+    ),
+    Mutation(
+        "journal without its unique key on (step, state)",
+        STORE + "migrations/versions/0001_initial.py",
+        '        sa.UniqueConstraint("step_id", "to_state", name="uq_journal_step_state"),\n',
+        "",
+        tests=(
+            "tests/test_fencing_layers.py::"
+            "test_the_journals_unique_key_refuses_a_state_entered_before",
+        ),
+    ),
+    Mutation(
+        "attempts without their unique key",
+        STORE + "migrations/versions/0008_lease_clock_and_attempts.py",
+        '        sa.UniqueConstraint("step_id", "state", "attempt", name="uq_attempts_step_state"),\n',
+        "",
+        tests=("tests/test_fencing_layers.py::test_an_attempt_is_recorded_once",),
+    ),
+    Mutation(
+        "a takeover runs the action again instead of its recover hook",
+        ENGINE + "worker.py",
+        "                        outcome = await st.action.recover(ctx)",
+        "                        outcome = await st.action.run(ctx)",
+        sims=(("patch", 200),),
+    ),
+    Mutation(
+        "a retry runs its action twice in one attempt",
+        ENGINE + "worker.py",
+        "                    else:\n                        outcome = await st.action.run(ctx)\n",
+        "                    else:\n                        outcome = await st.action.run(ctx)\n"
+        "                        if attempts > 1:\n"
+        "                            outcome = await st.action.run(ctx)\n",
+        sims=(("patch", 200),),
+    ),
+    Mutation(
+        "a callback waits for the dispatcher (a call, not a cast)",
+        ENGINE + "conductor.py",
+        "    def _sink(self, step_id: int, state: str, kind: str, details: str) -> None:\n"
+        "        self.receive_callback(step_id, state, kind, details)",
+        "    def _sink(self, step_id: int, state: str, kind: str, details: str) -> Any:\n"
+        "        self.receive_callback(step_id, state, kind, details)\n"
+        "        return asyncio.sleep(self.config.tick_s)  # until the next pass handles it",
+        sims=(("clean", 60),),
+    ),
+]
+
+
+def _mutated(m: Mutation, into: Path) -> None:
+    shutil.copytree(ROOT / "src", into / "src")
+    target = into / m.path
+    text = target.read_text()
+    if text.count(m.old) != 1:
+        raise SystemExit(f"mutation '{m.name}': its text is in {m.path} {text.count(m.old)} times")
+    target.write_text(text.replace(m.old, m.new))
+
+
+def _caught(m: Mutation, into: Path, seeds: int) -> str | None:
+    env = {**os.environ, "PYTHONPATH": str(into / "src"), "PYTHONDONTWRITEBYTECODE": "1"}
+    for test in m.tests:
+        run = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        if run.returncode != 0:
+            return f"test {test.split('::')[-1]} failed"
+    for workflow, targets in m.sims:
+        run = subprocess.run(
+            [sys.executable, "-c", SIM, workflow, "1", str(seeds), str(targets)],
+            cwd=into,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        if run.returncode != 0:
+            said = (run.stdout.strip().splitlines() or [run.stderr.strip()[-200:]])[-1]
+            return f"simulator ({workflow}): {said}"
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, default=30, help="simulator seeds per run (from 1)")
+    ap.add_argument("--only", help="run the mutations whose name contains this")
+    args = ap.parse_args()
+    chosen = [m for m in MUTATIONS if not args.only or args.only in m.name]
+    missed = 0
+    t0 = time.perf_counter()
+    for m in chosen:
+        with tempfile.TemporaryDirectory(prefix="fleetwave-mutant-") as tmp:
+            _mutated(m, Path(tmp))
+            started = time.perf_counter()
+            how = _caught(m, Path(tmp), args.seeds)
+        took = time.perf_counter() - started
+        if how is None:
+            missed += 1
+            print(f"NOT CAUGHT ({took:.0f}s): {m.name}")
+        else:
+            print(f"caught ({took:.0f}s): {m.name}: {how}")
+    print(
+        f"{len(chosen) - missed} of {len(chosen)} mutations caught "
+        f"in {time.perf_counter() - t0:.0f}s"
+    )
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
