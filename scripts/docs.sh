@@ -13,11 +13,11 @@ fi
 .venv/bin/python scripts/cli_reference.py
 case "${1:-}" in
   build)
-    .venv/bin/mkdocs build --strict
+    NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
     echo "manual built in site/ (open site/index.html)"
     ;;
   serve)
-    .venv/bin/mkdocs serve --dev-addr "127.0.0.1:${2:-8000}"
+    NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs serve --dev-addr "127.0.0.1:${2:-8000}"
     ;;
   *)
     echo "usage: bash scripts/docs.sh build|serve [PORT]" >&2

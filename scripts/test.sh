@@ -16,7 +16,7 @@ echo "== mypy (strict)"
 .venv/bin/mypy
 echo "== manual (mkdocs build --strict)"
 .venv/bin/python scripts/cli_reference.py --check
-.venv/bin/mkdocs build --strict --quiet
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
 echo "== pytest"
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
