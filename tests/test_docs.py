@@ -177,3 +177,15 @@ def test_the_cli_reference_names_every_command_and_option() -> None:
 
     visit(typer.main.get_command(app), ())
     assert not missing, f"missing from docs/reference/cli.md: {missing}"
+
+
+def test_the_tests_readme_names_only_tests_that_exist() -> None:
+    text = (ROOT / "tests" / "README.md").read_text(encoding="utf-8")
+    here = ROOT / "tests"
+    missing = [f for f in set(re.findall(r"`(test_\w+\.py)", text)) if not (here / f).exists()]
+    for file, name in re.findall(r"`(test_\w+\.py)::(test_\w+)`", text):
+        if (here / file).exists() and not re.search(
+            rf"def {name}\b", (here / file).read_text(encoding="utf-8")
+        ):
+            missing.append(f"{file}::{name}")
+    assert not missing, f"tests/README.md names tests that are not there: {sorted(missing)}"
