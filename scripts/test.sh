@@ -10,8 +10,8 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null
 .venv/bin/python -m pip install --quiet -e '.[test,docs]'
 echo "== ruff"
-.venv/bin/ruff check src tests bench scripts
-.venv/bin/ruff format --check src tests bench scripts
+.venv/bin/ruff check src tests bench scripts docs
+.venv/bin/ruff format --check src tests bench scripts docs
 echo "== mypy (strict)"
 .venv/bin/mypy
 echo "== manual (mkdocs build --strict)"
