@@ -8,12 +8,15 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null
-.venv/bin/python -m pip install --quiet -e '.[test]'
+.venv/bin/python -m pip install --quiet -e '.[test,docs]'
 echo "== ruff"
-.venv/bin/ruff check src tests bench
-.venv/bin/ruff format --check src tests bench
+.venv/bin/ruff check src tests bench scripts docs
+.venv/bin/ruff format --check src tests bench scripts docs
 echo "== mypy (strict)"
 .venv/bin/mypy
+echo "== manual (mkdocs build --strict)"
+.venv/bin/python scripts/cli_reference.py --check
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
 echo "== pytest"
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

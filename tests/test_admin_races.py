@@ -1,7 +1,6 @@
-"""Operators' admin writes racing each other from several processes (found by a race
-hunt of session 17): what a command read before its write lock must still hold when
-it commits, and a command that fails on bad input removes only a database file
-nobody else uses."""
+"""Admin commands racing each other from several processes: what a command read before
+its write lock must still hold when it commits, and a command that fails on bad input
+removes only a database file nobody else uses. From a race hunt (session 17)."""
 
 from __future__ import annotations
 

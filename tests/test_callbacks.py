@@ -27,7 +27,7 @@ from fleetwave.store.callbacks import accept_callback, callback_outcomes
 from fleetwave.store.db import Store
 from fleetwave.store.schema import strategies
 from fleetwave.testing.invariants import check
-from test_pause import _until
+from test_pause_resume import _until
 
 
 def test_clean_workflow_waits_for_agent_callbacks(store: Store) -> None:

@@ -1,4 +1,6 @@
-"""Edge cases found in review: each was a way to strand a strategy or lose a callback."""
+"""The engine at its edges, each a way to strand a strategy or lose a callback: unmanaged
+targets found in the commit, failure limits crossed inside a batch, database outages and
+lease watchdogs, refused transitions settled from the row. Found in review."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The hot path's shortcuts (session 19) say what the general path says, also at its edges."""
+"""The hot path's shortcuts say what the general path says, also at its edges."""
 
 from __future__ import annotations
 

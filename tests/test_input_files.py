@@ -1,11 +1,7 @@
-"""Import and workflow files, and typed values, as an input audit found them.
-
-A file that is not UTF-8 was a traceback, a UTF-8 BOM hid the header; a YAML syntax error
-in ``target import`` took several lines; a CSV row's extra fields were dropped; errors
-found at the database lost the file and line; ``--set`` and CSV cells were read as YAML
-1.1 (yes -> true, 1:30 -> 90, 0x10 -> 16, but 1e3 stayed text); a YAML workflow took
-``timeout_s: true`` as 1 s, a state name the sim cannot name, a backoff above its cap, a
-key given twice, a version the database cannot keep and a timeout of centuries.
+"""Import and workflow files, and typed values: encodings and BOMs, YAML and CSV errors
+in one line naming file and line, CSV rows with extra fields, ``--set`` and CSV cells
+read strictly (yes stays text, 1e3 is a number), and YAML workflows whose timeouts,
+state names, backoffs, keys and versions are checked. From an input audit.
 """
 
 from __future__ import annotations

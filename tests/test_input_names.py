@@ -1,9 +1,6 @@
 """Target and group names: one rule for ``target add``, ``target import`` (CSV and YAML)
-and ``group add``; YAML name, group and driver must be text.
-
-Found by an input audit: 'bad name', 'a,b' (``--targets`` splits on commas), a name with
-a newline, ' lead', a 5,000-character name, '' and 'g 1' were all accepted; a YAML
-``group: [a]`` was a traceback and ``name: [m2]`` made a target called "['m2']".
+and ``group add`` (no spaces, commas, newlines, leading blanks, or 5,000 characters);
+YAML name, group and driver must be text. From an input audit.
 """
 
 from __future__ import annotations

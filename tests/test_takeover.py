@@ -1,12 +1,12 @@
-"""Paths a review found broken, each with the scenario that showed it.
+"""Taking a strategy over, or claiming it back, strands nothing.
 
 Claiming a strategy back after this conductor's own renewals lapsed (a callback
-already handed to a wait must be offered again; ``apply --wait`` must not give up),
+already handed to a wait is offered again; ``apply --wait`` does not give up),
 ``apply --wait`` taking over from an owner that died, a failure limit crossed inside
-the commit (a step moving on in it must not start its next state), an action's own
+the commit (a step moving on in it does not start its next state), an action's own
 BaseException or TimeoutError, a branch chosen by a wait-for-callback state, the
-callbacks of a strategy aborted before it started, and ``check`` on a strategy no
-conductor could drive.
+callbacks of a strategy aborted before it started, ``check`` on a strategy no
+conductor could drive, and a stop for failures named after a takeover.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Paths a review of pause/resume, poll mode and the self-fence found broken.
-
-A run dropped while the periodic pass read the strategies' states (the pass died),
-a second poll state running the same driver operation (reported done unrun), an
-abort of a paused strategy recorded as a resume, a YAML workflow naming a plug-in's
-action on a conductor without it (failed instead of left to others), and a fenced-off
-conductor still polling that started a finished operation again.
+"""Pause, poll mode and the self-fence: the periodic pass survives a run dropped while it
+reads states, a second poll state runs its own driver operation, an abort of a paused
+strategy records no resume, a YAML workflow naming a plug-in's action is left to a
+conductor that has it, and a fenced-off conductor still polling starts nothing again.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""What an operator expects where a command used to do something else quietly: a
-service started on a mistyped database path, a workflow stored again under the same
-version, a serial group given a max parallel, an abort asked twice, and ``apply --wait``
-run again after its strategy ended."""
+"""What a command answers where it could act quietly: ``serve`` on a mistyped database
+path, a workflow stored again under the same version, a serial group given a max
+parallel, an abort asked twice, ``apply --wait`` of an ended strategy, tables and
+messages at 80 columns, Ctrl-C of the demo, a delete and a sweep."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Guards an operator audit asked for: numbers too large for the database, plug-ins
-that cannot be imported, a strategy whose workflow this process lacks, a database
-path that is an empty file or another program's database, filters that match
-nothing because they name nothing, the progress line, and Ctrl-C on ``apply --wait``.
+"""Limits and plug-ins: numbers too large for the database, plug-ins that cannot be
+imported, a strategy whose workflow this process lacks, a database path that is an empty
+file or another program's database, filters that name nothing, the progress line,
+Ctrl-C on ``apply --wait``, lease lengths and a locked database.
 """
 
 from __future__ import annotations

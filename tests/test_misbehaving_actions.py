@@ -1,7 +1,7 @@
-"""What a bug hunt of Python plug-in actions and callbacks found (session 16): an
-action's odd message or return value crashed the conductor's commit (every strategy it
-drove stopped), an exception whose ``str()`` raised stranded its step for good, and
-control characters and megabytes of text went to the terminal and the log as given."""
+"""Plug-in actions and callbacks that misbehave fail their own step, never the conductor:
+odd messages and return values, exceptions whose ``str()`` raises, control characters
+and megabytes of text (kept on one escaped, bounded line), actions that swallow their
+cancel or block the event loop. From a bug hunt of plug-ins (session 16)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""What an operator's acceptance pass of groups, pause and abort, imports and YAML
-workflows found (session 16): options given twice, warnings an unmanage owed, refusals
-that pointed at the wrong remedy, and what a script reads from JSON."""
+"""Options of one value given twice are refused; an unmanage warns about the steps it will
+fail; a target whose step has ended may change; quoted numbers in files are refused; a
+stored workflow can be deleted while its strategies run on; ``apply --wait`` of a
+paused or aborting strategy says what it does. From an operator's acceptance pass."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""What an on-call operator found missing or misleading while a rollout ran badly
-(an acceptance pass in the role of someone paged at night): filters given twice,
-who drives a rollout, what a list hides, and what is left of failed attempts."""
+"""What an operator reads while a rollout runs badly: filters given twice, who drives a
+rollout, what a list hides, failed attempts kept as events, the service log's failed
+steps, progress lines, and signals on admin commands. From an on-call acceptance pass."""
 
 from __future__ import annotations
 
