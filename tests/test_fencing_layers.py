@@ -109,9 +109,11 @@ def test_the_strategy_fence_refuses_a_conductor_claimed_over(tmp_path: Path) -> 
 
 def test_the_journals_unique_key_refuses_a_state_entered_before(tmp_path: Path) -> None:
     """A move back into pre-check, from where the step is, at its fence, by its owner,
-    in a strategy still held: only the unique key on (step, state) refuses it (G1)."""
+    in a strategy still held: only the unique key on (step, state) refuses it (G1).
+    (Entered as not started, as by a conductor that is stopping: its first attempt is
+    not recorded, so the attempts' own unique key does not stand in.)"""
     store, sid, step = _claimed(tmp_path)
-    again = rt.Transition(step, sid, "updating-patches", 1, "pre-check", 1, "", 1)
+    again = rt.Transition(step, sid, "updating-patches", 1, "pre-check", 1, "", 1, True)
     assert _commit(store, again).rejected == [again]
     assert _row(store, step) == ("updating-patches", 1, "c1")
     with store.read() as conn:
