@@ -119,7 +119,8 @@ MUTATIONS = [
     Mutation(
         "attempts without their unique key",
         STORE + "migrations/versions/0008_lease_clock_and_attempts.py",
-        '        sa.UniqueConstraint("step_id", "state", "attempt", name="uq_attempts_step_state"),\n',
+        '        sa.UniqueConstraint("step_id", "state", "attempt", '
+        'name="uq_attempts_step_state"),\n',
         "",
         tests=("tests/test_fencing_layers.py::test_an_attempt_is_recorded_once",),
     ),

@@ -17,6 +17,8 @@ echo "== mypy (strict)"
 echo "== manual (mkdocs build --strict)"
 .venv/bin/python scripts/cli_reference.py --check
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
+echo "== mutation check (deliberate breakages of the engine must be caught)"
+.venv/bin/python scripts/mutation_check.py
 echo "== pytest"
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
