@@ -30,7 +30,8 @@ from fleetwave.engine.conductor import Conductor
 from fleetwave.engine.config import EngineConfig
 from fleetwave.store import admin, queries
 from fleetwave.store.db import Store
-from fleetwave.store.schema import conductors, steps
+from fleetwave.store.leases import host_lease_now
+from fleetwave.store.schema import conductors, steps, strategies
 from test_cli_strategy import add, apply_wait, create, history
 from test_cli_workflow import GOOD, workflows, write
 
@@ -986,17 +987,17 @@ def test_step_list_says_what_an_in_flight_step_without_details_is_doing(
     assert gone_early.startswith(f"its conductor {c.id} is gone (its process ended); "), gone_early
     with store.write() as conn:
         conn.execute(update(conductors).values(stopped_at=None))
-    with store.write() as conn:  # its lease ran out meanwhile
-        conn.execute(update(steps).values(lease_expires_at=0.0))
+    with store.write() as conn:  # its lease (its strategy's) ran out meanwhile
+        conn.execute(update(strategies).values(lease_expires_at=host_lease_now() - 600))
     (gone,) = details()
-    assert gone.startswith(f"its conductor {c.id} is gone (its lease ran out at 1970-01-01"), gone
+    assert gone.startswith(f"its conductor {c.id} is gone (its lease ran out at 20"), gone
     assert gone.endswith(
         "the step is taken over when a conductor drives the strategy again (serve, or "
         "strategy apply --wait), and its state's recover setting decides what became of the "
         "action (look at the target, or fail the step: 'fleetwave workflow show' says which)"
     ), gone
     with store.write() as conn:  # handed back (a clean stop) while the action ran
-        conn.execute(update(steps).values(owner=None, lease_expires_at=None))
+        conn.execute(update(steps).values(owner=None))
     assert details() == {
         "interrupted (its conductor stopped); the step is taken over when a conductor "
         "drives the strategy again (serve, or strategy apply --wait), and its state's "
@@ -1010,13 +1011,14 @@ def test_step_list_says_what_an_in_flight_step_without_details_is_doing(
         "strategy again (serve, or strategy apply --wait)"
     }
     with store.write() as conn:  # entered while its live conductor is stopping
-        conn.execute(update(steps).values(owner=c.id, lease_expires_at=4e9))
+        conn.execute(update(steps).values(owner=c.id))
+        conn.execute(update(strategies).values(lease_expires_at=host_lease_now() + 600))
     assert details() == {
         f"entered while conductor {c.id} was stopping; its action starts when a "
         "conductor drives the strategy again (serve, or strategy apply --wait)"
     }
     with store.write() as conn:
-        conn.execute(update(steps).values(owner=None, lease_expires_at=None))
+        conn.execute(update(steps).values(owner=None))
     with store.write() as conn:  # ... with the details of the move into it
         conn.execute(update(steps).values(details="pre-check: done at attempt 2"))
     assert details() == {

@@ -20,6 +20,8 @@ import pytest
 from sqlalchemy.exc import OperationalError
 
 from cli_harness import PATCH_STATES, Cli, Result, assert_rejected, one_line
+from fleetwave.engine.clock import WallClock
+from fleetwave.store.leases import host_lease_now
 from fleetwave.store.queries import shown_host
 from fleetwave.store.runtime import HOSTNAME
 
@@ -309,9 +311,9 @@ def _conductor_row(db: Path, cid: str, *, serves_all: bool, age_s: float = 0.0) 
     now = time.time() - age_s
     with sqlite3.connect(db) as conn:
         conn.execute(
-            "INSERT INTO conductors (id, hostname, pid, started_at, heartbeat_at, serves_all) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
-            (cid, HOSTNAME, os.getpid(), now, now, serves_all),
+            "INSERT INTO conductors (id, hostname, pid, started_at, heartbeat_at, serves_all, "
+            "lease_clock) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (cid, HOSTNAME, os.getpid(), now, now, serves_all, WallClock.lease_clock),
         )
 
 
@@ -359,7 +361,7 @@ def test_show_names_the_conductor_driving_it_and_a_lapsed_lease(cli: Cli, db_pat
         conn.execute(
             "UPDATE strategies SET state = 'applying', owner = 'c-1', lease_expires_at = ? "
             "WHERE id = ?",
-            (time.time() + 30, sid),
+            (host_lease_now() + 30, sid),
         )
 
     def driven_by() -> str:
@@ -374,7 +376,7 @@ def test_show_names_the_conductor_driving_it_and_a_lapsed_lease(cli: Cli, db_pat
         with sqlite3.connect(db_path) as conn:
             conn.execute(
                 "UPDATE strategies SET lease_expires_at = ? WHERE id = ?",
-                (time.time() + seconds, sid),
+                (host_lease_now() + seconds, sid),
             )
 
     lease_ends_in(-90)
@@ -413,7 +415,7 @@ def test_a_stopped_apply_wait_that_does_not_drive_says_who_goes_on(
         conn.execute(
             "UPDATE strategies SET state = 'applying', owner = 'c-1', lease_expires_at = ? "
             "WHERE id = ?",
-            (time.time() + 30, sid),
+            (host_lease_now() + 30, sid),
         )
     store = open_store(str(db_path))
     try:

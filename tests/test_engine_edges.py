@@ -518,7 +518,7 @@ def _entered_unstarted_by_a_lost_conductor(store: Store, sid: int) -> None:
         for step in queries.list_steps(store, sid):
             conn.exec_driver_sql(
                 "UPDATE steps SET state = 'pre-check', fence = 1, attempt = 1, "
-                f"not_started = 1, owner = 'c-gone', lease_expires_at = 0 WHERE id = {step['step']}"
+                f"not_started = 1, owner = 'c-gone' WHERE id = {step['step']}"
             )
             conn.exec_driver_sql(
                 "INSERT INTO journal (strategy_id, step_id, at, conductor, from_state, "
@@ -1028,7 +1028,7 @@ def test_a_claim_that_went_through_after_an_outage_leases_from_then(store: Store
         return done
 
     assert on_virtual_time(go())[sid] == "complete"
-    assert seen["lease"] - clock.epoch >= 100 + 30 - 5
+    assert seen["lease"] >= 100 + 30 - 5  # (on the lease clock: the loop's)
     with store.read() as conn:
         claimed = conn.exec_driver_sql(
             "SELECT at FROM events WHERE kind = 'strategy-claimed' AND strategy_id = ?", (sid,)

@@ -24,9 +24,11 @@ from hypothesis import strategies as st
 from cli_harness import Cli, assert_rejected
 from conftest import add_sim_targets, applied, on_virtual_time
 from fleetwave.cli.output import WHEN_WIDTH, when
+from fleetwave.engine.clock import WallClock
 from fleetwave.engine.conductor import Conductor
 from fleetwave.store import queries
 from fleetwave.store.db import Store
+from fleetwave.store.leases import host_lease_now
 from test_cli_strategy import add, apply_wait, create, history, steps
 
 
@@ -82,9 +84,18 @@ def test_a_step_whose_conductor_is_gone_says_so_before_what_its_row_said(
     said = "pre-check: timed out after 40s (attempt 1 of 3); attempt 2 from 2026-12-01 13:20:42Z"
     with sqlite3.connect(db_path) as db:
         db.execute(
-            "UPDATE steps SET state='pre-check', owner='c-dead', lease_expires_at=?, "
+            "UPDATE steps SET state='pre-check', owner='c-dead', "
             "attempt=2, not_started=0, details=? WHERE strategy_id=?",
-            (time.time() - 30, said, sid),
+            (said, sid),
+        )
+        db.execute(
+            "INSERT INTO conductors (id, hostname, pid, started_at, heartbeat_at, "
+            "lease_clock) VALUES ('c-dead', 'elsewhere', 1, 0, 0, ?)",
+            (WallClock.lease_clock,),
+        )
+        db.execute(
+            "UPDATE strategies SET owner='c-dead', lease_expires_at=? WHERE id=?",
+            (host_lease_now() - 30, sid),
         )
     for row in steps(cli, sid).values():
         assert row["details"].startswith("its conductor c-dead is gone (its lease ran out at ")

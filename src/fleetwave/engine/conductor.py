@@ -85,6 +85,7 @@ from fleetwave.engine.stopping import stop_reason
 from fleetwave.engine.store_calls import StoreCalls, _Fresh
 from fleetwave.engine.worker import WorkerMixin, resolve_future
 from fleetwave.store import callbacks as cbs
+from fleetwave.store import leases
 from fleetwave.store import runtime as rt
 from fleetwave.store.db import Store
 
@@ -274,6 +275,9 @@ class Conductor(
         except OSError:
             self._db_identity = None
         self._patient = patient
+        # What this process shows of leases (an action reading `step list`, a test on
+        # virtual time) reads them on this conductor's lease clock (its tasks inherit it).
+        leases.READER.set((self.clock.lease_clock, self.clock.lease_now))
         self._wake = asyncio.Event()
         # The hot path asks for the loop on every action: asyncio.get_running_loop()
         # makes a getpid() system call each time (fork safety), so it is kept here.
