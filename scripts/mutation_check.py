@@ -1,9 +1,10 @@
 """Break the engine on purpose, one way at a time, and fail unless each is caught.
 
-Each mutation is one textual change to a copy of ``src/`` (the script stops if the
-text is not found exactly once, so it stays in step with the code). Its detectors
-run against that copy: simulator seeds (the run stops at the first violation) and
-the tests written for that layer. A mutation no detector catches fails the check.
+Each mutation is one or more textual changes to a copy of ``src/`` (the script stops
+if a text is not found exactly once, so it stays in step with the code). Its
+detectors run against that copy: the tests written for that layer, and simulator
+seeds (a run stops at its first violation). Every detector named must catch it:
+a mutation that one of them misses fails the check.
 
 Usage: python scripts/mutation_check.py [--seeds N] [--only NAME]
 (``scripts/test.sh`` runs it; about 3 minutes on two cores.)
@@ -42,6 +43,8 @@ class Mutation:
     path: str
     old: str
     new: str
+    #: more changes made with this one: (path, old, new)
+    also: tuple[tuple[str, str, str], ...] = ()
     #: test node ids that must fail
     tests: tuple[str, ...] = ()
     #: simulator runs that must find a violation: (workflow, targets)
@@ -60,6 +63,7 @@ MUTATIONS = [
         tests=(
             "tests/test_adoption.py::test_a_conductor_fenced_off_before_adopting_takes_no_step_over",
         ),
+        sims=(("patch", 60),),
     ),
     Mutation(
         "d1b: a strategy stops being 'claiming' before it is adopted",
@@ -71,6 +75,21 @@ MUTATIONS = [
             "tests/test_adoption.py::"
             "test_a_store_error_while_adopting_does_not_claim_the_strategy_again",
         ),
+    ),
+    Mutation(
+        "d1 and d1b together (the adopt as it was before the audit)",
+        ENGINE + "conductor.py",
+        "                try:\n                    recover += await self._adopt(",
+        "                self._claiming.discard(msg.record.id)\n"
+        "                try:\n                    recover += await self._adopt(",
+        also=(
+            (
+                ENGINE + "claims.py",
+                "            held=(rec.id, rec.fence),\n            afresh=afresh,",
+                "            afresh=afresh,",
+            ),
+        ),
+        sims=(("patch", 60),),
     ),
     Mutation(
         "d4: leases written and compared on the conductor's wall clock",
@@ -155,15 +174,19 @@ MUTATIONS = [
 
 def _mutated(m: Mutation, into: Path) -> None:
     shutil.copytree(ROOT / "src", into / "src")
-    target = into / m.path
-    text = target.read_text()
-    if text.count(m.old) != 1:
-        raise SystemExit(f"mutation '{m.name}': its text is in {m.path} {text.count(m.old)} times")
-    target.write_text(text.replace(m.old, m.new))
+    for path, old, new in ((m.path, m.old, m.new), *m.also):
+        target = into / path
+        text = target.read_text()
+        if text.count(old) != 1:
+            raise SystemExit(f"mutation '{m.name}': its text is in {path} {text.count(old)} times")
+        target.write_text(text.replace(old, new))
 
 
-def _caught(m: Mutation, into: Path, seeds: int) -> str | None:
+def _caught(m: Mutation, into: Path, seeds: int) -> tuple[list[str], list[str]]:
+    """What caught the mutation, and which detectors missed it."""
     env = {**os.environ, "PYTHONPATH": str(into / "src"), "PYTHONDONTWRITEBYTECODE": "1"}
+    caught: list[str] = []
+    missed: list[str] = []
     for test in m.tests:
         run = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test],
@@ -172,8 +195,8 @@ def _caught(m: Mutation, into: Path, seeds: int) -> str | None:
             capture_output=True,
             text=True,
         )
-        if run.returncode != 0:
-            return f"test {test.split('::')[-1]} failed"
+        name = test.split("::")[-1]
+        (caught if run.returncode != 0 else missed).append(f"test {name}")
     for workflow, targets in m.sims:
         run = subprocess.run(
             [sys.executable, "-c", SIM, workflow, "1", str(seeds), str(targets)],
@@ -184,8 +207,10 @@ def _caught(m: Mutation, into: Path, seeds: int) -> str | None:
         )
         if run.returncode != 0:
             said = (run.stdout.strip().splitlines() or [run.stderr.strip()[-200:]])[-1]
-            return f"simulator ({workflow}): {said}"
-    return None
+            caught.append(f"simulator ({workflow}): {said}")
+        else:
+            missed.append(f"simulator ({workflow}, {seeds} seeds)")
+    return caught, missed
 
 
 def main() -> int:
@@ -200,13 +225,13 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="fleetwave-mutant-") as tmp:
             _mutated(m, Path(tmp))
             started = time.perf_counter()
-            how = _caught(m, Path(tmp), args.seeds)
+            caught, not_by = _caught(m, Path(tmp), args.seeds)
         took = time.perf_counter() - started
-        if how is None:
+        if not_by:
             missed += 1
-            print(f"NOT CAUGHT ({took:.0f}s): {m.name}")
+            print(f"NOT CAUGHT ({took:.0f}s): {m.name}: missed by {'; '.join(not_by)}")
         else:
-            print(f"caught ({took:.0f}s): {m.name}: {how}")
+            print(f"caught ({took:.0f}s): {m.name}: {'; '.join(caught)}")
     print(
         f"{len(chosen) - missed} of {len(chosen)} mutations caught "
         f"in {time.perf_counter() - t0:.0f}s"

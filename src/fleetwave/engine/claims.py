@@ -168,6 +168,8 @@ class ClaimsMixin(StoreCalls):
         now: float,
     ) -> list[InFlight]:
         """Take over a claimed strategy from the database alone (G4, recovery)."""
+        if self.config.adopt_stall_s:
+            await asyncio.sleep(self.config.adopt_stall_s)  # (fault injection)
         lease_from = self._claimed_at.pop(rec.id, self._loop.time())
         try:
             if rec.broken is not None:

@@ -60,6 +60,9 @@ class EngineConfig:
     #: False makes a stalled conductor (a long GC pause, SIGSTOP, a partition from the
     #: database): it keeps running but stops renewing its leases. For fault injection.
     renew_leases: bool = True
+    #: seconds to wait between a claim's commit and adopting the strategy (a slow adopt:
+    #: a page load behind a busy disk, a pause of the process). For fault injection.
+    adopt_stall_s: float = 0.0
 
 
 @dataclass

@@ -66,7 +66,13 @@ from fleetwave.store.schema import callbacks, events, journal, steps, strategies
 from fleetwave.store.schema import targets as target_table
 from fleetwave.testing.invariants import check
 from fleetwave.testing.vloop import Deadlock, Livelock, VirtualTimeLoop
-from fleetwave.testing.watch import ActionWatch, LeaseWatch, SkewedClocks, callback_checks
+from fleetwave.testing.watch import (
+    ActionWatch,
+    LeaseWatch,
+    SkewedClocks,
+    callback_checks,
+    takeover_checks,
+)
 
 FAULTS = (
     "errors",
@@ -673,6 +679,7 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
     actions = ActionWatch()
     leases = LeaseWatch(store, sid, config.lease_ttl_s)
     lease_watch = asyncio.ensure_future(leases.run())
+    adopt_rng = random.Random(cfg.seed * 7919 + 10)
     rivals: list[tuple[Conductor, asyncio.Future[dict[int, str]]]] = []
     if skews.on:
         # A second conductor on the same database at a random moment (an operator's
@@ -723,10 +730,21 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
             # This generation stalls: it runs on without renewing its leases, and a rival
             # starts later and takes over once they expire. The staller must be fenced off.
             zid = f"sim{cfg.seed}-c{generation}-stalled"
+            # Half of them stall between their claim and adopting it, past the rival's
+            # takeover: once they go on, they must take none of its steps over.
+            late = adopt_rng.random() < 0.5
             zombie = cfg.conductor_cls(
                 store,
                 clock=skews.clock_for(zid, loop),
-                config=replace(config, renew_leases=False),
+                config=replace(
+                    config,
+                    renew_leases=False,
+                    adopt_stall_s=(
+                        stall_after + config.lease_ttl_s + adopt_rng.uniform(10, 300)
+                        if late
+                        else 0.0
+                    ),
+                ),
                 drivers={"sim": actions.driver(sim, zid, counted=False)},
                 conductor_id=zid,
             )
@@ -738,10 +756,13 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
         plan = faults.crash_plan()
         hook = _crash_hook(str(plan[0]), int(plan[1])) if plan and plan[0] != "time" else None
         cid = f"sim{cfg.seed}-c{generation}"
+        # A slow adopt for some (longer than a periodic pass): the strategy must not be
+        # claimed again meanwhile (a second run of it, two workers a step).
+        slow = adopt_rng.uniform(5, 40) if "stall" in cfg.faults and adopt_rng.random() < 0.3 else 0
         conductor = cfg.conductor_cls(
             store,
             clock=skews.clock_for(cid, loop),
-            config=config,
+            config=replace(config, adopt_stall_s=slow),
             drivers={"sim": actions.driver(sim, cid)},
             conductor_id=cid,
             crash_hook=hook,
@@ -808,6 +829,7 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
     violations += _pause_checks(store, sid, pause.window(clock.now()), skews.true_at)
     violations += _target_checks(sim) + stuck
     violations += actions.violations + leases.violations + callback_checks(sim.callback_waits)
+    violations += takeover_checks(store, sid)
     with store.read() as conn:
         n_callbacks = len(conn.execute(select(callbacks.c.id)).all())
     digest = _journal_digest(store, sid)
