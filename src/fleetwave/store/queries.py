@@ -25,6 +25,7 @@ from fleetwave.store import leases
 from fleetwave.store.db import Store
 from fleetwave.store.runtime import DRIVEN_STATES, conductor_gone
 from fleetwave.store.schema import (
+    attempts,
     callbacks,
     conductors,
     events,
@@ -806,6 +807,7 @@ def get_step(store: Store, step_id: int) -> dict[str, Any]:
     out["history"] = history(store, int(out["strategy"]), step_id=step_id)
     out["events"] = step_events(store, step_id)
     out["callbacks"] = step_callbacks(store, step_id)
+    out["attempts"] = step_attempts(store, step_id)
     return out
 
 
@@ -913,6 +915,25 @@ def _iter_history(store: Store, sid: int, q: Any) -> Iterator[dict[str, Any]]:
             "fence": fence,
             "details": details,
         }
+
+
+def step_attempts(store: Store, step_id: int) -> list[dict[str, Any]]:
+    """Each attempt of a state sent to the step's target: when it was released, by which
+    conductor at which fence, and how (first, retry, afresh)."""
+    with store.read() as conn:
+        rows = conn.execute(
+            select(
+                attempts.c.state,
+                attempts.c.attempt,
+                attempts.c.at,
+                attempts.c.conductor,
+                attempts.c.fence,
+                attempts.c.how,
+            )
+            .where(attempts.c.step_id == step_id)
+            .order_by(attempts.c.id)
+        ).all()
+    return [dict(r._mapping) for r in rows]
 
 
 def step_events(store: Store, step_id: int) -> list[dict[str, Any]]:
