@@ -186,7 +186,7 @@ def test_an_abort_still_wins_over_the_failure_threshold_after_a_takeover(store: 
     with store.read() as conn:
         seen = conn.execute(select(events.c.details).where(events.c.kind == "abort-seen")).scalars()
         assert list(seen) == ["operator abort requested (on takeover)"]
-    assert _abort_checks(store, sid, [], 0.0) == []
+    assert _abort_checks(store, sid, [], 0.0, lambda _conductor, at: at) == []
 
 
 class FlakyThenHangs(StateAction):

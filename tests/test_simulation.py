@@ -111,7 +111,9 @@ def test_faults_are_really_injected() -> None:
         "pause",
         "unmanage",
         "meddle",
+        "skew",
     }
+    assert sum(r.skewed for r in results) > 0
 
 
 def test_ci_sweep_all_faults() -> None:

@@ -163,6 +163,8 @@ class SimResult:
     meddled: int = 0
     #: the database was out (every write failing) for a while during the run
     outage: bool = False
+    #: conductors had wall clocks of their own (and a rival ran beside them)
+    skewed: bool = False
 
     def line(self) -> str:
         verdict = "ok" if self.ok else "FAILED"
@@ -850,6 +852,7 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
         paused_by_operator=pause.paused_at is not None,
         meddled=outsider.meddled,
         outage=faults.outage is not None and faults.outage[0] < loop.time(),
+        skewed=skews.on,
         store_retries=retries,
         callbacks=n_callbacks,
         virtual_s=loop.time(),
