@@ -11,6 +11,7 @@ from conftest import add_sim_targets, applied, on_virtual_time, rollout
 from fleetwave import ActionContext, Advance, Outcome, StateAction
 from fleetwave.domain.registry import register_workflow
 from fleetwave.domain.workflow import (
+    Skip,
     StateDef,
     StepFailed,
     TransientError,
@@ -188,3 +189,59 @@ def test_no_new_attempt_starts_after_the_strategy_stopped_on_failure(store: Stor
     steps = {s["target"]: s["state"] for s in queries.list_steps(store, sid)}
     assert steps == {names[0]: "aborted", names[1]: "failed"}
     assert check(store, sid).ok
+
+
+class AdvanceOrSkipAtOne(StateAction):
+    """Every target's action ends at t=1.0 (one dispatcher batch): t00000 advances to
+    the next state, t00001 is already done (skip: its step ends, freeing a slot)."""
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(1.0 - loop.time())
+        if ctx.target.name.endswith("1"):
+            return Skip("already done")
+        return Advance()
+
+
+class RecordsStarts(StateAction):
+    def __init__(self) -> None:
+        self.started: list[str] = []
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        self.started.append(ctx.target.name)
+        return Advance()
+
+
+def test_a_move_committed_with_an_unmanaged_entry_that_stops_the_strategy_starts_no_next_state(
+    store: Store,
+) -> None:
+    """Stop on failure. In one batch: t0 moves a -> b, t1 ends (skip) and frees a slot,
+    t2 is admitted into it. The commit finds t2's target unmanaged and writes it failed
+    instead: the strategy stops in that very commit. _replaced_at_turn sets stopping,
+    but _apply then releases t0 into b anyway, so b's action starts after the strategy
+    stopped (the mirror of test_outcome_and_a_failure_in_one_batch_under_stop_on_failure,
+    with the failure found in the commit instead of decided before it)."""
+    names = add_sim_targets(store, 3)
+    b = RecordsStarts()
+    wf = register_workflow(
+        WorkflowDef(
+            "rv-unmanaged-stop-race",
+            (StateDef("a", AdvanceOrSkipAtOne(), timeout_s=60), StateDef("b", b, timeout_s=60)),
+        ),
+        replace=True,
+    )
+    sid = applied(store, wf.name, max_parallel=2, stop_on_failure=True)
+    c = Conductor(store, clock=LoopClock(), config=EngineConfig(tick_s=1.0))
+
+    async def go() -> dict[int, str]:
+        asyncio.get_running_loop().call_at(0.5, admin.set_managed, store, names[2], False)
+        return await asyncio.wait_for(c.run(strategy_ids=[sid]), 30)
+
+    result = on_virtual_time(go())
+    moves = {
+        s["target"]: [h["to"] for h in queries.history(store, sid, target=s["target"])]
+        for s in queries.list_steps(store, sid)
+    }
+    assert result[sid] == "failed", moves
+    assert moves[names[2]] == ["failed"], moves  # the scenario happened as described
+    assert b.started == [], f"b started after the strategy stopped on failure: {moves}"
