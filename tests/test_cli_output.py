@@ -198,3 +198,8 @@ def test_a_time_is_shown_as_datetime_shows_it(ts: float) -> None:
     expected = datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
     assert when(ts) == expected
     assert len(expected) == WHEN_WIDTH
+
+
+def test_help_asked_for_among_repeated_options_is_the_help(cli: Cli) -> None:
+    res = cli("target", "list", "--group", "a", "--group", "b", "--help", db=None)
+    assert res.code == 0 and "Usage:" in res.out, res.text

@@ -10,9 +10,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from sqlalchemy.exc import OperationalError
 
 from conftest import add_sim_targets, applied, on_virtual_time
-from fleetwave import ActionContext, Outcome, StateAction
+from fleetwave import ActionContext, Advance, Outcome, StateAction
 from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.registry import get_workflow, register_workflow
 from fleetwave.domain.workflow import (
@@ -340,3 +341,46 @@ def test_resuming_after_a_clean_stop_is_not_a_warning(
         (r.levelname, r.getMessage()) for r in took
     ]
     assert "4 start afresh" in took[-1].getMessage()
+
+
+class Sleep(StateAction):
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        await asyncio.sleep(self.seconds)
+        return Advance()
+
+    async def recover(self, ctx: ActionContext) -> Outcome:
+        return Advance()
+
+
+def test_a_run_dropped_while_the_periodic_pass_reads_states_does_not_kill_it(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The periodic pass reads (state, owner) of ``list(self.runs)``; a transient error
+    makes _io sleep and retry. If the lease watchdog drops the run meanwhile (lapsed
+    self-fence: the owner in the database is still this conductor), the new pause
+    comparison ``self.runs[sid].paused`` raises KeyError: the periodic pass dies and
+    the whole conductor stops with it (conductor.py _periodic)."""
+    add_sim_targets(store, 1)
+    wf = register_workflow(
+        WorkflowDef("rv2-slow", (StateDef("s", Sleep(20), timeout_s=600),)), replace=True
+    )
+    sid = applied(store, wf.name)
+    c = Conductor(store, clock=LoopClock(), config=EngineConfig(lease_ttl_s=6, tick_s=1))
+    real = rt.strategy_states
+    calls = {"n": 0}
+
+    def flaky(*a: Any, **kw: Any) -> Any:
+        calls["n"] += 1
+        if 3 <= calls["n"] <= 8:
+            # the database is unavailable for ~6 s (retried by _io with backoff): the
+            # lease watchdog self-fences the strategy meanwhile (lapsed drop)
+            raise OperationalError("SELECT", None, Exception("database is locked"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(rt, "strategy_states", flaky)
+    result = on_virtual_time(asyncio.wait_for(c.run(strategy_ids=[sid]), 10_000))
+    assert result[sid] == "complete"
+    assert check(store, sid).ok

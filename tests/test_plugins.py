@@ -9,18 +9,14 @@ from pathlib import Path
 import pytest
 
 from cli_harness import Cli, assert_rejected
-from conftest import add_sim_targets
+from conftest import add_sim_targets, on_virtual_time
+from fleetwave import ActionContext, Advance, Outcome, StateAction
 from fleetwave.domain import registry
 from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.registry import register_workflow
-from fleetwave.domain.workflow import (
-    Advance,
-    DriverOperation,
-    StateAction,
-    StateDef,
-    WorkflowDef,
-)
+from fleetwave.domain.workflow import DriverOperation, StateDef, WorkflowDef
 from fleetwave.engine.claims import NOT_DRIVABLE_HERE
+from fleetwave.engine.clock import LoopClock
 from fleetwave.engine.conductor import Conductor
 from fleetwave.store import admin, queries
 from fleetwave.store.db import Store
@@ -177,3 +173,37 @@ def test_a_yaml_action_registered_by_a_plugin_is_found(
     )
     res = cli("workflow", "validate", str(wf))
     assert res.code == 0, res.text
+
+
+def test_a_yaml_workflow_naming_a_plugin_action_is_left_by_a_conductor_without_it(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README: a conductor lacking a strategy's plug-in "hands it back untouched, still
+    applying ... a missing plug-in never fails a rollout. (YAML workflows need no
+    plug-in: each strategy keeps a copy.)" A YAML workflow whose state names a plug-in
+    action (``action: python:NAME``, registered by @register_action) does need it:
+    parse_workflow_yaml raises WorkflowError in _adopt, which is caught by the generic
+    ``except Exception`` and the strategy is failed by _fail_undrivable (conductor.py
+    _adopt), instead of going through _cannot_drive_here. apply --wait's pre-check
+    (cli/main.py strategy_apply) skips strategies with their own copy, too."""
+    from fleetwave.domain import registry
+    from fleetwave.domain.models import StrategyOptions
+    from fleetwave.domain.yaml_workflow import parse_workflow_yaml
+    from fleetwave.engine.claims import NOT_DRIVABLE_HERE
+
+    @registry.register_action("rv2-verify")
+    class Verify(StateAction):
+        async def run(self, ctx: ActionContext) -> Outcome:
+            return Advance()
+
+    add_sim_targets(store, 2)
+    text = "name: rv2-site\nstates:\n  - name: verify\n    action: python:rv2-verify\n"
+    wf = parse_workflow_yaml(text, source="test")
+    sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
+    admin.apply_strategy(store, sid)
+    # this conductor's process lacks the plug-in that registers the action
+    monkeypatch.delitem(registry._actions, "rv2-verify")
+    c = Conductor(store, clock=LoopClock())
+    result = on_virtual_time(asyncio.wait_for(c.run(strategy_ids=[sid]), 1_000))
+    assert queries.get_strategy(store, sid)["state"] == "applying"
+    assert result[sid] == NOT_DRIVABLE_HERE

@@ -159,3 +159,66 @@ def test_a_target_held_by_a_strategy_never_applied_says_how_to_free_it(cli: Cli)
         f"already in active strategy {sid} (applying); it frees its targets once it has ended: "
         f"'fleetwave strategy abort {sid}' ends it",
     )
+
+
+def test_apply_wait_drives_a_paused_strategy_as_paused(cli: Cli, db_path: Path) -> None:
+    """Found by a crash hunt: a job running 'apply --wait' again after a kill -9 (as the
+    README suggests) resumed a pause an operator made meanwhile, without a word. It
+    drives the strategy as it is, paused, says so, and goes on once resumed."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    add(cli, "a", "b", "c", latency_ms="20")
+    sid = create(cli, "--targets", "a,b,c")
+    assert cli("strategy", "apply", str(sid)).code == 0
+    assert cli("strategy", "pause", str(sid)).code == 0
+    fleetwave = [sys.executable, "-m", "fleetwave.cli.main"]
+    proc = subprocess.Popen(
+        [*fleetwave, "strategy", "apply", str(sid), "--wait", "--db", str(db_path),
+         "--format", "json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        shown = cli("strategy", "show", str(sid), "--format", "json").json()
+        while shown["owner"] is None:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.poll()
+            time.sleep(0.1)
+            shown = cli("strategy", "show", str(sid), "--format", "json").json()
+        time.sleep(1.0)  # driven, and held: nothing starts
+        shown = cli("strategy", "show", str(sid), "--format", "json").json()
+        assert shown["state"] == "paused"
+        listed = cli("step", "list", "--strategy", str(sid), "--format", "json").json()
+        assert [s["state"] for s in listed] == ["initial"] * 3
+        assert cli("strategy", "resume", str(sid)).code == 0
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert json.loads(out)["state"] == "complete"
+    assert (
+        f"strategy {sid} is paused: driven here, nothing new starts until 'fleetwave "
+        f"strategy resume {sid}' (apply --wait does not undo a pause)"
+    ) in " ".join(err.split())
+
+
+def test_apply_wait_of_an_abort_says_apply_does_not_undo_it(cli: Cli) -> None:
+    """As plain apply says it: an abort asked for is not undone by apply --wait, which
+    drives the strategy to its end (aborted)."""
+    add(cli, "a", "b", latency_ms="20")
+    sid = create(cli, "--targets", "a,b")
+    assert cli("strategy", "apply", str(sid)).code == 0
+    assert cli("strategy", "abort", str(sid)).code == 0
+    res = cli("strategy", "apply", str(sid), "--wait", "--format", "json")
+    assert res.code == 1, res.text
+    assert res.json()["state"] == "aborted"
+    assert (
+        f"strategy {sid}: its abort was requested; apply does not undo an abort: driven "
+        "here to its end"
+    ) in res.text

@@ -110,3 +110,32 @@ def test_the_same_version_naming_another_python_class_of_the_same_name_is_refuse
         cli("workflow", "add", str(write(tmp_path, other, "other.yaml"))),
         "workflow pw: version 1 is already stored with other states or settings",
     )
+
+
+def test_a_stored_workflow_can_be_deleted_and_its_strategies_run_on(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """A mistyped workflow stayed in `workflow list` for good."""
+    wf = tmp_path / "wf.yaml"
+    wf.write_text("name: oops\nversion: 3\nstates:\n  - name: a\n", encoding="utf-8")
+    assert cli("workflow", "add", str(wf)).code == 0
+    add(cli, "t1")
+    res = cli("strategy", "create", "--workflow", "oops", "--all", "--format", "json")
+    sid = int(res.json()["id"])
+    res = cli("workflow", "delete", "oops", "--format", "json")
+    assert res.json() == {"name": "oops", "version": 3, "deleted": True}
+    names = [w["name"] for w in cli("workflow", "list", "--format", "json").json()]
+    assert "oops" not in names
+    assert "--workflow: unknown workflow 'oops'" in one_line(
+        cli("strategy", "create", "--workflow", "oops", "--targets", "t1")
+    )
+    res = cli("strategy", "apply", str(sid), "--wait", "--format", "json")
+    assert res.code == 0 and res.json()["state"] == "complete", res.text  # its own copy
+    assert one_line(cli("workflow", "delete", "oops")) == (
+        "error: workflow 'oops': no stored workflow of that name"
+    )
+    res = cli("workflow", "delete", "oops", "--ignore-missing", "--format", "json")
+    assert (res.code, res.json()) == (0, {"name": "oops", "deleted": False})
+    assert one_line(cli("workflow", "delete", "patch")) == (
+        "error: workflow patch: built in, not stored: it cannot be deleted"
+    )
