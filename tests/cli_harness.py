@@ -122,3 +122,15 @@ def import_refused(cli: Cli, f: Path, text: str) -> str:
     line = one_line(cli("target", "import", str(f)))
     assert targets(cli) == {}
     return line
+
+
+@pytest.fixture
+def ended(cli: Cli) -> int:
+    """A patch rollout over five targets, two of them failing in 'finishing': ended."""
+    from test_cli_strategy import add, apply_wait, create
+
+    add(cli, "ok1", "ok2", "ok3")
+    add(cli, "bad1", "bad2", fail_at="finishing")
+    sid = create(cli, "--all")
+    assert apply_wait(cli, sid).code == 1  # it ends failed
+    return sid

@@ -27,6 +27,7 @@ from fleetwave.store.callbacks import accept_callback, callback_outcomes
 from fleetwave.store.db import Store
 from fleetwave.store.schema import strategies
 from fleetwave.testing.invariants import check
+from test_nothing_starts_after_a_stop import RecordsStarts
 from test_pause_resume import _until
 
 
@@ -439,3 +440,87 @@ def test_a_callback_kept_for_a_state_its_step_never_reaches_is_answered_when_it_
         names[0]: "failed",
         names[1]: "complete",
     }
+
+
+class BranchesToC(StateAction):
+    async def run(self, ctx: ActionContext) -> Outcome:
+        return Advance(to="c", details="nothing to do in b")
+
+
+def test_a_branch_chosen_by_a_wait_for_callback_state_is_kept_after_the_callback(
+    store: Store,
+) -> None:
+    """A wait-for-callback state whose action branches (Advance(to='c')): after the
+    target's callback, _run_state replaces the action's outcome with
+    _callback_outcome(answered), a plain Advance(): the branch is dropped and the step
+    runs b, which the action said to skip."""
+    add_sim_targets(store, 1)
+    b = RecordsStarts()
+    c_ = RecordsStarts()
+    wf = register_workflow(
+        WorkflowDef(
+            "rv-branch-wait",
+            (
+                StateDef("w", BranchesToC(), mode="wait-for-callback", timeout_s=60),
+                StateDef("b", b, timeout_s=60),
+                StateDef("c", c_, timeout_s=60),
+            ),
+        ),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    cond = Conductor(store, clock=LoopClock())
+
+    async def go() -> dict[int, str]:
+        task = asyncio.create_task(cond.run(strategy_ids=[sid]))
+        await asyncio.sleep(1)
+        (step,) = queries.list_steps(store, sid)
+        cond.receive_callback(step["step"], "w", "done", "agent: done")
+        return await asyncio.wait_for(task, 60)
+
+    assert on_virtual_time(go())[sid] == "complete"
+    moves = [h["to"] for h in queries.history(store, sid)]
+    assert moves == ["w", "c", "complete"], moves
+
+
+def test_a_callback_for_a_strategy_aborted_before_it_started_is_answered(store: Store) -> None:
+    """G6: every callback is recorded applied or ignored with a reason. A callback
+    stored for a step of a strategy not applied yet stays open; request_abort on the
+    initial strategy aborts every step in its own transaction (admin.py request_abort,
+    INITIAL branch) but, unlike end_strategy, leaves its open callbacks unanswered for
+    ever (no conductor will ever drive the strategy)."""
+    add_sim_targets(store, 1)
+
+    wf = get_workflow("clean")
+    assert wf is not None
+    sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
+    (step,) = queries.list_steps(store, sid)
+    accept_callback(store, step["step"], "wait-for-agent", "done", "agent up", 1.0)
+    # the caller is told it was never applied (aborted at once), and asking again is
+    # answered with the state it is in
+    assert admin.request_abort(store, sid) == "initial"
+    assert queries.get_strategy(store, sid)["state"] == "aborted"
+    assert admin.request_abort(store, sid) == "aborted"
+    outcomes = [(o["outcome"], o["reason"]) for o in callback_outcomes(store, sid)]
+    assert all(o is not None and r for o, r in outcomes), outcomes
+
+
+def test_a_wait_for_a_callback_says_it_is_not_retried(store: Store) -> None:
+    add_sim_targets(store, 1, settings={"callback_lost_rate": 1.0})
+    clean = get_workflow("clean")
+    assert clean is not None
+    states = tuple(
+        StateDef(s.name, s.action, timeout_s=5, mode=s.mode, attempts_max=3)
+        if s.name == "wait-for-agent"
+        else s
+        for s in clean.states
+    )
+    register_workflow(WorkflowDef("clean-3", states), replace=True)
+    sid = applied(store, "clean-3")
+    c = Conductor(store, clock=LoopClock())
+    assert on_virtual_time(asyncio.wait_for(c.run(strategy_ids=[sid]), 3600))[sid] == "failed"
+    (step,) = queries.list_steps(store, sid)
+    assert step["details"] == (
+        "wait-for-agent: timed out after 5s waiting for the target's callback "
+        "(attempt 1 of 3; a wait for a callback is not retried)"
+    )

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from cli_harness import Cli, as_terminal, assert_rejected
+from cli_harness import Cli, as_terminal, assert_rejected, one_line
+from test_cli_strategy import add, create
 
 FLEETWAVE = Path(sys.executable).with_name("fleetwave")
 
@@ -888,3 +889,95 @@ def test_target_delete_names_the_strategies_with_its_history(cli: Cli) -> None:
     assert res.err == (
         "error: target a: has history in 2 strategies (1, 2); delete those strategies first\n"
     )
+
+
+def _one_step_ended(cli: Cli, db_path: Path, stop: bool = False) -> int:
+    """An applying strategy over a, b and c (max parallel 1) whose step of a has ended
+    complete, of b is in flight, of c not started (the rows as a conductor leaves them)."""
+    add(cli, "a", "b", "c")
+    sid = create(cli, "--all", "--max-parallel", "1", *(["--stop-on-failure"] if stop else []))
+    assert cli("strategy", "apply", str(sid)).code == 0
+    with sqlite3.connect(db_path) as conn:
+        for name, state in (("a", "complete"), ("b", "updating-patches")):
+            conn.execute(
+                "UPDATE steps SET state = ? WHERE strategy_id = ? AND target_id = "
+                "(SELECT id FROM targets WHERE name = ?)",
+                (state, sid, name),
+            )
+    return sid
+
+
+def test_unmanaging_a_target_whose_step_is_still_to_come_warns(cli: Cli, db_path: Path) -> None:
+    """It fails when its turn comes, and the strategy then ends failed (or stops): the
+    command said only "target w2 is unmanaged"."""
+    sid = _one_step_ended(cli, db_path, stop=True)
+    res = cli("target", "unmanage", "c")
+    assert res.code == 0
+    assert res.out == "target c is unmanaged\n"
+    assert res.err == (
+        f"warning: target c: its step in strategy {sid} (applying) has not started: it fails "
+        "when its turn comes (the strategy then ends failed); strategy "
+        f"{sid} stops on failure: its steps not started then end aborted; 'fleetwave target "
+        "manage c' before then lets it run\n"
+    )
+    res = cli("target", "unmanage", "c", "--format", "json")
+    assert res.json() == {
+        "name": "c",
+        "managed": False,
+        "steps_to_fail": [{"strategy": sid, "state": "applying", "stops": "on failure"}],
+    }
+    # in flight or ended: the step goes on, or is over; nothing to warn of
+    for name in ("a", "b"):
+        res = cli("target", "unmanage", name)
+        assert (res.code, res.err) == (0, ""), res.text
+    assert cli("target", "manage", "c").err == ""
+
+
+def test_a_target_whose_step_has_ended_may_change_but_not_be_deleted(
+    cli: Cli, db_path: Path
+) -> None:
+    """Its step is done: the refusal asked for the rollout to be aborted."""
+    sid = _one_step_ended(cli, db_path)
+    res = cli("target", "set", "a", "--set", "latency_ms=5", "--format", "json")
+    assert res.code == 0, res.text
+    after = cli("target", "show", "a", "--format", "json").json()
+    assert after["settings"] == {"latency_ms": 5}
+    assert one_line(cli("target", "delete", "a")) == (
+        f"error: target a: its step in active strategy {sid} (applying) has ended "
+        "(complete), and the strategy keeps its history: the target can be deleted with "
+        f"the strategy's history once the strategy has ended (2 of 3 steps still to go; "
+        f"'fleetwave strategy delete {sid}' then)"
+    )
+    # in flight: unmanaging it would not keep the rollout off it, so it is not offered
+    line = one_line(cli("target", "set", "b", "--set", "latency_ms=5"))
+    assert f"active strategy {sid} (applying)" in line and "unmanage" not in line
+    line = one_line(cli("target", "set", "c", "--set", "latency_ms=5"))
+    assert line.endswith(
+        "'fleetwave target unmanage c' keeps the rollout off it meanwhile (its step fails "
+        "when its turn comes)"
+    )
+    assert "abort" in one_line(cli("target", "delete", "b"))
+
+
+def test_an_import_that_would_fence_off_a_managed_target_says_it_does_not(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """managed=false for a target already there was ignored, and the import said
+    "unchanged": an inventory meant to fence a target off did not, without a word."""
+    first = tmp_path / "a.csv"
+    first.write_text("name,latency_ms\nm1,5\nm2,5\n", encoding="utf-8")
+    assert cli("target", "import", str(first)).code == 0
+    again = tmp_path / "b.csv"
+    again.write_text("name,latency_ms,managed\nm1,5,false\nm2,5,true\nm3,5,false\n")
+    res = cli("target", "import", str(again))
+    assert res.code == 0
+    assert res.out == f"1 target imported from {again}; 2 already there, unchanged\n"
+    assert res.err == (
+        "warning: 1 target given as unmanaged, already there managed, stay managed (m1): "
+        "whether a target is managed is the operator's; 'fleetwave target unmanage NAME' "
+        "keeps a rollout off one\n"
+    )
+    res = cli("target", "import", str(again), "--format", "json")
+    assert res.json()["managed_kept"] == ["m1"]
+    shown = {t["name"]: t["managed"] for t in cli("target", "list", "--format", "json").json()}
+    assert shown == {"m1": True, "m2": True, "m3": False}

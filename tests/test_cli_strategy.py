@@ -671,7 +671,7 @@ def test_pause_and_resume(cli: Cli) -> None:
     assert "not paused" in cli("strategy", "resume", str(sid)).out
     assert cli("strategy", "pause", str(sid)).code == 0
     # apply resumes a paused strategy too (apply --wait drives it as it is, paused:
-    # tests/test_options_and_changes.py), and --wait drives it to the end
+    # tests/test_strategy_commands.py), and --wait drives it to the end
     assert "(resumed: it was paused)" in cli("strategy", "apply", str(sid)).out
     res = apply_wait(cli, sid)
     assert res.code == 0, res.text

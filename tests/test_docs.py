@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -222,3 +223,30 @@ def test_the_tests_readme_names_only_tests_that_exist() -> None:
         ):
             missing.append(f"{file}::{name}")
     assert not missing, f"tests/README.md names tests that are not there: {sorted(missing)}"
+
+
+def _slug(heading: str) -> str:
+    """The anchor Python-Markdown's toc extension gives a heading (the manual's links)."""
+    text = unicodedata.normalize("NFKD", heading).encode("ascii", "ignore").decode()
+    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def test_the_readmes_links_lead_somewhere() -> None:
+    """README.md is not part of the manual's build, whose strict mode checks the pages'
+    links: its own links to files, and to headings in them, are checked here."""
+    broken = []
+    for readme in (ROOT / "README.md", ROOT / "tests" / "README.md"):
+        text = readme.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (readme.parent / path).resolve()
+            if not file.exists():
+                broken.append(f"{readme.name}: {target}")
+            elif anchor:
+                headings = re.findall(r"^#+ (.+)$", file.read_text(encoding="utf-8"), re.M)
+                if anchor not in {_slug(h.replace("`", "")) for h in headings}:
+                    broken.append(f"{readme.name}: {target} (no such heading)")
+    assert not broken, broken

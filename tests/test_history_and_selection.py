@@ -19,7 +19,7 @@ from fleetwave.domain.registry import get_workflow
 from fleetwave.store import admin, queries
 from fleetwave.store.db import Store, open_store
 from test_cli_strategy import add, apply_wait, create, history
-from test_rollout_reporting import FLAKY_YAML
+from test_step_details import FLAKY_YAML
 
 
 def _rerun(cli: Cli) -> tuple[int, int]:

@@ -557,3 +557,46 @@ def test_yaml_target_file_extra_top_level_fields_and_label_values(cli: Cli, tmp_
     got = targets(cli)
     assert got["a1"]["labels"] == {"canary": "true", "tier": "2"}
     assert got["a2"]["labels"]["canary"] == got["a1"]["labels"]["canary"]
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ('    timeout_s: "300"\n', "timeout_s: expected a number, got the text '300' (unquote it)"),
+        ("    retry: {attempts: '2'}\n", "attempts: expected a number, got the text '2'"),
+        ('    retry: {backoff_s: "1.5"}\n', "backoff_s: expected a number, got the text '1.5'"),
+    ],
+)
+def test_a_quoted_number_in_a_workflow_is_refused(
+    cli: Cli, tmp_path: Path, text: str, problem: str
+) -> None:
+    """'1:30' was refused where a number goes, yet "300" (quoted) was read as 300."""
+    wf = tmp_path / "wf.yaml"
+    wf.write_text("name: q\nstates:\n  - name: a\n" + text, encoding="utf-8")
+    line = one_line(cli("workflow", "validate", str(wf), db=None))
+    assert f"states[0] (a): {'' if 'timeout' in problem else 'retry: '}{problem}" in line, line
+    wf.write_text('name: q\nversion: "2"\nstates:\n  - name: a\n', encoding="utf-8")
+    assert "version: expected a number, got the text '2'" in one_line(
+        cli("workflow", "add", str(wf))
+    )
+
+
+def test_a_quoted_number_in_a_target_file_is_refused(cli: Cli, tmp_path: Path) -> None:
+    """Stored as text, the same target given as --set latency_ms=5 read as another
+    definition of it ("already exists with another definition")."""
+    rows = tmp_path / "t.yaml"
+    rows.write_text(
+        "targets:\n  - {name: y1, settings: {latency_ms: 5}}\n"
+        '  - {name: y2, settings: {failure_rate: "0.5"}}\n',
+        encoding="utf-8",
+    )
+    line = one_line(cli("target", "import", str(rows)))
+    assert line.endswith(
+        "targets[1] (y2): sim setting failure_rate: the text '0.5' where a number goes (unquote it)"
+    ), line
+    assert cli("target", "list", "--format", "json").json() == []
+    # typed where numbers are typed: --set, a CSV column, an unquoted YAML number
+    assert cli("target", "add", "y1", "--set", "latency_ms=5").code == 0
+    rows.write_text("targets:\n  - {name: y1, settings: {latency_ms: 5}}\n", encoding="utf-8")
+    res = cli("target", "import", str(rows))
+    assert res.code == 0 and "1 already there, unchanged" in res.text, res.text

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from conftest import add_sim_targets, applied, rollout
+from conftest import add_sim_targets, applied, on_virtual_time, rollout
 from fleetwave import ActionContext, Advance, Outcome, StateAction
 from fleetwave.domain.registry import register_workflow
 from fleetwave.domain.rules import MAX_DETAILS, details_text
@@ -28,6 +28,7 @@ from fleetwave.domain.workflow import (
     WorkflowDef,
     WorkflowError,
 )
+from fleetwave.engine.clock import LoopClock
 from fleetwave.engine.conductor import Conductor
 from fleetwave.engine.config import EngineConfig
 from fleetwave.store import queries
@@ -453,3 +454,65 @@ def test_a_deadline_handled_late_gives_the_action_its_grace_before_abandoning_it
     (row,) = queries.list_steps(store, sid)
     assert (result, row["state"]) == ("complete", "complete"), row
     assert check(store).ok
+
+
+class OddBaseException(BaseException):
+    """Like gevent's Timeout or a library's own cancellation: not an Exception."""
+
+
+class RaisesBaseException(StateAction):
+    async def run(self, ctx: ActionContext) -> Outcome:
+        await asyncio.sleep(1)
+        raise OddBaseException("library-internal interrupt")
+
+
+def test_an_action_raising_a_base_exception_does_not_strand_its_step(store: Store) -> None:
+    """_run_state catches CancelledError and Exception, not other BaseException
+    subclasses: the worker task dies with it (_worker_ended only discards it), no
+    ActionFinished is ever posted, the deadline timer sees a finished task and does
+    nothing. The step keeps its slot in state 'a' for ever and run() never returns."""
+    add_sim_targets(store, 1)
+    wf = register_workflow(
+        WorkflowDef("rv-baseexc", (StateDef("a", RaisesBaseException(), timeout_s=10),)),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    c = Conductor(store, clock=LoopClock())
+
+    async def go() -> dict[int, str]:
+        return await asyncio.wait_for(c.run(strategy_ids=[sid]), 3600)
+
+    try:
+        result = on_virtual_time(go())
+    except TimeoutError:
+        result = {sid: "still running after an hour"}
+    steps = [(s["state"], s["details"]) for s in queries.list_steps(store, sid)]
+    assert result[sid] == "failed", (result, steps)
+
+
+class ClientTimesOut(StateAction):
+    """The action's own client gives up after 2 s (httpx, asyncssh and asyncio.timeout
+    all raise the builtin TimeoutError)."""
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        await asyncio.sleep(2)
+        raise TimeoutError("connect to bmc: timed out")
+
+
+def test_an_actions_own_timeout_error_is_not_reported_as_the_state_deadline(
+    store: Store,
+) -> None:
+    """_run_state catches the action's own TimeoutError in the same clause as the
+    state's deadline and writes 'timed out after 600s' (the state's timeout): the
+    record says the state ran for 10 minutes when the action failed after 2 s, and the
+    client's message is dropped."""
+    add_sim_targets(store, 1)
+    wf = register_workflow(
+        WorkflowDef("rv-client-timeout", (StateDef("a", ClientTimesOut(), timeout_s=600),)),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    c = Conductor(store, clock=LoopClock())
+    assert on_virtual_time(asyncio.wait_for(c.run(strategy_ids=[sid]), 60))[sid] == "failed"
+    ((_, details),) = [(s["state"], s["details"]) for s in queries.list_steps(store, sid)]
+    assert "600" not in details and "connect to bmc" in details, details

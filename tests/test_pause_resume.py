@@ -16,14 +16,18 @@ from collections.abc import Callable
 import pytest
 from sqlalchemy import func, select
 
-from conftest import add_sim_targets, applied
+from conftest import add_sim_targets, applied, on_virtual_time
 from fleetwave.domain.errors import Conflict, NotFound
+from fleetwave.domain.registry import register_workflow
+from fleetwave.domain.workflow import StateDef, WorkflowDef
+from fleetwave.engine.clock import LoopClock
 from fleetwave.engine.conductor import Conductor
 from fleetwave.engine.config import EngineConfig
 from fleetwave.store import admin, queries
 from fleetwave.store.db import Store
 from fleetwave.store.schema import journal, steps, strategies
 from fleetwave.testing.invariants import check
+from test_engine_edges import Sleep
 
 TERMINAL = ("complete", "failed", "aborted")
 
@@ -218,3 +222,30 @@ def test_pause_and_resume_refuse_what_they_cannot_do(store: Store) -> None:
         admin.pause_strategy(store, 999)
     with pytest.raises(NotFound, match="strategy 999 not found"):
         admin.resume_strategy(store, 999)
+
+
+def test_aborting_a_paused_strategy_records_no_resume(store: Store) -> None:
+    """Pause, then abort. The conductor moves the strategy to ``aborting``; its next
+    periodic pass compares ``state == paused`` with run.paused (still True) and posts
+    PauseChanged(False): _set_paused writes a "resume-seen" event ("resumed by
+    operator") and logs "resumed" although the operator never resumed it
+    (conductor.py _periodic, the PauseChanged branch; _set_paused)."""
+    add_sim_targets(store, 6)
+    wf = register_workflow(
+        WorkflowDef("rv2-slow-abort", (StateDef("s", Sleep(30), timeout_s=600),)), replace=True
+    )
+    sid = applied(store, wf.name, max_parallel=2)
+    c = Conductor(store, clock=LoopClock(), config=EngineConfig(tick_s=1))
+
+    async def go() -> dict[int, str]:
+        task = asyncio.create_task(c.run(strategy_ids=[sid]))
+        await asyncio.sleep(5)
+        admin.pause_strategy(store, sid)
+        await asyncio.sleep(5)
+        admin.request_abort(store, sid)
+        return await asyncio.wait_for(task, 10_000)
+
+    assert on_virtual_time(go())[sid] == "aborted"
+    kinds = [e["kind"] for e in queries.strategy_events(store, sid)]
+    assert "pause-seen" in kinds and "abort-seen" in kinds
+    assert "resume-seen" not in kinds, kinds

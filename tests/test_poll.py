@@ -17,7 +17,7 @@ import pytest
 from conftest import add_sim_targets, applied, on_virtual_time
 from fleetwave import ActionContext, Advance, NotYet, Outcome, StateAction
 from fleetwave.domain.registry import register_workflow
-from fleetwave.domain.workflow import StateDef, WorkflowDef, WorkflowError
+from fleetwave.domain.workflow import DriverOperation, StateDef, WorkflowDef, WorkflowError
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.clock import LoopClock
@@ -244,3 +244,100 @@ def test_an_abort_ends_a_poll_state_between_two_polls(store: Store) -> None:
         "it was doing may still be running there"
     ]
     assert check(store, sid).ok
+
+
+def test_a_second_poll_state_running_the_same_driver_operation_runs_it_again(
+    store: Store,
+) -> None:
+    """Two poll states both run the driver operation ``reboot`` (a workflow that
+    reboots twice). SimDriver.start (sim.py start) keeps, per step, the last operation
+    finished and answers DONE when it is the same name: the second state's reboot is
+    never started on the target and the step moves on at once. In run mode (perform)
+    both reboots run."""
+    from fleetwave.drivers.sim import SimDriver
+
+    add_sim_targets(store, 1, settings={"latency_ms": 10_000})
+    wf = register_workflow(
+        WorkflowDef(
+            "rv2-reboot-twice",
+            (
+                StateDef("reboot-1", DriverOperation("reboot"), mode="poll", poll_interval_s=5),
+                StateDef("reboot-2", DriverOperation("reboot"), mode="poll", poll_interval_s=5),
+            ),
+        ),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    sim = SimDriver(seed=1)
+    sim.record = True
+    c = Conductor(store, clock=LoopClock(), drivers={"sim": sim})
+
+    async def go() -> float:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await asyncio.wait_for(c.run(strategy_ids=[sid]), 10_000)
+        return loop.time() - t0
+
+    elapsed = on_virtual_time(go())
+    assert queries.get_strategy(store, sid)["state"] == "complete"
+    # each state's reboot ran on the target: two operations of 10 s each
+    assert [op for _t, op, _a in sim.performed] == ["reboot", "reboot"]
+    assert elapsed >= 20
+
+
+def test_a_fenced_off_conductor_still_polling_does_not_start_it_again(
+    store: Store,
+) -> None:
+    """A conductor stalls (stops renewing; its periodic pass has not run again yet)
+    while a step polls ``apply``. Another conductor takes the strategy over, its
+    recover hook sees ``apply`` done, the step moves on and runs ``finish``. At its next
+    poll the fenced-off conductor's worker asks observe("apply"): the target's record
+    now shows ``finish`` as the step's last operation, so observe says NOT_STARTED, and
+    DriverOperation._poll (workflow.py, "the target lost it: start it again") starts
+    ``apply`` on the target a second time, after the step has left that state. In run
+    mode the stale worker only waits. The simulator flags the same thing (G1 at the
+    target) for poll workflows, e.g. patch with every other state polling, seeds 30018,
+    30044, 30087, 30103, 30123."""
+    from fleetwave.drivers.sim import SimDriver
+
+    add_sim_targets(store, 1, settings={"latency_ms": 1000})
+    wf = register_workflow(
+        WorkflowDef(
+            "rv2-poll-two",
+            (
+                StateDef("apply", DriverOperation("apply"), mode="poll", poll_interval_s=10),
+                StateDef("finish", DriverOperation("finish"), mode="poll", poll_interval_s=10),
+            ),
+        ),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    sim = SimDriver(seed=1)
+    sim.count_starts = True
+
+    async def go() -> str:
+        stalled = Conductor(
+            store,
+            clock=LoopClock(),
+            drivers={"sim": sim},
+            config=EngineConfig(lease_ttl_s=5, tick_s=30, renew_leases=False),
+            conductor_id="stalled",
+        )
+        ztask = asyncio.create_task(stalled.run(strategy_ids=[sid], patient=True))
+        await asyncio.sleep(0.5)
+        rival = Conductor(
+            store,
+            clock=LoopClock(),
+            drivers={"sim": sim},
+            config=EngineConfig(lease_ttl_s=5, tick_s=1),
+            conductor_id="rival",
+        )
+        result = await asyncio.wait_for(rival.run(strategy_ids=[sid], patient=True), 1_000)
+        await asyncio.sleep(40)
+        ztask.cancel()
+        await asyncio.gather(ztask, return_exceptions=True)
+        return result[sid]
+
+    assert on_virtual_time(go()) == "complete"
+    # the target ran each operation once
+    assert sim.starts[("t00000", "apply", 1)] == 1, dict(sim.starts)

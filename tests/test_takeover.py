@@ -1,12 +1,7 @@
-"""Taking a strategy over, or claiming it back, strands nothing.
-
-Claiming a strategy back after this conductor's own renewals lapsed (a callback
-already handed to a wait is offered again; ``apply --wait`` does not give up),
-``apply --wait`` taking over from an owner that died, a failure limit crossed inside
-the commit (a step moving on in it does not start its next state), an action's own
-BaseException or TimeoutError, a branch chosen by a wait-for-callback state, the
-callbacks of a strategy aborted before it started, ``check`` on a strategy no
-conductor could drive, and a stop for failures named after a takeover.
+"""Taking a strategy over, or claiming it back, strands nothing: a callback handed to a
+wait is offered again, ``apply --wait`` takes over an owner that died and does not give up
+after its own lapse, a stale report's worker ends, an unreadable strategy row fails that
+strategy alone, and a stop for failures is named after a takeover and while paused.
 """
 
 from __future__ import annotations
@@ -25,13 +20,13 @@ from fleetwave import ActionContext, Advance, Outcome, StateAction
 from fleetwave.cli.drive import _drive
 from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.registry import get_workflow, register_workflow
-from fleetwave.domain.workflow import DriverOperation, Skip, StateDef, WorkflowDef
+from fleetwave.domain.workflow import DriverOperation, StateDef, WorkflowDef
 from fleetwave.engine.clock import LoopClock
 from fleetwave.engine.conductor import Conductor
 from fleetwave.engine.config import EngineConfig
 from fleetwave.store import admin, queries
 from fleetwave.store import runtime as rt
-from fleetwave.store.callbacks import accept_callback, callback_outcomes
+from fleetwave.store.callbacks import callback_outcomes
 from fleetwave.store.db import Store
 from fleetwave.store.schema import strategies, targets
 from fleetwave.testing.invariants import check
@@ -101,62 +96,6 @@ def test_callback_handed_to_a_wait_is_lost_when_the_strategy_is_self_fenced_and_
     assert outcomes == [("applied", "moved the step on from w")]
 
 
-class AdvanceOrSkipAtOne(StateAction):
-    """Every target's action ends at t=1.0 (one dispatcher batch): t00000 advances to
-    the next state, t00001 is already done (skip: its step ends, freeing a slot)."""
-
-    async def run(self, ctx: ActionContext) -> Outcome:
-        loop = asyncio.get_running_loop()
-        await asyncio.sleep(1.0 - loop.time())
-        if ctx.target.name.endswith("1"):
-            return Skip("already done")
-        return Advance()
-
-
-class RecordsStarts(StateAction):
-    def __init__(self) -> None:
-        self.started: list[str] = []
-
-    async def run(self, ctx: ActionContext) -> Outcome:
-        self.started.append(ctx.target.name)
-        return Advance()
-
-
-def test_a_move_committed_with_an_unmanaged_entry_that_stops_the_strategy_starts_no_next_state(
-    store: Store,
-) -> None:
-    """Stop on failure. In one batch: t0 moves a -> b, t1 ends (skip) and frees a slot,
-    t2 is admitted into it. The commit finds t2's target unmanaged and writes it failed
-    instead: the strategy stops in that very commit. _replaced_at_turn sets stopping,
-    but _apply then releases t0 into b anyway, so b's action starts after the strategy
-    stopped (the mirror of test_outcome_and_a_failure_in_one_batch_under_stop_on_failure,
-    with the failure found in the commit instead of decided before it)."""
-    names = add_sim_targets(store, 3)
-    b = RecordsStarts()
-    wf = register_workflow(
-        WorkflowDef(
-            "rv-unmanaged-stop-race",
-            (StateDef("a", AdvanceOrSkipAtOne(), timeout_s=60), StateDef("b", b, timeout_s=60)),
-        ),
-        replace=True,
-    )
-    sid = applied(store, wf.name, max_parallel=2, stop_on_failure=True)
-    c = Conductor(store, clock=LoopClock(), config=EngineConfig(tick_s=1.0))
-
-    async def go() -> dict[int, str]:
-        asyncio.get_running_loop().call_at(0.5, admin.set_managed, store, names[2], False)
-        return await asyncio.wait_for(c.run(strategy_ids=[sid]), 30)
-
-    result = on_virtual_time(go())
-    moves = {
-        s["target"]: [h["to"] for h in queries.history(store, sid, target=s["target"])]
-        for s in queries.list_steps(store, sid)
-    }
-    assert result[sid] == "failed", moves
-    assert moves[names[2]] == ["failed"], moves  # the scenario happened as described
-    assert b.started == [], f"b started after the strategy stopped on failure: {moves}"
-
-
 def test_a_driving_conductor_that_fenced_itself_off_gives_up_although_nobody_took_over(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -178,103 +117,6 @@ def test_a_driving_conductor_that_fenced_itself_off_gives_up_although_nobody_too
     result = on_virtual_time(asyncio.wait_for(c.run(strategy_ids=[sid], patient=True), 3600))
     st = queries.get_strategy(store, sid)["state"]
     assert (result[sid], st) == ("complete", "complete"), (result, st)
-
-
-class BranchesToC(StateAction):
-    async def run(self, ctx: ActionContext) -> Outcome:
-        return Advance(to="c", details="nothing to do in b")
-
-
-def test_a_branch_chosen_by_a_wait_for_callback_state_is_kept_after_the_callback(
-    store: Store,
-) -> None:
-    """A wait-for-callback state whose action branches (Advance(to='c')): after the
-    target's callback, _run_state replaces the action's outcome with
-    _callback_outcome(answered), a plain Advance(): the branch is dropped and the step
-    runs b, which the action said to skip."""
-    add_sim_targets(store, 1)
-    b = RecordsStarts()
-    c_ = RecordsStarts()
-    wf = register_workflow(
-        WorkflowDef(
-            "rv-branch-wait",
-            (
-                StateDef("w", BranchesToC(), mode="wait-for-callback", timeout_s=60),
-                StateDef("b", b, timeout_s=60),
-                StateDef("c", c_, timeout_s=60),
-            ),
-        ),
-        replace=True,
-    )
-    sid = applied(store, wf.name)
-    cond = Conductor(store, clock=LoopClock())
-
-    async def go() -> dict[int, str]:
-        task = asyncio.create_task(cond.run(strategy_ids=[sid]))
-        await asyncio.sleep(1)
-        (step,) = queries.list_steps(store, sid)
-        cond.receive_callback(step["step"], "w", "done", "agent: done")
-        return await asyncio.wait_for(task, 60)
-
-    assert on_virtual_time(go())[sid] == "complete"
-    moves = [h["to"] for h in queries.history(store, sid)]
-    assert moves == ["w", "c", "complete"], moves
-
-
-def test_a_callback_for_a_strategy_aborted_before_it_started_is_answered(store: Store) -> None:
-    """G6: every callback is recorded applied or ignored with a reason. A callback
-    stored for a step of a strategy not applied yet stays open; request_abort on the
-    initial strategy aborts every step in its own transaction (admin.py request_abort,
-    INITIAL branch) but, unlike end_strategy, leaves its open callbacks unanswered for
-    ever (no conductor will ever drive the strategy)."""
-    add_sim_targets(store, 1)
-
-    wf = get_workflow("clean")
-    assert wf is not None
-    sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
-    (step,) = queries.list_steps(store, sid)
-    accept_callback(store, step["step"], "wait-for-agent", "done", "agent up", 1.0)
-    # the caller is told it was never applied (aborted at once), and asking again is
-    # answered with the state it is in
-    assert admin.request_abort(store, sid) == "initial"
-    assert queries.get_strategy(store, sid)["state"] == "aborted"
-    assert admin.request_abort(store, sid) == "aborted"
-    outcomes = [(o["outcome"], o["reason"]) for o in callback_outcomes(store, sid)]
-    assert all(o is not None and r for o, r in outcomes), outcomes
-
-
-class OddBaseException(BaseException):
-    """Like gevent's Timeout or a library's own cancellation: not an Exception."""
-
-
-class RaisesBaseException(StateAction):
-    async def run(self, ctx: ActionContext) -> Outcome:
-        await asyncio.sleep(1)
-        raise OddBaseException("library-internal interrupt")
-
-
-def test_an_action_raising_a_base_exception_does_not_strand_its_step(store: Store) -> None:
-    """_run_state catches CancelledError and Exception, not other BaseException
-    subclasses: the worker task dies with it (_worker_ended only discards it), no
-    ActionFinished is ever posted, the deadline timer sees a finished task and does
-    nothing. The step keeps its slot in state 'a' for ever and run() never returns."""
-    add_sim_targets(store, 1)
-    wf = register_workflow(
-        WorkflowDef("rv-baseexc", (StateDef("a", RaisesBaseException(), timeout_s=10),)),
-        replace=True,
-    )
-    sid = applied(store, wf.name)
-    c = Conductor(store, clock=LoopClock())
-
-    async def go() -> dict[int, str]:
-        return await asyncio.wait_for(c.run(strategy_ids=[sid]), 3600)
-
-    try:
-        result = on_virtual_time(go())
-    except TimeoutError:
-        result = {sid: "still running after an hour"}
-    steps = [(s["state"], s["details"]) for s in queries.list_steps(store, sid)]
-    assert result[sid] == "failed", (result, steps)
 
 
 def test_check_does_not_flag_an_undrivable_strategy_with_a_failure_limit(store: Store) -> None:
@@ -334,34 +176,6 @@ def test_apply_wait_watching_another_owner_takes_over_once_that_owner_dies(
     assert state == "complete", state
 
 
-class ClientTimesOut(StateAction):
-    """The action's own client gives up after 2 s (httpx, asyncssh and asyncio.timeout
-    all raise the builtin TimeoutError)."""
-
-    async def run(self, ctx: ActionContext) -> Outcome:
-        await asyncio.sleep(2)
-        raise TimeoutError("connect to bmc: timed out")
-
-
-def test_an_actions_own_timeout_error_is_not_reported_as_the_state_deadline(
-    store: Store,
-) -> None:
-    """_run_state catches the action's own TimeoutError in the same clause as the
-    state's deadline and writes 'timed out after 600s' (the state's timeout): the
-    record says the state ran for 10 minutes when the action failed after 2 s, and the
-    client's message is dropped."""
-    add_sim_targets(store, 1)
-    wf = register_workflow(
-        WorkflowDef("rv-client-timeout", (StateDef("a", ClientTimesOut(), timeout_s=600),)),
-        replace=True,
-    )
-    sid = applied(store, wf.name)
-    c = Conductor(store, clock=LoopClock())
-    assert on_virtual_time(asyncio.wait_for(c.run(strategy_ids=[sid]), 60))[sid] == "failed"
-    ((_, details),) = [(s["state"], s["details"]) for s in queries.list_steps(store, sid)]
-    assert "600" not in details and "connect to bmc" in details, details
-
-
 class SwallowsCancel(StateAction):
     """An action that swallows its cancellation and reports anyway (a library that
     catches too much): the report arrives after its strategy was dropped."""
@@ -411,27 +225,6 @@ def test_the_worker_of_a_stale_report_ends(store: Store) -> None:
     on_virtual_time(serve())
     assert c.stats.stale_outcomes == 1
     assert seen["worker_done"]
-
-
-def test_a_wait_for_a_callback_says_it_is_not_retried(store: Store) -> None:
-    add_sim_targets(store, 1, settings={"callback_lost_rate": 1.0})
-    clean = get_workflow("clean")
-    assert clean is not None
-    states = tuple(
-        StateDef(s.name, s.action, timeout_s=5, mode=s.mode, attempts_max=3)
-        if s.name == "wait-for-agent"
-        else s
-        for s in clean.states
-    )
-    register_workflow(WorkflowDef("clean-3", states), replace=True)
-    sid = applied(store, "clean-3")
-    c = Conductor(store, clock=LoopClock())
-    assert on_virtual_time(asyncio.wait_for(c.run(strategy_ids=[sid]), 3600))[sid] == "failed"
-    (step,) = queries.list_steps(store, sid)
-    assert step["details"] == (
-        "wait-for-agent: timed out after 5s waiting for the target's callback "
-        "(attempt 1 of 3; a wait for a callback is not retried)"
-    )
 
 
 @pytest.mark.parametrize(
