@@ -14,7 +14,7 @@ import pytest
 
 from fleetwave.domain.models import StrategyOptions, Target
 from fleetwave.domain.registry import get_workflow
-from fleetwave.store import admin
+from fleetwave.store import admin, queries
 from fleetwave.store import runtime as rt
 from fleetwave.store.db import Store, open_store
 
@@ -110,8 +110,7 @@ def test_the_strategy_fence_refuses_a_conductor_claimed_over(tmp_path: Path) -> 
 def test_the_journals_unique_key_refuses_a_state_entered_before(tmp_path: Path) -> None:
     """A move back into pre-check, from where the step is, at its fence, by its owner,
     in a strategy still held: only the unique key on (step, state) refuses it (G1).
-    (Entered as not started, as by a conductor that is stopping: its first attempt is
-    not recorded, so the attempts' own unique key does not stand in.)"""
+    (Entered as not started, as by a conductor that is stopping.)"""
     store, sid, step = _claimed(tmp_path)
     again = rt.Transition(step, sid, "updating-patches", 1, "pre-check", 1, "", 1, True)
     assert _commit(store, again).rejected == [again]
@@ -125,8 +124,9 @@ def test_the_journals_unique_key_refuses_a_state_entered_before(tmp_path: Path) 
 
 
 def test_an_attempt_is_recorded_once(tmp_path: Path) -> None:
-    """Each attempt's start is a row unique on (step, state, attempt), committed before
-    it is sent: recording attempt 2 of a state twice is refused the second time."""
+    """Each attempt after a state's first (its journal entry) is a row unique on (step,
+    state, attempt), committed before it is sent: recording attempt 2 of a state twice
+    is refused the second time."""
     store, sid, step = _claimed(tmp_path)
     start = rt.AttemptDeadline(step, sid, "updating-patches", 1, 500.0, 2, "attempt 2", 0)
     writer = rt.TransitionWriter(store, "c1")
@@ -139,9 +139,12 @@ def test_an_attempt_is_recorded_once(tmp_path: Path) -> None:
         rows = conn.exec_driver_sql(
             "SELECT state, attempt, how FROM attempts WHERE step_id = ? ORDER BY id", (step,)
         ).all()
-    assert [tuple(r) for r in rows] == [
-        ("pre-check", 1, "first"),
-        ("updating-patches", 1, "first"),
+    assert [tuple(r) for r in rows] == [("updating-patches", 2, "retry")]
+    # a state's first attempt is its journal entry: step show lists both
+    shown = [(a["state"], a["attempt"], a["how"]) for a in queries.step_attempts(store, step)]
+    assert shown == [
+        ("pre-check", 1, "entry"),
+        ("updating-patches", 1, "entry"),
         ("updating-patches", 2, "retry"),
     ]
     store.dispose()

@@ -919,8 +919,18 @@ def _iter_history(store: Store, sid: int, q: Any) -> Iterator[dict[str, Any]]:
 
 def step_attempts(store: Store, step_id: int) -> list[dict[str, Any]]:
     """Each attempt of a state sent to the step's target: when it was released, by which
-    conductor at which fence, and how (first, retry, afresh)."""
+    conductor at which fence, and how: ``entry`` (a state's first, sent as it was
+    entered: its journal row), ``afresh`` (entered by a conductor that was stopping,
+    started by the next owner), ``retry``."""
     with store.read() as conn:
+        entries = conn.execute(
+            select(journal.c.to_state, journal.c.at, journal.c.conductor, journal.c.fence)
+            .where(
+                journal.c.step_id == step_id,
+                journal.c.to_state.not_in(sorted(STEP_TERMINAL)),
+            )
+            .order_by(journal.c.id)
+        ).all()
         rows = conn.execute(
             select(
                 attempts.c.state,
@@ -933,7 +943,15 @@ def step_attempts(store: Store, step_id: int) -> list[dict[str, Any]]:
             .where(attempts.c.step_id == step_id)
             .order_by(attempts.c.id)
         ).all()
-    return [dict(r._mapping) for r in rows]
+    recorded = [dict(r._mapping) for r in rows]
+    afresh = {r["state"] for r in recorded if r["how"] == "afresh"}
+    firsts = [
+        {"state": e.to_state, "attempt": 1, "at": e.at, "conductor": e.conductor,
+         "fence": e.fence, "how": "entry"}
+        for e in entries
+        if e.to_state not in afresh
+    ]  # fmt: skip
+    return sorted(firsts + recorded, key=lambda r: (r["at"], r["attempt"]))
 
 
 def step_events(store: Store, step_id: int) -> list[dict[str, Any]]:

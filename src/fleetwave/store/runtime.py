@@ -1215,8 +1215,7 @@ class TransitionWriter:
                 raw.rollback()  # the row-by-row path says what was not written, and why
                 return False
             replaced += self._end_unmanaged(cur, batch, lease_until, ups, jrs, stops)
-            ats = self._first_attempts(batch)
-            ats += [self._attempt_row(d) for d in deadlines if not d.not_started]
+            ats = [self._attempt_row(d) for d in deadlines if not d.not_started] if dl else []
             by_sql: dict[str, list[tuple[Any, ...]]] = {}
             for sql, u in ups:
                 by_sql.setdefault(sql, []).append(u)
@@ -1252,18 +1251,6 @@ class TransitionWriter:
         except BaseException:
             self._rollback(raw)
             raise
-
-    def _first_attempts(self, batch: list[Transition]) -> list[tuple[Any, ...]]:
-        """The attempt rows of the states ``batch`` enters and starts here (attempt 1): not
-        those entered as not started (their next owner records the start)."""
-        at, cid, lapsing = self._at, self.cid, self._lapsing_now
-        return [
-            (t.strategy_id, t.step_id, t.to_state, 1, at, cid, t.fence, "first")
-            for t in batch
-            if t.to_state not in STEP_TERMINAL
-            and not t.not_started
-            and not lapsing.get(t.strategy_id)
-        ]
 
     def _attempt_row(self, d: AttemptDeadline) -> tuple[Any, ...]:
         """A retry's start (its attempt row)."""
@@ -1345,8 +1332,6 @@ class TransitionWriter:
                             held[t.strategy_id] += t.to_state in STEP_TERMINAL
                         return
                     conn.exec_driver_sql(self._journal_sql, j)
-                    for a in self._first_attempts([t]):
-                        conn.exec_driver_sql(self._attempt_sql, a)
                     sp.commit()
                 except IntegrityError:
                     sp.rollback()

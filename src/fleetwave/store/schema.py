@@ -132,8 +132,11 @@ journal = Table(
     Index("ix_journal_strategy", "strategy_id", "id"),
 )
 
-#: one row per attempt of a state sent to a target, written (committed) before it is
-#: sent: the unique key means no attempt is sent twice (G1 at the target)
+#: one row per attempt of a state sent to a target after its first, written (committed)
+#: before it is sent: the unique key means no attempt is sent twice (G1 at the target).
+#: A state's first attempt is its entry in the journal (unique on step and state),
+#: and has a row here only when the state was entered by a conductor that was
+#: stopping and started by the next owner (``afresh``)
 attempts = Table(
     "attempts",
     metadata,
@@ -145,8 +148,8 @@ attempts = Table(
     Column("at", Float, nullable=False),
     Column("conductor", String(64), nullable=False),
     Column("fence", Integer, nullable=False),
-    #: first (the state's entry), retry (after a failed attempt), afresh (entered by a
-    #: conductor that was stopping, started by the next owner)
+    #: retry (after a failed attempt), afresh (entered by a conductor that was stopping,
+    #: started by the next owner)
     Column("how", String(16), nullable=False),
     UniqueConstraint("step_id", "state", "attempt", name="uq_attempts_step_state"),
     Index("ix_attempts_strategy", "strategy_id", "id"),

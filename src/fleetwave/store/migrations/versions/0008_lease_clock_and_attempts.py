@@ -8,9 +8,10 @@ one's. A conductor of another clock (one from before a reboot, or from before th
 revision) holds nothing. Steps lose their own lease column: a step in flight is held
 under its strategy's lease, and its owner (checked by every write) says by whom.
 
-``attempts`` has one row per attempt of a state sent to a target, written before the
-attempt is sent, unique on (step, state, attempt): ``fleetwave check`` verifies from
-it that no attempt was sent twice and that each retry followed a failed attempt.
+``attempts`` has one row per attempt of a state sent to a target after its first (which
+is the state's entry in the journal), written before the attempt is sent, unique on
+(step, state, attempt): ``fleetwave check`` verifies from it that no attempt was sent
+twice and that each retry followed the attempt before it.
 
 Revision ID: 0008
 Revises: 0007
