@@ -40,8 +40,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture
 def dialect() -> str:
-    """The store's dialect: SQLite, unless the test is marked ``both_dialects``."""
-    return "sqlite"
+    """The store's dialect: SQLite (or ``$FLEETWAVE_TEST_DIALECT``, to run every test
+    that takes a store on PostgreSQL), unless the test is marked ``both_dialects``."""
+    return os.environ.get("FLEETWAVE_TEST_DIALECT") or "sqlite"
 
 
 @pytest.fixture(scope="session")

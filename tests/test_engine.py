@@ -1,4 +1,5 @@
-"""The engine on a real SQLite file: admission, caps, failures, retries, timeouts, abort."""
+"""The engine on a real database (SQLite and PostgreSQL): admission, caps, failures, retries,
+timeouts, abort, clean stops and takeovers."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ from fleetwave.store import runtime as rt
 from fleetwave.store.db import Store
 from fleetwave.store.schema import conductors, events, journal, steps
 from fleetwave.testing.invariants import check
+
+#: every test that takes a store runs on SQLite and on PostgreSQL
+pytestmark = pytest.mark.both_dialects
 
 
 def _journal(store: Store, sid: int) -> list[Any]:

@@ -953,8 +953,9 @@ class TransitionWriter:
         self._lapsed_now = set()
         self._lapsing_now = {}
         mk = [(m.outcome, m.reason, now, m.callback_id) for m in marks or ()]
+        flags = self._flags  # (its 0 or 1 as the boolean column is bound)
         dl = [
-            (d.deadline_at, d.attempt, d.details, d.not_started, d.step_id, d.state, d.fence)
+            (d.deadline_at, d.attempt, d.details, flags[d.not_started], d.step_id, d.state, d.fence)
             for d in deadlines or ()
         ]
         ups: list[tuple[str, tuple[Any, ...]]] = []
@@ -1338,7 +1339,7 @@ class TransitionWriter:
                         d.deadline_at,
                         d.attempt,
                         d.details,
-                        d.not_started,
+                        self._flags[d.not_started],
                         d.step_id,
                         d.state,
                         d.fence,
