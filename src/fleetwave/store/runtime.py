@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from sqlalchemy import Connection, insert, select, update
-from sqlalchemy.exc import DatabaseError, IntegrityError, OperationalError
+from sqlalchemy.exc import DatabaseError, DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.pool import PoolProxiedConnection
 
 from fleetwave.domain.models import (
@@ -1140,7 +1140,7 @@ class TransitionWriter:
         dbapi = self._dbapi
         raw_conn = self._raw
         if raw_conn is None:
-            raw_conn = self._raw = self.store.engine.raw_connection()
+            raw_conn = self._raw = self._connect()
             self._driver = raw_conn.driver_connection
         raw = self._driver
         cur = self._cur
@@ -1198,12 +1198,30 @@ class TransitionWriter:
             self._rollback(raw)
             raise
 
+    def _connect(self) -> PoolProxiedConnection:
+        """The hot path's own connection; a failure to connect (a server that is not
+        there) as SQLAlchemy's error, as every other store call's is."""
+        try:
+            return self.store.engine.raw_connection()
+        except self._dbapi.Error as exc:
+            raise DBAPIError.instance("connect", None, exc, self._dbapi.Error) from exc
+
     def _rollback(self, raw: Any) -> None:
         """After an error in the hot path's transaction: roll it back, and let go of the
         cursor (a statement it left half read would keep a read snapshot of the WAL open
         until the next commit, holding back checkpoints; rollback does not reset it)."""
         self._drop_cursor()
-        raw.rollback()
+        try:
+            raw.rollback()
+        except self._dbapi.Error:
+            # The connection itself is gone (PostgreSQL ended it: a restart, a dropped
+            # link): let go of it for good, and the next commit opens a new one.
+            self._lose_connection()
+
+    def _lose_connection(self) -> None:
+        raw_conn, self._raw, self._driver = self._raw, None, None
+        if raw_conn is not None:
+            raw_conn.invalidate()
 
     def _drop_cursor(self) -> None:
         cur, self._cur = self._cur, None
