@@ -25,6 +25,9 @@ from fleetwave.store.db import Store
 from fleetwave.store.schema import journal, steps, strategies
 from fleetwave.testing.invariants import check
 
+#: every test that takes a store runs on SQLite and on PostgreSQL
+pytestmark = pytest.mark.both_dialects
+
 TERMINAL = ("complete", "failed", "aborted")
 
 

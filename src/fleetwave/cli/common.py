@@ -34,7 +34,7 @@ DbOpt = Annotated[
     str | None,
     typer.Option(
         "--db",
-        metavar="PATH|URL",
+        metavar="PATH",
         help="SQLite database file, or postgresql://user@host/dbname "
         "(default: $FLEETWAVE_DB or ./fleetwave.db)",
         show_default=False,
@@ -347,7 +347,8 @@ def engine_config(lease_ttl: float | None) -> EngineConfig:
 
 def database_hint(exc: DBAPIError, *, waiting: bool = False) -> str:
     text = str(exc.orig).lower()
-    if "locked" in text or "busy" in text:
+    # (SQLite: "database is locked"; PostgreSQL: "canceling statement due to lock timeout")
+    if "locked" in text or "busy" in text or "lock timeout" in text:
         if waiting:
             return ": another program holds its write lock"
         return " (another program holds its write lock: try again when it is done)"
