@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from sqlalchemy import Connection, Row, select
+from sqlalchemy import Connection, Row, func, select
 
 from conftest import add_sim_targets, applied, on_virtual_time, rollout
 from fleetwave import ActionContext, Advance, Outcome, StateAction, StepFailed, TransientError
@@ -323,6 +323,34 @@ def test_operator_abort_mid_run(store: Store) -> None:
     assert "abort-seen" in kinds
 
 
+async def _left_first_state(store: Store, sid: int, step_ids: list[int]) -> None:
+    """Until each of the steps has left its first state (pre-check, at fence 1): a
+    report for it is stale from then on (a fixed sleep raced a slow start, and the
+    duplicate was taken as the state's outcome)."""
+    while True:
+        with store.read() as conn:
+            left = conn.execute(
+                select(func.count()).where(
+                    journal.c.strategy_id == sid,
+                    journal.c.from_state == "pre-check",
+                    journal.c.step_id.in_(step_ids),
+                )
+            ).scalar_one()
+        if left == len(step_ids):
+            return
+        await asyncio.sleep(0.002)
+
+
+async def _under_way(store: Store, sid: int) -> None:
+    """Until a step of the strategy has entered a state (not a fixed sleep: a slow
+    start, a loaded machine, would have the stop land before anything started)."""
+    while True:
+        with store.read() as conn:
+            if conn.execute(select(journal.c.id).where(journal.c.strategy_id == sid)).first():
+                return
+        await asyncio.sleep(0.002)
+
+
 def test_stale_outcome_is_recorded_and_ignored(store: Store) -> None:
     """G3: a report for a (state, fence) the step has left changes nothing."""
     add_sim_targets(store, 5, settings={"latency_ms": 30})
@@ -331,7 +359,7 @@ def test_stale_outcome_is_recorded_and_ignored(store: Store) -> None:
 
     async def go() -> dict[int, str]:
         task = asyncio.create_task(c.run(strategy_ids=[sid]))
-        await asyncio.sleep(0.05)
+        await _left_first_state(store, sid, [1])
         # A late duplicate of step 1's first report, at its first fence.
         c.post(ActionFinished(sid, 1, "pre-check", 1, Decision("failed", "late dup"), 1))
         return await task
@@ -350,7 +378,7 @@ def test_clean_shutdown_hands_leases_back_and_next_conductor_resumes(store: Stor
     async def stop_soon() -> None:
         stop = asyncio.Event()
         task = asyncio.create_task(first.run(stop=stop))
-        await asyncio.sleep(0.15)
+        await _under_way(store, sid)
         stop.set()
         await task
 
@@ -717,7 +745,7 @@ def test_stale_outcomes_of_one_batch_are_one_warning(
 
     async def go() -> dict[int, str]:
         task = asyncio.create_task(c.run(strategy_ids=[sid]))
-        await asyncio.sleep(0.05)
+        await _left_first_state(store, sid, list(range(1, 8)))
         for step in range(1, 8):  # late duplicates of seven first reports, at once
             c.post(ActionFinished(sid, step, "pre-check", 1, Decision("failed", "dup"), 1))
         return await task

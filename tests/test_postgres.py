@@ -13,16 +13,19 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from cli_harness import Cli, one_line
 from conftest import add_sim_targets, applied
 from fleetwave.engine.conductor import Conductor
 from fleetwave.engine.config import EngineConfig
 from fleetwave.store.db import HEAD_REVISION, current_revision, open_store
+from fleetwave.store.postgres import WRITE_LOCK_KEY
 from fleetwave.testing.invariants import check
 
 #: the role scripts/pg.sh makes that must give a password (the superuser need not)
@@ -202,4 +205,53 @@ def test_a_conductor_rides_out_a_database_that_goes_away(
     assert conductor.stats.store_retries > 0
     report = check(store)
     assert report.ok, report
+    store.dispose()
+
+
+def test_which_postgresql_errors_are_outages(pg_url: str) -> None:
+    """Real errors from the server: a lock not had in time and a deadlock are outages
+    (a conductor retries them, its connections kept); a missing table is not."""
+    store = open_store(pg_url)
+    hooks = store.hooks
+    with psycopg.connect(pg_url) as other:  # (a transaction, holding the write lock)
+        other.execute("SELECT pg_advisory_xact_lock(%s)", (WRITE_LOCK_KEY,))
+        store.busy_timeout_ms = 200
+        with pytest.raises(OperationalError) as locked, store.write():
+            pass
+    assert "lock timeout" in str(locked.value)
+    assert hooks.is_outage(locked.value) and not hooks.needs_new_connections(locked.value)
+
+    with psycopg.connect(pg_url, autocommit=True) as setup:
+        setup.execute("CREATE TABLE pair (i int PRIMARY KEY)")
+        setup.execute("INSERT INTO pair VALUES (1), (2)")
+    first, second = psycopg.connect(pg_url), psycopg.connect(pg_url)
+    errors: list[BaseException] = []
+
+    def lock(conn: psycopg.Connection[Any], row: int) -> None:
+        try:
+            conn.execute("UPDATE pair SET i = i WHERE i = %s", (row,))
+        except psycopg.Error as exc:
+            errors.append(exc)
+            conn.rollback()
+
+    try:
+        for conn in (first, second):
+            conn.execute("SET deadlock_timeout = '100ms'")
+        lock(first, 1)
+        lock(second, 2)
+        crossing = threading.Thread(target=lock, args=(first, 2))
+        crossing.start()
+        lock(second, 1)  # one of the two is chosen to fail
+        second.rollback()  # (the other one then gets its row)
+        crossing.join()
+    finally:
+        first.close()
+        second.close()
+    (deadlock,) = errors
+    assert isinstance(deadlock, psycopg.errors.DeadlockDetected)
+    assert hooks.is_outage(deadlock) and not hooks.needs_new_connections(deadlock)
+
+    with pytest.raises(ProgrammingError) as bad, store.read() as conn:
+        conn.exec_driver_sql("SELECT * FROM no_such_table")
+    assert not hooks.is_outage(bad.value)
     store.dispose()

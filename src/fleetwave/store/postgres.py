@@ -171,10 +171,11 @@ def postgres_engine(url: URL) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
-        # (on the driver's connection: without parameters, psycopg sends both statements
-        # of the write's begin as one query)
-        conn.connection.driver_connection.execute(  # type: ignore[union-attr]
-            POSTGRESQL.begin_write_sql if conn.info.get("immediate") else BEGIN_READ_SQL
+        # (without parameters, psycopg sends both statements of a write's begin as one
+        # query; through SQLAlchemy, so that an error is SQLAlchemy's, as every other)
+        conn.exec_driver_sql(
+            POSTGRESQL.begin_write_sql if conn.info.get("immediate") else BEGIN_READ_SQL,
+            execution_options={"no_parameters": True},
         )
 
     return engine
