@@ -25,7 +25,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.pool import QueuePool
 
 from fleetwave.store.db import DEFAULT_BUSY_TIMEOUT_MS, DialectHooks, StoreError
@@ -139,7 +139,16 @@ class PostgresHooks(DialectHooks):
 
     def set_busy_timeout(self, dbapi_conn: Any, ms: int) -> None:
         # (the write lock's wait, and any row lock's: refused after, as an outage)
-        dbapi_conn.execute(f"SET lock_timeout = {int(ms)}")
+        import psycopg
+
+        try:
+            dbapi_conn.execute(f"SET lock_timeout = {int(ms)}")
+        except psycopg.Error as exc:
+            # on the driver's connection, outside SQLAlchemy: its error made SQLAlchemy's,
+            # as a store call's caller expects (a connection the server ended, mostly)
+            raise DBAPIError.instance(
+                "SET lock_timeout", None, exc, psycopg.Error, connection_invalidated=True
+            ) from exc
 
 
 POSTGRESQL = PostgresHooks(
