@@ -26,6 +26,8 @@ stop_pg() {
   fi
 }
 trap stop_pg EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 if [ -z "${FLEETWAVE_TEST_PG_URL:-}" ]; then
   if bash scripts/pg.sh install; then
     PG_DIR=$(mktemp -d "${TMPDIR:-/tmp}/fleetwave-pg.XXXXXX")

@@ -222,6 +222,7 @@ def _wf(name: str, *states: StateDef) -> WorkflowDef:
 
 
 def test_retry_with_backoff_then_success_or_failure(store: Store) -> None:
+    Flaky.calls.clear()  # (counted anew on each dialect's run)
     add_sim_targets(store, 3)
     ok = _wf("retry-ok", StateDef("a", Flaky(), attempts_max=3, backoff_s=0.01))
     sid, final, _ = rollout(store, ok)
