@@ -25,7 +25,7 @@ from conftest import add_sim_targets, applied
 from fleetwave.engine.conductor import Conductor
 from fleetwave.engine.config import EngineConfig
 from fleetwave.store.db import HEAD_REVISION, current_revision, open_store
-from fleetwave.store.postgres import WRITE_LOCK_KEY
+from fleetwave.store.postgres import WRITE_LOCK_KEY, redact
 from fleetwave.testing.invariants import check
 
 #: the role scripts/pg.sh makes that must give a password (the superuser need not)
@@ -255,3 +255,26 @@ def test_which_postgresql_errors_are_outages(pg_url: str) -> None:
         conn.exec_driver_sql("SELECT * FROM no_such_table")
     assert not hooks.is_outage(bad.value)
     store.dispose()
+
+
+def test_now_sql_reads_the_database_clock(pg_url: str) -> None:
+    store = open_store(pg_url)
+    with store.read() as conn:
+        first = float(conn.exec_driver_sql(f"SELECT {store.hooks.now_sql()}").scalar_one())
+        second = float(conn.exec_driver_sql(f"SELECT {store.hooks.now_sql()}").scalar_one())
+    store.dispose()
+    assert abs(first - time.time()) < 5
+    assert second > first  # the clock, not the transaction's start
+
+
+def test_a_password_is_masked_wherever_a_message_names_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PGPASSWORD", "env-pw-5521")
+    said = redact(
+        "connect to postgresql://fleet:url-pw-123@db/fleet failed (host=db password=kw-pw-9 "
+        "user=fleet); PGPASSWORD env-pw-5521 was refused"
+    )
+    for secret in ("url-pw-123", "kw-pw-9", "env-pw-5521"):
+        assert secret not in said
+    assert "postgresql://fleet:***@db/fleet" in said and "password=***" in said
