@@ -15,7 +15,7 @@ echo "== ruff"
 .venv/bin/ruff format --check src tests bench
 echo "== mypy (strict)"
 .venv/bin/mypy
-echo "== postgresql"
+echo "== pytest"
 # A throw-away server for the PostgreSQL tests (unless FLEETWAVE_TEST_PG_URL names one):
 # installed when missing, on a unix socket in a temporary directory, stopped at the end
 # whatever happens. Without it those tests skip, or fail in CI (CI=true).
@@ -38,7 +38,6 @@ if [ -z "${FLEETWAVE_TEST_PG_URL:-}" ]; then
     echo "no PostgreSQL server: its tests are skipped (and fail in CI)"
   fi
 fi
-echo "== pytest"
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 rc=$?
