@@ -1198,14 +1198,6 @@ class TransitionWriter:
             self._rollback(raw)
             raise
 
-    def _connect(self) -> PoolProxiedConnection:
-        """The hot path's own connection; a failure to connect (a server that is not
-        there) as SQLAlchemy's error, as every other store call's is."""
-        try:
-            return self.store.engine.raw_connection()
-        except self._dbapi.Error as exc:
-            raise DBAPIError.instance("connect", None, exc, self._dbapi.Error) from exc
-
     def _rollback(self, raw: Any) -> None:
         """After an error in the hot path's transaction: roll it back, and let go of the
         cursor (a statement it left half read would keep a read snapshot of the WAL open
@@ -1383,6 +1375,14 @@ class TransitionWriter:
         if self._raw is not None:
             self._raw.close()
             self._raw = None
+
+    def _connect(self) -> PoolProxiedConnection:
+        """The hot path's own connection; a failure to connect (a server that is not
+        there) as SQLAlchemy's error, as every other store call's is."""
+        try:
+            return self.store.engine.raw_connection()
+        except self._dbapi.Error as exc:
+            raise DBAPIError.instance("connect", None, exc, self._dbapi.Error) from exc
 
     def _already_applied(self, conn: Connection, t: Transition) -> bool:
         """True when this very transition is already committed (a retried, ambiguous commit)."""
