@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install what the tests need (into .venv) and run lint, types and the test suite.
+# Install what the tests need (into .venv; PostgreSQL from Debian's package when missing)
+# and run lint, types and the test suite (the PostgreSQL tests on a throw-away server).
 # Usage: bash scripts/test.sh [extra pytest args]      (CI: .ci/run calls this)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,28 @@ NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
 echo "== mutation check (deliberate breakages of the engine must be caught)"
 .venv/bin/python scripts/mutation_check.py
 echo "== pytest"
+# A throw-away server for the PostgreSQL tests (unless FLEETWAVE_TEST_PG_URL names one):
+# installed when missing, on a unix socket in a temporary directory, stopped at the end
+# whatever happens. Without it those tests skip, or fail in CI (CI=true).
+PG_DIR=""
+stop_pg() {
+  if [ -n "$PG_DIR" ]; then
+    bash scripts/pg.sh stop "$PG_DIR"
+  fi
+}
+trap stop_pg EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+if [ -z "${FLEETWAVE_TEST_PG_URL:-}" ]; then
+  if bash scripts/pg.sh install; then
+    PG_DIR=$(mktemp -d "${TMPDIR:-/tmp}/fleetwave-pg.XXXXXX")
+    FLEETWAVE_TEST_PG_URL=$(bash scripts/pg.sh start "$PG_DIR")
+    export FLEETWAVE_TEST_PG_URL
+    echo "throw-away server: $FLEETWAVE_TEST_PG_URL"
+  else
+    echo "no PostgreSQL server: its tests are skipped (and fail in CI)"
+  fi
+fi
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 rc=$?

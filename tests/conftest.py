@@ -1,8 +1,11 @@
-"""Shared fixtures: a real SQLite store per test, and a helper to roll a workflow out."""
+"""Shared fixtures: a real store per test (SQLite, or each dialect for the tests marked
+``both_dialects``), and a helper to roll a workflow out."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,9 +25,70 @@ from fleetwave.testing.vloop import VirtualTimeLoop
 pytest_plugins = ["cli_harness"]
 
 
+#: the store's dialects: a test or module marked ``both_dialects`` runs once on each
+DIALECTS = ("sqlite", "postgresql")
+#: the throw-away PostgreSQL server's URL (``scripts/test.sh`` starts one and sets it)
+PG_URL_ENV = "FLEETWAVE_TEST_PG_URL"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "dialect" in metafunc.fixturenames and metafunc.definition.get_closest_marker(
+        "both_dialects"
+    ):
+        metafunc.parametrize("dialect", DIALECTS)
+
+
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = open_store(str(tmp_path / "fleet.db"))
+def dialect() -> str:
+    """The store's dialect: SQLite (or ``$FLEETWAVE_TEST_DIALECT``, to run every test
+    that takes a store on PostgreSQL), unless the test is marked ``both_dialects``."""
+    return os.environ.get("FLEETWAVE_TEST_DIALECT") or "sqlite"
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> str:
+    """The URL of the test PostgreSQL server's maintenance database. Without one the test
+    is skipped, except in CI (``CI=true``), where it fails: CI must run them."""
+    url = os.environ.get(PG_URL_ENV)
+    if not url:
+        why = (
+            f"no PostgreSQL server: {PG_URL_ENV} is not set "
+            "(bash scripts/test.sh starts a throw-away one and sets it)"
+        )
+        if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
+            pytest.fail(f"CI runs the PostgreSQL tests, but {why}")
+        pytest.skip(why)
+    return url
+
+
+_databases = itertools.count()
+
+
+@pytest.fixture
+def pg_url(pg_server: str) -> Iterator[str]:
+    """A new, empty database on the test server (no schema), dropped afterwards."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    name = f"fwt_{os.getpid()}_{next(_databases)}"
+    with psycopg.connect(pg_server, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield make_url(pg_server).set(database=name).render_as_string(hide_password=False)
+    with psycopg.connect(pg_server, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def db_url(dialect: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
+    """Where a new database goes: an SQLite file's path, or a new PostgreSQL database."""
+    if dialect == "postgresql":
+        return str(request.getfixturevalue("pg_url"))
+    return str(tmp_path / "fleet.db")
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[Store]:
+    s = open_store(db_url)
     yield s
     s.dispose()
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from cli_harness import Cli
 from conftest import add_sim_targets
@@ -22,6 +22,9 @@ from fleetwave.testing.invariants import check
 
 FIRST, SECOND = "pre-check", "updating-patches"
 
+#: every check that takes a store runs on SQLite and on PostgreSQL
+pytestmark = pytest.mark.both_dialects
+
 
 def _strategy(store: Store, n: int = 2, **options: Any) -> tuple[int, list[int]]:
     """A patch strategy over ``n`` targets (t00000...), and its step ids in target order."""
@@ -29,10 +32,12 @@ def _strategy(store: Store, n: int = 2, **options: Any) -> tuple[int, list[int]]
     assert wf is not None
     sid = admin.create_strategy(store, wf, StrategyOptions(**options), all_targets=True)
     with store.read() as conn:
-        ids = conn.exec_driver_sql(
-            "SELECT s.id FROM steps s JOIN targets t ON t.id = s.target_id "
-            "WHERE s.strategy_id = ? ORDER BY t.name",
-            (sid,),
+        ids = conn.execute(
+            text(
+                "SELECT s.id FROM steps s JOIN targets t ON t.id = s.target_id "
+                "WHERE s.strategy_id = :sid ORDER BY t.name"
+            ),
+            {"sid": sid},
         ).all()
     return sid, [int(r[0]) for r in ids]
 
@@ -46,19 +51,25 @@ def _journal(
         for i, move in enumerate(moves):
             step, frm, to, fence = move[:4]
             details = move[4] if len(move) == 5 else ""
-            conn.exec_driver_sql(
-                "INSERT INTO journal (strategy_id, step_id, at, conductor, from_state, "
-                "to_state, fence, details) VALUES (?, ?, ?, 'c-test', ?, ?, ?, ?)",
-                (sid, step, float(i), frm, to, fence, details),
+            conn.execute(
+                text(
+                    "INSERT INTO journal (strategy_id, step_id, at, conductor, from_state, "
+                    "to_state, fence, details) VALUES (:sid, :step, :at, 'c-test', :frm, :to, "
+                    ":fence, :details)"
+                ),
+                dict(sid=sid, step=step, at=float(i), frm=frm, to=to, fence=fence, details=details),
             )
-            conn.exec_driver_sql(
-                "UPDATE steps SET state = ?, fence = ? WHERE id = ?", (to, fence, step)
+            conn.execute(
+                text("UPDATE steps SET state = :to, fence = :fence WHERE id = :step"),
+                dict(to=to, fence=fence, step=step),
             )
 
 
 def _end(store: Store, sid: int, state: str) -> None:
     with store.write() as conn:
-        conn.exec_driver_sql("UPDATE strategies SET state = ? WHERE id = ?", (state, sid))
+        conn.execute(
+            text("UPDATE strategies SET state = :s WHERE id = :id"), {"s": state, "id": sid}
+        )
 
 
 def _violations(store: Store, sid: int) -> list[str]:
@@ -160,8 +171,8 @@ def test_leases_left_on_ended_work_are_reported(store: Store) -> None:
     _journal(store, sid, [(a, "initial", FIRST, 1), (a, FIRST, "complete", 1)])
     _end(store, sid, "complete")
     with store.write() as conn:
-        conn.exec_driver_sql("UPDATE steps SET owner = 'c-gone' WHERE id = ?", (a,))
-        conn.exec_driver_sql("UPDATE strategies SET owner = 'c-gone' WHERE id = ?", (sid,))
+        conn.execute(text("UPDATE steps SET owner = 'c-gone' WHERE id = :id"), {"id": a})
+        conn.execute(text("UPDATE strategies SET owner = 'c-gone' WHERE id = :id"), {"id": sid})
     assert _violations(store, sid) == [
         f"lease: strategy {sid} step {a} (t00000) is terminal but still owned by c-gone",
         f"lease: strategy {sid} is terminal but still owned by c-gone",
@@ -281,7 +292,7 @@ def test_a_row_that_disagrees_with_the_journal_is_reported(store: Store) -> None
     sid, (a,) = _strategy(store)
     _journal(store, sid, [(a, "initial", FIRST, 1), (a, FIRST, "complete", 1)])
     with store.write() as conn:
-        conn.exec_driver_sql("UPDATE steps SET state = 'failed' WHERE id = ?", (a,))
+        conn.execute(text("UPDATE steps SET state = 'failed' WHERE id = :id"), {"id": a})
     assert _violations(store, sid) == [
         f"record: strategy {sid} step {a} (t00000) row says 'failed' but journal says 'complete'"
     ]

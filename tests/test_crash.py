@@ -7,8 +7,8 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
+import pytest
 from sqlalchemy import func, select
 
 from conftest import add_sim_targets
@@ -37,8 +37,9 @@ def _in_flight(db: str) -> int:
         store.dispose()
 
 
-def test_kill_9_mid_rollout_then_apply_wait_resumes_without_reentry(tmp_path: Path) -> None:
-    db = str(tmp_path / "crash.db")
+@pytest.mark.both_dialects
+def test_kill_9_mid_rollout_then_apply_wait_resumes_without_reentry(db_url: str) -> None:
+    db = db_url
     store = open_store(db)
     add_sim_targets(store, 300, settings={"latency_ms": 40})
     wf = get_workflow("patch")

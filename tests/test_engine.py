@@ -1,4 +1,5 @@
-"""The engine on a real SQLite file: admission, caps, failures, retries, timeouts, abort."""
+"""The engine on a real database (SQLite and PostgreSQL): admission, caps, failures, retries,
+timeouts, abort, clean stops and takeovers."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from sqlalchemy import Connection, Row, select
+from sqlalchemy import Connection, Row, func, select
 
 from conftest import add_sim_targets, applied, on_virtual_time, rollout
 from fleetwave import ActionContext, Advance, Outcome, StateAction, StepFailed, TransientError
@@ -20,16 +21,18 @@ from fleetwave.domain.registry import get_workflow, register_workflow
 from fleetwave.domain.rules import Decision
 from fleetwave.domain.workflow import StateDef, WorkflowDef
 from fleetwave.drivers.sim import SimDriver
-from fleetwave.engine.clock import LoopClock, WallClock
+from fleetwave.engine.clock import LoopClock
 from fleetwave.engine.conductor import Conductor
 from fleetwave.engine.config import EngineConfig
 from fleetwave.engine.messages import ActionFinished
 from fleetwave.store import admin, queries
 from fleetwave.store import runtime as rt
 from fleetwave.store.db import Store
-from fleetwave.store.leases import host_lease_now
 from fleetwave.store.schema import conductors, events, journal, steps
 from fleetwave.testing.invariants import check
+
+#: every test that takes a store runs on SQLite and on PostgreSQL
+pytestmark = pytest.mark.both_dialects
 
 
 def _journal(store: Store, sid: int) -> list[Any]:
@@ -219,6 +222,7 @@ def _wf(name: str, *states: StateDef) -> WorkflowDef:
 
 
 def test_retry_with_backoff_then_success_or_failure(store: Store) -> None:
+    Flaky.calls.clear()  # (counted anew on each dialect's run)
     add_sim_targets(store, 3)
     ok = _wf("retry-ok", StateDef("a", Flaky(), attempts_max=3, backoff_s=0.01))
     sid, final, _ = rollout(store, ok)
@@ -320,6 +324,34 @@ def test_operator_abort_mid_run(store: Store) -> None:
     assert "abort-seen" in kinds
 
 
+async def _left_first_state(store: Store, sid: int, step_ids: list[int]) -> None:
+    """Until each of the steps has left its first state (pre-check, at fence 1): a
+    report for it is stale from then on (a fixed sleep raced a slow start, and the
+    duplicate was taken as the state's outcome)."""
+    while True:
+        with store.read() as conn:
+            left = conn.execute(
+                select(func.count()).where(
+                    journal.c.strategy_id == sid,
+                    journal.c.from_state == "pre-check",
+                    journal.c.step_id.in_(step_ids),
+                )
+            ).scalar_one()
+        if left == len(step_ids):
+            return
+        await asyncio.sleep(0.002)
+
+
+async def _under_way(store: Store, sid: int) -> None:
+    """Until a step of the strategy has entered a state (not a fixed sleep: a slow
+    start, a loaded machine, would have the stop land before anything started)."""
+    while True:
+        with store.read() as conn:
+            if conn.execute(select(journal.c.id).where(journal.c.strategy_id == sid)).first():
+                return
+        await asyncio.sleep(0.002)
+
+
 def test_stale_outcome_is_recorded_and_ignored(store: Store) -> None:
     """G3: a report for a (state, fence) the step has left changes nothing."""
     add_sim_targets(store, 5, settings={"latency_ms": 30})
@@ -328,7 +360,7 @@ def test_stale_outcome_is_recorded_and_ignored(store: Store) -> None:
 
     async def go() -> dict[int, str]:
         task = asyncio.create_task(c.run(strategy_ids=[sid]))
-        await asyncio.sleep(0.05)
+        await _left_first_state(store, sid, [1])
         # A late duplicate of step 1's first report, at its first fence.
         c.post(ActionFinished(sid, 1, "pre-check", 1, Decision("failed", "late dup"), 1))
         return await task
@@ -347,7 +379,7 @@ def test_clean_shutdown_hands_leases_back_and_next_conductor_resumes(store: Stor
     async def stop_soon() -> None:
         stop = asyncio.Event()
         task = asyncio.create_task(first.run(stop=stop))
-        await asyncio.sleep(0.15)
+        await _under_way(store, sid)
         stop.set()
         await task
 
@@ -376,6 +408,8 @@ def test_dead_conductor_on_another_host_is_taken_over_after_lease_expiry(store: 
 
     add_sim_targets(store, 3)
     sid = applied(store, "patch", max_parallel=3)
+    # the clock this database's conductors lease on (the host's, or the server's)
+    lease_clock = Conductor(store).clock
     with store.write() as conn:
         conn.execute(
             insert(conductors).values(
@@ -384,10 +418,10 @@ def test_dead_conductor_on_another_host_is_taken_over_after_lease_expiry(store: 
                 pid=1,
                 started_at=0,
                 heartbeat_at=0,
-                lease_clock=WallClock.lease_clock,  # (on SQLite, every conductor's)
+                lease_clock=lease_clock.lease_clock,  # (every conductor's on this database)
             )
         )
-        live = host_lease_now() + 3600
+        live = lease_clock.lease_now() + 3600
         conn.execute(update(strategies).values(owner="ghost", fence=1, lease_expires_at=live))
         conn.execute(
             update(steps)
@@ -411,7 +445,7 @@ def test_dead_conductor_on_another_host_is_taken_over_after_lease_expiry(store: 
     # The lease is live: nobody may take it.
     assert asyncio.run(Conductor(store).run(strategy_ids=[sid]))[sid] == "owned"
     with store.write() as conn:
-        conn.execute(update(strategies).values(lease_expires_at=host_lease_now() - 1))
+        conn.execute(update(strategies).values(lease_expires_at=lease_clock.lease_now() - 1))
     assert asyncio.run(Conductor(store).run(strategy_ids=[sid]))[sid] == "complete"
     with store.read() as conn:
         evts = conn.execute(select(events.c.kind, events.c.details)).all()
@@ -719,7 +753,7 @@ def test_stale_outcomes_of_one_batch_are_one_warning(
 
     async def go() -> dict[int, str]:
         task = asyncio.create_task(c.run(strategy_ids=[sid]))
-        await asyncio.sleep(0.05)
+        await _left_first_state(store, sid, list(range(1, 8)))
         for step in range(1, 8):  # late duplicates of seven first reports, at once
             c.post(ActionFinished(sid, step, "pre-check", 1, Decision("failed", "dup"), 1))
         return await task

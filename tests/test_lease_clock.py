@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
 from sqlalchemy import insert, update
 
 from conftest import add_sim_targets, applied, on_virtual_time
@@ -111,3 +112,38 @@ def test_a_live_lease_on_this_boot_is_shown_held(tmp_path: Path) -> None:
     assert queries.driving(store, sid).owner == "other"
     assert asyncio.run(Conductor(store).run(strategy_ids=[sid]))[sid] == "owned"
     store.dispose()
+
+
+@pytest.mark.both_dialects
+def test_conductors_lease_on_the_clock_the_database_gives_them(store: Store) -> None:
+    """SQLite: every conductor is on the database's host, so leases are on its boot-time
+    clock (named by its boot id). PostgreSQL: conductors on many hosts, so leases are
+    on the server's clock; a conductor on another host counts as alive while its lease
+    (on that clock) lasts."""
+    add_sim_targets(store, 1, {"latency_ms": 1})
+    sid = applied(store)
+    conductor = Conductor(store)
+    if store.hooks.now_sql() is None:
+        assert conductor.clock.lease_clock == WallClock.lease_clock
+    else:
+        assert conductor.clock.lease_clock == "server"
+        # (the server's clock, not this host's boot-time clock)
+        assert abs(conductor.clock.lease_now() - rt.server_time(store)) < 5
+    with store.write() as conn:
+        conn.execute(
+            insert(conductors).values(
+                id="elsewhere",
+                hostname="another-host",
+                pid=1,
+                started_at=0,
+                heartbeat_at=0,
+                lease_clock=conductor.clock.lease_clock,
+            )
+        )
+        live = conductor.clock.lease_now() + 600
+        conn.execute(update(strategies).values(owner="elsewhere", fence=1, lease_expires_at=live))
+    assert queries.driving(store, sid).owner == "elsewhere"
+    assert asyncio.run(conductor.run(strategy_ids=[sid]))[sid] == "owned"
+    with store.write() as conn:
+        conn.execute(update(strategies).values(lease_expires_at=live - 1200))
+    assert asyncio.run(Conductor(store).run(strategy_ids=[sid]))[sid] == "complete"

@@ -29,6 +29,9 @@ from fleetwave.store.schema import journal, steps, strategies
 from fleetwave.testing.invariants import check
 from test_engine_edges import Sleep
 
+#: every test that takes a store runs on SQLite and on PostgreSQL
+pytestmark = pytest.mark.both_dialects
+
 TERMINAL = ("complete", "failed", "aborted")
 
 

@@ -24,24 +24,31 @@ from fleetwave.store.db import (
     current_revision,
     open_store,
 )
+from fleetwave.store.postgres import engine_url, is_postgres_url
 from fleetwave.store.schema import metadata
+
+#: each test that takes a database (``db_url``) runs on SQLite and on PostgreSQL
+pytestmark = pytest.mark.both_dialects
 
 
 def _indexes(engine: sa.Engine, table: str) -> set[str]:
     return {ix["name"] for ix in sa.inspect(engine).get_indexes(table) if ix["name"]}
 
 
-def test_migrated_schema_matches_the_declared_one(tmp_path: Path) -> None:
-    store = open_store(str(tmp_path / "f.db"))
+def test_migrated_schema_matches_the_declared_one(db_url: str) -> None:
+    store = open_store(db_url)
     with store.engine.connect() as conn:
         diffs = compare_metadata(MigrationContext.configure(conn), metadata)
     assert diffs == []
     assert current_revision(store) == HEAD_REVISION
 
 
-def _database_at(path: Path, revision: str) -> sa.Engine:
-    """A database file as a fleetwave of that schema revision left it."""
-    engine = sa.create_engine(f"sqlite:///{path}")
+def _database_at(db_url: str, revision: str) -> sa.Engine:
+    """A database as a fleetwave of that schema revision left it."""
+    if is_postgres_url(db_url):
+        engine = sa.create_engine(engine_url(db_url))
+    else:
+        engine = sa.create_engine(f"sqlite:///{db_url}")
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     with engine.begin() as conn:
@@ -50,14 +57,13 @@ def _database_at(path: Path, revision: str) -> sa.Engine:
     return engine
 
 
-def test_upgrade_from_the_first_revision_keeps_the_data(tmp_path: Path) -> None:
-    path = tmp_path / "old.db"
-    engine = _database_at(path, "0001")
+def test_upgrade_from_the_first_revision_keeps_the_data(db_url: str) -> None:
+    engine = _database_at(db_url, "0001")
     assert "ix_steps_strategy_state" in _indexes(engine, "steps")
     with engine.begin() as conn:  # rows as fleetwave 0001 wrote them
         conn.exec_driver_sql(
             "INSERT INTO targets (id, name, driver, settings, managed, labels, created_at) "
-            "VALUES (1, 't0', 'sim', '{}', 1, '{}', 0)"
+            "VALUES (1, 't0', 'sim', '{}', true, '{}', 0)"
         )
         conn.exec_driver_sql(
             "INSERT INTO strategies (id, workflow, workflow_version, states, state, options, "
@@ -71,13 +77,15 @@ def test_upgrade_from_the_first_revision_keeps_the_data(tmp_path: Path) -> None:
     engine.dispose()
     sid = 1
 
-    upgraded = open_store(str(path))  # migrates to head
+    upgraded = open_store(db_url)  # migrates to head
     assert current_revision(upgraded) == HEAD_REVISION
     names = _indexes(upgraded.engine, "steps")
     assert "ix_steps_strategy_ordinal" in names
     assert "ix_steps_strategy_state" not in names
     with upgraded.read() as conn:
-        count = conn.exec_driver_sql("SELECT count(*) FROM steps WHERE strategy_id = ?", (sid,))
+        count = conn.execute(
+            sa.text("SELECT count(*) FROM steps WHERE strategy_id = :s"), {"s": sid}
+        )
         assert count.scalar_one() == 1
         row = conn.exec_driver_sql("SELECT not_started FROM steps").one()
         assert row[0] == 0  # the new column, filled for existing rows
@@ -89,8 +97,8 @@ def _patch_strategy(store: Store, target: str) -> int:
     return admin.create_strategy(store, wf, StrategyOptions(), target_names=[target])
 
 
-def test_a_deleted_strategys_id_is_never_given_again(tmp_path: Path) -> None:
-    store = open_store(str(tmp_path / "f.db"))
+def test_a_deleted_strategys_id_is_never_given_again(db_url: str) -> None:
+    store = open_store(db_url)
     admin.add_targets(store, [Target(name=f"t{i}") for i in range(5)])
     first = _patch_strategy(store, "t0")
     second = _patch_strategy(store, "t1")
@@ -102,21 +110,21 @@ def test_a_deleted_strategys_id_is_never_given_again(tmp_path: Path) -> None:
     admin.delete_strategy(store, first)  # no strategy left at all
     assert _patch_strategy(store, "t3") == third + 1
     store.dispose()
-    reopened = open_store(str(tmp_path / "f.db"))  # the counter is in the database
+    reopened = open_store(db_url)  # the counter is in the database
     assert _patch_strategy(reopened, "t4") == third + 2
 
 
 def _step_ids(store: Store, sid: int) -> list[int]:
     with store.read() as conn:
-        rows = conn.exec_driver_sql("SELECT id FROM steps WHERE strategy_id = ?", (sid,))
+        rows = conn.execute(sa.text("SELECT id FROM steps WHERE strategy_id = :s"), {"s": sid})
         return sorted(int(r[0]) for r in rows)
 
 
-def test_a_deleted_strategys_step_ids_are_never_given_again(tmp_path: Path) -> None:
+def test_a_deleted_strategys_step_ids_are_never_given_again(db_url: str) -> None:
     """SQLite alone gave the next strategy's steps the ids of the deleted newest
     strategy's steps: a late callback for one of those moved the new step that got its
     id. Now no step has that id any more, and the callback is refused."""
-    store = open_store(str(tmp_path / "f.db"))
+    store = open_store(db_url)
     admin.add_targets(store, [Target(name=f"t{i}") for i in range(4)])
     wf = get_workflow("patch")
     assert wf is not None
@@ -130,14 +138,13 @@ def test_a_deleted_strategys_step_ids_are_never_given_again(tmp_path: Path) -> N
 
 
 def test_upgrading_starts_the_id_counter_above_every_strategy_id_still_mentioned(
-    tmp_path: Path,
+    db_url: str,
 ) -> None:
-    path = tmp_path / "old.db"
-    engine = _database_at(path, "0006")
+    engine = _database_at(db_url, "0006")
     with engine.begin() as conn:  # rows as fleetwave 0006 wrote them
         conn.exec_driver_sql(
             "INSERT INTO targets (id, name, driver, settings, managed, labels, created_at) "
-            "VALUES (1, 't0', 'sim', '{}', 1, '{}', 0)"
+            "VALUES (1, 't0', 'sim', '{}', true, '{}', 0)"
         )
         for sid in (3, 7):
             conn.exec_driver_sql(
@@ -152,7 +159,7 @@ def test_upgrading_starts_the_id_counter_above_every_strategy_id_still_mentioned
             "VALUES (9, 1, 'pre-check', 'done', '', 0)"
         )
     engine.dispose()
-    store = open_store(str(path))  # migrates to head
+    store = open_store(db_url)  # migrates to head
     admin.delete_strategy(store, 7)
     sid = _patch_strategy(store, "t0")
     assert sid == 10
@@ -161,16 +168,16 @@ def test_upgrading_starts_the_id_counter_above_every_strategy_id_still_mentioned
         assert conn.exec_driver_sql("SELECT count(*) FROM callbacks").scalar_one() == 0
 
 
-def test_taking_a_step_over_clears_its_not_started_mark(tmp_path: Path) -> None:
+def test_taking_a_step_over_clears_its_not_started_mark(db_url: str) -> None:
     """Once a new owner holds the step it may start the action: a later owner must recover."""
-    store = open_store(str(tmp_path / "f.db"))
+    store = open_store(db_url)
     admin.add_targets(store, [Target(name="t0")])
     wf = get_workflow("patch")
     assert wf is not None
     sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
     with store.write() as conn:
         conn.exec_driver_sql(
-            "UPDATE steps SET state = 'pre-check', fence = 1, owner = 'gone', not_started = 1"
+            "UPDATE steps SET state = 'pre-check', fence = 1, owner = 'gone', not_started = true"
         )
     (rec,), _failed = rt.load_open_steps(store, sid)
     assert rec.not_started
@@ -181,10 +188,10 @@ def test_taking_a_step_over_clears_its_not_started_mark(tmp_path: Path) -> None:
     assert tuple(row) == (0, "c-new", 2)
 
 
-def test_started_steps_of_a_strategy_never_driven_need_no_scan(tmp_path: Path) -> None:
+def test_started_steps_of_a_strategy_never_driven_need_no_scan(db_url: str) -> None:
     """No journal row yet: nothing started or failed (answered by one index probe);
     once a step has moved, the started steps and the failures are read as before."""
-    store = open_store(str(tmp_path / "s.db"))
+    store = open_store(db_url)
     admin.add_targets(store, [Target(name=f"t{i}") for i in range(3)])
     wf = get_workflow("patch")
     assert wf is not None
@@ -240,14 +247,14 @@ def test_a_list_read_slowly_holds_no_read_transaction_between_pages(
 
 
 def test_strategy_list_reads_a_fixed_number_of_statements_however_many_strategies(
-    tmp_path: Path,
+    db_url: str,
 ) -> None:
     """``strategy list`` ran two queries per driven strategy (its owner, the serving
     conductors): a database with many applied strategies listed slowly. It reads the
     conductors once; who drives each is the same as ``strategy show`` says."""
     from fleetwave.store import queries
 
-    store = open_store(str(tmp_path / "f.db"))
+    store = open_store(db_url)
     wf = get_workflow("patch")
     assert wf is not None
     statements: list[str] = []
@@ -304,8 +311,8 @@ def test_a_killed_conductor_not_yet_reaped_is_gone() -> None:
 # -- fencing, pinned (a mutation audit found each check could go unnoticed) ------------
 
 
-def _claimed(tmp_path: Path, cid: str = "c1") -> tuple[Store, int, rt.StrategyRecord]:
-    store = open_store(str(tmp_path / "fence.db"))
+def _claimed(db_url: str, cid: str = "c1") -> tuple[Store, int, rt.StrategyRecord]:
+    store = open_store(db_url)
     admin.add_targets(store, [Target(name="t0")])
     wf = get_workflow("patch")
     assert wf is not None
@@ -326,11 +333,11 @@ def _journal_rows(store: Store) -> int:
 
 
 @pytest.mark.parametrize("by", ["another conductor", "itself at a new fence"])
-def test_a_commit_at_a_fence_no_longer_held_writes_nothing(tmp_path: Path, by: str) -> None:
+def test_a_commit_at_a_fence_no_longer_held_writes_nothing(db_url: str, by: str) -> None:
     """G2/G3: once the strategy was claimed again (by another conductor after this one's
     lease ran out, or by this one anew after its renewals lapsed), a commit made at the
     old fence is refused whole: the strategy is reported lost, nothing is written."""
-    store, sid, rec = _claimed(tmp_path)
+    store, sid, rec = _claimed(db_url)
     if by == "another conductor":
         (again,) = rt.claim_strategies(store, "c2", 200.0, 300.0, register=True)
     else:
@@ -347,10 +354,10 @@ def test_a_commit_at_a_fence_no_longer_held_writes_nothing(tmp_path: Path, by: s
     store.dispose()
 
 
-def test_a_takeover_by_a_conductor_fenced_off_takes_nothing(tmp_path: Path) -> None:
+def test_a_takeover_by_a_conductor_fenced_off_takes_nothing(db_url: str) -> None:
     """G2: `held` is checked in the takeover's transaction: a conductor whose strategy
     was claimed by another since takes none of its steps."""
-    store, sid, rec = _claimed(tmp_path)
+    store, sid, rec = _claimed(db_url)
     with store.write() as conn:
         conn.exec_driver_sql("UPDATE steps SET state = 'pre-check', fence = 1, owner = 'gone'")
     (step,), _failed = rt.load_open_steps(store, sid)
@@ -361,10 +368,10 @@ def test_a_takeover_by_a_conductor_fenced_off_takes_nothing(tmp_path: Path) -> N
     store.dispose()
 
 
-def test_a_takeover_from_a_stale_copy_of_a_step_takes_nothing(tmp_path: Path) -> None:
+def test_a_takeover_from_a_stale_copy_of_a_step_takes_nothing(db_url: str) -> None:
     """G2, one executor: two conductors read the same step at fence 1; the first takes it
     (fence 2), the second's copy is stale and must not take it from the first."""
-    store, sid, _rec = _claimed(tmp_path)
+    store, sid, _rec = _claimed(db_url)
     with store.write() as conn:
         conn.exec_driver_sql("UPDATE steps SET state = 'pre-check', fence = 1, owner = 'gone'")
     (first_copy,), _ = rt.load_open_steps(store, sid)
@@ -377,10 +384,10 @@ def test_a_takeover_from_a_stale_copy_of_a_step_takes_nothing(tmp_path: Path) ->
     store.dispose()
 
 
-def test_ending_a_strategy_at_a_fence_no_longer_held_is_refused(tmp_path: Path) -> None:
+def test_ending_a_strategy_at_a_fence_no_longer_held_is_refused(db_url: str) -> None:
     """The conductor's own new claim (after its renewals lapsed) drives it now: the old
     run's end must not end the strategy under it."""
-    store, sid, rec = _claimed(tmp_path)
+    store, sid, rec = _claimed(db_url)
     (again,) = rt.claim_strategies(store, "c1", 200.0, 300.0, driving=set())
     assert not rt.end_strategy(store, sid, "c1", rec.fence, "complete", "", 201.0)
     with store.read() as conn:
@@ -394,16 +401,16 @@ def test_ending_a_strategy_at_a_fence_no_longer_held_is_refused(tmp_path: Path) 
 
 @pytest.mark.parametrize(("asked", "event"), [("abort-requested", True), ("applying", False)])
 def test_an_abort_that_came_after_every_step_had_ended_is_on_the_record(
-    tmp_path: Path, asked: str, event: bool
+    db_url: str, asked: str, event: bool
 ) -> None:
     """The operator was told "abort requested"; the strategy then ended complete (its
     steps all had), with nothing to say why the abort did nothing (bug hunt)."""
-    store, sid, rec = _claimed(tmp_path)
+    store, sid, rec = _claimed(db_url)
     with store.write() as conn:
-        conn.exec_driver_sql("UPDATE strategies SET state = ?", (asked,))
+        conn.execute(sa.text("UPDATE strategies SET state = :s"), {"s": asked})
     assert rt.end_strategy(store, sid, "c1", rec.fence, "complete", "", 201.0)
     with store.read() as conn:
-        rows = conn.exec_driver_sql("SELECT kind, details FROM events WHERE kind LIKE 'abort%'")
+        rows = conn.execute(sa.text("SELECT kind, details FROM events WHERE kind LIKE 'abort%'"))
         got = rows.all()
     assert got == (
         [

@@ -21,10 +21,12 @@ from fleetwave.store import admin
 from fleetwave.store.admin import DEFAULT_MAX_PARALLEL
 from fleetwave.store.db import (
     WRITTEN_BY_COMMANDS,
+    NoSchema,
     Store,
     StoreError,
     check_db_path,
     default_db_path,
+    is_url,
     open_store,
 )
 
@@ -33,7 +35,8 @@ DbOpt = Annotated[
     typer.Option(
         "--db",
         metavar="PATH",
-        help="SQLite database file (default: $FLEETWAVE_DB or ./fleetwave.db)",
+        help="SQLite database file, or postgresql://user@host/dbname "
+        "(default: $FLEETWAVE_DB or ./fleetwave.db)",
         show_default=False,
     ),
 ]
@@ -115,6 +118,8 @@ def store_for(db: str | None, *, create: bool = True, upgrade: bool = False) -> 
     if db is not None and not db.strip():
         raise InputError("--db: must not be empty")
     target = db or default_db_path()
+    if is_url(target):
+        return _server_store(db, target, create=create, upgrade=upgrade)
     path = check_db_path(target)
     fresh = not path.exists()
     if fresh and not create:
@@ -133,6 +138,20 @@ def store_for(db: str | None, *, create: bool = True, upgrade: bool = False) -> 
     if fresh:
         _created.append((path, store))
     return store
+
+
+def _server_store(db: str | None, target: str, *, create: bool, upgrade: bool) -> Store:
+    """A server's database (a postgresql:// URL), as :func:`store_for` opens a file:
+    "no database" is one without fleetwave's schema (the database itself is made by
+    the server's administrator, not by fleetwave)."""
+    try:
+        return open_store(target, upgrade=upgrade, create_schema=create)
+    except NoSchema as exc:
+        raise InputError(f"{db_named(db)}: {exc.what}{_hint(db)}") from None
+    except StoreError as exc:
+        if db_named(db) != "--db" and str(exc).startswith("--db: "):
+            exc.args = (f"{db_named(db)}: {str(exc)[len('--db: ') :]}",)
+        raise
 
 
 def existing_store(db: str | None) -> Store:
@@ -328,7 +347,8 @@ def engine_config(lease_ttl: float | None) -> EngineConfig:
 
 def database_hint(exc: DBAPIError, *, waiting: bool = False) -> str:
     text = str(exc.orig).lower()
-    if "locked" in text or "busy" in text:
+    # (SQLite: "database is locked"; PostgreSQL: "canceling statement due to lock timeout")
+    if "locked" in text or "busy" in text or "lock timeout" in text:
         if waiting:
             return ": another program holds its write lock"
         return " (another program holds its write lock: try again when it is done)"

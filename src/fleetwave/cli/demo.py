@@ -31,7 +31,7 @@ from fleetwave.drivers.sim import MAX_LATENCY_MS
 from fleetwave.engine import loop as event_loop
 from fleetwave.store import admin, queries
 from fleetwave.store.admin import MAX_PARALLEL
-from fleetwave.store.db import open_store
+from fleetwave.store.db import is_empty, is_url, open_store
 from fleetwave.testing.invariants import check
 
 #: a state each built-in workflow's remote side may be left in that the workflow does not
@@ -115,9 +115,16 @@ def demo_command(
         raise InputError("--db: must not be empty")
     if db is None:
         db = str(Path(tempfile.mkdtemp(prefix="fleetwave-demo-")) / "demo.db")
-    elif Path(db).exists():
+    elif not is_url(db) and Path(db).exists():
         raise InputError(f"--db: {db} already exists; the demo needs a new database file")
     store = open_store(db)
+    if is_url(db):
+        if not is_empty(store):
+            store.dispose()
+            raise InputError(
+                f"--db: {store.url} already holds a fleet; the demo needs a new database"
+            )
+        db = store.url  # (as it is shown: without its password)
     skipper = skipping_state(wf)
     fleet = demo_targets(targets, seed, latency_ms, failure_rate, wf.name, skips=bool(skipper))
     admin.add_targets(store, fleet)

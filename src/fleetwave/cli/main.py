@@ -60,6 +60,7 @@ from fleetwave.store.db import (
     migrate,
     open_store,
 )
+from fleetwave.store.postgres import redact
 
 
 class _Interrupted(BaseException):
@@ -321,7 +322,8 @@ def main() -> None:
         # traceback. The failed transaction was rolled back (an admin command's only
         # one: nothing of it was written).
         logging.getLogger("fleetwave").debug("database error", exc_info=True)
-        _fail(f"database: {exc.orig}{database_hint(exc)}; its transaction was rolled back", 1)
+        said = " ".join(str(exc.orig).split())  # (PostgreSQL's run over several lines)
+        _fail(f"database: {said}{database_hint(exc)}; its transaction was rolled back", 1)
     sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -402,7 +404,8 @@ def _fail(message: str, code: int) -> None:
     No line for an empty message: ``fleetwave`` alone prints its help and exits 2.
     """
     if message:
-        output.err_console.print(f"error: {message}", highlight=False)
+        # never a password: a URL's, PGPASSWORD's (a driver's message may quote them)
+        output.err_console.print(f"error: {redact(message)}", highlight=False)
     sys.exit(code)
 
 

@@ -19,9 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Protocol
 
-from fleetwave.store.leases import HOST_CLOCK, host_lease_now
+from fleetwave.store.leases import (
+    HOST_CLOCK,
+    SERVER_CLOCK,
+    ServerLeaseClock,
+    host_lease_now,
+)
 
 
 class Clock(Protocol):
@@ -48,6 +54,24 @@ class WallClock:
 
     def lease_now(self) -> float:
         return host_lease_now()
+
+
+class ServerClock(WallClock):
+    """Wall time for records; a database server's clock for leases (PostgreSQL, whose
+    conductors run on many hosts): read at each renewal (:meth:`sync`), advanced by
+    this host's boot-time clock in between."""
+
+    lease_clock = SERVER_CLOCK
+
+    def __init__(self, read_server: Callable[[], float]) -> None:
+        self._leases = ServerLeaseClock(read_server)
+
+    def lease_now(self) -> float:
+        return self._leases.lease_now()
+
+    def sync(self) -> None:
+        """Read the server's clock again (a store call: run it through the retries)."""
+        self._leases.sync()
 
 
 class LoopClock:

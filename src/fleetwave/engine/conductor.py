@@ -61,7 +61,7 @@ from fleetwave.domain.rules import Decision, details_text
 from fleetwave.domain.workflow import TargetDriver
 from fleetwave.drivers import make_drivers
 from fleetwave.engine.claims import NOT_DRIVABLE_HERE, ClaimsMixin
-from fleetwave.engine.clock import Clock, WallClock
+from fleetwave.engine.clock import Clock, ServerClock, WallClock
 from fleetwave.engine.config import EngineConfig, EngineStats
 from fleetwave.engine.deadlines import DeadlinesMixin
 from fleetwave.engine.errors import SimulatedCrash, StoreReplaced, StoreUnavailable
@@ -131,6 +131,9 @@ class Conductor(
         crash_hook: CrashHook | None = None,
     ) -> None:
         self.store = store
+        if clock is None and store.hooks.now_sql() is not None:
+            # conductors on many hosts: leases on the server's clock
+            clock = ServerClock(lambda: rt.server_time(store))
         self.clock = clock or WallClock()
         self.config = config or EngineConfig()
         # A write waiting for another writer's lock holds this conductor's loop (SQLite
@@ -246,6 +249,12 @@ class Conductor(
         if self._crash_hook is not None:
             self._crash_hook(point)
 
+    async def _sync_lease_clock(self) -> None:
+        """Read a server's lease clock again (where leases are on one)."""
+        sync = getattr(self.clock, "sync", None)
+        if sync is not None:
+            await self._io(sync)
+
     def _lease_until(self) -> float:
         """A lease from now, on the lease clock (never the wall clock: see .clock)."""
         return self.clock.lease_now() + self.config.lease_ttl_s
@@ -287,6 +296,7 @@ class Conductor(
             if hasattr(driver, "callback_sink"):
                 driver.callback_sink = self._sink  # simulated agents call us back here
         try:
+            await self._sync_lease_clock()
             await self._claim(register=True)
             if on_ready is not None:
                 on_ready()

@@ -54,6 +54,7 @@ class PeriodicMixin(StoreCalls):
     _first_sight: Callable[[cbs.CallbackRecord], bool]
     _refreeze_if_collected: Callable[[], None]
     _claim: Callable[[], Awaitable[None]]
+    _sync_lease_clock: Callable[[], Awaitable[None]]
 
     async def _periodic(self) -> None:
         # A third of the lease, and at least every RENEW_MAX_S: "serving" is read as
@@ -91,6 +92,7 @@ class PeriodicMixin(StoreCalls):
                 )
             now_loop = asyncio.get_running_loop().time()
             if self.config.renew_leases and now_loop - last_renew >= renew_every:
+                await self._sync_lease_clock()
                 renewing = list(self.runs.values())
                 # The lease written runs from now (it is computed once, here), however
                 # long the write then takes: the watchdog measures from here too.

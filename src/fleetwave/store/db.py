@@ -2,7 +2,9 @@
 
 ``open_store("fleetwave.db")`` gives a :class:`Store` on an embedded SQLite file
 in WAL mode with ``synchronous=FULL``: every commit is durable against power loss.
-Dialect-specific SQL lives in :class:`DialectHooks` subclasses, nowhere else.
+``open_store("postgresql://user@host/db")`` gives one on a PostgreSQL database (driver
+psycopg 3; see :mod:`fleetwave.store.postgres`). Dialect-specific SQL lives in
+:class:`DialectHooks` instances, nowhere else.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
-from sqlalchemy.exc import DatabaseError, OperationalError
+from sqlalchemy.exc import DatabaseError, DBAPIError, OperationalError
 from sqlalchemy.pool import QueuePool
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
@@ -38,6 +40,9 @@ class DialectHooks:
     #: bind booleans as integers: SQLite's driver binds 0 or 1 directly, while a bool
     #: (like None) goes through an adapter lookup; a boolean column elsewhere needs bool
     flags_as_int: bool = False
+    #: a file on this host (SQLite), rather than a server's database (PostgreSQL): its
+    #: identity can be watched, and a command that created it can remove it again
+    embedded: bool = True
 
     def placeholders(self, n: int) -> str:
         """``n`` parameter placeholders for an ``IN (...)`` list."""
@@ -135,8 +140,10 @@ class Store:
     def file_identity(self) -> tuple[int, int] | None:
         """The database file's (device, inode), to notice it removed or replaced while
         open (a connection would go on writing to the old file); None if there is no
-        file at its path. Any other error (a network file system's hiccup) is raised:
-        it says nothing about the file."""
+        file at its path (and always None for a server's database). Any other error (a
+        network file system's hiccup) is raised: it says nothing about the file."""
+        if not self.hooks.embedded:
+            return None
         try:
             st = os.stat(self.url)
         except FileNotFoundError:
@@ -160,7 +167,12 @@ def default_db_path() -> str:
 def check_db_path(target: str) -> Path:
     """The database file a path names, or a StoreError saying why it cannot be one."""
     if "://" in target:
-        raise StoreError(f"--db: '{target}' is a URL; this version supports SQLite file paths only")
+        from fleetwave.store.postgres import redact
+
+        raise StoreError(
+            f"--db: '{redact(target)}' is a URL fleetwave does not take: give an SQLite "
+            "file path, or a postgresql:// URL"
+        )
     path = Path(target).expanduser()
     parent = path.resolve().parent
     if not parent.is_dir():
@@ -205,6 +217,7 @@ def open_store(
     synchronous: str = "FULL",
     migrate_schema: bool = True,
     upgrade: bool = True,
+    create_schema: bool = True,
 ) -> Store:
     """Open the database at a path, creating its schema when the file is new.
 
@@ -213,25 +226,51 @@ def open_store(
     :class:`SchemaOutdated` instead: every other command, so that upgrading
     fleetwave's package changes no database behind the conductors still using it.
     ``migrate_schema=False`` only checks that the file is a database at all.
+    ``create_schema=False`` refuses a database without fleetwave's schema
+    (:class:`NoSchema`) rather than creating it there.
     """
     target = db or default_db_path()
     if synchronous.upper() not in {"FULL", "NORMAL", "OFF", "EXTRA"}:
         raise StoreError(f"synchronous: unknown SQLite level '{synchronous}'")
-    path = check_db_path(target)
-    engine = _sqlite_engine(str(path), synchronous.upper())
-    store = Store(engine, SQLITE, target)
+    if is_url(target):
+        from fleetwave.store import postgres
+
+        if not postgres.is_postgres_url(target):
+            check_db_path(target)  # (says why)
+        engine = postgres.postgres_engine(postgres.engine_url(target))
+        store = Store(engine, postgres.POSTGRESQL, postgres.shown_url(target))
+    else:
+        path = check_db_path(target)
+        engine = _sqlite_engine(str(path), synchronous.upper())
+        store = Store(engine, SQLITE, target)
     try:
         if migrate_schema:
-            migrate(store, upgrade=upgrade)
+            migrate(store, upgrade=upgrade, create=create_schema)
         else:
             current_revision(store)  # fail here, not in the middle of a command
-    except DatabaseError as exc:
+    except DBAPIError as exc:
         engine.dispose()
-        raise StoreError(f"--db: cannot use {target}: {exc.orig}") from None
+        if isinstance(exc, DatabaseError) or not store.hooks.embedded:
+            raise StoreError(f"--db: cannot use {store.url}: {_said(store, exc)}") from None
+        raise
     except StoreError:
         engine.dispose()
         raise
     return store
+
+
+def is_url(target: str) -> bool:
+    """Whether ``--db`` names a server's database (a URL), not a file."""
+    return "://" in target
+
+
+def _said(store: Store, exc: DBAPIError) -> str:
+    """A driver's error as one line, without a password."""
+    if store.hooks.embedded:
+        return str(exc.orig)
+    from fleetwave.store.postgres import one_line, redact
+
+    return redact(one_line(str(exc.orig)))
 
 
 #: ``PRAGMA user_version`` of a database ``fleetwave init`` has run on (0 otherwise): a
@@ -246,6 +285,8 @@ def mark_initialised(store: Store) -> None:
     Best effort: a database that cannot be written just now (read-only, locked by a long
     writer) is left unmarked rather than failing an ``init`` that found it ready (only
     a fresh file another command created and is about to remove needs the mark)."""
+    if not store.hooks.embedded:
+        return  # (a server's database is never removed by a command: no mark needed)
     with store.read() as conn:
         if conn.exec_driver_sql("PRAGMA user_version").scalar() == INITIALISED:
             return
@@ -296,23 +337,35 @@ def known_revisions() -> list[str]:
     return sorted(p.name[:4] for p in (MIGRATIONS_DIR / "versions").glob("[0-9]*_*.py"))
 
 
-def migrate(store: Store, *, upgrade: bool = True) -> str | None:
+class NoSchema(StoreError):
+    """The database has no fleetwave schema, and was not to be given one."""
+
+    def __init__(self, url: str) -> None:
+        self.what = f"no fleetwave schema in {url}"
+        super().__init__(f"--db: {self.what}")
+
+
+def migrate(store: Store, *, upgrade: bool = True, create: bool = True) -> str | None:
     """Bring the schema to head with Alembic; returns the revision it had (None: new).
 
     A no-op when it is already there. ``upgrade=False`` only creates the schema of a
-    new database, and refuses an older one (:class:`SchemaOutdated`).
+    new database, and refuses an older one (:class:`SchemaOutdated`); ``create=False``
+    refuses a database without one (:class:`NoSchema`).
     """
     rev = current_revision(store)
     if rev == HEAD_REVISION:
         return rev
+    if rev is None and not create:
+        raise NoSchema(store.url)
     if rev is None:
         with store.read() as conn:
             tables = inspect(conn).get_table_names()
         if tables:
             # Another program's database: adding fleetwave's tables to it would change
             # a file that is not ours, and show an empty fleet as if it were the truth.
+            kind = "an SQLite database" if store.hooks.embedded else "a database"
             raise StoreError(
-                f"--db: {store.url} is an SQLite database of something else "
+                f"--db: {store.url} is {kind} of something else "
                 f"(tables: {', '.join(sorted(tables)[:5])}), not fleetwave's"
             )
     elif rev not in known_revisions():
@@ -328,9 +381,10 @@ def migrate(store: Store, *, upgrade: bool = True) -> str | None:
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     with store.engine.connect() as conn:
-        # The write lock first (BEGIN IMMEDIATE), then the revision again: a second
-        # 'fleetwave init' started at the same time waits for the first, then finds the
-        # schema upgraded and changes nothing (it reports the revision it found then).
+        # The write lock first (BEGIN IMMEDIATE; PostgreSQL: the store's write lock),
+        # then the revision again: a second 'fleetwave init' started at the same time
+        # waits for the first, then finds the schema upgraded and changes nothing (it
+        # reports the revision it found then).
         conn.info["immediate"] = True
         try:
             with conn.begin():

@@ -7,8 +7,13 @@ boot-time clock (monotonic, never stepped by NTP, counts a suspend), named by th
 host and its boot id: a lease written under another boot is held by nobody (its
 writer is gone with that boot). See ``fleetwave.engine.clock`` for the engine's side.
 
-:data:`READER` is how the commands that show leases (``strategy show``, ``step
-show``) read that clock: the host's, unless a test on virtual time sets another.
+With a database server (PostgreSQL) conductors run on many hosts: leases are on the
+server's clock (:class:`ServerLeaseClock`: read at each renewal, advanced by this
+host's boot-time clock in between), named ``server``.
+
+:func:`reader` is how the commands that show leases (``strategy show``, ``step
+show``) read that clock: the host's, or the server's, unless :data:`READER` is set
+(a conductor sets its own for its tasks; a test on virtual time sets the loop's).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import socket
 import time
 from collections.abc import Callable
 from contextvars import ContextVar
+from typing import Any
 
 _BOOTTIME = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
 
@@ -41,8 +47,50 @@ def host_lease_now() -> float:
 #: this host's lease clock: its name and how to read it
 HOST_CLOCK: tuple[str, Callable[[], float]] = (host_boot_id(), host_lease_now)
 
-#: the lease clock the commands that show leases read (a test on virtual time sets
-#: the one its conductors use)
-READER: ContextVar[tuple[str, Callable[[], float]]] = ContextVar(
-    "fleetwave_lease_reader", default=HOST_CLOCK
+#: the lease clock the commands that show leases read, when set (a conductor's tasks
+#: read its own; a test on virtual time sets the one its conductors use)
+READER: ContextVar[tuple[str, Callable[[], float]] | None] = ContextVar(
+    "fleetwave_lease_reader", default=None
 )
+
+#: the name of a database server's clock, as a lease clock
+SERVER_CLOCK = "server"
+
+
+def reader(conn: Any) -> tuple[str, Callable[[], float]]:
+    """The lease clock to read leases with, on connection ``conn`` (its dialect's)."""
+    chosen = READER.get()
+    if chosen is not None:
+        return chosen
+    if conn.dialect.name == "postgresql":
+        now = float(conn.exec_driver_sql(f"SELECT {SERVER_NOW_SQL}").scalar_one())
+        return SERVER_CLOCK, lambda: now
+    return HOST_CLOCK
+
+
+#: the server's clock, in seconds (PostgreSQL)
+SERVER_NOW_SQL = "extract(epoch from clock_timestamp())"
+
+
+class ServerLeaseClock:
+    """A database server's clock as a lease clock: read with :meth:`sync` (at start and
+    at each renewal), and advanced by this host's boot-time clock in between, so it
+    never steps back and a reading costs no round trip."""
+
+    lease_clock = SERVER_CLOCK
+
+    def __init__(self, read_server: Callable[[], float]) -> None:
+        self._read_server = read_server
+        self._offset: float | None = None
+
+    def sync(self) -> None:
+        server = self._read_server()
+        offset = server - host_lease_now()
+        # (forward only: the lease clock never goes back within this process)
+        self._offset = offset if self._offset is None else max(self._offset, offset)
+
+    def lease_now(self) -> float:
+        if self._offset is None:
+            self.sync()
+        assert self._offset is not None
+        return host_lease_now() + self._offset

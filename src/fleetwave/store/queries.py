@@ -370,7 +370,7 @@ class _Conductors:
                 conductors.c.lease_clock,
             ).order_by(conductors.c.id)
         ).all()
-        name, read_clock = leases.READER.get()
+        name, read_clock = leases.reader(conn)
         gone = {r.id for r in rows if conductor_gone(r.hostname, r.pid, r.stopped_at)}
         serving = tuple(
             {"id": r.id, "hostname": r.hostname, "pid": r.pid}

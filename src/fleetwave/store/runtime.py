@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from sqlalchemy import Connection, insert, select, update
-from sqlalchemy.exc import DatabaseError, IntegrityError, OperationalError
+from sqlalchemy.exc import DatabaseError, DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.pool import PoolProxiedConnection
 
 from fleetwave.domain.models import (
@@ -217,6 +217,14 @@ class StrategyRecord:
 # The conductor's own statements are plain SQL with the dialect's placeholder: they run
 # on its event loop, where SQLAlchemy's statement building and first-use compiling cost
 # more than the statement itself (about a millisecond each at startup).
+
+
+def server_time(store: Store) -> float:
+    """The database server's clock, in seconds since the epoch (PostgreSQL)."""
+    sql = store.hooks.now_sql()
+    assert sql is not None, "a server clock is read only where the dialect has one"
+    with store.read() as conn:
+        return float(conn.exec_driver_sql(f"SELECT {sql}").scalar_one())
 
 
 def register_conductor(
@@ -996,12 +1004,13 @@ class TransitionWriter:
         self._lapsed_now = set()
         self._lapsing_now = {}
         mk = [(m.outcome, m.reason, now, m.callback_id) for m in marks or ()]
+        flags = self._flags  # (its 0 or 1 as the boolean column is bound)
         dl = [
             (
                 d.deadline_at,
                 d.attempt,
                 d.details,
-                d.not_started,
+                flags[d.not_started],
                 d.step_id,
                 d.state,
                 d.fence,
@@ -1191,7 +1200,7 @@ class TransitionWriter:
         dbapi = self._dbapi
         raw_conn = self._raw
         if raw_conn is None:
-            raw_conn = self._raw = self.store.engine.raw_connection()
+            raw_conn = self._raw = self._connect()
             self._driver = raw_conn.driver_connection
         raw = self._driver
         cur = self._cur
@@ -1261,7 +1270,17 @@ class TransitionWriter:
         cursor (a statement it left half read would keep a read snapshot of the WAL open
         until the next commit, holding back checkpoints; rollback does not reset it)."""
         self._drop_cursor()
-        raw.rollback()
+        try:
+            raw.rollback()
+        except self._dbapi.Error:
+            # The connection itself is gone (PostgreSQL ended it: a restart, a dropped
+            # link): let go of it for good, and the next commit opens a new one.
+            self._lose_connection()
+
+    def _lose_connection(self) -> None:
+        raw_conn, self._raw, self._driver = self._raw, None, None
+        if raw_conn is not None:
+            raw_conn.invalidate()
 
     def _drop_cursor(self) -> None:
         cur, self._cur = self._cur, None
@@ -1399,7 +1418,7 @@ class TransitionWriter:
                             d.deadline_at,
                             d.attempt,
                             d.details,
-                            d.not_started,
+                            self._flags[d.not_started],
                             d.step_id,
                             d.state,
                             d.fence,
@@ -1434,6 +1453,14 @@ class TransitionWriter:
         if self._raw is not None:
             self._raw.close()
             self._raw = None
+
+    def _connect(self) -> PoolProxiedConnection:
+        """The hot path's own connection; a failure to connect (a server that is not
+        there) as SQLAlchemy's error, as every other store call's is."""
+        try:
+            return self.store.engine.raw_connection()
+        except self._dbapi.Error as exc:
+            raise DBAPIError.instance("connect", None, exc, self._dbapi.Error) from exc
 
     def _already_applied(self, conn: Connection, t: Transition) -> bool:
         """True when this very transition is already committed (a retried, ambiguous commit)."""

@@ -30,13 +30,13 @@ def upgrade() -> None:
         "INSERT INTO id_counters (name, last_id) SELECT 'strategies', COALESCE(MAX(id), 0) "
         "FROM (SELECT id FROM strategies UNION ALL SELECT strategy_id FROM callbacks "
         "UNION ALL SELECT strategy_id FROM journal UNION ALL SELECT strategy_id FROM events "
-        "WHERE strategy_id IS NOT NULL)"
+        "WHERE strategy_id IS NOT NULL) AS ids"  # (PostgreSQL before 16 needs the name)
     )
     op.execute(
         "INSERT INTO id_counters (name, last_id) SELECT 'steps', COALESCE(MAX(id), 0) "
         "FROM (SELECT id FROM steps UNION ALL SELECT step_id FROM callbacks "
         "UNION ALL SELECT step_id FROM journal UNION ALL SELECT step_id FROM events "
-        "WHERE step_id IS NOT NULL)"
+        "WHERE step_id IS NOT NULL) AS ids"
     )
     op.execute("DELETE FROM callbacks WHERE strategy_id NOT IN (SELECT id FROM strategies)")
 
