@@ -18,9 +18,24 @@ from fleetwave.engine.config import EngineConfig
 from fleetwave.store import queries
 from fleetwave.store import runtime as rt
 from fleetwave.store.db import Store, open_store
-from fleetwave.store.leases import host_lease_now
 from fleetwave.store.schema import conductors, strategies
 from fleetwave.testing.invariants import check
+
+
+def _held_by(store: Store, cid: str, hostname: str, lease_clock: str, until: float) -> None:
+    """Every strategy held by conductor ``cid`` (of that host and lease clock) until then."""
+    with store.write() as conn:
+        conn.execute(
+            insert(conductors).values(
+                id=cid,
+                hostname=hostname,
+                pid=1,
+                started_at=0,
+                heartbeat_at=0,
+                lease_clock=lease_clock,
+            )
+        )
+        conn.execute(update(strategies).values(owner=cid, fence=1, lease_expires_at=until))
 
 
 def _claims(store: Store) -> list[tuple[str, str]]:
@@ -69,48 +84,14 @@ def test_a_lease_written_under_another_boot_is_held_by_nobody(tmp_path: Path) ->
     store = open_store(str(tmp_path / "boot.db"))
     add_sim_targets(store, 2, {"latency_ms": 1})
     sid = applied(store, max_parallel=2)
-    with store.write() as conn:
-        conn.execute(
-            insert(conductors).values(
-                id="before-reboot",
-                hostname=rt.HOSTNAME,
-                pid=1,  # (alive: a pid of the new boot)
-                started_at=0,
-                heartbeat_at=0,
-                lease_clock="this-host/boot:an-earlier-one",
-            )
-        )
-        # on the earlier boot's clock, a lease far ahead of this boot's uptime
-        conn.execute(
-            update(strategies).values(owner="before-reboot", fence=1, lease_expires_at=1e9)
-        )
+    # (pid 1: alive, a pid of the new boot) on the earlier boot's clock, a lease far
+    # ahead of this boot's uptime
+    _held_by(store, "before-reboot", rt.HOSTNAME, "this-host/boot:an-earlier-one", 1e9)
     assert queries.driving(store, sid).owner is None
     assert "under an earlier boot" in (queries.get_strategy(store, sid)["driven_by"] or "")
     result = asyncio.run(Conductor(store).run(strategy_ids=[sid]))
     assert result[sid] == "complete"
     assert _claims(store)[0][1] == "from before-reboot"
-    store.dispose()
-
-
-def test_a_live_lease_on_this_boot_is_shown_held(tmp_path: Path) -> None:
-    store = open_store(str(tmp_path / "live.db"))
-    add_sim_targets(store, 1)
-    sid = applied(store)
-    with store.write() as conn:
-        conn.execute(
-            insert(conductors).values(
-                id="other",
-                hostname="elsewhere",
-                pid=1,
-                started_at=0,
-                heartbeat_at=0,
-                lease_clock=WallClock.lease_clock,
-            )
-        )
-        live = host_lease_now() + 600
-        conn.execute(update(strategies).values(owner="other", fence=1, lease_expires_at=live))
-    assert queries.driving(store, sid).owner == "other"
-    assert asyncio.run(Conductor(store).run(strategy_ids=[sid]))[sid] == "owned"
     store.dispose()
 
 
@@ -129,19 +110,8 @@ def test_conductors_lease_on_the_clock_the_database_gives_them(store: Store) -> 
         assert conductor.clock.lease_clock == "server"
         # (the server's clock, not this host's boot-time clock)
         assert abs(conductor.clock.lease_now() - rt.server_time(store)) < 5
-    with store.write() as conn:
-        conn.execute(
-            insert(conductors).values(
-                id="elsewhere",
-                hostname="another-host",
-                pid=1,
-                started_at=0,
-                heartbeat_at=0,
-                lease_clock=conductor.clock.lease_clock,
-            )
-        )
-        live = conductor.clock.lease_now() + 600
-        conn.execute(update(strategies).values(owner="elsewhere", fence=1, lease_expires_at=live))
+    live = conductor.clock.lease_now() + 600
+    _held_by(store, "elsewhere", "another-host", conductor.clock.lease_clock, live)
     assert queries.driving(store, sid).owner == "elsewhere"
     assert asyncio.run(conductor.run(strategy_ids=[sid]))[sid] == "owned"
     with store.write() as conn:
