@@ -22,12 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from fleetwave.store.leases import (
-    HOST_CLOCK,
-    SERVER_CLOCK,
-    ServerLeaseClock,
-    host_lease_now,
-)
+from fleetwave.store.leases import HOST_CLOCK, SERVER_CLOCK, host_lease_now
 
 
 class Clock(Protocol):
@@ -59,19 +54,26 @@ class WallClock:
 class ServerClock(WallClock):
     """Wall time for records; a database server's clock for leases (PostgreSQL, whose
     conductors run on many hosts): read at each renewal (:meth:`sync`), advanced by
-    this host's boot-time clock in between."""
+    this host's boot-time clock in between, so it never steps back and a reading costs
+    no round trip."""
 
     lease_clock = SERVER_CLOCK
 
     def __init__(self, read_server: Callable[[], float]) -> None:
-        self._leases = ServerLeaseClock(read_server)
+        self._read_server = read_server
+        self._offset: float | None = None
 
     def lease_now(self) -> float:
-        return self._leases.lease_now()
+        if self._offset is None:
+            self.sync()
+        assert self._offset is not None
+        return host_lease_now() + self._offset
 
     def sync(self) -> None:
         """Read the server's clock again (a store call: run it through the retries)."""
-        self._leases.sync()
+        offset = self._read_server() - host_lease_now()
+        # (forward only: the lease clock never goes back within this process)
+        self._offset = offset if self._offset is None else max(self._offset, offset)
 
 
 class LoopClock:

@@ -8,8 +8,8 @@ host and its boot id: a lease written under another boot is held by nobody (its
 writer is gone with that boot). See ``fleetwave.engine.clock`` for the engine's side.
 
 With a database server (PostgreSQL) conductors run on many hosts: leases are on the
-server's clock (:class:`ServerLeaseClock`: read at each renewal, advanced by this
-host's boot-time clock in between), named ``server``.
+server's clock (``fleetwave.engine.clock.ServerClock``: read at each renewal,
+advanced by this host's boot-time clock in between), named ``server``.
 
 :func:`reader` is how the commands that show leases (``strategy show``, ``step
 show``) read that clock: the host's, or the server's, unless :data:`READER` is set
@@ -70,27 +70,3 @@ def reader(conn: Any) -> tuple[str, Callable[[], float]]:
 
 #: the server's clock, in seconds (PostgreSQL)
 SERVER_NOW_SQL = "extract(epoch from clock_timestamp())"
-
-
-class ServerLeaseClock:
-    """A database server's clock as a lease clock: read with :meth:`sync` (at start and
-    at each renewal), and advanced by this host's boot-time clock in between, so it
-    never steps back and a reading costs no round trip."""
-
-    lease_clock = SERVER_CLOCK
-
-    def __init__(self, read_server: Callable[[], float]) -> None:
-        self._read_server = read_server
-        self._offset: float | None = None
-
-    def sync(self) -> None:
-        server = self._read_server()
-        offset = server - host_lease_now()
-        # (forward only: the lease clock never goes back within this process)
-        self._offset = offset if self._offset is None else max(self._offset, offset)
-
-    def lease_now(self) -> float:
-        if self._offset is None:
-            self.sync()
-        assert self._offset is not None
-        return host_lease_now() + self._offset
