@@ -33,6 +33,7 @@ from fleetwave.cli.common import (
     forget_created,
     store_for,
 )
+from fleetwave.cli.conductors import conductor_app
 from fleetwave.cli.demo import demo_command
 from fleetwave.cli.drive import ServeReport, stop_on_signals
 from fleetwave.cli.groups import group_app
@@ -151,6 +152,7 @@ app.add_typer(group_app, name="group", cls=_Commands)
 app.add_typer(workflow_app, name="workflow", cls=_Commands)
 app.add_typer(strategy_app, name="strategy", cls=_Commands)
 app.add_typer(step_app, name="step", cls=_Commands)
+app.add_typer(conductor_app, name="conductor", cls=_Commands)
 app.command("demo")(demo_command)
 app.command("sim")(sim_command)
 

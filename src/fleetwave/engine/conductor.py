@@ -49,6 +49,8 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from sqlalchemy.exc import OperationalError
+
 from fleetwave.domain.models import (
     STEP_ABORTED,
     STEP_FAILED,
@@ -390,6 +392,9 @@ class Conductor(
                             # a retry waiting out its backoff is left to the next owner
                             resolve_future(fl.backoff, None)
                     log.info("stopping: draining %d running actions", len(self._workers))
+                    # Said once, not retried: the drain must not wait on an outage.
+                    with contextlib.suppress(OperationalError):
+                        rt.mark_draining(self.store, self.id, self.clock.now())
                 if drain_until is not None and (
                     (not self._workers and not self._inbox) or loop.time() >= drain_until
                 ):

@@ -318,6 +318,63 @@ def serving_conductors(store: Store, now: float | None = None) -> list[dict[str,
         return list(_Conductors.read(conn, now).serving)
 
 
+def list_conductors(store: Store, now: float | None = None) -> list[dict[str, Any]]:
+    """Every conductor the database knows, newest first: where it runs, when it started
+    and last renewed its leases, what it holds, and its state: ``active``, ``draining``
+    (a clean stop under way), ``stopped`` (stopped cleanly) or ``gone`` (its process
+    is gone, it runs under an earlier boot's clock, or it has not renewed for
+    SERVING_WITHIN_S). Rows stay for the record."""
+    now = time.time() if now is None else now
+    with store.read() as conn:
+        name, _ = leases.reader(conn)
+        rows = conn.execute(select(conductors).order_by(conductors.c.started_at.desc())).all()
+        held: dict[str, int] = {
+            str(owner): int(n)
+            for owner, n in conn.execute(
+                select(steps.c.owner, func.count())
+                .where(steps.c.owner.is_not(None))
+                .group_by(steps.c.owner)
+            )
+        }
+        owning: dict[str, int] = {
+            str(owner): int(n)
+            for owner, n in conn.execute(
+                select(strategies.c.owner, func.count())
+                .where(strategies.c.owner.is_not(None))
+                .group_by(strategies.c.owner)
+            )
+        }
+    out = []
+    for r in rows:
+        if r.stopped_at is not None:
+            state = "stopped"
+        elif (
+            conductor_gone(r.hostname, r.pid, None)
+            or (r.lease_clock is not None and r.lease_clock != name)
+            or r.heartbeat_at < now - SERVING_WITHIN_S
+        ):
+            state = "gone"
+        elif r.draining_at is not None:
+            state = "draining"
+        else:
+            state = "active"
+        out.append(
+            {
+                "id": r.id,
+                "host": shown_host(r.hostname),
+                "pid": r.pid,
+                "state": state,
+                "serves_all": bool(r.serves_all),
+                "strategies": owning.get(r.id, 0),
+                "steps": held.get(r.id, 0),
+                "started_at": r.started_at,
+                "heartbeat_at": r.heartbeat_at,
+                "stopped_at": r.stopped_at,
+            }
+        )
+    return out
+
+
 def running_conductors(store: Store, now: float | None = None) -> list[dict[str, Any]]:
     """Conductors of any kind (``serve``, ``apply --wait``, ``demo``) alive on this
     database: not stopped, renewed lately, and (on this host) their process is there.

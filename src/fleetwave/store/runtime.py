@@ -325,6 +325,16 @@ def heartbeat(store: Store, cid: str, now: float, lease_until: float) -> int:
         return int(res.rowcount)
 
 
+def mark_draining(store: Store, cid: str, now: float) -> None:
+    """A clean stop began: this conductor starts nothing new (``conductor list``)."""
+    p = store.hooks.placeholder
+    with store.write() as conn:
+        conn.exec_driver_sql(
+            f"UPDATE conductors SET draining_at = {p} WHERE id = {p} AND draining_at IS NULL",
+            (now, cid),
+        )
+
+
 def release_conductor(store: Store, cid: str, now: float, step_ids: list[int]) -> None:
     """Clean shutdown: hand every lease back at once (G5).
 

@@ -37,6 +37,8 @@ conductors = Table(
     #: the clock its leases are written on (see fleetwave.engine.clock): a lease is
     #: compared only with a reading of the same clock
     Column("lease_clock", String(80)),
+    #: when it began a clean stop (it starts nothing new, then hands its leases back)
+    Column("draining_at", Float),
 )
 
 groups = Table(
