@@ -170,3 +170,23 @@ def test_check_finds_an_attempt_sent_on_no_record(tmp_path: Path) -> None:
     )
     assert any("attempt 1 of 'finishing', never entered" in v for v in found)
     store.dispose()
+
+
+def test_a_step_whose_first_attempt_was_released_is_not_started_afresh(tmp_path: Path) -> None:
+    """A step marked entered-but-not-started whose first attempt is on record all the
+    same (a hand edit, a bug): the takeover does not start it afresh (the attempt may
+    have been sent), its recover hook looks instead."""
+    store, sid, step = _claimed(tmp_path)
+    with store.write() as conn:
+        conn.exec_driver_sql("UPDATE steps SET not_started = 1 WHERE id = ?", (step,))
+        conn.exec_driver_sql(
+            "INSERT INTO attempts (strategy_id, step_id, state, attempt, at, conductor, "
+            "fence, how) VALUES (?, ?, 'updating-patches', 1, 1.0, 'c0', 1, 'afresh')",
+            (sid, step),
+        )
+    (rec,), _failed = rt.load_open_steps(store, sid)
+    assert rec.not_started
+    taken = rt.take_over_steps(store, [rec], "c1", 5.0, held=(sid, 1), afresh={step})
+    assert taken is not None and [t.step_id for t in taken] == [step]
+    assert not taken[0].not_started  # taken over as possibly started
+    store.dispose()

@@ -807,18 +807,26 @@ def take_over_steps(
             rec.owner = cid
             taken.append(rec)
             if afresh and rec.step_id in afresh:
-                conn.execute(
-                    insert(attempts).values(
-                        strategy_id=rec.strategy_id,
-                        step_id=rec.step_id,
-                        state=rec.state,
-                        attempt=1,
-                        at=now,
-                        conductor=cid,
-                        fence=rec.fence,
-                        how="afresh",
+                sp = conn.begin_nested()
+                try:
+                    conn.execute(
+                        insert(attempts).values(
+                            strategy_id=rec.strategy_id,
+                            step_id=rec.step_id,
+                            state=rec.state,
+                            attempt=1,
+                            at=now,
+                            conductor=cid,
+                            fence=rec.fence,
+                            how="afresh",
+                        )
                     )
-                )
+                    sp.commit()
+                except IntegrityError:
+                    # Its first attempt was released before (the row says otherwise than
+                    # the record): it may have started, so its recover hook looks first.
+                    sp.rollback()
+                    rec.not_started = False
     return taken
 
 
