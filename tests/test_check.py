@@ -296,3 +296,32 @@ def test_a_row_that_disagrees_with_the_journal_is_reported(store: Store) -> None
     assert _violations(store, sid) == [
         f"record: strategy {sid} step {a} (t00000) row says 'failed' but journal says 'complete'"
     ]
+
+
+def test_a_step_taken_over_by_a_conductor_not_holding_its_strategy_is_a_g2_violation(
+    store: Store,
+) -> None:
+    """Replaying claims and takeovers in commit order: A claims, B claims after it, then
+    A takes a step over (an adopt that did not check it still held the strategy)."""
+    add_sim_targets(store, 1)
+    sid, step_ids = _strategy(store, 1)
+    with store.write() as conn:
+        for kind, who, step, details in (
+            ("strategy-claimed", "A", None, "from nobody"),
+            ("step-taken-over", "A", step_ids[0], "in pre-check from c0 (fence 1 -> 2)"),
+            ("strategy-claimed", "B", None, "from A"),
+            ("step-taken-over", "B", step_ids[0], "in pre-check from A (fence 2 -> 3)"),
+            ("step-taken-over", "A", step_ids[0], "in pre-check from B (fence 3 -> 4)"),
+        ):
+            conn.execute(
+                text(
+                    "INSERT INTO events (at, conductor, strategy_id, step_id, kind, details) "
+                    "VALUES (0, :who, :sid, :step, :kind, :details)"
+                ),
+                {"who": who, "sid": sid, "step": step, "kind": kind, "details": details},
+            )
+    found = check(store, sid).violations
+    assert found == [
+        f"G2: strategy {sid} step {step_ids[0]} taken over by A (in pre-check from B "
+        "(fence 3 -> 4)) while B held the strategy"
+    ]

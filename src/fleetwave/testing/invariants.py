@@ -8,6 +8,9 @@ Used by ``fleetwave check``, the demo, the simulator and the tests:
 * G7 replaying the journal in commit order, steps in flight never exceed the
   strategy's max parallel nor a group's cap;
 * G8 nothing leaves a terminal state;
+* G2 takeovers: replaying the claims and step takeovers in commit order (each is an
+  event written in its own transaction), a step is taken over only by the conductor
+  that holds its strategy then (the last to claim it);
 * attempts: each attempt of a state sent to a target was recorded once, before it was
   sent (the database's unique keys: a state's first attempt is its journal entry, each
   later one a row of ``attempts``), only for a state the step entered, and a retry
@@ -40,7 +43,7 @@ from fleetwave.domain.rules import is_allowed_move
 from fleetwave.store.admin import options_from_json
 from fleetwave.store.db import Store
 from fleetwave.store.runtime import strategy_layout
-from fleetwave.store.schema import attempts, journal, steps, strategies, targets
+from fleetwave.store.schema import attempts, events, journal, steps, strategies, targets
 
 MAX_REPORTED = 200
 
@@ -118,6 +121,15 @@ def check(store: Store, strategy_id: int | None = None) -> CheckResult:
                 .order_by(attempts.c.step_id, attempts.c.state, attempts.c.attempt)
             ).all()
             _check_strategy(result, strat, step_rows, jrows, arows)
+            owners = conn.execute(
+                select(events.c.kind, events.c.conductor, events.c.step_id, events.c.details)
+                .where(
+                    events.c.strategy_id == strat.id,
+                    events.c.kind.in_(("strategy-claimed", "step-taken-over")),
+                )
+                .order_by(events.c.id)
+            ).all()
+            _check_takeovers(result, int(strat.id), owners)
     return result
 
 
@@ -279,3 +291,15 @@ def _check_attempts(
                 f"where attempt {want} was due"
             )
         expect[(step_id, state)] = attempt + 1
+
+
+def _check_takeovers(result: CheckResult, sid: int, owners: Sequence[Row[Any]]) -> None:
+    holder: str | None = None
+    for kind, conductor, step_id, details in owners:
+        if kind == "strategy-claimed":
+            holder = conductor
+        elif conductor != holder:
+            result.add(
+                f"G2: strategy {sid} step {step_id} taken over by {conductor} ({details}) "
+                f"while {holder} held the strategy"
+            )

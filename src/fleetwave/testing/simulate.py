@@ -71,7 +71,6 @@ from fleetwave.testing.watch import (
     LeaseWatch,
     SkewedClocks,
     callback_checks,
-    takeover_checks,
 )
 
 FAULTS = (
@@ -831,7 +830,6 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
     violations += _pause_checks(store, sid, pause.window(clock.now()), skews.true_at)
     violations += _target_checks(sim) + stuck
     violations += actions.violations + leases.violations + callback_checks(sim.callback_waits)
-    violations += takeover_checks(store, sid)
     with store.read() as conn:
         n_callbacks = len(conn.execute(select(callbacks.c.id)).all())
     digest = _journal_digest(store, sid)

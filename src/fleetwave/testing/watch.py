@@ -6,8 +6,6 @@ leases taken, callbacks answered.
   times it stamped back to the run's own time for the checks that compare times;
 - :class:`ActionWatch`: a driver seen through it counts, per target, the actions on it
   at once: two at once (of two conductors, or two workers of one) is a G2 violation;
-- :func:`takeover_checks`: replaying the claims and takeovers in commit order, a step
-  is taken over only by the conductor that holds its strategy then;
 - :class:`LeaseWatch`: every few virtual seconds, who holds the strategy; a change of
   owner away from a conductor that is running and renewed its lease within the lease
   is a lease taken from a live conductor (G5).
@@ -188,26 +186,3 @@ def callback_checks(waits: list[tuple[int, str, float]]) -> list[str]:
         "of virtual time: it waited on something"
         for step, state, waited in waits[:20]
     ]
-
-
-def takeover_checks(store: Store, sid: int) -> list[str]:
-    """G2/G3: replaying claims and step takeovers in commit order (each is an event
-    written in its own transaction), a step is taken over only by the conductor that
-    holds the strategy then (the last to claim it)."""
-    with store.read() as conn:
-        rows = conn.exec_driver_sql(
-            "SELECT kind, conductor, step_id, details FROM events WHERE strategy_id = ? "
-            "AND kind IN ('strategy-claimed', 'step-taken-over') ORDER BY id",
-            (sid,),
-        ).all()
-    holder: str | None = None
-    out: list[str] = []
-    for kind, conductor, step_id, details in rows:
-        if kind == "strategy-claimed":
-            holder = conductor
-        elif conductor != holder and len(out) < 20:
-            out.append(
-                f"G2: step {step_id} taken over by {conductor} ({details}) while {holder} "
-                "held its strategy"
-            )
-    return out
