@@ -134,7 +134,7 @@ class Fleet:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class CreateStrategy(_Body):

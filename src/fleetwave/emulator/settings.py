@@ -41,7 +41,7 @@ MAX_LATENCY_MS = 60_000.0
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 class SiteSettings(_Strict):
