@@ -304,7 +304,7 @@ def test_latency_releases_and_license(emulator: Emulator) -> None:
     [
         ("GET", "/sites/site-9999", None, 404, "site"),
         ("GET", "/admin/sites/nope", None, 404, "site"),
-        ("GET", "/sites/site-0002/orchestration/sw-nothing/strategy", None, 422, "kind"),
+        ("GET", "/sites/site-0002/orchestration/sw-nothing/strategy", None, 422, "type"),
         ("POST", "/sites/site-0002/orchestration/sw-patch/strategy", "{bad", 400, "body"),
         ("POST", "/sites/site-0002/orchestration/sw-patch/strategy", {"rel": 1}, 422, "rel"),
         (

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Path, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -192,6 +192,8 @@ def _admin_site(site: str, request: Request) -> Site:
 #: a site's own API answers through this; the admin's through AdminSite
 SiteUp = Annotated[Site, Depends(_reachable)]
 AdminSite = Annotated[Site, Depends(_admin_site)]
+#: the strategy's type in the path (``type`` is Python's)
+StrategyKind = Annotated[StrategyType, Path(alias="type")]
 
 
 def make_app(fleet: Fleet) -> FastAPI:
@@ -230,7 +232,7 @@ def make_app(fleet: Fleet) -> FastAPI:
             headers=exc.headers,
         )
 
-    strategy_path = "/sites/{site}/orchestration/{kind}/strategy"
+    strategy_path = "/sites/{site}/orchestration/{type}/strategy"
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
@@ -254,12 +256,12 @@ def make_app(fleet: Fleet) -> FastAPI:
         return {"hosts": site.hosts(fleet.now())}
 
     @app.get(strategy_path)
-    async def get_strategy(site: SiteUp, kind: StrategyType) -> dict[str, Any]:
+    async def get_strategy(site: SiteUp, kind: StrategyKind) -> dict[str, Any]:
         return site.get_strategy(kind).view(fleet.now())
 
     @app.post(strategy_path, status_code=201)
     async def create_strategy(
-        site: SiteUp, kind: StrategyType, body: CreateStrategy | None = None
+        site: SiteUp, kind: StrategyKind, body: CreateStrategy | None = None
     ) -> dict[str, Any]:
         now = fleet.now()
         release = body.release if body is not None else None
@@ -267,13 +269,13 @@ def make_app(fleet: Fleet) -> FastAPI:
 
     @app.post(strategy_path + "/actions", status_code=202)
     async def strategy_action(
-        site: SiteUp, kind: StrategyType, body: StrategyAction
+        site: SiteUp, kind: StrategyKind, body: StrategyAction
     ) -> dict[str, Any]:
         now = fleet.now()
         return site.act(kind, body.action, now).view(now)
 
     @app.delete(strategy_path)
-    async def delete_strategy(site: SiteUp, kind: StrategyType) -> dict[str, Any]:
+    async def delete_strategy(site: SiteUp, kind: StrategyKind) -> dict[str, Any]:
         now = fleet.now()
         return {"deleted": site.delete_strategy(kind, now).view(now)}
 
