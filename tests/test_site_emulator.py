@@ -82,14 +82,16 @@ class Emulator:
             time.sleep(0.02)
         raise AssertionError(f"emulator not ready in {WAIT_S} s: {self.err.read_text()}")
 
-    def stop(self) -> None:
+    def stop(self) -> int:
+        """SIGTERM (SIGKILL if it does not end in 5 s); its exit status."""
         self.http.close()
         self.proc.terminate()
         try:
-            self.proc.wait(timeout=5)
+            return self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=5)
+            raise
 
     def strategy_path(self, site: str, kind: str = "sw-deploy") -> str:
         return f"/sites/{site}/orchestration/{kind}/strategy"
@@ -134,7 +136,10 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
     try:
         yield emu
     finally:
-        emu.stop()
+        status = emu.stop()
+    # SIGTERM is a clean stop: answers finished, exit 0
+    assert status == 0, emu.err.read_text()
+    assert emu.err.read_text().rstrip().endswith("site-emulator stopped")
 
 
 def test_a_strategy_goes_through_its_whole_life(emulator: Emulator) -> None:

@@ -7,10 +7,13 @@ FastAPI and uvicorn are imported when the command runs, not when ``fleetwave`` s
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import ipaddress
 import math
+import signal
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -29,6 +32,8 @@ from fleetwave.emulator.settings import (
 
 #: how many connections wait to be accepted (a rollout at max parallel 500 opens many)
 BACKLOG = 2048
+#: the signals that stop the emulator (gracefully: answers under way are finished)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 #: the range of --time-scale
 TIME_SCALE_MIN, TIME_SCALE_MAX = 0.0001, 1000.0
 
@@ -150,7 +155,20 @@ def _serve(app: Any, sock: socket.socket, count: int, base: str) -> None:
 
     from fleetwave.engine import loop as event_loop
 
-    server = uvicorn.Server(
+    class Server(uvicorn.Server):
+        """Ctrl-C or SIGTERM stop it gracefully, and the command ends as a clean stop
+        (uvicorn's own raised the signal again afterwards: 'interrupted', exit 130)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            before = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
+            try:
+                yield
+            finally:
+                for sig, handler in before.items():
+                    signal.signal(sig, handler)
+
+    server = Server(
         uvicorn.Config(
             app,
             log_config=None,  # fleetwave's logging, as every command's
@@ -165,3 +183,4 @@ def _serve(app: Any, sock: socket.socket, count: int, base: str) -> None:
         highlight=False,
     )
     event_loop.run(server.serve(sockets=[sock]))
+    err_console.print("site-emulator stopped", highlight=False)
