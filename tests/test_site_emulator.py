@@ -261,6 +261,35 @@ def test_a_site_preset_in_ready_to_apply_is_attached_to_not_created_again(
     assert http.patch("/admin/sites/site-0010", json={"strategy": None}).json()["strategy"] is None
 
 
+def test_an_abort_during_the_apply_ends_in_aborted(emulator: Emulator) -> None:
+    http, path = emulator.http, emulator.strategy_path("site-0003", "fw-update")
+    # a long apply (2 s), which the abort cuts short
+    assert http.patch("/admin/sites/site-0003", json={"settings": {"apply_s": 400}}).is_success
+    assert (
+        http.post(
+            "/sites/site-0003/software/releases",
+            json={"release_id": "fw-3.0", "kind": "firmware", "reboot_required": False},
+        ).status_code
+        == 201
+    )
+    assert http.post(path, json={"release": "fw-3.0"}).status_code == 201
+    emulator.wait_state("site-0003", "ready-to-apply", "fw-update")
+    assert http.post(path + "/actions", json={"action": "apply"}).status_code == 202
+    # deleting a strategy while it applies is refused
+    assert http.delete(path).status_code == 409
+    aborting = http.post(path + "/actions", json={"action": "abort"})
+    assert aborting.status_code == 202 and aborting.json()["state"] == "aborting"
+    assert emulator.wait_state("site-0003", "aborted", "fw-update")["reason"] == (
+        "aborted by request"
+    )
+    release = http.get("/sites/site-0003/software/releases/fw-3.0").json()
+    assert release["state"] == "available"
+    # a release without reboot_required: the hosts never rebooted
+    assert emulator.counters("site-0003")["reboots"] == 0
+    assert http.post(path + "/actions", json={"action": "abort"}).status_code == 409
+    assert http.delete(path).status_code == 200
+
+
 def test_an_unreachable_window_set_by_the_admin(emulator: Emulator) -> None:
     http = emulator.http
     r = http.patch("/admin/sites/site-0011", json={"unreachable_for_s": 60})  # 300 ms

@@ -185,8 +185,7 @@ class Site:
                 strategy=s.view(now),
             )
         release = self._release(release_id) if release_id is not None else None
-        rng = random.Random(f"{self.seed}:{self.name}:{self.strategies_made}")
-        self.strategies_made += 1
+        rng = self._next_draws()
         fails_in = self.settings.fail_at
         if self.settings.fail_rate and rng.random() < self.settings.fail_rate:
             fails_in = fails_in or rng.choice(("build", "apply"))
@@ -277,8 +276,7 @@ class Site:
             return
         if preset.release is not None:
             self._release(preset.release, field="strategy.release")
-        rng = random.Random(f"{self.seed}:{self.name}:{self.strategies_made}")
-        self.strategies_made += 1
+        rng = self._next_draws()
         s = Strategy(
             uuid=str(uuid.UUID(int=rng.getrandbits(128), version=4)),
             type=preset.type,
@@ -299,6 +297,12 @@ class Site:
 
     def set_unreachable(self, for_s: float, now: float) -> None:
         self.down_until_s = now + for_s
+
+    def _next_draws(self) -> random.Random:
+        """The random draws of the site's next strategy (one generator per strategy)."""
+        rng = random.Random(f"{self.seed}:{self.name}:{self.strategies_made}")
+        self.strategies_made += 1
+        return rng
 
     # -- phases ---------------------------------------------------------------------
 
