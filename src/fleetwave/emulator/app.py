@@ -208,7 +208,7 @@ def make_app(fleet: Fleet) -> FastAPI:
     async def _refused(request: Request, exc: SiteError) -> JSONResponse:
         headers = None
         if exc.status == 503:
-            headers = {"Retry-After": str(math.ceil(exc.extra.get("retry_after_s", 1)))}
+            headers = {"Retry-After": str(max(1, math.ceil(exc.extra.get("retry_after_s", 1))))}
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
