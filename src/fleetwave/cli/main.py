@@ -3,7 +3,8 @@ options are read (an option given twice is refused) and how its errors end it.
 
 The groups of commands live in their own modules (``targets``, ``groups``,
 ``workflows``, ``strategies``, ``steps``; ``journal`` for history, events and check;
-``demo`` and ``simcmd``), put together here in the order ``fleetwave --help`` lists them.
+``demo``, ``simcmd`` and ``site_emulator``), put together here in the order
+``fleetwave --help`` lists them.
 
 Bad input prints one line naming the problem on stderr and exits 2; nothing is written.
 """
@@ -40,6 +41,7 @@ from fleetwave.cli.groups import group_app
 from fleetwave.cli.journal import check, events, history
 from fleetwave.cli.output import console, err_console
 from fleetwave.cli.simcmd import sim_command
+from fleetwave.cli.site_emulator import site_emulator_command
 from fleetwave.cli.steps import step_app
 from fleetwave.cli.strategies import strategy_app
 from fleetwave.cli.targets import target_app
@@ -155,6 +157,7 @@ app.add_typer(step_app, name="step", cls=_Commands)
 app.add_typer(conductor_app, name="conductor", cls=_Commands)
 app.command("demo")(demo_command)
 app.command("sim")(sim_command)
+app.command("site-emulator")(site_emulator_command)
 
 
 def _print_version(value: bool) -> None:
