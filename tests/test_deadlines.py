@@ -136,7 +136,7 @@ def test_a_takeover_does_not_restart_the_states_timeout(
     real = rt.TransitionWriter.commit
 
     def commit(self: rt.TransitionWriter, *a: Any, **kw: Any) -> Any:
-        deadlines = kw.get("deadlines") or (a[6] if len(a) > 6 else None) or []
+        deadlines = kw.get("deadlines") or (a[5] if len(a) > 5 else None) or []
         retries.extend((LoopClock().now(), d.details) for d in deadlines)
         return real(self, *a, **kw)
 

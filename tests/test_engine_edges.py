@@ -277,13 +277,13 @@ def test_entries_beside_a_refused_end_wait(store: Store) -> None:
     (other_step,) = [s["step"] for s in queries.list_steps(store, other)]
     writer = rt.TransitionWriter(store, "c1")
     enter = rt.Transition(ids["t00000"], sid, "initial", 0, "pre-check", 1, "", 0)
-    assert writer.commit([enter], [], 1.0, 2.0).rejected == []
+    assert writer.commit([enter], [], 1.0).rejected == []
     with store.write() as conn:  # someone else writes that step's row meanwhile
         conn.exec_driver_sql("UPDATE steps SET fence = 5 WHERE id = ?", (ids["t00000"],))
     end = rt.Transition(ids["t00000"], sid, "pre-check", 1, "complete", 1, "skipped", 1)
     nxt = rt.Transition(ids["t00001"], sid, "initial", 0, "pre-check", 1, "", 0)
     elsewhere = rt.Transition(other_step, other, "initial", 0, "pre-check", 1, "", 0)
-    result = writer.commit([end, nxt, elsewhere], [], 2.0, 3.0)
+    result = writer.commit([end, nxt, elsewhere], [], 2.0)
     assert result.rejected == [end]
     assert result.deferred == [nxt]
     states = {s["target"]: s["state"] for s in queries.list_steps(store, sid)}

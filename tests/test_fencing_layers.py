@@ -35,7 +35,7 @@ def _claimed(tmp_path: Path) -> tuple[Store, int, int]:
         rt.Transition(step, sid, "initial", 0, "pre-check", 1, "", 1),
         rt.Transition(step, sid, "pre-check", 1, "updating-patches", 1, "", 1),
     ):
-        res = writer.commit([t], [], 2.0, 100.0, fences={sid: rec.fence})
+        res = writer.commit([t], [], 2.0, fences={sid: rec.fence})
         assert res.rejected == [] and res.lost == set()
     writer.close()
     return store, sid, step
@@ -44,7 +44,7 @@ def _claimed(tmp_path: Path) -> tuple[Store, int, int]:
 def _commit(store: Store, t: rt.Transition, fence: int = 1, cid: str = "c1") -> rt.CommitResult:
     writer = rt.TransitionWriter(store, cid)
     try:
-        return writer.commit([t], [], 3.0, 100.0, fences={t.strategy_id: fence})
+        return writer.commit([t], [], 3.0, fences={t.strategy_id: fence})
     finally:
         writer.close()
 
@@ -130,8 +130,8 @@ def test_an_attempt_is_recorded_once(tmp_path: Path) -> None:
     store, sid, step = _claimed(tmp_path)
     start = rt.AttemptDeadline(step, sid, "updating-patches", 1, 500.0, 2, "attempt 2", 0)
     writer = rt.TransitionWriter(store, "c1")
-    first = writer.commit([], [], 4.0, 100.0, fences={sid: 1}, deadlines=[start])
-    second = writer.commit([], [], 5.0, 100.0, fences={sid: 1}, deadlines=[start])
+    first = writer.commit([], [], 4.0, fences={sid: 1}, deadlines=[start])
+    second = writer.commit([], [], 5.0, fences={sid: 1}, deadlines=[start])
     writer.close()
     assert first.retries_refused == set()
     assert second.retries_refused == {step}

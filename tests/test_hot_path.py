@@ -84,7 +84,7 @@ def test_the_writer_lets_go_of_its_cursor_after_an_error(
     writer = rt.TransitionWriter(store, "c1")
     batch = [rt.Transition(i, sid, "initial", 0, "pre-check", 1, "", 0) for i in ids]
     with pytest.raises(Exception, match="injected"):
-        writer.commit(batch, [], 1.0, 2.0)
+        writer.commit(batch, [], 1.0)
     with store.write() as conn:  # another writer meanwhile
         conn.exec_driver_sql("UPDATE steps SET details = 'x'")
     other = sqlite3.connect(store.url, timeout=0.5)
@@ -96,7 +96,7 @@ def test_the_writer_lets_go_of_its_cursor_after_an_error(
     # and the writer goes on (a new cursor on the same connection)
     monkeypatch.setattr(rt.TransitionWriter, "_end_unmanaged", real)
     batch = [rt.Transition(i, sid, "initial", 0, "pre-check", 1, "x", 0) for i in ids]
-    result = writer.commit(batch, [], 1.0, 2.0)
+    result = writer.commit(batch, [], 1.0)
     writer.close()
     assert not result.rejected
     assert {s["state"] for s in queries.list_steps(store, sid)} == {"pre-check"}

@@ -93,7 +93,7 @@ def test_seed_000_stale_snapshot_never_reenters_a_finished_state(store: Store) -
         )
         for r in snapshot
     ]
-    rejected = writer.commit(stale, [], 1.0, 2.0).rejected
+    rejected = writer.commit(stale, [], 1.0).rejected
     assert len(rejected) == len(stale)
     assert queries.history(store, sid) == before
     kinds = Counter(e["kind"] for e in queries.strategy_events(store, sid))

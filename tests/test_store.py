@@ -204,7 +204,7 @@ def test_started_steps_of_a_strategy_never_driven_need_no_scan(db_url: str) -> N
         rt.Transition(first.step_id, sid, "initial", 0, "pre-check", 1, "", 0),
         rt.Transition(second.step_id, sid, "initial", 0, "failed", 0, "boom", 0),
     ]
-    assert writer.commit(moves, [], 1.0, 2.0).rejected == []
+    assert writer.commit(moves, [], 1.0).rejected == []
     writer.close()
     started, failed = rt.load_started_steps(store, sid)
     assert [s.step_id for s in started] == [first.step_id] and failed == 1
@@ -345,7 +345,7 @@ def test_a_commit_at_a_fence_no_longer_held_writes_nothing(db_url: str, by: str)
     assert again.fence == rec.fence + 1
     writer = rt.TransitionWriter(store, "c1")
     entry = _entry(store, sid)
-    result = writer.commit([entry], [], 201.0, 300.0, fences={sid: rec.fence})
+    result = writer.commit([entry], [], 201.0, fences={sid: rec.fence})
     writer.close()
     assert result.lost == {sid}
     assert _journal_rows(store) == 0

@@ -66,7 +66,7 @@ def test_unmanaged_entry_and_a_refused_move_in_one_batch(store: Store) -> None:
     entry = rt.Transition(ids[names[1]], sid, "initial", 0, "pre-check", 1, "", 0)
     stale = rt.Transition(ids[names[0]], sid, "pre-check", 7, "updating-patches", 7, "", 1)
     batch = [stale, entry]
-    result = writer.commit(batch, [], 1.0, 2.0)
+    result = writer.commit(batch, [], 1.0)
     assert result.rejected == [stale]
     assert [(t.step_id, t.to_state) for t in result.replaced] == [(ids[names[1]], "failed")]
     assert batch == [stale, entry]  # the caller's batch is left alone

@@ -387,9 +387,7 @@ class ClaimsMixin(StoreCalls):
             for st in open_steps
         ]
         events = [rt.Event("strategy-undrivable", reason, rec.id)]
-        await self._io(
-            self._writer.commit, batch, events, self._NOW, self._LEASE, [], {rec.id: rec.fence}
-        )
+        await self._io(self._writer.commit, batch, events, self._NOW, [], {rec.id: rec.fence})
         ok = await self._io(
             rt.end_strategy, self.store, rec.id, self.id, rec.fence, final.value, reason, self._NOW
         )

@@ -533,7 +533,6 @@ class Conductor(
                 batch,
                 events,
                 self._NOW,
-                self._LEASE,
                 marks,
                 fences,
                 deadlines,
@@ -567,9 +566,7 @@ class Conductor(
                     for e in late
                     if e.strategy_id is not None and e.strategy_id in self.runs
                 }
-                await self._io(
-                    self._writer.commit, [], late, self._NOW, self._LEASE, None, fences_late
-                )
+                await self._io(self._writer.commit, [], late, self._NOW, None, fences_late)
                 self._wake_soon()  # its waiting steps are ended on the next turn
             # Entries written as not started (their lease lapsed while the commit was
             # retried): that strategy stops here now, before anything of it starts.

@@ -229,7 +229,6 @@ class SettleMixin(StoreCalls):
                 batch,
                 events,
                 self._NOW,
-                self._LEASE,
                 marks,
                 {run.id: run.record.fence},
             )

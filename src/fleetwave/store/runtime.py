@@ -924,9 +924,7 @@ class TransitionWriter:
             f"VALUES ({p}, {p}, {p}, {p}, {p}, {p})"
         )
 
-    def _params(
-        self, t: Transition, lease_until: float
-    ) -> tuple[str, tuple[Any, ...], tuple[Any, ...]]:
+    def _params(self, t: Transition) -> tuple[str, tuple[Any, ...], tuple[Any, ...]]:
         """The step's compare-and-set UPDATE (statement and parameters), its journal row.
 
         Written at the commit's time (``self._at``: a commit retried through an outage
@@ -991,7 +989,6 @@ class TransitionWriter:
         batch: list[Transition],
         evts: list[Event],
         now: float,
-        lease_until: float,
         marks: list[CallbackMark] | None = None,
         fences: dict[int, int] | None = None,
         deadlines: list[AttemptDeadline] | None = None,
@@ -1039,7 +1036,7 @@ class TransitionWriter:
         ups: list[tuple[str, tuple[Any, ...]]] = []
         jrs: list[tuple[Any, ...]] = []
         for t in batch:
-            sql, u, j = self._params(t, lease_until)
+            sql, u, j = self._params(t)
             ups.append((sql, u))
             jrs.append(j)
         ev = [(now, self.cid, e.strategy_id, e.step_id, e.kind, e.details) for e in evts]
@@ -1050,7 +1047,6 @@ class TransitionWriter:
         replaced: list[Transition] = []
         if self._commit_fast(
             list(batch),
-            lease_until,
             list(ups),
             list(jrs),
             ev,
@@ -1064,7 +1060,6 @@ class TransitionWriter:
             return CommitResult([], set(), replaced, not_started=self._lapsed_now)
         return self._commit_one_by_one(
             list(batch),
-            lease_until,
             ups,
             jrs,
             ev,
@@ -1101,7 +1096,6 @@ class TransitionWriter:
         self,
         cur: Any,
         batch: list[Transition],
-        lease_until: float,
         ups: list[tuple[str, tuple[Any, ...]]],
         jrs: list[tuple[Any, ...]],
         stops: dict[int, StopRule],
@@ -1154,7 +1148,7 @@ class TransitionWriter:
                         stopped[sid] = stops[sid].details.replace(StopRule.TARGET, who)
             else:
                 continue
-            out.append(self._end_instead(batch, ups, jrs, i, to_state, details, lease_until))
+            out.append(self._end_instead(batch, ups, jrs, i, to_state, details))
         if stopped:
             # The stop happened in this commit: a step of that strategy moving on in it
             # must not start its next state either (the dispatcher, deciding the move,
@@ -1166,9 +1160,7 @@ class TransitionWriter:
                 if t.to_state in STEP_TERMINAL:
                     continue
                 details = f"stopped after {t.from_state}: {stopped[sid]}"
-                out.append(
-                    self._end_instead(batch, ups, jrs, i, STEP_ABORTED, details, lease_until)
-                )
+                out.append(self._end_instead(batch, ups, jrs, i, STEP_ABORTED, details))
         return out
 
     def _end_instead(
@@ -1179,7 +1171,6 @@ class TransitionWriter:
         i: int,
         to_state: str,
         details: str,
-        lease_until: float,
     ) -> Transition:
         """Write ``batch[i]`` as an end (``to_state``, at its fence) instead of what the
         dispatcher decided, in the batch and the statements' parameters (the caller's
@@ -1192,14 +1183,13 @@ class TransitionWriter:
             not_started=False,
             deadline_at=None,
         )
-        sql, u, j = self._params(ended, lease_until)
+        sql, u, j = self._params(ended)
         ups[i], jrs[i] = (sql, u), j
         return ended
 
     def _commit_fast(
         self,
         batch: list[Transition],
-        lease_until: float,
         ups: list[tuple[str, tuple[Any, ...]]],
         jrs: list[tuple[Any, ...]],
         ev: list[tuple[Any, ...]],
@@ -1241,7 +1231,7 @@ class TransitionWriter:
             ):
                 raw.rollback()  # the row-by-row path says what was not written, and why
                 return False
-            replaced += self._end_unmanaged(cur, batch, lease_until, ups, jrs, stops)
+            replaced += self._end_unmanaged(cur, batch, ups, jrs, stops)
             ats = [self._attempt_row(d) for d in deadlines if not d.not_started] if dl else []
             by_sql: dict[str, list[tuple[Any, ...]]] = {}
             for sql, u in ups:
@@ -1309,7 +1299,6 @@ class TransitionWriter:
     def _commit_one_by_one(
         self,
         batch: list[Transition],
-        lease_until: float,
         ups: list[tuple[str, tuple[Any, ...]]],
         jrs: list[tuple[Any, ...]],
         ev: list[tuple[Any, ...]],
@@ -1344,14 +1333,10 @@ class TransitionWriter:
                     if _held_back(t, hold):
                         details = f"stopped after {t.from_state}: aborted by operator"
                         stopped_now.append(
-                            self._end_instead(
-                                batch, ups, jrs, i, STEP_ABORTED, details, lease_until
-                            )
+                            self._end_instead(batch, ups, jrs, i, STEP_ABORTED, details)
                         )
                         held_back[t.strategy_id] = hold[t.strategy_id]
-            replaced = stopped_now + self._end_unmanaged(
-                raw.cursor(), batch, lease_until, ups, jrs, stops
-            )
+            replaced = stopped_now + self._end_unmanaged(raw.cursor(), batch, ups, jrs, stops)
             rows = list(zip(batch, ups, jrs, strict=True))
             held: Counter[int] = Counter()
 
