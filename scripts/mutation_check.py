@@ -101,7 +101,7 @@ MUTATIONS = [
     ),
     Mutation(
         "step compare-and-set: state and fence not checked",
-        STORE + "runtime.py",
+        STORE + "writer.py",
         'cas = f" WHERE id={p} AND state={p} AND fence={p} AND (owner={p} OR {p})"',
         'cas = f" WHERE id={p} AND {p} IS NOT NULL AND {p} IS NOT NULL AND (owner={p} OR {p})"',
         tests=(
@@ -111,14 +111,14 @@ MUTATIONS = [
     ),
     Mutation(
         "step owner not checked by its writes",
-        STORE + "runtime.py",
+        STORE + "writer.py",
         'cas = f" WHERE id={p} AND state={p} AND fence={p} AND (owner={p} OR {p})"',
         'cas = f" WHERE id={p} AND state={p} AND fence={p} AND ({p} IS NOT NULL OR {p})"',
         tests=("tests/test_fencing_layers.py::test_a_step_is_written_only_by_its_owner",),
     ),
     Mutation(
         "strategy fence not checked by a commit",
-        STORE + "runtime.py",
+        STORE + "writer.py",
         "            if owner == self.cid and fence == fences[sid]:",
         "            if True:",
         tests=(

@@ -1,0 +1,796 @@
+"""The hot path: group commit of transitions (:class:`TransitionWriter`) and what it
+writes and answers (:class:`Transition`, :class:`Event`, :class:`CommitResult`, ...).
+
+:meth:`TransitionWriter.commit` writes many transitions, each a compare-and-set on
+(step, state, fence, owner) plus its journal row, in one transaction and one fsync
+(group commit), checked against the strategy's fence. A row whose compare-and-set
+fails, or whose journal insert would enter a state twice (G1), is rejected alone;
+the others still commit. :mod:`fleetwave.store.runtime` re-exports all of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
+
+from sqlalchemy import Connection, select
+from sqlalchemy.exc import DatabaseError, DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.pool import PoolProxiedConnection
+
+from fleetwave.domain.models import (
+    STEP_ABORTED,
+    STEP_FAILED,
+    STEP_INITIAL,
+    STEP_TERMINAL,
+    StrategyState,
+    unmanaged_reason,
+)
+from fleetwave.store.db import Store
+from fleetwave.store.schema import (
+    journal,
+)
+
+#: Strategy states in which no step of the strategy starts: the commit that would start
+#: one reads the strategy's state, so once an operator's pause or abort is committed,
+#: nothing new starts (steps started before go on).
+HOLD_ENTRIES = frozenset({StrategyState.PAUSED.value, StrategyState.ABORT_REQUESTED.value})
+
+
+@dataclass(slots=True)
+class Transition:
+    """One compare-and-set state change of one step, with its journal row."""
+
+    step_id: int
+    strategy_id: int
+    from_state: str
+    from_fence: int
+    to_state: str
+    fence: int
+    details: str
+    attempt: int
+    #: the conductor is stopping: it enters ``to_state`` but will not start its action
+    not_started: bool = False
+    #: when ``to_state`` runs out of time (engine clock); None for terminal states
+    deadline_at: float | None = None
+    #: written whoever owns the step's row now (settling a row someone else changed,
+    #: ending the steps of a strategy nobody can drive): the fence still decides
+    any_owner: bool = False
+
+
+@dataclass(slots=True)
+class Event:
+    """A non-transition fact worth keeping: takeover, stale outcome, ignored message."""
+
+    kind: str
+    details: str
+    strategy_id: int | None = None
+    step_id: int | None = None
+
+
+@dataclass(slots=True)
+class CommitResult:
+    #: transitions not written: refused by compare-and-set or a unique key, or fenced off
+    rejected: list[Transition]
+    #: strategies another conductor has claimed since this one did
+    lost: set[int]
+    #: entries written otherwise: failed, their target unmanaged since it was loaded;
+    #: aborted, that failure having stopped the strategy (see :class:`StopRule`), as
+    #: are that strategy's moves to a next state in the same commit
+    replaced: list[Transition] = field(default_factory=list)
+    #: entries not written (the steps still wait): a move of their strategy to an end
+    #: was refused, so that step still holds its slot (and its stage); or the strategy
+    #: is paused or its abort requested (:data:`HOLD_ENTRIES`)
+    deferred: list[Transition] = field(default_factory=list)
+    #: strategies whose entries were held back, and the state that held them: the
+    #: operator's pause or abort reached the database before the dispatcher knew of it
+    held_back: dict[int, str] = field(default_factory=dict)
+    #: strategies whose entries were written as not started (their lease lapsing here,
+    #: by the ``lapsing`` predicate when the commit went through): start none of them
+    not_started: set[int] = field(default_factory=set)
+    #: steps whose retry record (:class:`AttemptDeadline`) was not written: their row
+    #: changed under this conductor (its fence or state), so the retry must not run
+    retries_refused: set[int] = field(default_factory=set)
+    #: steps whose retry was about to start (its start's record) while their strategy's
+    #: abort is requested: not written, so the retry does not start (the operator's abort
+    #: reached the database before the dispatcher knew of it; see :attr:`held_back`)
+    retries_held: set[int] = field(default_factory=set)
+
+
+def _never(_strategy_id: int) -> bool:
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class StopRule:
+    """A strategy's failure limit, as a commit that starts its steps must apply it."""
+
+    #: failures it still tolerates (its limit minus the failed steps so far)
+    tolerated: int
+    #: why it stops once one more has failed (the not-started steps' details); the
+    #: commit puts the name of the target whose failure crossed the limit for TARGET
+    details: str
+
+    TARGET: ClassVar[str] = "{target}"
+
+
+@dataclass(slots=True)
+class AttemptDeadline:
+    """A retry of a step still in ``state`` at ``fence``: its deadline, its attempt
+    number and why (not a transition)."""
+
+    step_id: int
+    strategy_id: int
+    state: str
+    fence: int
+    deadline_at: float
+    attempt: int
+    #: None: the row's details are kept
+    details: str | None
+    #: 1 while the retry waits to start (a takeover then runs it as this attempt, once
+    #: due), 0 once it starts
+    not_started: int = 0
+
+
+@dataclass(slots=True)
+class CallbackMark:
+    """How the dispatcher answered one stored callback."""
+
+    callback_id: int
+    outcome: str  # applied | ignored
+    reason: str
+    strategy_id: int = 0
+    #: for ``applied`` by a transition: its step (the mark is written only with it)
+    step_id: int | None = None
+
+
+# -- the hot path -------------------------------------------------------------------
+
+
+def _is_entry(t: Transition) -> bool:
+    """A step starting: out of ``initial`` into one of its workflow's states."""
+    return t.from_state == STEP_INITIAL and t.to_state not in STEP_TERMINAL
+
+
+def _held_back(t: Transition, hold: dict[int, str]) -> bool:
+    """Whether ``hold`` (strategies by a state that holds steps back) keeps ``t`` from
+    being written as it is: any entry of a paused or aborting strategy, and a move to
+    a next state of one whose abort is requested."""
+    state = hold.get(t.strategy_id)
+    if state is None or t.to_state in STEP_TERMINAL:
+        return False
+    return t.from_state == STEP_INITIAL or state == StrategyState.ABORT_REQUESTED.value
+
+
+def _start_held(d: AttemptDeadline, hold: dict[int, str]) -> bool:
+    """Whether ``hold`` keeps a retry from starting: its start (not its record made
+    before the backoff) in a strategy whose abort is requested. A pause does not: the
+    step is in flight, and goes on to its end."""
+    return not d.not_started and hold.get(d.strategy_id) == StrategyState.ABORT_REQUESTED.value
+
+
+class TransitionWriter:
+    """Group commit of transitions. Not thread-safe: one conductor owns it."""
+
+    def __init__(self, store: Store, conductor_id: str) -> None:
+        self.store = store
+        self.cid = conductor_id
+        self._raw: PoolProxiedConnection | None = None
+        #: the hot path's DBAPI connection and cursor (kept while ``_raw`` is), and module
+        self._driver: Any = None
+        self._cur: Any = None
+        self._dbapi: Any = store.engine.dialect.dbapi
+        #: the commit being written: its time, whether a strategy's lease is lapsing,
+        #: and the strategies whose entries it wrote as not started for that
+        self._at = 0.0
+        self._lapsing: Callable[[int], bool] = _never
+        self._lapsed_now: set[int] = set()
+        #: the commit's answers of ``_lapsing``, by strategy
+        self._lapsing_now: dict[int, bool] = {}
+        #: how a boolean column is bound (index by the value)
+        self._flags = (store.hooks.flag(False), store.hooks.flag(True))
+        p = store.hooks.placeholder
+        # One compare-and-set UPDATE per kind of move, so that what a kind always sets to
+        # NULL is written in the SQL: binding a None costs the driver an adapter lookup
+        # (SQLite: about 2.5 us a row, a quarter of the statement).
+        head = f"UPDATE steps SET state={p}, fence={p}, details={p}, attempt={p}, "
+        # The step's owner is checked with its state and fence: a step in a workflow
+        # state is written only by the conductor that owns it (a row whose owner was
+        # changed or cleared is refused, read back and settled); a waiting one has none.
+        cas = f" WHERE id={p} AND state={p} AND fence={p} AND (owner={p} OR {p})"
+        #: into a workflow state: owned by this conductor (under its strategy's lease)
+        self._enter_sql = (
+            f"{head}owner={p}, started_at=COALESCE(started_at, {p}), "
+            f"finished_at=NULL, not_started={p}, deadline_at={p}{cas}"
+        )
+        #: a started step ends
+        self._finish_sql = (
+            f"{head}owner=NULL, started_at=COALESCE(started_at, {p}), "
+            f"finished_at={p}, not_started={p}, deadline_at=NULL{cas}"
+        )
+        #: a step ends without having started (aborted, unmanaged): no started_at
+        self._end_unstarted_sql = (
+            f"{head}owner=NULL, finished_at={p}, not_started={p}, deadline_at=NULL{cas}"
+        )
+        #: an attempt released to its target (see :data:`attempts`)
+        self._attempt_sql = (
+            "INSERT INTO attempts (strategy_id, step_id, state, attempt, at, conductor, "
+            f"fence, how) VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p}, {p})"
+        )
+        self._journal_sql = (
+            "INSERT INTO journal (strategy_id, step_id, at, conductor, from_state, to_state, "
+            f"fence, details) VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p}, {p})"
+        )
+        #: a retry: its deadline, attempt and why; a step that has moved on since is
+        #: left alone
+        self._deadline_sql = (
+            f"UPDATE steps SET deadline_at={p}, attempt={p}, details=COALESCE({p}, details), "
+            f"not_started={p} WHERE id={p} AND state={p} AND fence={p} AND owner={p}"
+        )
+        self._mark_sql = (
+            f"UPDATE callbacks SET outcome={p}, reason={p}, processed_at={p} "
+            f"WHERE id={p} AND outcome IS NULL"
+        )
+        #: the fence check's statement by how many strategies a commit touches
+        self._held_sql: dict[int, str] = {}
+        self._event_sql = (
+            "INSERT INTO events (at, conductor, strategy_id, step_id, kind, details) "
+            f"VALUES ({p}, {p}, {p}, {p}, {p}, {p})"
+        )
+
+    def _params(self, t: Transition) -> tuple[str, tuple[Any, ...], tuple[Any, ...]]:
+        """The step's compare-and-set UPDATE (statement and parameters), its journal row.
+
+        Written at the commit's time (``self._at``: a commit retried through an outage
+        went through later than it was decided). The step's attempt is its current
+        state's: 1 entering a state; once ended, the attempts its last state took. An
+        entry of a strategy whose lease is lapsing here is marked not started: nothing
+        of it starts here any more, and the next owner starts it afresh.
+        """
+        at = self._at
+        flags = self._flags
+        to_state, fence, details = t.to_state, t.fence, t.details
+        step_id, from_state, from_fence = t.step_id, t.from_state, t.from_fence
+        upd: tuple[Any, ...]
+        # (each tuple built at once, in the statement's order: once a transition)
+        if to_state not in STEP_TERMINAL:
+            sql = self._enter_sql
+            sid = t.strategy_id
+            stale = self._lapsing_now.get(sid)
+            if stale is None:
+                # (asked once a commit for each strategy)
+                stale = self._lapsing_now[sid] = self._lapsing(sid)
+                if stale:
+                    self._lapsed_now.add(sid)
+            upd = (
+                to_state,
+                fence,
+                details,
+                1,  # the attempt: a state is entered at its first
+                self.cid,
+                at,
+                flags[t.not_started or stale],
+                t.deadline_at,
+                step_id,
+                from_state,
+                from_fence,
+                self.cid,
+                flags[t.any_owner or from_state == STEP_INITIAL],
+            )
+        else:
+            # an end: without started_at if the step never started, else with it
+            unstarted = from_state == STEP_INITIAL
+            sql = self._end_unstarted_sql if unstarted else self._finish_sql
+            stamps = (at,) if unstarted else (at, at)
+            upd = (
+                to_state,
+                fence,
+                details,
+                t.attempt,
+                *stamps,
+                flags[t.not_started],
+                step_id,
+                from_state,
+                from_fence,
+                self.cid,
+                flags[t.any_owner or unstarted],
+            )
+        jr = (t.strategy_id, step_id, at, self.cid, from_state, to_state, fence, details)
+        return sql, upd, jr
+
+    def commit(
+        self,
+        batch: list[Transition],
+        evts: list[Event],
+        now: float,
+        marks: list[CallbackMark] | None = None,
+        fences: dict[int, int] | None = None,
+        deadlines: list[AttemptDeadline] | None = None,
+        stops: dict[int, StopRule] | None = None,
+        lapsing: Callable[[int], bool] | None = None,
+    ) -> CommitResult:
+        """Commit a batch in one transaction (group commit).
+
+        ``fences`` maps each strategy the batch touches to the fence this conductor
+        claimed it with: if another conductor has claimed it since (this one was
+        presumed dead), nothing of that strategy is written and it is reported lost.
+        ``marks`` record how callbacks were answered, ``deadlines`` when retries run
+        out of time, in the same transaction.
+
+        A step about to start whose target an operator has unmanaged since it was
+        loaded is written as failed instead (the check is in this transaction, so an
+        unmanage either comes before the step starts or after). If that exceeds its
+        strategy's failure limit (``stops``), the strategy's later entries in the batch
+        are written as aborted, not started. Both are listed in
+        :attr:`CommitResult.replaced`; ``batch`` itself is left as it is.
+
+        ``lapsing``: whether a strategy's lease is lapsing at this conductor, asked once
+        for each strategy as the commit is written (each attempt of a retried one asks
+        again): all of its entries in the commit are then written as not started
+        (:attr:`CommitResult.not_started`), or none.
+        """
+        self._at, self._lapsing = now, lapsing or _never
+        self._lapsed_now = set()
+        self._lapsing_now = {}
+        mk = [(m.outcome, m.reason, now, m.callback_id) for m in marks or ()]
+        flags = self._flags  # (its 0 or 1 as the boolean column is bound)
+        dl = [
+            (
+                d.deadline_at,
+                d.attempt,
+                d.details,
+                flags[d.not_started],
+                d.step_id,
+                d.state,
+                d.fence,
+                self.cid,
+            )
+            for d in deadlines or ()
+        ]
+        ups: list[tuple[str, tuple[Any, ...]]] = []
+        jrs: list[tuple[Any, ...]] = []
+        for t in batch:
+            sql, u, j = self._params(t)
+            ups.append((sql, u))
+            jrs.append(j)
+        ev = [(now, self.cid, e.strategy_id, e.step_id, e.kind, e.details) for e in evts]
+        fences = fences or {}
+        # Each attempt replaces entries in its own copies: the caller's batch stays as it
+        # was, so the slower path, or a retried commit (a transient error), decides again.
+        stops = stops or {}
+        replaced: list[Transition] = []
+        if self._commit_fast(
+            list(batch),
+            list(ups),
+            list(jrs),
+            ev,
+            mk,
+            fences,
+            dl,
+            stops,
+            replaced,
+            deadlines or [],
+        ):
+            return CommitResult([], set(), replaced, not_started=self._lapsed_now)
+        return self._commit_one_by_one(
+            list(batch),
+            ups,
+            jrs,
+            ev,
+            marks or [],
+            now,
+            fences,
+            deadlines or [],
+            stops,
+        )
+
+    def _held(self, cur: Any, fences: dict[int, int]) -> tuple[set[int], dict[int, str]]:
+        """Strategies no longer held by this conductor at the fence it claimed them with;
+        and, of those still held, the ones whose steps may not start now (by state)."""
+        if not fences:
+            return set(), {}
+        ids = sorted(fences)
+        sql = self._held_sql.get(len(ids))
+        if sql is None:
+            sql = self._held_sql[len(ids)] = (
+                "SELECT id, owner, fence, state FROM strategies "
+                f"WHERE id IN ({self.store.hooks.placeholders(len(ids))})"
+            )
+        cur.execute(sql, ids)
+        held: set[int] = set()
+        hold: dict[int, str] = {}
+        for sid, owner, fence, state in cur.fetchall():
+            if owner == self.cid and fence == fences[sid]:
+                held.add(int(sid))
+                if state in HOLD_ENTRIES:
+                    hold[int(sid)] = str(state)
+        return set(ids) - held, hold
+
+    def _end_unmanaged(
+        self,
+        cur: Any,
+        batch: list[Transition],
+        ups: list[tuple[str, tuple[Any, ...]]],
+        jrs: list[tuple[Any, ...]],
+        stops: dict[int, StopRule],
+    ) -> list[Transition]:
+        """Steps about to start whose target is unmanaged now: fail them instead; and
+        once that exceeds a strategy's failure limit, start none of its later ones.
+
+        Entries are replaced, in ``batch`` and in the statements' parameters (the
+        caller's copies): ``initial -> failed`` with the unmanaged reason, or ``initial
+        -> aborted`` as not started, as the dispatcher would have decided had it known;
+        so are that strategy's moves to a next state in the batch (they end aborted
+        after the state they finished). One query, only for batches that start steps.
+        """
+        at = {
+            t.step_id: i
+            for i, t in enumerate(batch)
+            if t.from_state == STEP_INITIAL and t.to_state not in STEP_TERMINAL
+        }
+        if not at:
+            return []
+        hooks = self.store.hooks
+        ids = list(at)
+        # Lists padded to a power of two (with a repeated id): each length is its own
+        # statement, and one per batch size would crowd the driver's statement cache,
+        # which holds the hot path's UPDATEs and INSERTs.
+        size = 1 << (len(ids) - 1).bit_length()
+        ids += [ids[-1]] * (size - len(ids))
+        cur.execute(
+            "SELECT s.id, t.name FROM steps s JOIN targets t ON t.id = s.target_id "
+            f"WHERE s.id IN ({hooks.placeholders(size)}) AND t.managed = {hooks.placeholder}",
+            [*ids, hooks.flag(False)],
+        )
+        unmanaged = dict(cur.fetchall())
+        if not unmanaged:
+            return []
+        tolerated = {sid: rule.tolerated for sid, rule in stops.items()}
+        stopped: dict[int, str] = {}
+        out: list[Transition] = []
+        for i in sorted(at.values()):
+            t = batch[i]
+            sid = t.strategy_id
+            if sid in stopped:
+                to_state, details = STEP_ABORTED, f"not started: {stopped[sid]}"
+            elif t.step_id in unmanaged:
+                to_state, details = STEP_FAILED, unmanaged_reason(unmanaged[t.step_id])
+                if sid in tolerated:
+                    tolerated[sid] -= 1
+                    if tolerated[sid] < 0:
+                        who = unmanaged[t.step_id]
+                        stopped[sid] = stops[sid].details.replace(StopRule.TARGET, who)
+            else:
+                continue
+            out.append(self._end_instead(batch, ups, jrs, i, to_state, details))
+        if stopped:
+            # The stop happened in this commit: a step of that strategy moving on in it
+            # must not start its next state either (the dispatcher, deciding the move,
+            # did not know). It ends aborted after the state it finished.
+            for i, t in enumerate(batch):
+                sid = t.strategy_id
+                if sid not in stopped or t.from_state == STEP_INITIAL:
+                    continue
+                if t.to_state in STEP_TERMINAL:
+                    continue
+                details = f"stopped after {t.from_state}: {stopped[sid]}"
+                out.append(self._end_instead(batch, ups, jrs, i, STEP_ABORTED, details))
+        return out
+
+    def _end_instead(
+        self,
+        batch: list[Transition],
+        ups: list[tuple[str, tuple[Any, ...]]],
+        jrs: list[tuple[Any, ...]],
+        i: int,
+        to_state: str,
+        details: str,
+    ) -> Transition:
+        """Write ``batch[i]`` as an end (``to_state``, at its fence) instead of what the
+        dispatcher decided, in the batch and the statements' parameters (the caller's
+        copies); the transition written."""
+        batch[i] = ended = replace(
+            batch[i],
+            to_state=to_state,
+            fence=batch[i].from_fence,
+            details=details,
+            not_started=False,
+            deadline_at=None,
+        )
+        sql, u, j = self._params(ended)
+        ups[i], jrs[i] = (sql, u), j
+        return ended
+
+    def _commit_fast(
+        self,
+        batch: list[Transition],
+        ups: list[tuple[str, tuple[Any, ...]]],
+        jrs: list[tuple[Any, ...]],
+        ev: list[tuple[Any, ...]],
+        mk: list[tuple[Any, ...]],
+        fences: dict[int, int],
+        dl: list[tuple[Any, ...]],
+        stops: dict[int, StopRule],
+        replaced: list[Transition],
+        deadlines: list[AttemptDeadline],
+    ) -> bool:
+        """The hot path: one transaction on a dedicated DBAPI connection, four executemany.
+
+        False (rolled back) when a strategy was lost, or a compare-and-set or a unique
+        key refused a row: the caller then sorts the batch out row by row.
+        """
+        dbapi = self._dbapi
+        raw_conn = self._raw
+        if raw_conn is None:
+            raw_conn = self._raw = self._connect()
+            self._driver = raw_conn.driver_connection
+        raw = self._driver
+        cur = self._cur
+        if cur is None:
+            # (kept from one commit to the next: made anew each time, it cost the hot
+            # path; let go after an error, which may leave a statement open on it)
+            cur = self._cur = raw.cursor()
+        self.store.wait_for_locks(raw, raw_conn.info)
+        try:
+            cur.execute(self.store.hooks.begin_write_sql)
+            if self.store.write_fault is not None:
+                self.store.write_fault()
+            lost, hold = self._held(cur, fences)
+            if lost or (
+                hold
+                and (
+                    any(_held_back(t, hold) for t in batch)
+                    or any(_start_held(d, hold) for d in deadlines)
+                )
+            ):
+                raw.rollback()  # the row-by-row path says what was not written, and why
+                return False
+            replaced += self._end_unmanaged(cur, batch, ups, jrs, stops)
+            ats = [self._attempt_row(d) for d in deadlines if not d.not_started] if dl else []
+            by_sql: dict[str, list[tuple[Any, ...]]] = {}
+            for sql, u in ups:
+                by_sql.setdefault(sql, []).append(u)
+            for sql, rows in by_sql.items():
+                cur.executemany(sql, rows)
+                if cur.rowcount != len(rows):
+                    raw.rollback()
+                    return False
+            if jrs:
+                cur.executemany(self._journal_sql, jrs)
+            if ats:
+                cur.executemany(self._attempt_sql, ats)
+            if ev:
+                cur.executemany(self._event_sql, ev)
+            if mk:
+                cur.executemany(self._mark_sql, mk)
+            if dl:
+                cur.executemany(self._deadline_sql, dl)
+                if cur.rowcount != len(dl):
+                    raw.rollback()  # a retry's row changed: the slower path says which
+                    return False
+            raw.commit()
+            return True
+        except dbapi.IntegrityError:
+            self._rollback(raw)
+            return False
+        except dbapi.OperationalError as exc:
+            self._rollback(raw)
+            raise OperationalError("commit", None, exc) from exc
+        except dbapi.DatabaseError as exc:  # a malformed file, ...: as SQLAlchemy says it
+            self._rollback(raw)
+            raise DatabaseError("commit", None, exc) from exc
+        except BaseException:
+            self._rollback(raw)
+            raise
+
+    def _attempt_row(self, d: AttemptDeadline) -> tuple[Any, ...]:
+        """A retry's start (its attempt row)."""
+        return (d.strategy_id, d.step_id, d.state, d.attempt, self._at, self.cid, d.fence, "retry")
+
+    def _rollback(self, raw: Any) -> None:
+        """After an error in the hot path's transaction: roll it back, and let go of the
+        cursor (a statement it left half read would keep a read snapshot of the WAL open
+        until the next commit, holding back checkpoints; rollback does not reset it)."""
+        self._drop_cursor()
+        try:
+            raw.rollback()
+        except self._dbapi.Error:
+            # The connection itself is gone (PostgreSQL ended it: a restart, a dropped
+            # link): let go of it for good, and the next commit opens a new one.
+            self._lose_connection()
+
+    def _lose_connection(self) -> None:
+        raw_conn, self._raw, self._driver = self._raw, None, None
+        if raw_conn is not None:
+            raw_conn.invalidate()
+
+    def _drop_cursor(self) -> None:
+        cur, self._cur = self._cur, None
+        if cur is not None:
+            with contextlib.suppress(Exception):
+                cur.close()
+
+    def _commit_one_by_one(
+        self,
+        batch: list[Transition],
+        ups: list[tuple[str, tuple[Any, ...]]],
+        jrs: list[tuple[Any, ...]],
+        ev: list[tuple[Any, ...]],
+        marks: list[CallbackMark],
+        now: float,
+        fences: dict[int, int],
+        deadlines: list[AttemptDeadline],
+        stops: dict[int, StopRule],
+    ) -> CommitResult:
+        rejected: list[Transition] = []
+        deferred: list[Transition] = []
+        held_back: dict[int, str] = {}
+        with self.store.write() as conn:
+            raw: Any = conn.connection.driver_connection
+            lost, hold = self._held(raw.cursor(), fences)
+            stopped_now: list[Transition] = []
+            if hold:
+                # Paused, or its abort requested: none of its steps starts. Its entries
+                # are not written (they wait again); its other moves are, but once its
+                # abort is requested, a move to a next state ends the step instead
+                # (aborted after the state it finished), as the dispatcher would decide.
+                keep = [
+                    i for i, t in enumerate(batch) if not (_is_entry(t) and t.strategy_id in hold)
+                ]
+                for i in sorted(set(range(len(batch))) - set(keep)):
+                    deferred.append(batch[i])
+                    held_back[batch[i].strategy_id] = hold[batch[i].strategy_id]
+                batch = [batch[i] for i in keep]
+                ups = [ups[i] for i in keep]
+                jrs = [jrs[i] for i in keep]
+                for i, t in enumerate(batch):
+                    if _held_back(t, hold):
+                        details = f"stopped after {t.from_state}: aborted by operator"
+                        stopped_now.append(
+                            self._end_instead(batch, ups, jrs, i, STEP_ABORTED, details)
+                        )
+                        held_back[t.strategy_id] = hold[t.strategy_id]
+            replaced = stopped_now + self._end_unmanaged(raw.cursor(), batch, ups, jrs, stops)
+            rows = list(zip(batch, ups, jrs, strict=True))
+            held: Counter[int] = Counter()
+
+            def write(t: Transition, sql: str, u: tuple[Any, ...], j: tuple[Any, ...]) -> None:
+                if t.strategy_id in lost:
+                    rejected.append(t)
+                    return
+                sp = conn.begin_nested()
+                try:
+                    res = conn.exec_driver_sql(sql, u)
+                    if res.rowcount != 1:
+                        sp.rollback()
+                        if not self._already_applied(conn, t):
+                            rejected.append(t)
+                            held[t.strategy_id] += t.to_state in STEP_TERMINAL
+                        return
+                    conn.exec_driver_sql(self._journal_sql, j)
+                    sp.commit()
+                except IntegrityError:
+                    sp.rollback()
+                    rejected.append(t)
+                    held[t.strategy_id] += t.to_state in STEP_TERMINAL
+
+            # Moves first, then the entries. The dispatcher admitted entries as soon as it
+            # decided that steps ended (their slots free, perhaps their stage done); if such
+            # an end is refused, the step is still in a state, so none of its strategy's
+            # entries in this batch is written: they wait, and the dispatcher admits again
+            # once it has read that step's row (more than max parallel in flight, or a
+            # stage started before the last one ended, otherwise).
+            for t, (sql, u), j in rows:
+                if not _is_entry(t):
+                    write(t, sql, u, j)
+            for t, (sql, u), j in rows:
+                if not _is_entry(t):
+                    continue
+                if held[t.strategy_id] and t.strategy_id not in lost:
+                    deferred.append(t)
+                else:
+                    write(t, sql, u, j)
+            for t in rejected:
+                why = (
+                    "strategy claimed by another conductor (fenced off)"
+                    if t.strategy_id in lost
+                    else "step no longer at that state and fence, or state already entered"
+                )
+                ev.append(
+                    (
+                        now,
+                        self.cid,
+                        t.strategy_id,
+                        t.step_id,
+                        "transition-rejected",
+                        f"{t.from_state} -> {t.to_state} at fence {t.from_fence}: {why}",
+                    )
+                )
+            if ev:
+                conn.exec_driver_sql(self._event_sql, ev)
+            # Callbacks of a lost strategy stay open: its new owner answers them. So does
+            # one whose transition was refused: it is applied when that is settled.
+            refused_steps = {t.step_id for t in rejected} | {t.step_id for t in deferred}
+            mk = [
+                (m.outcome, m.reason, now, m.callback_id)
+                for m in marks
+                if m.strategy_id not in lost and m.step_id not in refused_steps
+            ]
+            if mk:
+                conn.exec_driver_sql(self._mark_sql, mk)
+            retries_refused: set[int] = set()
+            retries_held: set[int] = set()
+            for d in deadlines:
+                if d.strategy_id in lost:
+                    continue
+                if _start_held(d, hold):
+                    retries_held.add(d.step_id)
+                    held_back[d.strategy_id] = hold[d.strategy_id]
+                    continue
+                sp = conn.begin_nested()
+                try:
+                    written = conn.exec_driver_sql(
+                        self._deadline_sql,
+                        (
+                            d.deadline_at,
+                            d.attempt,
+                            d.details,
+                            self._flags[d.not_started],
+                            d.step_id,
+                            d.state,
+                            d.fence,
+                            self.cid,
+                        ),
+                    )
+                    if written.rowcount == 1 and not d.not_started:
+                        # (an attempt recorded twice is refused: it must not run twice)
+                        conn.exec_driver_sql(self._attempt_sql, self._attempt_row(d))
+                except IntegrityError:
+                    sp.rollback()
+                    retries_refused.add(d.step_id)
+                    continue
+                sp.commit()
+                if written.rowcount != 1:
+                    retries_refused.add(d.step_id)
+        refused = {id(t) for t in rejected} | {id(t) for t in deferred}
+        return CommitResult(
+            rejected,
+            lost,
+            [t for t in replaced if id(t) not in refused],
+            deferred,
+            held_back,
+            self._lapsed_now,
+            retries_refused,
+            retries_held,
+        )
+
+    def close(self) -> None:
+        self._drop_cursor()
+        self._driver = None
+        if self._raw is not None:
+            self._raw.close()
+            self._raw = None
+
+    def _connect(self) -> PoolProxiedConnection:
+        """The hot path's own connection; a failure to connect (a server that is not
+        there) as SQLAlchemy's error, as every other store call's is."""
+        try:
+            return self.store.engine.raw_connection()
+        except self._dbapi.Error as exc:
+            raise DBAPIError.instance("connect", None, exc, self._dbapi.Error) from exc
+
+    def _already_applied(self, conn: Connection, t: Transition) -> bool:
+        """True when this very transition is already committed (a retried, ambiguous commit)."""
+        row = conn.execute(
+            select(journal.c.fence, journal.c.conductor, journal.c.from_state).where(
+                journal.c.step_id == t.step_id, journal.c.to_state == t.to_state
+            )
+        ).first()
+        return (
+            row is not None
+            and row.fence == t.fence
+            and row.conductor == self.cid
+            and row.from_state == t.from_state
+        )
