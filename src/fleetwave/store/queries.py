@@ -350,7 +350,7 @@ def list_conductors(store: Store, now: float | None = None) -> list[dict[str, An
             state = "stopped"
         elif (
             conductor_gone(r.hostname, r.pid, None)
-            or (r.lease_clock is not None and r.lease_clock != name)
+            or r.lease_clock != name  # (as claims judge it: runtime.dead_conductors)
             or r.heartbeat_at < now - SERVING_WITHIN_S
         ):
             state = "gone"
