@@ -102,8 +102,8 @@ MUTATIONS = [
     Mutation(
         "step compare-and-set: state and fence not checked",
         STORE + "writer.py",
-        'cas = f" WHERE id={p} AND state={p} AND fence={p} AND (owner={p} OR {p})"',
-        'cas = f" WHERE id={p} AND {p} IS NOT NULL AND {p} IS NOT NULL AND (owner={p} OR {p})"',
+        'f" WHERE id={p} AND state={p} AND fence={p} AND (owner={p} OR {p} "',
+        'f" WHERE id={p} AND {p} IS NOT NULL AND {p} IS NOT NULL AND (owner={p} OR {p} "',
         tests=(
             "tests/test_fencing_layers.py::test_the_step_compare_and_set_refuses_a_stale_state",
             "tests/test_fencing_layers.py::test_the_step_compare_and_set_refuses_a_stale_fence",
@@ -112,9 +112,32 @@ MUTATIONS = [
     Mutation(
         "step owner not checked by its writes",
         STORE + "writer.py",
-        'cas = f" WHERE id={p} AND state={p} AND fence={p} AND (owner={p} OR {p})"',
-        'cas = f" WHERE id={p} AND state={p} AND fence={p} AND ({p} IS NOT NULL OR {p})"',
+        'f" WHERE id={p} AND state={p} AND fence={p} AND (owner={p} OR {p} "',
+        'f" WHERE id={p} AND state={p} AND fence={p} AND ({p} IS NOT NULL OR {p} "',
         tests=("tests/test_fencing_layers.py::test_a_step_is_written_only_by_its_owner",),
+    ),
+    Mutation(
+        "a commit does not check the strategy's slots (G7 across conductors)",
+        STORE + "writer.py",
+        'f"{self._slot_sql} AND ({p} <= 0 OR in_flight + {p} <= cap)"',
+        'f"{self._slot_sql} AND ({p} <= 0 OR {p} IS NOT NULL)"',
+        also=((STORE + "writer.py", "not fits(t):", "False:"),),
+        tests=(
+            "tests/test_slots_across_conductors.py::"
+            "test_an_entry_past_the_cap_is_not_written_whoever_made_it[sqlite]",
+            "tests/test_slots_across_conductors.py::"
+            "test_no_interleaving_exceeds_a_cap_or_shares_a_step[sqlite]",
+        ),
+    ),
+    Mutation(
+        "a claimed step may be started by another conductor",
+        STORE + "writer.py",
+        'f"OR (owner IS NULL AND {p}))"',
+        'f"OR ({p} IS NOT NULL))"',
+        tests=(
+            "tests/test_slots_across_conductors.py::"
+            "test_a_step_claimed_by_one_conductor_is_not_started_by_another[sqlite]",
+        ),
     ),
     Mutation(
         "strategy fence not checked by a commit",

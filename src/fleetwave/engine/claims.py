@@ -62,7 +62,7 @@ class ClaimsMixin(StoreCalls):
     _freeze: Callable[[], None]
     _prefetch_page: Callable[[], int]
     _deadline_of: Callable[[StrategyRun, str, float], float | None]
-    _move: Callable[[StrategyRun, int, str, int, str, str, int, float], rt.Transition]
+    _move: Callable[[StrategyRun, int, str, int, str, str, int, float, int | None], rt.Transition]
     if TYPE_CHECKING:  # (called with keywords, or without an argument that has a default)
 
         async def _load_waiting(
@@ -268,7 +268,15 @@ class ClaimsMixin(StoreCalls):
         def end(step: rt.StepRecord, to_state: str, details: str) -> None:
             batch.append(
                 self._move(
-                    run, step.step_id, step.state, step.fence, to_state, details, step.attempt, now
+                    run,
+                    step.step_id,
+                    step.state,
+                    step.fence,
+                    to_state,
+                    details,
+                    step.attempt,
+                    now,
+                    step.group_id,
                 )
             )
 
@@ -383,6 +391,7 @@ class ClaimsMixin(StoreCalls):
                 attempt=st.attempt,
                 # nobody can drive them: ended whoever held them (at their fence)
                 any_owner=True,
+                group_id=st.group_id,
             )
             for st in open_steps
         ]

@@ -90,6 +90,7 @@ from fleetwave.store import callbacks as cbs
 from fleetwave.store import leases
 from fleetwave.store import runtime as rt
 from fleetwave.store.db import Store
+from fleetwave.store.notify import Listener
 
 log = logging.getLogger("fleetwave.engine")
 
@@ -293,6 +294,14 @@ class Conductor(
         # The hot path asks for the loop on every action: asyncio.get_running_loop()
         # makes a getpid() system call each time (fork safety), so it is kept here.
         self._loop = asyncio.get_running_loop()
+        self._nudge = asyncio.Event()
+        loop = self._loop
+
+        def nudged(_what: str) -> None:  # (in the listener's thread)
+            with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
+                loop.call_soon_threadsafe(self._nudge.set)
+
+        listener = Listener(self.store, nudged)
         clean = False
         for driver in self.drivers.values():
             if hasattr(driver, "callback_sink"):
@@ -303,6 +312,7 @@ class Conductor(
             if on_ready is not None:
                 on_ready()
             self._watch_leases()
+            listener.start()  # (PostgreSQL: woken by other processes' commits)
             periodic = asyncio.create_task(self._periodic(), name="fleetwave-periodic")
             periodic.add_done_callback(self._periodic_ended)
             try:
@@ -314,6 +324,7 @@ class Conductor(
         finally:
             # first: what follows may raise (a stop during an outage), or be cancelled
             self._thaw(refreeze=False)
+            listener.stop()
             if self._lease_watch is not None:
                 self._lease_watch.cancel()
                 self._lease_watch = None
@@ -333,6 +344,8 @@ class Conductor(
                 held = [i for run in self.runs.values() for i in run.inflight]
                 await self._io(rt.release_conductor, self.store, self.id, self._NOW, held)
             self._writer.close()
+            if listener.available:
+                await asyncio.to_thread(listener.join)
         return self.finished
 
     async def _stop_workers(self) -> list[InFlight]:
@@ -550,6 +563,8 @@ class Conductor(
                 self._replaced_at_turn(t)
             if result.deferred:
                 self._wait_again(result.deferred)
+            for sid, n in result.no_slot.items():
+                await self._no_room(sid, n)
             late: list[rt.Event] = []
             for sid, state in result.held_back.items():
                 # The operator's pause or abort was committed before this dispatcher saw
@@ -887,6 +902,7 @@ class Conductor(
                 decision.details,
                 msg.attempts,
                 now,
+                fl.rec.group_id,
             )
         )
         # Book the move now, so admissions in this same batch see the freed slot.
@@ -925,8 +941,34 @@ class Conductor(
             self._freed[t.step_id] = _free_slot(run, t.step_id)
             details = f"stopped after {t.from_state}: {run.stop_details}"
             batch[i] = self._move(
-                run, t.step_id, t.from_state, t.from_fence, STEP_ABORTED, details, t.attempt, now
+                run,
+                t.step_id,
+                t.from_state,
+                t.from_fence,
+                STEP_ABORTED,
+                details,
+                t.attempt,
+                now,
+                t.group_id,
             )
+
+    async def _no_room(self, sid: int, n: int) -> None:
+        """``n`` entries of strategy ``sid`` were not written: the database's slots had no
+        room for them (G7, counted there). Nothing more of it is admitted until one of its
+        steps ends or a tick has passed; the slots are counted again from the steps, in
+        case they drifted (a hand edit of a step)."""
+        run = self.runs.get(sid)
+        if run is None or run.no_room:
+            return
+        run.no_room = True
+        log.info("strategy %s: %d steps wait: no free slot in the database", sid, n)
+        await self._io(rt.recount_slots, self.store, sid, self.id, self._NOW)
+
+        def again() -> None:
+            run.no_room = False
+            self._wake_soon()
+
+        self._loop.call_later(self.config.tick_s, again)
 
     def _replaced_at_turn(self, t: rt.Transition) -> None:
         """A step admitted or moved on in this batch was ended in the commit instead:
@@ -1068,6 +1110,7 @@ class Conductor(
             details,
             0,
             now,
+            rec.group_id,
             fence=rec.fence + 1 if claim else rec.fence,
         )
 
@@ -1081,10 +1124,12 @@ class Conductor(
         details: str,
         attempt: int,
         now: float,
+        group_id: int | None,
         *,
         fence: int | None = None,
     ) -> rt.Transition:
-        """A transition of one of ``run``'s steps, with what follows from where it goes.
+        """A transition of one of ``run``'s steps (of group ``group_id``: its entries and
+        ends count in that group's slots too), with what follows from where it goes.
 
         Its deadline (when ``to_state`` runs out of time), and its not-started mark:
         while draining, :meth:`_apply` starts no next state, so the next owner will.
@@ -1106,6 +1151,8 @@ class Conductor(
             # not started: the conductor is draining (it enters the state, starts nothing)
             self._draining and to_state not in STEP_TERMINAL,
             self._deadline_of(run, to_state, now),
+            False,
+            group_id,
         )
 
     @staticmethod
@@ -1244,6 +1291,7 @@ def _free_slot(run: StrategyRun, step_id: int) -> InFlight | None:
     if fl is None:
         return None
     run.group_load[fl.rec.group_id] -= 1
+    run.no_room = False  # (its slot is free in the database too, once this commits)
     resolve_future(fl.go, False)
     return fl
 

@@ -10,6 +10,7 @@ acting on a strategy whose lease renewals have failed for most of its length.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -48,6 +49,7 @@ class PeriodicMixin(StoreCalls):
     renewed_at: float | None
     _fatal: BaseException | None
     _wake: asyncio.Event | None
+    _nudge: asyncio.Event
     _lease_watch: asyncio.TimerHandle | None
     _db_identity: tuple[int, int] | None
     post: Callable[[Message], None]
@@ -64,7 +66,12 @@ class PeriodicMixin(StoreCalls):
         last_renew = loop.time()
         while True:
             slept_at = loop.time()
-            await asyncio.sleep(self.config.tick_s)
+            # A tick, or sooner: another process's commit gave this one something to do
+            # (a strategy applied or handed back, a callback stored: LISTEN/NOTIFY)
+            nudge = self._nudge
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(nudge.wait(), self.config.tick_s)
+            nudge.clear()
             blocked = loop.time() - slept_at - self.config.tick_s
             if blocked >= STALL_WARN_S:
                 # Nothing else runs meanwhile, lease renewals included: said with its

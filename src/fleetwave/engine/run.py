@@ -119,6 +119,10 @@ class StrategyRun:
     #: told the dispatcher, which may be stuck in a store retry; until the dispatcher
     #: drops it, nothing of it starts (G2: another conductor may take it over soon)
     lapsed: bool = False
+    #: the database refused entries for want of a slot (G7 counted there: another
+    #: conductor's steps hold them, or the counts drifted): nothing is admitted until one
+    #: of its steps ends or a tick has passed
+    no_room: bool = False
 
     #: the strategy's id (asked for on every transition: a plain attribute)
     id: int = field(init=False)
@@ -174,11 +178,16 @@ class StrategyRun:
         return len(self.inflight) + len(self.unsettled)
 
     def take_admissions_possible(self) -> bool:
-        return self.stopping is None and self.held_slots() < self.cap and self.pending_count() > 0
+        return (
+            self.stopping is None
+            and not self.no_room
+            and self.held_slots() < self.cap
+            and self.pending_count() > 0
+        )
 
     def take_admissions(self, limit: int) -> list[StepRecord]:
         """Pop the steps that may start now: sliding window under every cap."""
-        if self.stopping is not None:
+        if self.stopping is not None or self.no_room:
             return []
         free = min(limit, self.cap - self.held_slots())
         if free <= 0:

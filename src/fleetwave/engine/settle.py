@@ -53,6 +53,7 @@ class SettleMixin(StoreCalls):
             details: str,
             attempt: int,
             now: float,
+            group_id: int | None,
             *,
             fence: int | None = None,
         ) -> rt.Transition: ...
@@ -131,7 +132,16 @@ class SettleMixin(StoreCalls):
         ) -> None:
             attempt = row.attempt if attempt is None else attempt
             moved = self._move(
-                run, row.step_id, row.state, row.fence, to_state, why, attempt, now, fence=fence
+                run,
+                row.step_id,
+                row.state,
+                row.fence,
+                to_state,
+                why,
+                attempt,
+                now,
+                row.group_id,
+                fence=fence,
             )
             # the row is the truth: written whoever owns it now (its fence is checked)
             moved.any_owner = True
@@ -248,6 +258,9 @@ class SettleMixin(StoreCalls):
                 self._drop_run(sid)
         if run.id not in self.runs:
             return
+        # A row changed by someone else changed what the database counts in the
+        # strategy's slots (G7) without a commit of ours: counted again from the steps.
+        await self._io(rt.recount_slots, self.store, run.id, self.id, self._NOW)
         self._wake_soon()  # admit what waits again, into the slots settled steps held
         if run.unsettled and run.settle_timer is None:
             # Changed again in between: look again at the next tick, not in a tight loop.

@@ -33,7 +33,9 @@ from fleetwave.domain.models import (
 )
 from fleetwave.domain.workflow import WorkflowDef, WorkflowError, describe_workflow
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
+from fleetwave.store import slots
 from fleetwave.store.db import DialectHooks, Store
+from fleetwave.store.notify import notify
 from fleetwave.store.schema import (
     callbacks,
     events,
@@ -52,6 +54,10 @@ _ACTIVE = [s.value for s in STRATEGY_ACTIVE]
 #: Where an operator's writes take their time from: the wall clock; a simulation sets its
 #: virtual clock here, so that a kept simulation database has one time line.
 ADMIN_CLOCK: ContextVar[Callable[[], float]] = ContextVar("fleetwave_admin_clock")
+
+
+#: a group's cap when the strategy has none for it (it was added after): none
+UNCAPPED_GROUP = 1 << 30
 
 
 def _now() -> float:
@@ -980,6 +986,15 @@ def create_strategy(
                 for i, r in enumerate(rows)
             ],
         )
+        # its slots: the strategy's and those of each group it has steps of (G7)
+        present = {r.group_id for r in rows if r.group_id is not None}
+        slots.insert_slots(
+            conn,
+            store.hooks,
+            sid,
+            opts.effective_parallel,
+            {gid: gcaps.get(gid, UNCAPPED_GROUP) for gid in present},
+        )
         return sid
 
 
@@ -1135,6 +1150,7 @@ def apply_strategy(store: Store, sid: int, *, resume: bool = True) -> str:
                 .where(strategies.c.id == sid, strategies.c.state == state)
                 .values(state=StrategyState.APPLYING.value, updated_at=_now())
             )
+            notify(conn, "strategy", sid)
         elif state == StrategyState.DELETING:
             raise Conflict(
                 f"strategy {sid}: is being deleted; 'fleetwave strategy delete {sid}' finishes it"
@@ -1190,6 +1206,7 @@ def _switch_state(
                 .where(strategies.c.id == sid, strategies.c.state == state)
                 .values(state=dst.value, updated_at=_now())
             )
+            notify(conn, "strategy", sid)
         elif state != dst:
             raise Conflict(
                 f"strategy {sid}: is {state}; only {which} strategy can be {done}"
@@ -1276,6 +1293,7 @@ def request_abort(store: Store, sid: int) -> str | None:
             .where(strategies.c.id == sid, strategies.c.state == state)
             .values(state=StrategyState.ABORT_REQUESTED.value, updated_at=_now())
         )
+        notify(conn, "strategy", sid)
         return None
 
 
@@ -1350,4 +1368,5 @@ def delete_strategy(store: Store, sid: int, *, chunk: int | None = None) -> None
             # lets it in.
             time.sleep(min(DELETE_PAUSE_MAX_S, time.monotonic() - began))
     with store.write() as conn:
+        slots.delete_slots(conn, store.hooks, [sid])
         conn.execute(delete(strategies).where(strategies.c.id == sid))

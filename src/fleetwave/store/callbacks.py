@@ -16,6 +16,7 @@ from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.models import STEP_TERMINAL
 from fleetwave.domain.rules import details_text
 from fleetwave.store.db import Store
+from fleetwave.store.notify import notify
 from fleetwave.store.schema import callbacks, steps
 
 KINDS = ("done", "failed", "heartbeat")
@@ -68,6 +69,8 @@ def accept_callback(
             )
         )
         cid = int(res.inserted_primary_key[0])  # type: ignore[index]
+        if outcome is None:
+            notify(conn, "callback", int(row.strategy_id))  # (its conductor: at once)
     return CallbackRecord(cid, int(row.strategy_id), step_id, state, kind, details, outcome, reason)
 
 

@@ -24,7 +24,7 @@ MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 #: how long a write waits for another writer's lock (an operator's command, another
 #: conductor) before it fails, unless a conductor asks for less
 DEFAULT_BUSY_TIMEOUT_MS = 5000
-HEAD_REVISION = "0009"
+HEAD_REVISION = "0010"
 
 
 class StoreError(Exception):
@@ -43,6 +43,9 @@ class DialectHooks:
     #: a file on this host (SQLite), rather than a server's database (PostgreSQL): its
     #: identity can be watched, and a command that created it can remove it again
     embedded: bool = True
+    #: appended to a SELECT of rows the transaction goes on to update (PostgreSQL's
+    #: row lock; SQLite has one writer at a time, and no such clause)
+    for_update: str = ""
 
     def placeholders(self, n: int) -> str:
         """``n`` parameter placeholders for an ``IN (...)`` list."""

@@ -158,6 +158,7 @@ POSTGRESQL = PostgresHooks(
     # one round trip: psycopg sends statements without parameters as one query
     begin_write_sql=f"BEGIN; SELECT pg_advisory_xact_lock({WRITE_LOCK_KEY})",
     embedded=False,
+    for_update=" FOR UPDATE",
 )
 #: how a read transaction begins: one snapshot for all of it, as an SQLite read has
 BEGIN_READ_SQL = "BEGIN ISOLATION LEVEL REPEATABLE READ"

@@ -22,7 +22,9 @@ from fleetwave.domain.models import (
     StrategyState,
     Target,
 )
+from fleetwave.store import slots
 from fleetwave.store.db import Store
+from fleetwave.store.notify import notify
 from fleetwave.store.schema import (
     attempts,
     conductors,
@@ -244,6 +246,7 @@ def release_conductor(store: Store, cid: str, now: float, step_ids: list[int]) -
             (cid,),
             step_ids,
         )
+        notify(conn, "released")  # the others claim what it held at once
 
 
 def release_strategy(store: Store, sid: int, cid: str, fence: int) -> bool:
@@ -256,6 +259,8 @@ def release_strategy(store: Store, sid: int, cid: str, fence: int) -> bool:
             f"WHERE id = {p} AND owner = {p} AND fence = {p}",
             (sid, cid, fence),
         )
+        if res.rowcount == 1:
+            notify(conn, "released", sid)
         return bool(res.rowcount == 1)
 
 
@@ -383,12 +388,35 @@ def claim_strategies(
                 rec = _strategy_record(r)
                 rec.owner, rec.fence = cid, r.fence + 1
                 claimed.append(rec)
+                if slots.recount(conn, store.hooks, r.id):
+                    # (derived counts: a hand edit of a step, or a bug, made them drift)
+                    conn.exec_driver_sql(
+                        "INSERT INTO events (at, conductor, strategy_id, kind, details) "
+                        f"VALUES ({p}, {p}, {p}, 'slots-recounted', {p})",
+                        (now, cid, r.id, "its slots did not match its steps: counted again"),
+                    )
                 conn.exec_driver_sql(
                     "INSERT INTO events (at, conductor, strategy_id, kind, details) "
                     f"VALUES ({p}, {p}, {p}, 'strategy-claimed', {p})",
                     (now, cid, r.id, f"from {r.owner or 'nobody'}"),
                 )
     return claimed
+
+
+def recount_slots(store: Store, sid: int, cid: str, now: float) -> bool:
+    """Count the strategy's slots again from its steps (some row was changed by someone
+    other than a conductor's commit: a hand edit); True, with an event, if they had
+    drifted."""
+    p = store.hooks.placeholder
+    with store.write() as conn:
+        if not slots.recount(conn, store.hooks, sid):
+            return False
+        conn.exec_driver_sql(
+            "INSERT INTO events (at, conductor, strategy_id, kind, details) "
+            f"VALUES ({p}, {p}, {p}, 'slots-recounted', {p})",
+            (now, cid, sid, "its slots did not match its steps: counted again"),
+        )
+        return True
 
 
 def strategy_state(store: Store, sid: int) -> tuple[str, str | None]:
@@ -608,6 +636,62 @@ def load_waiting_steps(store: Store, sid: int, after_ordinal: int, limit: int) -
     where = f"s.state = '{STEP_INITIAL}' AND s.ordinal > {p}"
     with store.read() as conn:
         return _step_records(conn, store, sid, where, (after_ordinal,), limit)
+
+
+def claim_waiting_steps(
+    store: Store, sid: int, cid: str, limit: int, stage: int | None = None
+) -> list[StepRecord]:
+    """Claim up to ``limit`` waiting steps of the strategy that nobody has claimed (of
+    ``stage`` only, if given), in admission order: each is then this conductor's to
+    start (the writer starts a claimed step only for its owner). Several conductors
+    claiming at once take disjoint steps without waiting on each other: PostgreSQL skips
+    rows another transaction has locked (``FOR UPDATE SKIP LOCKED``); SQLite has one
+    writer at a time."""
+    hooks = store.hooks
+    p = hooks.placeholder
+    where = f"strategy_id = {p} AND state = '{STEP_INITIAL}' AND owner IS NULL"
+    params: tuple[Any, ...] = (sid,)
+    if stage is not None:
+        where += f" AND stage = {p}"
+        params += (stage,)
+    lock = " FOR UPDATE SKIP LOCKED" if hooks.for_update else ""
+    with store.write() as conn:
+        ids = [
+            int(r[0])
+            for r in conn.exec_driver_sql(
+                f"SELECT id FROM steps WHERE {where} ORDER BY ordinal LIMIT {int(limit)}{lock}",
+                params,
+            )
+        ]
+        if not ids:
+            return []
+        _update_steps_by_id(
+            conn,
+            store,
+            f"UPDATE steps SET owner = {p} WHERE state = '{STEP_INITIAL}' AND owner IS NULL",
+            (cid,),
+            ids,
+        )
+        return _step_records(
+            conn,
+            store,
+            sid,
+            f"s.id IN ({hooks.placeholders(len(ids))})",
+            tuple(ids),
+        )
+
+
+def release_waiting_steps(store: Store, cid: str, step_ids: list[int]) -> None:
+    """Hand claimed steps that never started back (a clean stop): nobody's again."""
+    p = store.hooks.placeholder
+    with store.write() as conn:
+        _update_steps_by_id(
+            conn,
+            store,
+            f"UPDATE steps SET owner = NULL WHERE state = '{STEP_INITIAL}' AND owner = {p}",
+            (cid,),
+            step_ids,
+        )
 
 
 def load_steps(

@@ -118,6 +118,22 @@ steps = Table(
     Index("ix_steps_target", "target_id"),
 )
 
+#: a strategy's slots (G7): a row for the whole strategy (``group_id`` 0) and one for
+#: each group it has steps of, each with its cap and the steps in flight (entered a
+#: workflow state and not ended), and on the strategy's row its failed steps. Written
+#: in the same commit as the entries and ends it counts, and checked there: an entry
+#: that would take a strategy or a group past its cap is not written, whichever
+#: conductor made it (see DESIGN.md, "How a step moves")
+strategy_slots = Table(
+    "strategy_slots",
+    metadata,
+    Column("strategy_id", Integer, primary_key=True),
+    Column("group_id", Integer, primary_key=True, autoincrement=False),
+    Column("cap", Integer, nullable=False),
+    Column("in_flight", Integer, nullable=False, default=0),
+    Column("failed", Integer, nullable=False, default=0),
+)
+
 journal = Table(
     "journal",
     metadata,

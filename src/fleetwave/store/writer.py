@@ -58,6 +58,8 @@ class Transition:
     #: written whoever owns the step's row now (settling a row someone else changed,
     #: ending the steps of a strategy nobody can drive): the fence still decides
     any_owner: bool = False
+    #: the step's group: an entry or an end counts in its slots too (``strategy_slots``)
+    group_id: int | None = None
 
 
 @dataclass(slots=True)
@@ -84,6 +86,9 @@ class CommitResult:
     #: was refused, so that step still holds its slot (and its stage); or the strategy
     #: is paused or its abort requested (:data:`HOLD_ENTRIES`)
     deferred: list[Transition] = field(default_factory=list)
+    #: entries not written because a cap would have been exceeded (another conductor
+    #: took the slots meanwhile), by strategy: how many (they are in :attr:`deferred`)
+    no_slot: dict[int, int] = field(default_factory=dict)
     #: strategies whose entries were held back, and the state that held them: the
     #: operator's pause or abort reached the database before the dispatcher knew of it
     held_back: dict[int, str] = field(default_factory=dict)
@@ -171,6 +176,56 @@ def _start_held(d: AttemptDeadline, hold: dict[int, str]) -> bool:
     return not d.not_started and hold.get(d.strategy_id) == StrategyState.ABORT_REQUESTED.value
 
 
+def _slot_keys(t: Transition) -> tuple[tuple[int, int], ...]:
+    """The slots a step's entry or end counts in: its strategy's, and its group's."""
+    if t.group_id is None:
+        return ((t.strategy_id, 0),)
+    return ((t.strategy_id, 0), (t.strategy_id, t.group_id))
+
+
+def _slot_change(t: Transition) -> tuple[int, int]:
+    """What ``t`` changes in its slots: (in flight, failed)."""
+    to_state = t.to_state
+    if t.from_state == STEP_INITIAL:
+        if to_state not in STEP_TERMINAL:
+            return 1, 0
+        return 0, int(to_state == STEP_FAILED)
+    if to_state in STEP_TERMINAL:
+        return -1, int(to_state == STEP_FAILED)
+    return 0, 0
+
+
+def _slot_changes(batch: list[Transition]) -> dict[tuple[int, int], list[int]]:
+    """A batch's changes to slots: by (strategy, group 0 or the step's), [in flight,
+    failed] (a failure counts on the strategy's row only)."""
+    changes: dict[tuple[int, int], list[int]] = {}
+    for t in batch:
+        flight, failed = _slot_change(t)
+        if not (flight or failed):
+            continue  # (most moves: from one workflow state to the next)
+        whole = (t.strategy_id, 0)
+        row = changes.get(whole)
+        if row is None:
+            row = changes[whole] = [0, 0]
+        row[0] += flight
+        row[1] += failed
+        if flight and t.group_id is not None:
+            key = (t.strategy_id, t.group_id)
+            row = changes.get(key)
+            if row is None:
+                row = changes[key] = [0, 0]
+            row[0] += flight
+    return changes
+
+
+def _slot_rows(changes: dict[tuple[int, int], list[int]]) -> list[tuple[int, int, int, int]]:
+    return [
+        (flight, failed, sid, gid)
+        for (sid, gid), (flight, failed) in sorted(changes.items())
+        if flight or failed
+    ]
+
+
 class TransitionWriter:
     """Group commit of transitions. Not thread-safe: one conductor owns it."""
 
@@ -199,7 +254,12 @@ class TransitionWriter:
         # The step's owner is checked with its state and fence: a step in a workflow
         # state is written only by the conductor that owns it (a row whose owner was
         # changed or cleared is refused, read back and settled); a waiting one has none.
-        cas = f" WHERE id={p} AND state={p} AND fence={p} AND (owner={p} OR {p})"
+        # A waiting step (``initial``) is started by the conductor that claimed it, or
+        # by any when none has (one conductor loads its waiting steps without claiming).
+        cas = (
+            f" WHERE id={p} AND state={p} AND fence={p} AND (owner={p} OR {p} "
+            f"OR (owner IS NULL AND {p}))"
+        )
         #: into a workflow state: owned by this conductor (under its strategy's lease)
         self._enter_sql = (
             f"{head}owner={p}, started_at=COALESCE(started_at, {p}), "
@@ -239,6 +299,15 @@ class TransitionWriter:
             "INSERT INTO events (at, conductor, strategy_id, step_id, kind, details) "
             f"VALUES ({p}, {p}, {p}, {p}, {p}, {p})"
         )
+        #: a commit's entries and ends, counted in their strategy's and group's slots
+        self._slot_sql = (
+            f"UPDATE strategy_slots SET in_flight = in_flight + {p}, failed = failed + {p} "
+            f"WHERE strategy_id = {p} AND group_id = {p}"
+        )
+        #: the same, in the hot path: a row that would go past its cap is not written
+        self._slot_fit_sql = f"{self._slot_sql} AND ({p} <= 0 OR in_flight + {p} <= cap)"
+        #: the slots of the strategies a commit starts steps of, by how many strategies
+        self._slots_sql: dict[int, str] = {}
 
     def _params(self, t: Transition) -> tuple[str, tuple[Any, ...], tuple[Any, ...]]:
         """The step's compare-and-set UPDATE (statement and parameters), its journal row.
@@ -277,7 +346,8 @@ class TransitionWriter:
                 from_state,
                 from_fence,
                 self.cid,
-                flags[t.any_owner or from_state == STEP_INITIAL],
+                flags[t.any_owner],
+                flags[from_state == STEP_INITIAL],
             )
         else:
             # an end: without started_at if the step never started, else with it
@@ -295,7 +365,8 @@ class TransitionWriter:
                 from_state,
                 from_fence,
                 self.cid,
-                flags[t.any_owner or unstarted],
+                flags[t.any_owner],
+                flags[unstarted],
             )
         jr = (t.strategy_id, step_id, at, self.cid, from_state, to_state, fence, details)
         return sql, upd, jr
@@ -548,6 +619,7 @@ class TransitionWriter:
                 raw.rollback()  # the row-by-row path says what was not written, and why
                 return False
             replaced += self._end_unmanaged(cur, batch, ups, jrs, stops)
+            changes = _slot_changes(batch)
             ats = [self._attempt_row(d) for d in deadlines if not d.not_started] if dl else []
             by_sql: dict[str, list[tuple[Any, ...]]] = {}
             for sql, u in ups:
@@ -570,6 +642,14 @@ class TransitionWriter:
                 if cur.rowcount != len(dl):
                     raw.rollback()  # a retry's row changed: the slower path says which
                     return False
+            if changes:
+                # Counted, each row only if it stays within its cap (G7): one that would
+                # not is not written, and the row-by-row path writes the entries that fit.
+                rows_s = [(f, x, sid, gid, f, f) for f, x, sid, gid in _slot_rows(changes)]
+                cur.executemany(self._slot_fit_sql, rows_s)
+                if cur.rowcount != len(rows_s):
+                    raw.rollback()
+                    return False
             raw.commit()
             return True
         except dbapi.IntegrityError:
@@ -584,6 +664,20 @@ class TransitionWriter:
         except BaseException:
             self._rollback(raw)
             raise
+
+    def _read_slots(self, cur: Any, sids: set[int]) -> dict[tuple[int, int], list[int]]:
+        """The slots of strategies ``sids``, locked for this transaction: by (strategy,
+        group), [cap, in flight]."""
+        ids = sorted(sids)
+        sql = self._slots_sql.get(len(ids))
+        if sql is None:
+            sql = self._slots_sql[len(ids)] = (
+                "SELECT strategy_id, group_id, cap, in_flight FROM strategy_slots "
+                f"WHERE strategy_id IN ({self.store.hooks.placeholders(len(ids))})"
+                + self.store.hooks.for_update
+            )
+        cur.execute(sql, ids)
+        return {(int(r[0]), int(r[1])): [int(r[2]), int(r[3])] for r in cur.fetchall()}
 
     def _attempt_row(self, d: AttemptDeadline) -> tuple[Any, ...]:
         """A retry's start (its attempt row)."""
@@ -655,6 +749,26 @@ class TransitionWriter:
             replaced = stopped_now + self._end_unmanaged(raw.cursor(), batch, ups, jrs, stops)
             rows = list(zip(batch, ups, jrs, strict=True))
             held: Counter[int] = Counter()
+            # The slots of the strategies this batch starts steps of: by (strategy,
+            # group), [cap, in flight], as of now (this transaction holds them)
+            entering = {t.strategy_id for t in batch if _is_entry(t)}
+            slot_rows = self._read_slots(raw.cursor(), entering) if entering else {}
+            done: list[Transition] = []
+            no_slot: Counter[int] = Counter()
+
+            def fits(t: Transition) -> bool:
+                """Whether entering ``t`` leaves its strategy's and group's slots within
+                their caps, after what this transaction wrote so far."""
+                return all(
+                    slot_rows[k][1] < slot_rows[k][0] for k in _slot_keys(t) if k in slot_rows
+                )
+
+            def count(t: Transition) -> None:
+                done.append(t)
+                flight = _slot_change(t)[0]
+                for k in _slot_keys(t) if flight else ():
+                    if k in slot_rows:
+                        slot_rows[k][1] += flight
 
             def write(t: Transition, sql: str, u: tuple[Any, ...], j: tuple[Any, ...]) -> None:
                 if t.strategy_id in lost:
@@ -671,6 +785,7 @@ class TransitionWriter:
                         return
                     conn.exec_driver_sql(self._journal_sql, j)
                     sp.commit()
+                    count(t)
                 except IntegrityError:
                     sp.rollback()
                     rejected.append(t)
@@ -690,8 +805,16 @@ class TransitionWriter:
                     continue
                 if held[t.strategy_id] and t.strategy_id not in lost:
                     deferred.append(t)
+                elif t.strategy_id not in lost and not fits(t):
+                    # Another conductor took the slot since this one decided (G7): the
+                    # step waits again, still this conductor's to start.
+                    deferred.append(t)
+                    no_slot[t.strategy_id] += 1
                 else:
                     write(t, sql, u, j)
+            changes = _slot_changes(done)
+            if changes:
+                conn.exec_driver_sql(self._slot_sql, _slot_rows(changes))
             for t in rejected:
                 why = (
                     "strategy claimed by another conductor (fenced off)"
@@ -760,10 +883,11 @@ class TransitionWriter:
             lost,
             [t for t in replaced if id(t) not in refused],
             deferred,
-            held_back,
-            self._lapsed_now,
-            retries_refused,
-            retries_held,
+            no_slot=dict(no_slot),
+            held_back=held_back,
+            not_started=self._lapsed_now,
+            retries_refused=retries_refused,
+            retries_held=retries_held,
         )
 
     def close(self) -> None:

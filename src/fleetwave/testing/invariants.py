@@ -15,6 +15,9 @@ Used by ``fleetwave check``, the demo, the simulator and the tests:
   sent (the database's unique keys: a state's first attempt is its journal entry, each
   later one a row of ``attempts``), only for a state the step entered, and a retry
   only after the attempt before it (none missing);
+* G7 in the database: each strategy's slots (``strategy_slots``, which every commit
+  counts and checks its entries against) say as many steps in flight, by strategy and
+  group, and as many failed, as its steps do;
 * stages: no step of a stage starts before every step of the earlier stages has
   ended (a step and the one it frees a slot for may share a commit: journal order);
 * and the bookkeeping around them: each step's row agrees with its journal, a
@@ -40,6 +43,7 @@ from fleetwave.domain.models import (
     StrategyState,
 )
 from fleetwave.domain.rules import is_allowed_move
+from fleetwave.store import slots
 from fleetwave.store.admin import options_from_json
 from fleetwave.store.db import Store
 from fleetwave.store.runtime import strategy_layout
@@ -130,6 +134,8 @@ def check(store: Store, strategy_id: int | None = None) -> CheckResult:
                 .order_by(events.c.id)
             ).all()
             _check_takeovers(result, int(strat.id), owners)
+            for problem in slots.drift(conn, store.hooks, int(strat.id)):
+                result.add(f"G7: strategy {strat.id}: slots do not match its steps: {problem}")
     return result
 
 

@@ -1,0 +1,106 @@
+"""Wake-ups between processes (PostgreSQL's LISTEN/NOTIFY): a serving conductor picks up
+work another process committed at once, not at its next periodic pass.
+
+The conductors here tick every 60 s: anything they do within a few seconds of another
+process's commit was woken by its notification.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from conftest import add_sim_targets
+from fleetwave.domain.models import StrategyOptions
+from fleetwave.domain.registry import get_workflow
+from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.store import admin, queries
+from fleetwave.store import callbacks as cbs
+from fleetwave.store.db import Store, open_store
+
+#: the periodic pass's interval here: far longer than any wait below
+TICK_S = 60.0
+
+
+@contextmanager
+def _serving(store: Store) -> Iterator[Conductor]:
+    """A conductor serving every strategy (as ``fleetwave serve``), in a thread."""
+    conductor = Conductor(store, config=EngineConfig(tick_s=TICK_S))
+    ready = threading.Event()
+    stop: list[asyncio.Event] = []
+    loops: list[asyncio.AbstractEventLoop] = []
+
+    async def serve() -> None:
+        stop.append(asyncio.Event())
+        loops.append(asyncio.get_running_loop())
+        await conductor.run(stop=stop[0], on_ready=ready.set)
+
+    thread = threading.Thread(target=lambda: asyncio.run(serve()))
+    thread.start()
+    try:
+        assert ready.wait(30), "the conductor did not start"
+        yield conductor
+    finally:
+        if loops:
+            loops[0].call_soon_threadsafe(stop[0].set)
+        thread.join(60)
+        assert not thread.is_alive()
+
+
+def _wait_for(what: str, done: object, within: float) -> float:
+    began = time.monotonic()
+    while time.monotonic() - began < within:
+        if done():  # type: ignore[operator]
+            return time.monotonic() - began
+        time.sleep(0.02)
+    raise AssertionError(f"{what}: not within {within}s (the periodic pass is {TICK_S}s away)")
+
+
+def _state(store: Store, sid: int) -> str:
+    return str(queries.get_strategy(store, sid)["state"])
+
+
+def test_a_strategy_applied_elsewhere_starts_at_once(pg_url: str) -> None:
+    store = open_store(pg_url)
+    add_sim_targets(store, 20, {"latency_ms": 5})
+    wf = get_workflow("patch")
+    assert wf is not None
+    with _serving(store) as conductor:
+        sid = admin.create_strategy(store, wf, StrategyOptions(max_parallel=20), all_targets=True)
+        admin.apply_strategy(store, sid)  # (another process: the CLI)
+        took = _wait_for("applied strategy completes", lambda: _state(store, sid) == "complete", 10)
+        assert took < 10
+        assert conductor.finished.get(sid) == "complete"
+    store.dispose()
+
+
+def test_a_callback_stored_elsewhere_is_applied_at_once(pg_url: str) -> None:
+    """The ``clean`` workflow waits for its agent: a callback stored by another process
+    (the CLI, an API server) moves the step on within seconds, not at the next tick."""
+    store = open_store(pg_url)
+    add_sim_targets(store, 1, {"latency_ms": 1, "callback_lost_rate": 1.0})
+    wf = get_workflow("clean")
+    assert wf is not None
+    with _serving(store):
+        sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
+        admin.apply_strategy(store, sid)
+
+        def waiting() -> bool:
+            steps = queries.list_steps(store, sid)
+            return bool(steps) and steps[0]["state"] == "wait-for-agent"
+
+        _wait_for("the step waits for its agent", waiting, 10)
+        step_id = int(queries.list_steps(store, sid)[0]["step"])
+        record = cbs.accept_callback(
+            store, step_id, "wait-for-agent", "done", "booted", time.time()
+        )
+        _wait_for(
+            "the callback is applied",
+            lambda: queries.list_steps(store, sid)[0]["state"] != "wait-for-agent",
+            10,
+        )
+        assert record.outcome is None  # stored, answered later by the conductor
+    store.dispose()
