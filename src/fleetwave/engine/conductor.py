@@ -154,6 +154,8 @@ class Conductor(
         self._crash_hook = crash_hook
         self._inbox: list[Message] = []
         self._wake: asyncio.Event | None = None
+        #: woken by other processes' commits (PostgreSQL's LISTEN/NOTIFY; set in run)
+        self._listening = False
         self._workers: set[asyncio.Task[None]] = set()
         self._writer = rt.TransitionWriter(store, self.id)
         self._committed_at = 0.0
@@ -302,6 +304,7 @@ class Conductor(
                 loop.call_soon_threadsafe(self._nudge.set)
 
         listener = Listener(self.store, nudged)
+        self._listening = listener.available
         clean = False
         for driver in self.drivers.values():
             if hasattr(driver, "callback_sink"):

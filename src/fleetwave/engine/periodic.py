@@ -50,6 +50,7 @@ class PeriodicMixin(StoreCalls):
     _fatal: BaseException | None
     _wake: asyncio.Event | None
     _nudge: asyncio.Event
+    _listening: bool
     _lease_watch: asyncio.TimerHandle | None
     _db_identity: tuple[int, int] | None
     post: Callable[[Message], None]
@@ -68,10 +69,13 @@ class PeriodicMixin(StoreCalls):
             slept_at = loop.time()
             # A tick, or sooner: another process's commit gave this one something to do
             # (a strategy applied or handed back, a callback stored: LISTEN/NOTIFY)
-            nudge = self._nudge
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(nudge.wait(), self.config.tick_s)
-            nudge.clear()
+            if self._listening:
+                nudge = self._nudge
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(nudge.wait(), self.config.tick_s)
+                nudge.clear()
+            else:
+                await asyncio.sleep(self.config.tick_s)  # (SQLite: nothing wakes it)
             blocked = loop.time() - slept_at - self.config.tick_s
             if blocked >= STALL_WARN_S:
                 # Nothing else runs meanwhile, lease renewals included: said with its
