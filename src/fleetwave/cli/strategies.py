@@ -18,6 +18,7 @@ from fleetwave.cli.common import (
     IgnoreMissingOpt,
     LeaseTtlOpt,
     StrategyId,
+    count_or_percent,
     database_hint,
     done,
     engine_config,
@@ -39,6 +40,7 @@ from fleetwave.domain.models import (
     shown,
 )
 from fleetwave.domain.registry import get_workflow
+from fleetwave.domain.rollout import RolloutSpec, parse_amount, parse_batches, parse_stages
 from fleetwave.domain.yaml_workflow import MAX_SECONDS
 from fleetwave.engine import loop as event_loop
 from fleetwave.store import admin, queries
@@ -107,12 +109,60 @@ def strategy_create(
         bool, typer.Option("--stop-on-failure", help="stop at the first failure")
     ] = False,
     max_failures: Annotated[
-        int | None,
-        typer.Option(parser=whole_number, metavar="N", help="stop once more than N steps failed"),
+        str | None,
+        typer.Option(
+            parser=count_or_percent,
+            metavar="N|P%",
+            help="stop once more than N steps (or P% of them) failed",
+        ),
     ] = None,
     stages_by_group: Annotated[
         bool,
-        typer.Option("--stages-by-group", help="one stage per group, run one after another"),
+        typer.Option(
+            "--stages-by-group",
+            help="one stage per group (by the groups' --order, then name), one after another",
+        ),
+    ] = False,
+    stage: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="GROUPS",
+            help="a stage of these groups (a,b; rest or * for the others); repeat it, in "
+            "the order they run",
+        ),
+    ] = None,
+    stage_max_failures: Annotated[
+        str | None,
+        typer.Option(
+            parser=count_or_percent,
+            metavar="N|P%",
+            help="stop once more than N steps (or P%) of one stage failed",
+        ),
+    ] = None,
+    batches: Annotated[
+        str | None,
+        typer.Option(
+            metavar="N,N,P%",
+            help="batch sizes within each stage (the last repeats); a batch starts when "
+            "the one before has ended",
+        ),
+    ] = None,
+    canary: Annotated[
+        str | None,
+        typer.Option(
+            parser=count_or_percent,
+            metavar="N|P%",
+            help="run N targets (or P%) first, of the first stage; nothing else starts "
+            "until they complete; one failing fails the strategy",
+        ),
+    ] = None,
+    canary_label: Annotated[
+        list[str] | None,
+        typer.Option(metavar="KEY=VALUE", help="choose the canaries by label (repeatable)"),
+    ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="print the plan (stages, batches, canaries); write nothing"),
     ] = False,
     timeout: Annotated[
         list[str] | None,
@@ -151,14 +201,35 @@ def strategy_create(
             f"--timeout: {', '.join(unknown)}: workflow {wf.name} has no such state "
             f"(its states: {', '.join(wf.state_names)})"
         )
+    percent = max_failures is not None and max_failures.endswith("%")
     opts = StrategyOptions(
         max_parallel=max_parallel_as_stored(max_parallel, apply_type, "strategy"),
         apply_type=apply_type,
         stop_on_failure=stop_on_failure,
-        max_failures=max_failures,
+        max_failures=int(max_failures) if max_failures is not None and not percent else None,
         stages_by_group=stages_by_group,
         timeouts_s=timeouts,
+        max_failures_percent=max_failures if max_failures is not None and percent else "",
+        stages=[list(s) for s in parse_stages(stage or [])],
+        batches=batches or "",
+        canary=canary or "",
+        canary_label=parse_pairs(canary_label, "--canary-label", typed=False),
+        stage_max_failures=stage_max_failures or "",
     )
+    spec = _rollout_spec(opts)
+    if dry_run:
+        plan = admin.plan_strategy(
+            store,
+            wf,
+            opts,
+            target_names=names,
+            group=group,
+            all_targets=all_,
+            labels=parse_pairs(label, "--label", typed=False),
+            spec=spec,
+        )
+        _print_plan(plan, fmt)
+        return
     sid = admin.create_strategy(
         store,
         wf,
@@ -170,6 +241,7 @@ def strategy_create(
         failed_in=failed_in,
         # (a built-in or plug-in workflow of that name comes first: then not the store's)
         workflow_from_store=get_workflow(wf.name) is None,
+        spec=spec,
     )
     made = queries.get_strategy(store, sid)
     if fmt is Format.json:
@@ -180,6 +252,81 @@ def strategy_create(
             f"parallel {made['max_parallel']}); 'fleetwave strategy apply {sid}' starts it",
             highlight=False,
         )
+
+
+def _rollout_spec(opts: StrategyOptions) -> RolloutSpec:
+    """The rollout's order as asked in ``opts`` (checked: bad sizes and limits refused)."""
+    if opts.stages and opts.stages_by_group:
+        raise InputError("--stage and --stages-by-group: give one of them")
+    return RolloutSpec(
+        stages=[tuple(s) for s in opts.stages],
+        stages_by_group=opts.stages_by_group,
+        batches=parse_batches(opts.batches) if opts.batches else [],
+        canary=parse_amount(opts.canary, "--canary", least=1) if opts.canary else None,
+        canary_label=opts.canary_label,
+        stage_max_failures=(
+            parse_amount(opts.stage_max_failures, "--stage-max-failures")
+            if opts.stage_max_failures
+            else None
+        ),
+    )
+
+
+def _stops(limit: int | None) -> str:
+    if limit is None:
+        return "no failure threshold"
+    if limit == 0:
+        return "stops at the first failure"
+    return f"stops past {plural(limit, 'failure')}"
+
+
+def _print_plan(plan: dict[str, Any], fmt: Format) -> None:
+    """``strategy create --dry-run``: the plan, as text or data."""
+    if fmt is Format.json:
+        print_json(plan)
+        return
+    limit = plan["max_failures"]
+    console.print(
+        f"plan: {plural(plan['steps'], 'step')} of {plan['workflow']}, max parallel "
+        f"{plan['max_parallel']}, "
+        + _stops(limit)
+        + f"; starts {plan['earliest_start']}; nothing written",
+        highlight=False,
+    )
+    for stage in plan["stages"]:
+        groups = ", ".join(
+            f"{g['name']} (max parallel {g['max_parallel']})"
+            if g["max_parallel"] is not None
+            else g["name"]
+            for g in stage["groups"]
+        )
+        limit = (
+            "any failure stops it"
+            if stage["canary"]
+            else ""
+            if stage["max_failures"] is None
+            else _stops(stage["max_failures"])
+        )
+        sizes = [b["size"] for b in stage["batches"]]
+        batches = f"; batches {', '.join(map(str, sizes))}" if len(sizes) > 1 else ""
+        console.print(
+            f"stage {stage['stage']} {stage['name']}: {plural(stage['steps'], 'step')}"
+            + (f"; groups {groups}" if groups else "")
+            + batches
+            + (f"; {limit}" if limit else ""),
+            highlight=False,
+        )
+        if stage["canary"]:
+            console.print(
+                f"  canaries: {', '.join(stage['batches'][0]['targets'])}", highlight=False
+            )
+    left = plan["left_out"]
+    if left:
+        console.print(f"left out: {plural(len(left), 'target')}", highlight=False)
+        for item in left[:20]:
+            console.print(f"  {item['target']}: {item['why']}", highlight=False)
+        if len(left) > 20:
+            console.print(f"  ... and {len(left) - 20} more", highlight=False)
 
 
 def _target_names(given: str) -> list[str]:

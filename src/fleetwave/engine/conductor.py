@@ -83,7 +83,7 @@ from fleetwave.engine.outcome_log import OutcomeLogMixin, outcomes
 from fleetwave.engine.periodic import PeriodicMixin
 from fleetwave.engine.run import InFlight, StrategyRun
 from fleetwave.engine.settle import SettleMixin
-from fleetwave.engine.stopping import stop_reason
+from fleetwave.engine.stopping import commit_stop_rule, count_failure
 from fleetwave.engine.store_calls import StoreCalls, _Fresh
 from fleetwave.engine.worker import WorkerMixin, resolve_future
 from fleetwave.store import callbacks as cbs
@@ -806,9 +806,6 @@ class Conductor(
             if not (everything and run.more_waiting):
                 return
 
-    def _failure_details(self, run: StrategyRun, who: str | None = None) -> str:
-        return stop_reason(run.options, run.failed, who)
-
     def _reported(
         self, msg: ActionFinished | RetryScheduled
     ) -> tuple[StrategyRun, InFlight] | None:
@@ -905,7 +902,7 @@ class Conductor(
                     )
                 )
             if decision.to_state == STEP_FAILED:
-                self._count_failure(run, fl.rec.target.name)
+                self._count_failure(run, fl.rec.target.name, fl.rec.stage)
         else:
             fl.state = decision.to_state
             fl.waiter = None  # the next state's waiter is made when its action starts
@@ -937,7 +934,10 @@ class Conductor(
             return
         fl = _free_slot(run, t.step_id)
         if t.to_state == STEP_FAILED:
-            self._count_failure(run, fl.rec.target.name if fl is not None else None)
+            if fl is not None:
+                self._count_failure(run, fl.rec.target.name, fl.rec.stage)
+            else:
+                self._count_failure(run)
             self._log_failed(t, fl)
         self._wake_soon()  # its slot is free: fill it without waiting for another message
 
@@ -979,27 +979,30 @@ class Conductor(
         """For each strategy starting steps in this batch under a failure limit: how
         many more failures it tolerates, and what stops it past that."""
         rules: dict[int, rt.StopRule] = {}
-        if all(run.options.failure_limit is None for run in self.runs.values()):
+        if not any(run.limits_failures for run in self.runs.values()):
             return rules  # (no limit anywhere: the batch need not be looked at)
         for t in batch:
             if t.from_state != STEP_INITIAL or t.strategy_id in rules:
                 continue
             run = self.runs.get(t.strategy_id)
-            limit = run.options.failure_limit if run is not None else None
-            if run is None or limit is None:
+            fl = run.inflight.get(t.step_id) if run is not None else None
+            if run is None or fl is None or not run.limits_failures:
                 continue
-            # the commit names the target whose failure crossed the limit
-            details = stop_reason(run.options, limit + 1, rt.StopRule.TARGET)
-            rules[run.id] = rt.StopRule(limit - run.failed, details)
+            # (the steps a batch starts are of one phase: the stage that runs)
+            rule = commit_stop_rule(run, fl.rec.stage)
+            if rule is not None:
+                rules[run.id] = rule
         return rules
 
-    def _count_failure(self, run: StrategyRun, who: str | None = None) -> None:
-        """One more failed step (of target ``who``); past the limit the strategy stops."""
-        run.failed += 1
-        limit = run.options.failure_limit
-        if run.stopping is None and limit is not None and run.failed > limit:
+    def _count_failure(
+        self, run: StrategyRun, who: str | None = None, phase: int | None = None
+    ) -> None:
+        """One more failed step (of target ``who``, in ``phase``); past the limit (the
+        strategy's or its stage's; any canary's failure) the strategy stops."""
+        why = count_failure(run, phase, who)
+        if run.stopping is None and why is not None:
             run.stopping = "failure"
-            run.stop_details = self._failure_details(run, who)
+            run.stop_details = why
             _stop_flights(run, self._end_wait)
             log.warning("strategy %s: %s", run.id, run.stop_details)
 

@@ -11,6 +11,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from fleetwave.domain.models import StrategyOptions
+from fleetwave.domain.rollout import phase_stages
 from fleetwave.domain.rules import Decision, decide
 from fleetwave.domain.workflow import Advance, StateDef, WorkflowDef
 from fleetwave.store.callbacks import CallbackRecord
@@ -127,12 +128,25 @@ class StrategyRun:
     #: by state, what :func:`decide` makes of a plain :class:`Advance` (the next state,
     #: no details): nearly every action's outcome, made once
     advance: dict[str, Decision] = field(init=False, repr=False)
+    #: its steps run in more than one phase (stages, batches, canaries)
+    staged: bool = field(init=False)
+    #: by phase (a step's stage column), the index of its stage in the options' plan
+    phase_stage: list[int] = field(init=False, repr=False)
+    #: failed steps by stage of the plan (for the stages' own limits and canaries)
+    failed_in_stage: Counter[int] = field(default_factory=Counter)
+    #: whether failures may stop it (a failure limit, a stage's own, canaries)
+    limits_failures: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.id = self.record.id
         self.defs = {st.name: st for st in self.workflow.states}
         names = self.workflow.state_names
         self.advance = {name: decide(names, name, _PLAIN_ADVANCE) for name in names}
+        self.staged = self.options.staged
+        self.phase_stage = phase_stages(self.options.plan)
+        self.limits_failures = self.options.failure_limit is not None or any(
+            s.canary or s.max_failures is not None for s in self.options.plan
+        )
 
     @property
     def waits_for_callbacks(self) -> bool:
@@ -156,7 +170,7 @@ class StrategyRun:
 
     def current_stage(self) -> int | None:
         """The lowest stage with work left; later stages wait until it is all terminal."""
-        if not self.options.stages_by_group:
+        if not self.staged:
             # All steps share one stage: no need to look at every step in flight.
             for stage, groups in self.pending.items():
                 if any(groups.values()):

@@ -51,6 +51,7 @@ def list_groups(store: Store) -> list[dict[str, Any]]:
                 # what runs: a serial group has one target in flight, whatever was set
                 "max_parallel": 1 if g.apply_type == "serial" else g.max_parallel,
                 "apply_type": g.apply_type,
+                "order": g.stage_order,
                 "targets": counts.get(g.id, 0),
             }
             for g in conn.execute(select(groups).order_by(groups.c.name))
@@ -85,6 +86,7 @@ def get_group(store: Store, name: str) -> dict[str, Any]:
             "name": g.name,
             "max_parallel": 1 if g.apply_type == "serial" else g.max_parallel,
             "apply_type": g.apply_type,
+            "order": g.stage_order,
             "targets": int(total),
             "unmanaged": int(unmanaged or 0),
             "strategies": [

@@ -564,6 +564,19 @@ def failure_past_limit(store: Store, sid: int, limit: int) -> str | None:
     return None if row is None else str(row[0])
 
 
+def failed_by_stage(store: Store, sid: int) -> dict[int, int]:
+    """Strategy ``sid``'s failed steps by stage column (its phase), for a conductor that
+    takes over a strategy whose stages have failure limits of their own."""
+    p = store.hooks.placeholder
+    with store.read() as conn:
+        rows = conn.exec_driver_sql(
+            f"SELECT stage, count(*) FROM steps WHERE strategy_id = {p} AND state = "
+            f"'{STEP_FAILED}' GROUP BY stage",
+            (sid,),
+        ).all()
+    return {int(stage): int(n) for stage, n in rows}
+
+
 def _failed_count(conn: Connection, store: Store, sid: int) -> int:
     p = store.hooks.placeholder
     sql = f"SELECT count(*) FROM steps WHERE strategy_id = {p} AND state = 'failed'"

@@ -1,0 +1,339 @@
+"""Rollout plans: in what order a strategy's targets run (canaries, stages, batches),
+and the counts or percents an operator gives sizes and failure limits in.
+
+Pure: text and target lists in, plans and decisions out. ``strategy create`` parses
+the options with :func:`parse_amount`, :func:`parse_stages` and :func:`parse_batches`,
+and the store plans the chosen targets with :func:`plan_rollout` when it creates the
+strategy (and for ``--dry-run``). A plan is a list of stages, each cut into batches;
+every batch of every stage is one *phase*, numbered from 1 in the order they run, and a
+step's ``stage`` column holds its phase: the engine starts no step of a phase before
+every step of the earlier phases has ended, and ``fleetwave check`` verifies that from
+the journal. :func:`failure_stop` says when failures stop a strategy.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from fleetwave.domain.errors import InputError
+from fleetwave.domain.models import has_labels, plural, shown
+
+#: what a ``--stage`` may say for "the targets of no other stage"
+REST_NAMES = ("rest", "*")
+#: the name a canary stage goes by
+CANARY = "canaries"
+
+_PERCENT = re.compile(r"(0|[1-9][0-9]*)(\.[0-9]+)?%")
+_COUNT = re.compile(r"0|[1-9][0-9]*")
+
+
+@dataclass(frozen=True)
+class Amount:
+    """A count ("5") or a percent of some whole ("20%", "12.5%"), as an operator typed it."""
+
+    text: str
+    count: int | None = None
+    percent: Fraction | None = None
+
+    def limit_of(self, whole: int) -> int:
+        """As a failure limit over ``whole`` steps: the failures tolerated (more stop it).
+        ``5%`` of 30 tolerates 1 (1.5 rounded down): a second failure exceeds 5%."""
+        if self.count is not None:
+            return self.count
+        assert self.percent is not None
+        return math.floor(self.percent * whole / 100)
+
+    def size_of(self, whole: int) -> int:
+        """As a batch or canary size over ``whole`` targets: rounded down, at least 1."""
+        if self.count is not None:
+            return self.count
+        return max(1, self.limit_of(whole))
+
+
+def parse_amount(text: str, option: str, *, least: int = 0) -> Amount:
+    """``N`` or ``P%`` (at most 100%); a count below ``least`` is refused (a percent
+    must then be above 0)."""
+    given = text.strip()
+    if _COUNT.fullmatch(given):
+        count = int(given)
+        if count < least:
+            raise InputError(f"{option}: must be at least {least}, got {given}")
+        return Amount(given, count=count)
+    if _PERCENT.fullmatch(given):
+        percent = Fraction(given[:-1])
+        if percent > 100:
+            raise InputError(f"{option}: a percent is at most 100%, got {given}")
+        if least > 0 and percent == 0:
+            raise InputError(f"{option}: must be more than 0%, got {given}")
+        return Amount(given, percent=percent)
+    raise InputError(f"{option}: expected a whole number or a percent (5, 20%), got {shown(text)}")
+
+
+def parse_stages(given: Sequence[str]) -> list[tuple[str, ...]]:
+    """``--stage`` options as given (``canary``, ``east,west``, ``rest`` or ``*``): the
+    group names of each stage, in order. An empty stage, an empty name, and a group (or
+    ``rest``) in two stages are refused; whether the groups exist the store checks."""
+    stages: list[tuple[str, ...]] = []
+    seen: dict[str, int] = {}
+    for number, text in enumerate(given, 1):
+        names = [n.strip() for n in text.split(",")]
+        if not any(names):
+            raise InputError(f"--stage: stage {number} is empty (give group names, or rest)")
+        if not all(names):
+            raise InputError(f"--stage: an empty group name in {shown(text)}")
+        stage: list[str] = []
+        for name in names:
+            key = "rest" if name in REST_NAMES else name
+            if key in seen:
+                where = "the same stage" if seen[key] == number else f"stages {seen[key]}"
+                where += "" if seen[key] == number else f" and {number}"
+                raise InputError(f"--stage: {shown(name)} is given in {where}")
+            seen[key] = number
+            stage.append(key)
+        stages.append(tuple(stage))
+    return stages
+
+
+def parse_batches(text: str) -> list[Amount]:
+    """``--batches 1,5,20%``: the batch sizes (the last one repeats); each at least 1."""
+    parts = text.split(",")
+    if not text.strip() or not all(p.strip() for p in parts):
+        raise InputError(f"--batches: an empty size in {shown(text)}")
+    return [parse_amount(p, "--batches", least=1) for p in parts]
+
+
+def batch_sizes(sizes: Sequence[Amount], whole: int) -> list[int]:
+    """``whole`` targets cut into batches of ``sizes`` (a percent is of ``whole``; the
+    last size repeats; the last batch takes what is left)."""
+    out: list[int] = []
+    left = whole
+    i = 0
+    while left > 0:
+        size = min(left, sizes[min(i, len(sizes) - 1)].size_of(whole))
+        out.append(size)
+        left -= size
+        i += 1
+    return out
+
+
+@dataclass(frozen=True)
+class PlanTarget:
+    """A target as a plan sees it (in the strategy's order within its group)."""
+
+    id: int
+    name: str
+    group: str | None
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PlannedStage:
+    """One stage of a plan: its name, its groups, how many steps, its batches' sizes
+    (one batch of all of them without ``--batches``) and its own failure limit."""
+
+    name: str
+    groups: list[str]
+    steps: int
+    batches: list[int]
+    #: failed steps of this stage tolerated (more stop the strategy); None: no limit
+    max_failures: int | None = None
+    canary: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    stages: list[PlannedStage]
+    #: (target id, phase) in the order the steps are admitted
+    order: list[tuple[int, int]]
+    #: targets chosen but in no stage: (name, why)
+    left_out: list[tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """What an operator asked of a rollout's order, parsed (see ``strategy create``)."""
+
+    stages: list[tuple[str, ...]] = field(default_factory=list)
+    stages_by_group: bool = False
+    batches: list[Amount] = field(default_factory=list)
+    canary: Amount | None = None
+    canary_label: Mapping[str, str] = field(default_factory=dict)
+    stage_max_failures: Amount | None = None
+
+    @property
+    def planned(self) -> bool:
+        """Whether the targets are cut into more than one phase (or may be)."""
+        return bool(
+            self.stages
+            or self.stages_by_group
+            or self.batches
+            or self.canary
+            or self.canary_label
+            or self.stage_max_failures
+        )
+
+
+def group_stage_key(name: str, stage_order: int | None) -> tuple[bool, int, str]:
+    """The order of groups as stages with ``--stages-by-group``: by their own order
+    (``group add --order N``), then by name; groups without an order after those with."""
+    return (stage_order is None, stage_order or 0, name)
+
+
+def plan_rollout(
+    chosen: Sequence[PlanTarget],
+    spec: RolloutSpec,
+    *,
+    group_order: Mapping[str, int | None],
+) -> Plan:
+    """Cut ``chosen`` (in the strategy's order) into stages and batches as ``spec`` asks.
+
+    ``group_order``: every group by name, with its stage order (None: none). A group of
+    ``--stage`` that does not exist, a ``--canary`` larger than what it is taken from,
+    and a plan that leaves no target are refused (InputError naming it)."""
+    ungrouped = "(no group)"
+    by_group: dict[str | None, list[PlanTarget]] = {}
+    for t in chosen:
+        by_group.setdefault(t.group, []).append(t)
+    stages: list[tuple[str, list[str], list[PlanTarget]]] = []
+    left_out: list[tuple[str, str]] = []
+    if spec.stages:
+        unknown = [g for s in spec.stages for g in s if g != "rest" and g not in group_order]
+        if unknown:
+            raise InputError(
+                f"--stage: no group named {', '.join(repr(g) for g in unknown[:5])}"
+                + (f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else "")
+            )
+        named = {g for s in spec.stages for g in s if g != "rest"}
+        for stage in spec.stages:
+            members = [
+                t
+                for g, ts in by_group.items()
+                for t in ts
+                if (g in stage) or ("rest" in stage and g not in named)
+            ]
+            stages.append((",".join(stage), list(stage), members))
+        if not any("rest" in s for s in spec.stages):
+            left_out = [
+                (
+                    t.name,
+                    f"in no stage ({f'group {t.group}' if t.group else 'no group'}; "
+                    "--stage rest takes it)",
+                )
+                for g, ts in by_group.items()
+                if g not in named
+                for t in ts
+            ]
+    elif spec.stages_by_group:
+        keys = sorted(
+            (g for g in by_group if g is not None),
+            key=lambda g: group_stage_key(g, group_order.get(g)),
+        )
+        stages = [(g, [g], by_group[g]) for g in keys]
+        if None in by_group:
+            stages.append((ungrouped, [], by_group[None]))
+    else:
+        stages = [("all", [], list(chosen))]
+    canaries: list[PlanTarget] = []
+    if spec.canary is not None or spec.canary_label:
+        canaries = _choose_canaries(chosen, spec, stages, left_out)
+        taken = {t.id for t in canaries}
+        stages = [(n, g, [t for t in ts if t.id not in taken]) for n, g, ts in stages]
+    stages = [s for s in stages if s[2]]
+    if not stages and not canaries:
+        names = ", ".join(name for name, _ in left_out[:5])
+        raise InputError(f"--stage: no stage has any of the chosen targets ({names} ...)")
+    planned: list[PlannedStage] = []
+    order: list[tuple[int, int]] = []
+    phase = 0
+    if canaries:
+        planned.append(PlannedStage(CANARY, [], len(canaries), [len(canaries)], 0, canary=True))
+        phase += 1
+        order += [(t.id, phase) for t in canaries]
+    for name, groups, members in stages:
+        sizes = batch_sizes(spec.batches, len(members)) if spec.batches else [len(members)]
+        limit = (
+            spec.stage_max_failures.limit_of(len(members))
+            if spec.stage_max_failures is not None
+            else None
+        )
+        planned.append(PlannedStage(name, groups, len(members), sizes, limit))
+        at = 0
+        for size in sizes:
+            phase += 1
+            order += [(t.id, phase) for t in members[at : at + size]]
+            at += size
+    return Plan(planned, order, left_out)
+
+
+def _choose_canaries(
+    chosen: Sequence[PlanTarget],
+    spec: RolloutSpec,
+    stages: list[tuple[str, list[str], list[PlanTarget]]],
+    left_out: list[tuple[str, str]],
+) -> list[PlanTarget]:
+    """The canaries: the first N of the first stage, or of the targets with
+    ``--canary-label`` (all of those without ``--canary``)."""
+    staged = [t for _, _, ts in stages for t in ts]
+    if spec.canary_label:
+        pool = [t for t in staged if has_labels(dict(t.labels), dict(spec.canary_label))]
+        labels = ", ".join(f"{k}={v}" for k, v in spec.canary_label.items())
+        where = f"with {labels}"
+        if not pool:
+            raise InputError(f"--canary-label: no chosen target has {labels}")
+    else:
+        pool = stages[0][2] if stages else []
+        where = f"in the first stage ({stages[0][0]})" if len(stages) > 1 else "to choose from"
+    if spec.canary is None:
+        return pool
+    whole = len(staged)
+    n = spec.canary.size_of(whole)
+    if n < 1:
+        raise InputError(f"--canary: must be at least 1, got {spec.canary.text}")
+    if n >= whole:
+        raise InputError(
+            f"--canary: {spec.canary.text} is {plural(n, 'canary', 'canaries')}, of "
+            f"{plural(whole, 'target')}: at most {whole - 1}, so that some run after them"
+        )
+    if n > len(pool):
+        raise InputError(
+            f"--canary: {plural(n, 'canary', 'canaries')} asked, but there "
+            f"{'is' if len(pool) == 1 else 'are'} {len(pool)} {where}"
+        )
+    return pool[:n]
+
+
+def phase_stages(stages: Sequence[PlannedStage]) -> list[int]:
+    """For each phase (from 1; index 0 unused), the index of its stage in ``stages``."""
+    out = [0]
+    for i, stage in enumerate(stages):
+        out += [i] * len(stage.batches)
+    return out
+
+
+def stage_failure_stop(stage: PlannedStage, failed_in_stage: int) -> str | None:
+    """Whether ``failed_in_stage`` failed steps of ``stage`` stop the strategy, and why
+    (None: they do not). A canary's failure always stops it; a stage's own limit once
+    exceeded, not equalled. (The strategy's limit is checked beside this one.)"""
+    if stage.canary and failed_in_stage > 0:
+        return "a canary failed"
+    if stage.max_failures is not None and failed_in_stage > stage.max_failures:
+        many = "steps exceed" if failed_in_stage != 1 else "step exceeds"
+        return (
+            f"{failed_in_stage} failed {many} the failure threshold of stage "
+            f"{stage.name} ({stage.max_failures})"
+        )
+    return None
+
+
+def stage_tolerance(stage: PlannedStage, failed_in_stage: int) -> int | None:
+    """How many more failures ``stage`` tolerates before it stops the strategy (None:
+    no limit of its own)."""
+    if stage.canary:
+        return -failed_in_stage
+    if stage.max_failures is None:
+        return None
+    return stage.max_failures - failed_in_stage
