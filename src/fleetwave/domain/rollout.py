@@ -337,3 +337,45 @@ def stage_tolerance(stage: PlannedStage, failed_in_stage: int) -> int | None:
     if stage.max_failures is None:
         return None
     return stage.max_failures - failed_in_stage
+
+
+def stage_progress(
+    stages: Sequence[PlannedStage], ended_by_phase: Mapping[int, tuple[int, int]]
+) -> tuple[list[dict[str, object]], str | None]:
+    """Each stage's progress (``strategy show``), and which one runs now, as text.
+
+    ``ended_by_phase``: by phase, (steps, steps ended). A stage is ``done`` once all
+    its steps have ended, ``running`` while it is the first that is not (with the batch
+    that runs), ``waiting`` after that."""
+    out: list[dict[str, object]] = []
+    now = ""
+    phase = 0
+    for number, stage in enumerate(stages, 1):
+        steps = ended = 0
+        batch_now = 0
+        for batch in range(1, len(stage.batches) + 1):
+            phase += 1
+            total, done = ended_by_phase.get(phase, (0, 0))
+            steps, ended = steps + total, ended + done
+            if not batch_now and done < total:
+                batch_now = batch
+        if ended >= steps:
+            state = "done"
+        elif not now:
+            state = "running"
+            now = f"stage {number} of {len(stages)} ({stage.name})"
+            if len(stage.batches) > 1:
+                now += f", batch {batch_now} of {len(stage.batches)}"
+        else:
+            state = "waiting"
+        out.append(
+            {
+                "stage": number,
+                "name": stage.name,
+                "steps": steps,
+                "ended": ended,
+                "state": state,
+                "batches": len(stage.batches),
+            }
+        )
+    return out, now or None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
-from sqlalchemy import and_, case, func, select
+from sqlalchemy import Connection, and_, case, func, select
 
 from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.models import (
@@ -21,7 +21,9 @@ from fleetwave.domain.models import (
     has_labels,
     shown,
 )
+from fleetwave.domain.rollout import PlannedStage, stage_progress
 from fleetwave.store import leases
+from fleetwave.store.admin import options_from_json
 from fleetwave.store.db import Store
 from fleetwave.store.runtime import DRIVEN_STATES, conductor_gone
 from fleetwave.store.schema import (
@@ -627,8 +629,35 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
             .order_by(journal.c.id.desc())
             .limit(1)
         ).scalar_one_or_none()
+        plan = _plan_of(r.options)
+        if plan:
+            ended = _ended_by_stage(conn, sid)
     out["done"] = steps_ended(counts)  # as strategy list has it
+    if plan:
+        out["stages"], out["stage_now"] = stage_progress(plan, ended)
     return out
+
+
+def _plan_of(options: str) -> list[PlannedStage]:
+    """A strategy's plan (stages, batches, canaries) from its options; none if they
+    cannot be read (``strategy show`` shows what it can)."""
+    try:
+        return options_from_json(options).plan
+    except (TypeError, ValueError, KeyError):
+        return []
+
+
+def _ended_by_stage(conn: Connection, sid: int) -> dict[int, tuple[int, int]]:
+    """By stage column (phase): its steps, and how many of them have ended."""
+    ended = case((steps.c.state.in_(sorted(STEP_TERMINAL)), 1), else_=0)
+    return {
+        int(stage): (int(n), int(done or 0))
+        for stage, n, done in conn.execute(
+            select(steps.c.stage, func.count(), func.sum(ended))
+            .where(steps.c.strategy_id == sid)
+            .group_by(steps.c.stage)
+        )
+    }
 
 
 def strategy_workflow(store: Store, sid: int) -> tuple[str, str | None]:
