@@ -281,7 +281,13 @@ def test_group_list_when_empty(cli: Cli, monkeypatch: pytest.MonkeyPatch) -> Non
     # piped: the header alone (a script counting rows counts none)
     res = cli("group", "list")
     assert res.code == 0
-    assert res.out.splitlines()[0].split() == ["name", "max_parallel", "apply_type", "order", "targets"]
+    assert res.out.splitlines()[0].split() == [
+        "name",
+        "max_parallel",
+        "apply_type",
+        "order",
+        "targets",
+    ]
     assert len(res.out.splitlines()) == 2
     as_terminal(monkeypatch)  # on a terminal it says so
     assert "(none)" in cli("group", "list").out
