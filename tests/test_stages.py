@@ -165,3 +165,38 @@ def test_dry_run_refuses_what_create_refuses(cli: Cli, tmp_path: Path, db_path: 
     assert res.code == 2
     assert "already in active strategy 1" in res.err
     assert _strategies(db_path) == 1
+
+
+def test_create_says_how_many_targets_no_stage_takes(cli: Cli, tmp_path: Path) -> None:
+    _fleet_on(cli, tmp_path)
+    res = cli("strategy", "create", "--workflow", "patch", "--all", "--stage", "east")
+    assert res.code == 0
+    assert "strategy 1 created (patch, 2 targets" in res.out
+    assert res.err.strip() == (
+        "note: 3 targets in no stage left out ('--stage rest' takes them; --dry-run lists them)"
+    )
+    shown = cli("strategy", "show", "1", "--format", "json").json()
+    assert shown["stages"] == [
+        {
+            "stage": 1,
+            "name": "east",
+            "steps": 2,
+            "ended": 0,
+            "state": "waiting",  # not applied yet
+            "batches": 1,
+            "phases": "1",
+        }
+    ]
+
+
+def test_a_groups_order_is_set_shown_and_cleared(cli: Cli) -> None:
+    assert cli("group", "add", "late", "--order", "9").code == 0
+    assert cli("group", "add", "late", "--order", "9").code == 0  # the same again: unchanged
+    res = cli("group", "add", "late", "--order", "3")
+    assert res.code == 2 and "order 9 stored, 3 given" in res.err
+    res = cli("group", "set", "late", "--order", "2")
+    assert res.out.startswith("group late: order 9 -> 2; strategies created from now on")
+    assert cli("group", "show", "late", "--format", "json").json()["order"] == 2
+    res = cli("group", "set", "late", "--no-order")
+    assert res.out.startswith("group late: order 2 -> none")
+    assert cli("group", "list", "--format", "json").json()[0]["order"] is None

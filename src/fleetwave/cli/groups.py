@@ -114,7 +114,7 @@ def group_set(
         )
     else:
         said = [
-            f"{what} {before[key]} -> {after[key]}"
+            f"{what} {_none(before[key])} -> {_none(after[key])}"
             for what, key in (
                 ("max parallel", "max_parallel"),
                 ("apply type", "apply_type"),
@@ -131,6 +131,10 @@ def group_set(
                 "taken when created)"
             )
     done(fmt, text, change)
+
+
+def _none(value: object) -> object:
+    return "none" if value is None else value
 
 
 @group_app.command("delete")

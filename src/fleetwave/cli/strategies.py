@@ -252,6 +252,16 @@ def strategy_create(
             f"parallel {made['max_parallel']}); 'fleetwave strategy apply {sid}' starts it",
             highlight=False,
         )
+    stored = made["options"]
+    left_out = int(stored.get("left_out", 0)) if isinstance(stored, dict) else 0
+    if left_out:
+        # said on stderr, also with --format json: a target the operator chose is not
+        # in the rollout
+        err_console.print(
+            f"note: {plural(left_out, 'target')} in no stage left out ('--stage rest' "
+            "takes them; --dry-run lists them)",
+            highlight=False,
+        )
 
 
 def _rollout_spec(opts: StrategyOptions) -> RolloutSpec:
@@ -297,7 +307,7 @@ def _print_plan(plan: dict[str, Any], fmt: Format) -> None:
         groups = ", ".join(
             f"{g['name']} (max parallel {g['max_parallel']})"
             if g["max_parallel"] is not None
-            else g["name"]
+            else "no group"
             for g in stage["groups"]
         )
         limit = (

@@ -174,6 +174,8 @@ class StrategyOptions:
     #: (one per batch of each stage). Empty: one stage, or stages by group made before
     #: plans were kept
     plan: list[PlannedStage] = field(default_factory=list)
+    #: targets chosen but in no stage of the plan, left out of the strategy
+    left_out: int = 0
 
     @property
     def effective_parallel(self) -> int:

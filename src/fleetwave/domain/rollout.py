@@ -368,6 +368,7 @@ def stage_progress(
                 now += f", batch {batch_now} of {len(stage.batches)}"
         else:
             state = "waiting"
+        first = phase - len(stage.batches) + 1
         out.append(
             {
                 "stage": number,
@@ -376,6 +377,8 @@ def stage_progress(
                 "ended": ended,
                 "state": state,
                 "batches": len(stage.batches),
+                # the steps' stage column (step list): one phase per batch
+                "phases": str(phase) if first == phase else f"{first}-{phase}",
             }
         )
     return out, now or None

@@ -1092,7 +1092,9 @@ def _planned(
     if opts.max_failures_percent:
         limit = parse_amount(opts.max_failures_percent, "--max-failures").limit_of(len(plan.order))
         opts = replace(opts, max_failures=limit)
-    return plan, replace(opts, plan=plan.stages) if spec.planned else opts
+    if not spec.planned:
+        return plan, opts
+    return plan, replace(opts, plan=plan.stages, left_out=len(plan.left_out))
 
 
 def _in_plan(rows: list[_Pick], plan: Plan) -> list[_Pick]:

@@ -635,6 +635,10 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
     out["done"] = steps_ended(counts)  # as strategy list has it
     if plan:
         out["stages"], out["stage_now"] = stage_progress(plan, ended)
+        if r.state == StrategyState.INITIAL:  # never applied: nothing runs yet
+            out["stage_now"] = None
+            for stage in out["stages"]:
+                stage["state"] = "waiting"
     return out
 
 
