@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import select
 
+from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.rollout import (
     PlanTarget,
     RolloutSpec,
@@ -21,8 +22,9 @@ from fleetwave.domain.rollout import (
     plan_rollout,
 )
 from fleetwave.store import admin, queries
+from fleetwave.store.admin import options_from_json
 from fleetwave.store.db import Store, open_store
-from fleetwave.store.schema import groups, targets
+from fleetwave.store.schema import groups, strategies, targets
 from fleetwave.testing.invariants import check
 from rollout_world import drive, entries, fleet, phase_targets, phases_in_order, started
 
@@ -59,6 +61,7 @@ def rollouts(draw: st.DrawFn) -> Case:
         ),
         max_failures=draw(st.one_of(st.none(), st.integers(0, 2))),
         failing=draw(st.sets(st.integers(0, total - 1), max_size=3)),
+        stage_wait_s=draw(st.sampled_from([0.0, 30.0])) if cut >= 2 else 0.0,
     )
 
 
@@ -70,6 +73,7 @@ class Case:
     spec: RolloutSpec
     max_failures: int | None
     failing: set[int]
+    stage_wait_s: float
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -89,12 +93,22 @@ def _check_one(store: Store, case: Case) -> None:
     for name in failing:
         admin.change_target(store, name, settings={"fail_at": "updating-patches"})
     sid, final = drive(
-        store, case.spec, max_parallel=case.max_parallel, max_failures=case.max_failures
+        store,
+        case.spec,
+        max_parallel=case.max_parallel,
+        max_failures=case.max_failures,
+        stage_wait_s=case.stage_wait_s,
     )
     rows = entries(store, sid)
     # no step of a later phase (stage, batch, after the canaries) started before every
-    # step of the earlier ones had ended
-    phases_in_order(rows)
+    # step of the earlier ones had ended; a stage, not before the wait after the one
+    # before was over
+    spans = phases_in_order(rows)
+    plan = options_of(store, sid).plan
+    first_phase = {sum(len(s.batches) for s in plan[:i]) + 1 for i in range(1, len(plan))}
+    for phase in first_phase & set(spans) - {1}:
+        before = max(p for p in spans if p < phase)
+        assert spans[phase][0].at - spans[before][1].at >= case.stage_wait_s
     # caps (G7), the phases' order and the thresholds (stopped exactly when exceeded,
     # the strategy's and its stages'), from the journal alone
     result = check(store, sid)
@@ -120,6 +134,12 @@ def _check_one(store: Store, case: Case) -> None:
     planned = _planned_phases(store, case.spec)
     for phase, ran in phase_targets(rows).items():
         assert ran <= planned[phase], (phase, ran, planned)
+
+
+def options_of(store: Store, sid: int) -> StrategyOptions:
+    with store.read() as conn:
+        raw = conn.execute(select(strategies.c.options).where(strategies.c.id == sid))
+        return options_from_json(raw.scalar_one())
 
 
 def _planned_phases(store: Store, spec: RolloutSpec) -> dict[int, set[str]]:

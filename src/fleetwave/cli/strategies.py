@@ -3,6 +3,7 @@ drive one here with ``--wait``), pause, resume, abort, show, list and delete."""
 
 from __future__ import annotations
 
+import getpass
 import sys
 import time
 from pathlib import Path
@@ -40,7 +41,13 @@ from fleetwave.domain.models import (
     shown,
 )
 from fleetwave.domain.registry import get_workflow
-from fleetwave.domain.rollout import RolloutSpec, parse_amount, parse_batches, parse_stages
+from fleetwave.domain.rollout import (
+    RolloutSpec,
+    parse_amount,
+    parse_batches,
+    parse_duration,
+    parse_stages,
+)
 from fleetwave.domain.yaml_workflow import MAX_SECONDS
 from fleetwave.engine import loop as event_loop
 from fleetwave.store import admin, queries
@@ -160,6 +167,17 @@ def strategy_create(
         list[str] | None,
         typer.Option(metavar="KEY=VALUE", help="choose the canaries by label (repeatable)"),
     ] = None,
+    stage_wait: Annotated[
+        str | None,
+        typer.Option(metavar="DURATION", help="wait this long after each stage (10m, 1h30m, 45s)"),
+    ] = None,
+    stage_approval: Annotated[
+        bool,
+        typer.Option(
+            "--stage-approval",
+            help="after each stage, wait for 'strategy approve ID' (waiting-approval)",
+        ),
+    ] = False,
     dry_run: Annotated[
         bool,
         typer.Option("--dry-run", help="print the plan (stages, batches, canaries); write nothing"),
@@ -215,6 +233,8 @@ def strategy_create(
         canary=canary or "",
         canary_label=parse_pairs(canary_label, "--canary-label", typed=False),
         stage_max_failures=stage_max_failures or "",
+        stage_wait_s=parse_duration(stage_wait, "--stage-wait") if stage_wait else 0.0,
+        stage_approval=stage_approval,
     )
     spec = _rollout_spec(opts)
     if dry_run:
@@ -330,6 +350,13 @@ def _print_plan(plan: dict[str, Any], fmt: Format) -> None:
             console.print(
                 f"  canaries: {', '.join(stage['batches'][0]['targets'])}", highlight=False
             )
+    between = []
+    if plan["stage_wait_s"]:
+        between.append(f"wait {plan['stage_wait_s']:g}s")
+    if plan["stage_approval"]:
+        between.append("wait for 'fleetwave strategy approve'")
+    if between:
+        console.print(f"after each stage: {', then '.join(between)}", highlight=False)
     left = plan["left_out"]
     if left:
         console.print(f"left out: {plural(len(left), 'target')}", highlight=False)
@@ -412,7 +439,9 @@ def strategy_apply(
     if not wait:
         who = queries.driving(store, strategy_id)
         now = "applying" if before in ("initial", "paused", "applying") else before
-        if now != "applying":
+        if before == StrategyState.WAITING_APPROVAL:
+            now += f" ('fleetwave strategy approve {strategy_id}' lets its next stage start)"
+        elif now != "applying":
             now += " (apply does not undo an abort: a conductor finishes it)"
         elif before == "paused":
             now += " (resumed: it was paused)"
@@ -533,6 +562,32 @@ def _ended(summary: dict[str, Any], fmt: Format) -> None:
         emit_one(summary, fmt)
     if summary["state"] != StrategyState.COMPLETE:
         raise typer.Exit(1)
+
+
+@strategy_app.command("approve")
+def strategy_approve(
+    strategy_id: StrategyId,
+    by: Annotated[
+        str | None,
+        typer.Option(metavar="NAME", help="who approves (default: the user running this)"),
+    ] = None,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
+    """Let a strategy waiting for approval (--stage-approval) start its next stage."""
+    who = (by if by is not None else _user()).strip()
+    if not who:
+        raise InputError("--by: an empty name")
+    answer = admin.approve_strategy(existing_store(db), strategy_id, who)
+    done(fmt, f"strategy {strategy_id}: {answer['details']}", answer)
+
+
+def _user() -> str:
+    """Who runs this command, as the system knows them."""
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):
+        return "unknown"
 
 
 @strategy_app.command("pause")

@@ -16,6 +16,8 @@ class StrategyState(StrEnum):
     INITIAL = "initial"
     APPLYING = "applying"
     PAUSED = "paused"
+    #: a stage ended and the next waits for ``strategy approve`` (``--stage-approval``)
+    WAITING_APPROVAL = "waiting-approval"
     ABORT_REQUESTED = "abort-requested"
     ABORTING = "aborting"
     COMPLETE = "complete"
@@ -31,6 +33,7 @@ STRATEGY_ACTIVE = frozenset(
         StrategyState.INITIAL,
         StrategyState.APPLYING,
         StrategyState.PAUSED,
+        StrategyState.WAITING_APPROVAL,
         StrategyState.ABORT_REQUESTED,
         StrategyState.ABORTING,
     }
@@ -176,6 +179,10 @@ class StrategyOptions:
     plan: list[PlannedStage] = field(default_factory=list)
     #: targets chosen but in no stage of the plan, left out of the strategy
     left_out: int = 0
+    #: after each stage of the plan, wait this long before the next starts
+    stage_wait_s: float = 0.0
+    #: after each stage of the plan, wait for ``strategy approve`` before the next starts
+    stage_approval: bool = False
 
     @property
     def effective_parallel(self) -> int:
@@ -185,6 +192,12 @@ class StrategyOptions:
     def staged(self) -> bool:
         """Whether its steps run in more than one phase (stages, batches, canaries)."""
         return self.stages_by_group or sum(len(s.batches) for s in self.plan) > 1
+
+    @property
+    def gated(self) -> bool:
+        """Whether something besides the steps' ends holds a phase's start (a wait after
+        a stage, an approval)."""
+        return self.stage_wait_s > 0 or self.stage_approval
 
     @property
     def failure_limit(self) -> int | None:

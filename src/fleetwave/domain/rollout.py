@@ -18,6 +18,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Protocol
 
 from fleetwave.domain.errors import InputError
 from fleetwave.domain.models import has_labels, plural, shown
@@ -382,3 +383,122 @@ def stage_progress(
             }
         )
     return out, now or None
+
+
+#: the event ``strategy approve`` records: "stage N of M (NAME) approved by WHO"
+APPROVED_EVENT = "stage-approved"
+_APPROVED = re.compile(r"stage (\d+) of \d+ ")
+
+
+def approval_text(stage_number: int, stages: Sequence[PlannedStage], by: str) -> str:
+    """What ``strategy approve`` records (its event's details) for stage ``stage_number``."""
+    name = stages[stage_number - 1].name
+    return f"stage {stage_number} of {len(stages)} ({name}) approved by {by}"
+
+
+def approved_stage(details: str) -> int | None:
+    """The stage number an approval's details name (None: not an approval's)."""
+    found = _APPROVED.match(details)
+    return int(found.group(1)) if found else None
+
+
+@dataclass(frozen=True)
+class Gate:
+    """What holds the start of a phase: nothing (:attr:`open`), a time (:attr:`until`),
+    or an operator's approval of a stage (:attr:`approval`, its number)."""
+
+    until: float | None = None
+    approval: int | None = None
+    #: why, for ``strategy show`` (the strategy's details while it holds)
+    why: str = ""
+
+    @property
+    def open(self) -> bool:
+        return self.until is None and self.approval is None
+
+
+OPEN = Gate()
+
+
+def phase_gate(
+    options: StrategyOptionsLike,
+    phase: int,
+    *,
+    ended_at: float | None,
+    approved_through: int,
+    now: float,
+    strategy_id: int | str = "ID",
+) -> Gate:
+    """Whether ``phase`` may start now (pure; the engine asks once per phase, and again
+    when the time it named comes).
+
+    At the first phase of a stage after the first, once the stages before have ended
+    (at ``ended_at``): ``--stage-wait`` holds it until that long after, then
+    ``--stage-approval`` until ``strategy approve`` has approved that stage (stages
+    up to ``approved_through`` are)."""
+    stages = options.plan
+    starts = phase_stages(stages)
+    if not 0 < phase < len(starts) or phase == 1:
+        return OPEN
+    index = starts[phase]
+    if starts[phase - 1] == index:
+        return OPEN  # the next batch of the same stage: no gate between batches
+    number, name = index + 1, stages[index].name
+    done = ended_at if ended_at is not None else now
+    if options.stage_wait_s > 0 and now < done + options.stage_wait_s:
+        return Gate(
+            until=done + options.stage_wait_s,
+            why=f"waiting {_duration(options.stage_wait_s)} after stage {number - 1} ended "
+            f"(--stage-wait) before stage {number} of {len(stages)} ({name})",
+        )
+    if options.stage_approval and approved_through < number:
+        return Gate(
+            approval=number,
+            why=f"waiting for approval of stage {number} of {len(stages)} ({name}): "
+            f"'fleetwave strategy approve {strategy_id}'",
+        )
+    return OPEN
+
+
+class StrategyOptionsLike(Protocol):
+    """What :func:`phase_gate` reads of a strategy's options."""
+
+    @property
+    def plan(self) -> list[PlannedStage]: ...
+    @property
+    def stage_wait_s(self) -> float: ...
+    @property
+    def stage_approval(self) -> bool: ...
+
+
+def _duration(seconds: float) -> str:
+    """10m, 1h30m, 45s: as ``--stage-wait`` takes it."""
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    text = (f"{hours}h" if hours else "") + (f"{minutes}m" if minutes else "")
+    return text + (f"{secs}s" if secs or not text else "")
+
+
+_DURATION = re.compile(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s)?")
+#: the longest wait an operator may ask for (as a state's timeout)
+MAX_WAIT_S = 30 * 24 * 3600
+
+
+def parse_duration(text: str, option: str) -> float:
+    """``10m``, ``1h30m``, ``45s``, ``2d`` or plain seconds (``600``): seconds, above 0
+    and at most 30 days."""
+    given = text.strip()
+    found = _DURATION.fullmatch(given)
+    if _COUNT.fullmatch(given):
+        seconds = float(given)
+    elif given and found is not None and any(found.groups()):
+        d, h, m, s = (float(g) if g else 0.0 for g in found.groups())
+        seconds = d * 86400 + h * 3600 + m * 60 + s
+    else:
+        raise InputError(f"{option}: expected a duration (10m, 1h30m, 45s), got {shown(text)}")
+    if seconds <= 0:
+        raise InputError(f"{option}: must be more than 0, got {given}")
+    if seconds > MAX_WAIT_S:
+        raise InputError(f"{option}: at most 30 days, got {given}")
+    return seconds

@@ -33,6 +33,7 @@ on the same object (``self``; nothing in between on the hot path):
 - :mod:`.periodic`: the periodic pass and the lease watchdog;
 - :mod:`.outcome_log`: what the log says of failed steps and stale outcomes;
 - :mod:`.gc_freeze`: moving loaded strategies out of the garbage collector's sight;
+- :mod:`.gates`: a phase held by a wait after a stage or an operator's approval;
 - :mod:`.store_calls`: store calls on the loop, retried, outages ridden out.
 
 Its settings and counters are in :mod:`.config`, what it raises in :mod:`.errors`
@@ -67,6 +68,7 @@ from fleetwave.engine.clock import Clock, ServerClock, WallClock
 from fleetwave.engine.config import EngineConfig, EngineStats
 from fleetwave.engine.deadlines import DeadlinesMixin
 from fleetwave.engine.errors import SimulatedCrash, StoreReplaced, StoreUnavailable
+from fleetwave.engine.gates import GatesMixin
 from fleetwave.engine.gc_freeze import GcFreezeMixin
 from fleetwave.engine.messages import (
     ActionFinished,
@@ -111,6 +113,7 @@ class Conductor(
     # (a part that defines a method comes before the parts that only declare it, or
     # mypy takes the declaration for the method: its check is in that order)
     GcFreezeMixin,
+    GatesMixin,
     SettleMixin,
     ClaimsMixin,
     PeriodicMixin,
@@ -606,6 +609,7 @@ class Conductor(
             self.post(CallbackArrived(record))
         if self._ending_waits:
             self._ending_waits_end()
+        await self._look_at_gates(now)  # (phases held by a wait or an approval)
         await self._mark_aborting()
         await self._finish_done_runs()
 

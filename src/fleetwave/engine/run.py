@@ -141,6 +141,16 @@ class StrategyRun:
     failed_in_stage: Counter[int] = field(default_factory=Counter)
     #: whether failures may stop it (a failure limit, a stage's own, canaries)
     limits_failures: bool = field(init=False)
+    #: whether something besides the steps' ends holds a phase's start (a wait after a
+    #: stage, an approval: see fleetwave.domain.rollout.phase_gate)
+    gated: bool = field(init=False)
+    #: the phase its gate was found open for (0: none yet): admissions from any other
+    #: phase wait until the dispatcher has looked at that one's gate
+    gate_phase: int = 0
+    #: a phase whose gate the dispatcher is to look at (after its next admissions)
+    gate_due: int | None = None
+    #: wakes the dispatcher when a gate's time comes (or to look for an approval again)
+    gate_timer: asyncio.TimerHandle | None = None
 
     def __post_init__(self) -> None:
         self.id = self.record.id
@@ -152,6 +162,7 @@ class StrategyRun:
         self.limits_failures = self.options.failure_limit is not None or any(
             s.canary or s.max_failures is not None for s in self.options.plan
         )
+        self.gated = self.options.gated
 
     @property
     def waits_for_callbacks(self) -> bool:
@@ -233,6 +244,9 @@ class StrategyRun:
             return []
         stage = self.current_stage()
         if stage is None or stage not in self.pending:
+            return []
+        if self.gated and stage != self.gate_phase:
+            self.gate_due = stage  # the dispatcher looks at its gate first
             return []
         out: list[StepRecord] = []
         for gid, queue in self.pending[stage].items():

@@ -32,11 +32,14 @@ from fleetwave.domain.models import (
     shown,
 )
 from fleetwave.domain.rollout import (
+    APPROVED_EVENT,
     Plan,
     PlannedStage,
     PlanTarget,
     RolloutSpec,
+    approval_text,
     parse_amount,
+    phase_stages,
     plan_rollout,
 )
 from fleetwave.domain.workflow import WorkflowDef, WorkflowError, describe_workflow
@@ -1027,6 +1030,8 @@ def plan_strategy(
         "max_failures": opts.failure_limit,
         "stages": stages_out,
         "left_out": [{"target": n, "why": why} for n, why in plan.left_out],
+        "stage_wait_s": opts.stage_wait_s,
+        "stage_approval": opts.stage_approval,
         "earliest_start": "when applied",
     }
 
@@ -1089,6 +1094,12 @@ def _planned(
         for r in rows
     ]
     plan = plan_rollout(chosen, spec, group_order=orders)
+    if (opts.stage_wait_s or opts.stage_approval) and len(plan.stages) < 2:
+        which = "--stage-wait" if opts.stage_wait_s else "--stage-approval"
+        raise InputError(
+            f"{which}: the strategy has one stage; it holds between stages (--stage, "
+            "--stages-by-group, --canary)"
+        )
     if opts.max_failures_percent:
         limit = parse_amount(opts.max_failures_percent, "--max-failures").limit_of(len(plan.order))
         opts = replace(opts, max_failures=limit)
@@ -1304,6 +1315,7 @@ def apply_strategy(store: Store, sid: int, *, resume: bool = True) -> str:
         elif state not in (
             StrategyState.APPLYING,
             StrategyState.PAUSED,
+            StrategyState.WAITING_APPROVAL,
             StrategyState.ABORT_REQUESTED,
             StrategyState.ABORTING,
         ):
@@ -1320,7 +1332,7 @@ def pause_strategy(store: Store, sid: int) -> str:
     Returns the state it was in (``paused`` again is not an error). The conductor's
     commit that would start a step reads this state, so nothing starts once this returns.
     """
-    hint = {StrategyState.INITIAL.value: " (apply it first)"}
+    hint = {StrategyState.INITIAL.value: " (apply it first)", **_APPROVAL_HINT}
     return _switch_state(
         store, sid, StrategyState.APPLYING, StrategyState.PAUSED, "an applying", "paused", hint
     )
@@ -1329,8 +1341,61 @@ def pause_strategy(store: Store, sid: int) -> str:
 def resume_strategy(store: Store, sid: int) -> str:
     """paused -> applying; returns the state it was in (``applying`` again is not an error)."""
     return _switch_state(
-        store, sid, StrategyState.PAUSED, StrategyState.APPLYING, "a paused", "resumed", {}
+        store,
+        sid,
+        StrategyState.PAUSED,
+        StrategyState.APPLYING,
+        "a paused",
+        "resumed",
+        _APPROVAL_HINT,
     )
+
+
+#: what pause and resume say of a strategy waiting for approval
+_APPROVAL_HINT = {
+    StrategyState.WAITING_APPROVAL.value: (
+        " (nothing runs while it waits for approval: 'fleetwave strategy approve "
+        "ID' lets the next stage start, 'fleetwave strategy abort ID' ends it)"
+    )
+}
+
+
+def approve_strategy(store: Store, sid: int, by: str) -> dict[str, Any]:
+    """waiting-approval -> applying: the next stage may start. Recorded as an event
+    naming the stage and who approved it. Refused (Conflict) when it is not waiting for
+    an approval."""
+    with store.write() as conn:
+        row = conn.execute(
+            select(strategies.c.state, strategies.c.options).where(strategies.c.id == sid)
+        ).first()
+        if row is None:
+            raise NotFound(f"strategy {sid} not found")
+        if row.state != StrategyState.WAITING_APPROVAL:
+            raise Conflict(
+                f"strategy {sid}: is {row.state}, not waiting for approval; nothing to approve"
+            )
+        plan = options_from_json(row.options).plan
+        # the stage that waits: the first with a step not ended (the ones before have all
+        # ended, or it would not wait)
+        open_phase = conn.execute(
+            select(func.min(steps.c.stage)).where(
+                steps.c.strategy_id == sid, steps.c.state.not_in(sorted(STEP_TERMINAL))
+            )
+        ).scalar()
+        number = phase_stages(plan)[int(open_phase)] + 1 if open_phase is not None else 0
+        now = _now()
+        details = approval_text(number, plan, by) if number else f"approved by {by}"
+        conn.execute(
+            update(strategies)
+            .where(strategies.c.id == sid, strategies.c.state == row.state)
+            .values(state=StrategyState.APPLYING.value, details="", updated_at=now)
+        )
+        conn.execute(
+            insert(events).values(
+                at=now, strategy_id=sid, kind=APPROVED_EVENT, details=details, conductor=None
+            )
+        )
+        return {"id": sid, "stage": number, "approved_by": by, "details": details}
 
 
 def _switch_state(
@@ -1429,7 +1494,11 @@ def request_abort(store: Store, sid: int) -> str | None:
                 )
             )
             return StrategyState.INITIAL.value
-        if state not in (StrategyState.APPLYING, StrategyState.PAUSED):
+        if state not in (
+            StrategyState.APPLYING,
+            StrategyState.PAUSED,
+            StrategyState.WAITING_APPROVAL,
+        ):
             raise Conflict(
                 f"strategy {sid}: is {state}; only a strategy not yet ended can be aborted"
             )

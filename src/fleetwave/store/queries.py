@@ -21,7 +21,7 @@ from fleetwave.domain.models import (
     has_labels,
     shown,
 )
-from fleetwave.domain.rollout import PlannedStage, stage_progress
+from fleetwave.domain.rollout import APPROVED_EVENT, PlannedStage, stage_progress
 from fleetwave.store import leases
 from fleetwave.store.admin import options_from_json
 from fleetwave.store.db import Store
@@ -632,9 +632,19 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
         plan = _plan_of(r.options)
         if plan:
             ended = _ended_by_stage(conn, sid)
+            approvals = [
+                {"at": e.at, "details": e.details}
+                for e in conn.execute(
+                    select(events.c.at, events.c.details)
+                    .where(events.c.strategy_id == sid, events.c.kind == APPROVED_EVENT)
+                    .order_by(events.c.id)
+                )
+            ]
     out["done"] = steps_ended(counts)  # as strategy list has it
     if plan:
         out["stages"], out["stage_now"] = stage_progress(plan, ended)
+        if approvals:
+            out["approvals"] = approvals
         if r.state == StrategyState.INITIAL:  # never applied: nothing runs yet
             out["stage_now"] = None
             for stage in out["stages"]:

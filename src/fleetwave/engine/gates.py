@@ -1,0 +1,121 @@
+"""Gates before a phase: a wait after a stage (``--stage-wait``), an operator's
+approval (``--stage-approval``). The dispatcher's part of the conductor (a mixin).
+
+:meth:`StrategyRun.take_admissions` admits nothing from a phase of a gated strategy
+until its gate was found open, and names the phase (``gate_due``). After each turn's
+admissions the dispatcher looks at those gates here: it reads what they depend on
+(when the earlier stages ended, the approvals recorded), asks the pure
+:func:`~fleetwave.domain.rollout.phase_gate`, and then opens the phase, or says on the
+strategy's row what it waits for and sets a timer to look again (when the wait is over;
+for an approval, every tick, until ``strategy approve`` records it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from fleetwave.domain.rollout import phase_gate
+from fleetwave.engine.run import StrategyRun
+from fleetwave.store import runtime as rt
+
+if TYPE_CHECKING:
+    from fleetwave.engine.clock import Clock
+    from fleetwave.engine.config import EngineConfig
+    from fleetwave.store.db import Store
+
+log = logging.getLogger("fleetwave.engine")
+
+
+class GatesMixin:
+    if TYPE_CHECKING:
+        store: Store
+        id: str
+        clock: Clock
+        config: EngineConfig
+        runs: dict[int, StrategyRun]
+        _loop: asyncio.AbstractEventLoop
+        _draining: bool
+        _NOW: Any
+
+        async def _io(self, fn: Any, *args: Any, **kwargs: Any) -> Any: ...
+        def _wake_soon(self) -> None: ...
+
+    async def _look_at_gates(self, now: float) -> None:
+        """Open the phases whose gates allow it now; say what the others wait for."""
+        for run in list(self.runs.values()):
+            phase = run.gate_due
+            if phase is None:
+                continue
+            run.gate_due = None
+            if run.stopping is not None or run.paused or run.lapsed or self._draining:
+                continue  # nothing starts anyway; looked at again once something would
+            ended_at, approved = await self._io(rt.gate_facts, self.store, run.id, phase)
+            if run.id not in self.runs:
+                continue  # dropped meanwhile (its lease lost)
+            gate = phase_gate(
+                run.options,
+                phase,
+                ended_at=ended_at,
+                approved_through=approved,
+                now=now,
+                strategy_id=run.id,
+            )
+            if gate.open:
+                run.gate_phase = phase
+                self._cancel_gate_timer(run)
+                if run.record.details.startswith("waiting "):
+                    # what it waited for is over: said no more
+                    await self._io(
+                        rt.set_strategy_details,
+                        self.store,
+                        run.id,
+                        self.id,
+                        run.record.fence,
+                        "",
+                        self._NOW,
+                    )
+                    run.record.details = ""
+                self._wake_soon()
+                continue
+            if gate.why != run.record.details:
+                if gate.approval is not None:
+                    said = await self._io(
+                        rt.hold_for_approval,
+                        self.store,
+                        run.id,
+                        self.id,
+                        run.record.fence,
+                        gate.why,
+                        self._NOW,
+                    )
+                    if said:
+                        log.info("strategy %s: %s", run.id, gate.why)
+                else:
+                    await self._io(
+                        rt.set_strategy_details,
+                        self.store,
+                        run.id,
+                        self.id,
+                        run.record.fence,
+                        gate.why,
+                        self._NOW,
+                    )
+                run.record.details = gate.why
+            # look again when the wait is over; an approval, every tick
+            delay = self.config.tick_s if gate.until is None else max(0.0, gate.until - now)
+            self._cancel_gate_timer(run)
+            run.gate_timer = self._loop.call_later(delay, self._gate_again, run, phase)
+
+    def _gate_again(self, run: StrategyRun, phase: int) -> None:
+        run.gate_timer = None
+        if self.runs.get(run.id) is run:
+            run.gate_due = phase
+            self._wake_soon()
+
+    @staticmethod
+    def _cancel_gate_timer(run: StrategyRun) -> None:
+        if run.gate_timer is not None:
+            run.gate_timer.cancel()
+            run.gate_timer = None
