@@ -48,6 +48,13 @@ from fleetwave.domain.rollout import (
     parse_duration,
     parse_stages,
 )
+from fleetwave.domain.windows import (
+    check_times,
+    earliest_start,
+    parse_time,
+    parse_window,
+    shown_time,
+)
 from fleetwave.domain.yaml_workflow import MAX_SECONDS
 from fleetwave.engine import loop as event_loop
 from fleetwave.store import admin, queries
@@ -178,6 +185,24 @@ def strategy_create(
             help="after each stage, wait for 'strategy approve ID' (waiting-approval)",
         ),
     ] = False,
+    start_after: Annotated[
+        str | None,
+        typer.Option(metavar="TIME", help="start no step before then (2026-12-06T01:00Z)"),
+    ] = None,
+    window: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="WINDOW",
+            help="start steps only inside it, weekly ('Sat 01:00-05:00 UTC'); repeatable",
+        ),
+    ] = None,
+    deadline: Annotated[
+        str | None,
+        typer.Option(
+            metavar="TIME",
+            help="start nothing after then; the strategy then ends failed (2026-12-07T06:00Z)",
+        ),
+    ] = None,
     dry_run: Annotated[
         bool,
         typer.Option("--dry-run", help="print the plan (stages, batches, canaries); write nothing"),
@@ -235,6 +260,7 @@ def strategy_create(
         stage_max_failures=stage_max_failures or "",
         stage_wait_s=parse_duration(stage_wait, "--stage-wait") if stage_wait else 0.0,
         stage_approval=stage_approval,
+        **_times(start_after, window or [], deadline),
     )
     spec = _rollout_spec(opts)
     if dry_run:
@@ -282,6 +308,16 @@ def strategy_create(
             "takes them; --dry-run lists them)",
             highlight=False,
         )
+
+
+def _times(start_after: str | None, windows: list[str], deadline: str | None) -> dict[str, Any]:
+    """``--start-after``, ``--window`` and ``--deadline`` as options, checked: a deadline
+    passed or before the start, and windows that never open before it, are refused."""
+    after = parse_time(start_after, "--start-after") if start_after is not None else None
+    until = parse_time(deadline, "--deadline") if deadline is not None else None
+    parsed = [parse_window(w) for w in windows]
+    check_times(after, parsed, until, time.time())
+    return {"start_after": after, "windows": [w.text for w in parsed], "deadline": until}
 
 
 def _rollout_spec(opts: StrategyOptions) -> RolloutSpec:
@@ -350,6 +386,13 @@ def _print_plan(plan: dict[str, Any], fmt: Format) -> None:
             console.print(
                 f"  canaries: {', '.join(stage['batches'][0]['targets'])}", highlight=False
             )
+    if plan["windows"]:
+        console.print(f"windows: {'; '.join(plan['windows'])}", highlight=False)
+    if plan["deadline"] is not None:
+        console.print(
+            f"deadline: {shown_time(plan['deadline'])} (nothing starts after it)",
+            highlight=False,
+        )
     between = []
     if plan["stage_wait_s"]:
         between.append(f"wait {plan['stage_wait_s']:g}s")
@@ -463,6 +506,9 @@ def strategy_apply(
             )
         else:
             console.print(f"strategy {strategy_id} {now}; {said}")
+            later = _not_before(store, strategy_id)
+            if later:
+                console.print(f"strategy {strategy_id}: {later}", highlight=False)
         if who.nobody:
             err_console.print(
                 f"warning: no conductor serves {store.url}: strategy {strategy_id} waits until "
@@ -507,6 +553,22 @@ def strategy_apply(
         )
         raise typer.Exit(130)
     _ended(queries.get_strategy(store, strategy_id), fmt)
+
+
+def _not_before(store: Store, sid: int) -> str:
+    """What holds an applied strategy's first step, said by apply ("" if nothing)."""
+    stored = queries.get_strategy(store, sid)["options"]
+    if not isinstance(stored, dict):
+        return ""
+    after, windows = stored.get("start_after"), stored.get("windows") or []
+    if after is None and not windows:
+        return ""
+    now = time.time()
+    start = earliest_start(after, [parse_window(w) for w in windows], now)
+    if start <= now:
+        return ""
+    why = "--start-after" if after is not None and start == after else "--window"
+    return f"nothing starts before {shown_time(start)} ({why})"
 
 
 def _apply_patiently(store: Store, strategy_id: int, was: str) -> str:

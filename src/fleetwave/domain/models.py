@@ -183,6 +183,12 @@ class StrategyOptions:
     stage_wait_s: float = 0.0
     #: after each stage of the plan, wait for ``strategy approve`` before the next starts
     stage_approval: bool = False
+    #: no step starts before this time (epoch seconds; ``--start-after``)
+    start_after: float | None = None
+    #: steps start only inside these weekly windows (``--window``, as given)
+    windows: list[str] = field(default_factory=list)
+    #: after this time nothing new starts, and the strategy ends failed (``--deadline``)
+    deadline: float | None = None
 
     @property
     def effective_parallel(self) -> int:
@@ -197,7 +203,13 @@ class StrategyOptions:
     def gated(self) -> bool:
         """Whether something besides the steps' ends holds a phase's start (a wait after
         a stage, an approval)."""
-        return self.stage_wait_s > 0 or self.stage_approval
+        return bool(
+            self.stage_wait_s > 0
+            or self.stage_approval
+            or self.start_after is not None
+            or self.windows
+            or self.deadline is not None
+        )
 
     @property
     def failure_limit(self) -> int | None:

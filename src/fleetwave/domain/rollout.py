@@ -22,6 +22,7 @@ from typing import Protocol
 
 from fleetwave.domain.errors import InputError
 from fleetwave.domain.models import has_labels, plural, shown
+from fleetwave.domain.windows import parse_window, shown_time, window_at
 
 #: what a ``--stage`` may say for "the targets of no other stage"
 REST_NAMES = ("rest", "*")
@@ -411,10 +412,14 @@ class Gate:
     approval: int | None = None
     #: why, for ``strategy show`` (the strategy's details while it holds)
     why: str = ""
+    #: an open gate closes then (its window ends, the deadline comes): looked at again
+    closes: float | None = None
+    #: the deadline has passed: nothing more starts, ever (why)
+    stop: str = ""
 
     @property
     def open(self) -> bool:
-        return self.until is None and self.approval is None
+        return self.until is None and self.approval is None and not self.stop
 
 
 OPEN = Gate()
@@ -429,13 +434,56 @@ def phase_gate(
     now: float,
     strategy_id: int | str = "ID",
 ) -> Gate:
-    """Whether ``phase`` may start now (pure; the engine asks once per phase, and again
-    when the time it named comes).
+    """Whether ``phase`` may start now (pure; the engine asks once per phase, again when
+    the time it named comes, and when the window it was open in closes).
 
-    At the first phase of a stage after the first, once the stages before have ended
+    Nothing starts before ``--start-after``, nor outside every ``--window``. At the
+    first phase of a stage after the first, once the stages before have ended
     (at ``ended_at``): ``--stage-wait`` holds it until that long after, then
     ``--stage-approval`` until ``strategy approve`` has approved that stage (stages
     up to ``approved_through`` are)."""
+    deadline = options.deadline
+    if deadline is not None and now >= deadline:
+        return Gate(stop=deadline_passed(deadline))
+    if options.start_after is not None and now < options.start_after:
+        return Gate(
+            until=options.start_after,
+            why=f"waiting until {shown_time(options.start_after)} (--start-after)",
+        )
+    gate = _stage_gate(options, phase, ended_at, approved_through, now, strategy_id)
+    if not gate.open:
+        return gate
+    if not options.windows:
+        return gate if deadline is None else Gate(closes=deadline)
+    inside, change = window_at([parse_window(w) for w in options.windows], now)
+    if inside:
+        closes = [t for t in (change, deadline) if t is not None]
+        return Gate(closes=min(closes) if closes else None)
+    if options.deadline is not None and (change is None or change >= options.deadline):
+        return Gate(until=options.deadline, why="waiting: no window opens before the deadline")
+    if change is None:  # (weekly windows always open again: not reached)
+        return Gate(until=now + 86_400, why="waiting: no window opens")
+    return Gate(
+        until=change,
+        why=f"waiting for a window ({'; '.join(options.windows)}): the next opens at "
+        f"{shown_time(change)}",
+    )
+
+
+def deadline_passed(deadline: float) -> str:
+    """Why a strategy stopped at its deadline (its details, the waiting steps')."""
+    return f"stopped: the deadline {shown_time(deadline)} passed (--deadline)"
+
+
+def _stage_gate(
+    options: StrategyOptionsLike,
+    phase: int,
+    ended_at: float | None,
+    approved_through: int,
+    now: float,
+    strategy_id: int | str,
+) -> Gate:
+    """The gate between two stages: the wait after the one before, then the approval."""
     stages = options.plan
     starts = phase_stages(stages)
     if not 0 < phase < len(starts) or phase == 1:
@@ -469,6 +517,12 @@ class StrategyOptionsLike(Protocol):
     def stage_wait_s(self) -> float: ...
     @property
     def stage_approval(self) -> bool: ...
+    @property
+    def start_after(self) -> float | None: ...
+    @property
+    def windows(self) -> list[str]: ...
+    @property
+    def deadline(self) -> float | None: ...
 
 
 def _duration(seconds: float) -> str:

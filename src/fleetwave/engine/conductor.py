@@ -88,6 +88,7 @@ from fleetwave.engine.settle import SettleMixin
 from fleetwave.engine.stopping import commit_stop_rule, count_failure
 from fleetwave.engine.store_calls import StoreCalls, _Fresh
 from fleetwave.engine.worker import WorkerMixin, resolve_future
+from fleetwave.engine.worker import stop_flights as _stop_flights
 from fleetwave.store import callbacks as cbs
 from fleetwave.store import leases
 from fleetwave.store import runtime as rt
@@ -1210,7 +1211,7 @@ class Conductor(
                 continue
             if run.stopping == "abort":
                 final, details = StrategyState.ABORTED, run.stop_details
-            elif run.failed:
+            elif run.failed or run.stopping is not None:  # (a deadline: none failed)
                 final = StrategyState.FAILED
                 details = run.stop_details or f"{plural(run.failed, 'step')} failed"
             else:
@@ -1253,20 +1254,3 @@ def _free_slot(run: StrategyRun, step_id: int) -> InFlight | None:
     run.group_load[fl.rec.group_id] -= 1
     resolve_future(fl.go, False)
     return fl
-
-
-def _stop_flights(run: StrategyRun, end_wait: Callable[[InFlight], None]) -> None:
-    """The strategy stops: its workers start no new attempt of their current state. An
-    operator's abort also ends their waits on the target (a callback, the next poll):
-    nothing of ours runs there meanwhile, and a wait may last hours. A callback wait
-    ends through ``end_wait`` (after a callback already queued for it)."""
-    abort = run.stopping == "abort"
-    for fl in run.inflight.values():
-        fl.stopped = True
-        resolve_future(fl.backoff, None)  # a retry waiting out its backoff ends now
-        if abort:
-            fl.aborted = True
-            if fl.waiter is not None:
-                end_wait(fl)
-            else:
-                resolve_future(fl.waiting, None)

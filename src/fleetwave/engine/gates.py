@@ -16,7 +16,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from fleetwave.domain.rollout import phase_gate
+from fleetwave.domain.rollout import deadline_passed, phase_gate
 from fleetwave.engine.run import StrategyRun
 from fleetwave.store import runtime as rt
 
@@ -51,6 +51,16 @@ class GatesMixin:
             run.gate_due = None
             if run.stopping is not None or run.paused or run.lapsed or self._draining:
                 continue  # nothing starts anyway; looked at again once something would
+            deadline = run.options.deadline
+            if deadline is not None and now >= deadline:
+                # Nothing more starts; once the steps in flight have gone on to their
+                # end, the waiting ones end aborted and the strategy failed.
+                self._cancel_gate_timer(run)
+                if not run.inflight and not run.unsettled:
+                    run.stopping, run.stop_details = "failure", deadline_passed(deadline)
+                    log.warning("strategy %s: %s", run.id, run.stop_details)
+                    self._wake_soon()
+                continue
             ended_at, approved = await self._io(rt.gate_facts, self.store, run.id, phase)
             if run.id not in self.runs:
                 continue  # dropped meanwhile (its lease lost)
@@ -65,6 +75,11 @@ class GatesMixin:
             if gate.open:
                 run.gate_phase = phase
                 self._cancel_gate_timer(run)
+                if gate.closes is not None:
+                    # its window ends (or the deadline comes): looked at again then
+                    run.gate_timer = self._loop.call_later(
+                        max(0.0, gate.closes - now), self._gate_closed, run
+                    )
                 if run.record.details.startswith("waiting "):
                     # what it waited for is over: said no more
                     await self._io(
@@ -107,6 +122,12 @@ class GatesMixin:
             delay = self.config.tick_s if gate.until is None else max(0.0, gate.until - now)
             self._cancel_gate_timer(run)
             run.gate_timer = self._loop.call_later(delay, self._gate_again, run, phase)
+
+    def _gate_closed(self, run: StrategyRun) -> None:
+        run.gate_timer = None
+        if self.runs.get(run.id) is run:
+            run.gate_phase = 0  # the next admission asks again
+            self._wake_soon()
 
     def _gate_again(self, run: StrategyRun, phase: int) -> None:
         run.gate_timer = None

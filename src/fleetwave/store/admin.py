@@ -42,6 +42,7 @@ from fleetwave.domain.rollout import (
     phase_stages,
     plan_rollout,
 )
+from fleetwave.domain.windows import earliest_start, parse_window, shown_time
 from fleetwave.domain.workflow import WorkflowDef, WorkflowError, describe_workflow
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.store.db import DialectHooks, Store
@@ -1032,8 +1033,19 @@ def plan_strategy(
         "left_out": [{"target": n, "why": why} for n, why in plan.left_out],
         "stage_wait_s": opts.stage_wait_s,
         "stage_approval": opts.stage_approval,
-        "earliest_start": "when applied",
+        "windows": opts.windows,
+        "deadline": opts.deadline,
+        "earliest_start": _earliest(opts),
     }
+
+
+def _earliest(opts: StrategyOptions) -> str:
+    """When a strategy applied now may start its first step, as the dry run says it."""
+    if opts.start_after is None and not opts.windows:
+        return "when applied"
+    now = _now()
+    start = earliest_start(opts.start_after, [parse_window(w) for w in opts.windows], now)
+    return "when applied" if start <= now else shown_time(start)
 
 
 def _spec_of(opts: StrategyOptions, spec: RolloutSpec | None) -> RolloutSpec:

@@ -197,6 +197,7 @@ def _check_strategy(
             and to == "aborted"
             and details.startswith(("not started:", "stopped after "))
             and not details.startswith(f"not started: {UNDRIVABLE}")
+            and not details.endswith("(--deadline)")
         ):
             stopped_for_threshold = step_id
         prev = last.get(step_id, STEP_INITIAL)
