@@ -33,7 +33,8 @@ on the same object (``self``; nothing in between on the hot path):
 - :mod:`.periodic`: the periodic pass and the lease watchdog;
 - :mod:`.outcome_log`: what the log says of failed steps and stale outcomes;
 - :mod:`.gc_freeze`: moving loaded strategies out of the garbage collector's sight;
-- :mod:`.gates`: a phase held by a wait after a stage or an operator's approval;
+- :mod:`.gates`: phases held by time (a wait after a stage, a start time, a window,
+  the deadline) or an operator's approval;
 - :mod:`.store_calls`: store calls on the loop, retried, outages ridden out.
 
 Its settings and counters are in :mod:`.config`, what it raises in :mod:`.errors`
@@ -88,7 +89,6 @@ from fleetwave.engine.settle import SettleMixin
 from fleetwave.engine.stopping import commit_stop_rule, count_failure
 from fleetwave.engine.store_calls import StoreCalls, _Fresh
 from fleetwave.engine.worker import WorkerMixin, resolve_future
-from fleetwave.engine.worker import stop_flights as _stop_flights
 from fleetwave.store import callbacks as cbs
 from fleetwave.store import leases
 from fleetwave.store import runtime as rt
@@ -610,7 +610,7 @@ class Conductor(
             self.post(CallbackArrived(record))
         if self._ending_waits:
             self._ending_waits_end()
-        await self._look_at_gates(now)  # (phases held by a wait or an approval)
+        await self._look_at_gates(now)  # (phases held by time or by an approval)
         await self._mark_aborting()
         await self._finish_done_runs()
 
@@ -1254,3 +1254,20 @@ def _free_slot(run: StrategyRun, step_id: int) -> InFlight | None:
     run.group_load[fl.rec.group_id] -= 1
     resolve_future(fl.go, False)
     return fl
+
+
+def _stop_flights(run: StrategyRun, end_wait: Callable[[InFlight], None]) -> None:
+    """The strategy stops: its workers start no new attempt of their current state. An
+    operator's abort also ends their waits on the target (a callback, the next poll):
+    nothing of ours runs there meanwhile, and a wait may last hours. A callback wait
+    ends through ``end_wait`` (after a callback already queued for it)."""
+    abort = run.stopping == "abort"
+    for fl in run.inflight.values():
+        fl.stopped = True
+        resolve_future(fl.backoff, None)  # a retry waiting out its backoff ends now
+        if abort:
+            fl.aborted = True
+            if fl.waiter is not None:
+                end_wait(fl)
+            else:
+                resolve_future(fl.waiting, None)

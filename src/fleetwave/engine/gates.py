@@ -1,5 +1,7 @@
 """Gates before a phase: a wait after a stage (``--stage-wait``), an operator's
-approval (``--stage-approval``). The dispatcher's part of the conductor (a mixin).
+approval (``--stage-approval``), a start time, windows and a deadline
+(``--start-after``, ``--window``, ``--deadline``). The dispatcher's part of the
+conductor (a mixin).
 
 :meth:`StrategyRun.take_admissions` admits nothing from a phase of a gated strategy
 until its gate was found open, and names the phase (``gate_due``). After each turn's
@@ -7,7 +9,10 @@ admissions the dispatcher looks at those gates here: it reads what they depend o
 (when the earlier stages ended, the approvals recorded), asks the pure
 :func:`~fleetwave.domain.rollout.phase_gate`, and then opens the phase, or says on the
 strategy's row what it waits for and sets a timer to look again (when the wait is over;
-for an approval, every tick, until ``strategy approve`` records it).
+for an approval, every tick, until ``strategy approve`` records it). An open gate that
+closes (its window ends, the deadline comes) is looked at again then. Past the
+deadline nothing more starts; once the steps in flight have ended, the strategy stops
+(its waiting steps end aborted, and it ends failed).
 """
 
 from __future__ import annotations

@@ -528,20 +528,3 @@ def _callback_outcome(cb: cbs.CallbackRecord, chosen: Advance) -> Outcome:
     if cb.kind == "failed":
         raise StepFailed(f"target reported failure: {cb.details or 'no details'}")
     return Advance(to=chosen.to, details=cb.details or chosen.details)
-
-
-def stop_flights(run: StrategyRun, end_wait: Callable[[InFlight], None]) -> None:
-    """The strategy stops: its workers start no new attempt of their current state. An
-    operator's abort also ends their waits on the target (a callback, the next poll):
-    nothing of ours runs there meanwhile, and a wait may last hours. A callback wait
-    ends through ``end_wait`` (after a callback already queued for it)."""
-    abort = run.stopping == "abort"
-    for fl in run.inflight.values():
-        fl.stopped = True
-        resolve_future(fl.backoff, None)  # a retry waiting out its backoff ends now
-        if abort:
-            fl.aborted = True
-            if fl.waiter is not None:
-                end_wait(fl)
-            else:
-                resolve_future(fl.waiting, None)
