@@ -117,7 +117,10 @@ def strategy_create(
         int | None, typer.Option(help="steps in flight at once (default 20)")
     ] = None,
     apply_type: Annotated[
-        ApplyType, typer.Option(help="parallel, or serial (one at a time)")
+        # (TYPE, not Typer's <parallel|serial>: this command's many options leave the
+        # help column too narrow for --db's example URL at 80 columns otherwise)
+        ApplyType,
+        typer.Option(metavar="TYPE", help="parallel, or serial (one at a time)"),
     ] = ApplyType.PARALLEL,
     stop_on_failure: Annotated[
         bool, typer.Option("--stop-on-failure", help="stop at the first failure")

@@ -556,3 +556,18 @@ def parse_duration(text: str, option: str) -> float:
     if seconds > MAX_WAIT_S:
         raise InputError(f"{option}: at most 30 days, got {given}")
     return seconds
+
+
+def time_left_s(
+    steps: int, ended: int, mean_step_s: float | None, max_parallel: int
+) -> float | None:
+    """An estimate of a rollout's time left (``strategy show``): the steps not ended, in
+    waves of ``max_parallel``, each as long as the completed steps took on average.
+    None without a completed step to go by. Waits between stages and windows are not
+    in it."""
+    left = steps - ended
+    if left <= 0:
+        return 0.0
+    if mean_step_s is None:
+        return None
+    return math.ceil(left / max(1, min(max_parallel, left))) * mean_step_s

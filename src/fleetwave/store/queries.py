@@ -14,14 +14,16 @@ from sqlalchemy import Connection, and_, case, func, select
 from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.models import (
     STEP_ABORTED,
+    STEP_COMPLETE,
     STEP_FAILED,
     STEP_INITIAL,
     STEP_TERMINAL,
+    STRATEGY_TERMINAL,
     StrategyState,
     has_labels,
     shown,
 )
-from fleetwave.domain.rollout import APPROVED_EVENT, PlannedStage, stage_progress
+from fleetwave.domain.rollout import APPROVED_EVENT, PlannedStage, stage_progress, time_left_s
 from fleetwave.store import leases
 from fleetwave.store.admin import options_from_json
 from fleetwave.store.db import Store
@@ -640,7 +642,28 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
                     .order_by(events.c.id)
                 )
             ]
+        took = conn.execute(
+            select(func.avg(steps.c.finished_at - steps.c.started_at)).where(
+                steps.c.strategy_id == sid,
+                steps.c.state == STEP_COMPLETE,
+                steps.c.started_at.is_not(None),
+            )
+        ).scalar()
+        first_at = conn.execute(
+            select(func.min(journal.c.at)).where(journal.c.strategy_id == sid)
+        ).scalar()
     out["done"] = steps_ended(counts)  # as strategy list has it
+    total = int(r.step_count)
+    out["percent_done"] = round(100 * out["done"] / total, 1) if total else 100.0
+    if first_at is not None and r.state not in STRATEGY_TERMINAL:
+        out["elapsed_s"] = round(max(0.0, now - float(first_at)), 1)
+        left = time_left_s(
+            total,
+            out["done"],
+            None if took is None else float(took),
+            int(out.get("max_parallel") or 1),
+        )
+        out["time_left_estimate_s"] = None if left is None else round(left)
     if plan:
         out["stages"], out["stage_now"] = stage_progress(plan, ended)
         if approvals:
