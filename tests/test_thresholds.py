@@ -3,6 +3,7 @@ once exceeded, not equalled) and per stage (``--stage-max-failures N|P%``)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -10,12 +11,17 @@ import pytest
 from sqlalchemy import select
 
 from cli_harness import Cli
+from conftest import on_virtual_time
+from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.rollout import RolloutSpec, parse_amount, parse_stages
-from fleetwave.store import queries
+from fleetwave.engine.clock import LoopClock
+from fleetwave.engine.conductor import Conductor
+from fleetwave.engine.config import EngineConfig
+from fleetwave.store import admin, queries
 from fleetwave.store.db import Store, open_store
 from fleetwave.store.schema import strategies
 from fleetwave.testing.invariants import check
-from rollout_world import drive, entries, fleet, phases_in_order
+from rollout_world import PATCH, drive, entries, fleet, phases_in_order, started
 
 FAIL = {"fail_at": "updating-patches"}
 
@@ -117,3 +123,33 @@ def test_bad_thresholds_are_refused(cli: Cli, args: list[str], said: str) -> Non
     lines = res.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and said in lines[0], lines
     assert cli("strategy", "list", "--format", "json").json() == []
+
+
+def test_a_conductor_taking_over_counts_the_stages_failures_so_far(store: Store) -> None:
+    fleet(store, {"a": 3, "b": 2}, settings=_failing("a-1", "a-3"))
+    spec = RolloutSpec(
+        stages=parse_stages(["a", "b"]),
+        stage_max_failures=parse_amount("1", "--stage-max-failures"),
+    )
+    sid = admin.create_strategy(
+        store, PATCH, StrategyOptions(max_parallel=1), all_targets=True, spec=spec
+    )
+    admin.apply_strategy(store, sid)
+
+    def conductor() -> Conductor:
+        return Conductor(store, clock=LoopClock(), config=EngineConfig(tick_s=1))
+
+    async def go() -> str:
+        stop = asyncio.Event()
+        first = asyncio.create_task(conductor().run(strategy_ids=[sid], stop=stop))
+        await asyncio.sleep(3)  # a-1 failed (at 2 s); a-2 runs
+        stop.set()
+        await first
+        return (await conductor().run(strategy_ids=[sid]))[sid]
+
+    assert on_virtual_time(go()) == "failed"
+    why = "stopped: 2 failed steps exceed the failure threshold of stage a (1) (the last: a-3)"
+    assert queries.get_strategy(store, sid)["details"] == why
+    rows = entries(store, sid)
+    assert {e.target for e in started(rows)} == {"a-1", "a-2", "a-3"}  # b never started
+    assert check(store, sid).ok
