@@ -32,6 +32,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fleetwave.engine")
 
+#: the shortest a gate's timer waits: a time named by one clock and reached on another
+#: (a conductor whose clock runs slow, or ahead) is looked at again a little later, not
+#: at once forever (found by the simulator: a loop of zero-length timers on its skewed
+#: clocks)
+MIN_DELAY_S = 0.05
+
 
 class GatesMixin:
     if TYPE_CHECKING:
@@ -83,7 +89,7 @@ class GatesMixin:
                 if gate.closes is not None:
                     # its window ends (or the deadline comes): looked at again then
                     run.gate_timer = self._loop.call_later(
-                        max(0.0, gate.closes - now), self._gate_closed, run
+                        max(MIN_DELAY_S, gate.closes - now), self._gate_closed, run
                     )
                 if run.record.details.startswith("waiting "):
                     # what it waited for is over: said no more
@@ -124,7 +130,8 @@ class GatesMixin:
                     )
                 run.record.details = gate.why
             # look again when the wait is over; an approval, every tick
-            delay = self.config.tick_s if gate.until is None else max(0.0, gate.until - now)
+            delay = self.config.tick_s if gate.until is None else gate.until - now
+            delay = max(MIN_DELAY_S, delay)
             self._cancel_gate_timer(run)
             run.gate_timer = self._loop.call_later(delay, self._gate_again, run, phase)
 
