@@ -1104,6 +1104,7 @@ EVENT_KINDS = {
     "abort-too-late": "an abort came after every step had ended (the strategy ended so)",
     "takeover-incomplete": "steps moved on while a takeover read them",
     "strategy-undrivable": "the strategy cannot be driven (why)",
+    APPROVED_EVENT: "an operator approved the next stage (which, by whom)",
 }
 
 
