@@ -106,7 +106,7 @@ def test_the_next_stage_waits_for_an_approval_recorded_with_who(store: Store) ->
     assert seen["details"] == (
         f"waiting for approval of stage 2 of 2 (b): 'fleetwave strategy approve {sid}'"
     )
-    assert [s["state"] for s in seen["stages"]] == ["done", "running"]
+    assert [s["state"] for s in seen["stages"]] == ["done", "next"]  # held, none started
     spans = phases_in_order(entries(store, sid))
     start_of_b = spans[2][0].at - LoopClock().epoch
     assert 7200 <= start_of_b <= 7201  # at the next tick after the approval

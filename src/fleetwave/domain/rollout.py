@@ -342,29 +342,30 @@ def stage_tolerance(stage: PlannedStage, failed_in_stage: int) -> int | None:
 
 
 def stage_progress(
-    stages: Sequence[PlannedStage], ended_by_phase: Mapping[int, tuple[int, int]]
+    stages: Sequence[PlannedStage], ended_by_phase: Mapping[int, tuple[int, int, int]]
 ) -> tuple[list[dict[str, object]], str | None]:
     """Each stage's progress (``strategy show``), and which one runs now, as text.
 
-    ``ended_by_phase``: by phase, (steps, steps ended). A stage is ``done`` once all
-    its steps have ended, ``running`` while it is the first that is not (with the batch
-    that runs), ``waiting`` after that."""
+    ``ended_by_phase``: by phase, (steps, steps ended, steps started). A stage is
+    ``done`` once all its steps have ended; the first that is not is ``running`` once
+    one of its steps has started (with the batch that runs), ``next`` before (held by
+    a wait, an approval, a window); those after it are ``waiting``."""
     out: list[dict[str, object]] = []
     now = ""
     phase = 0
     for number, stage in enumerate(stages, 1):
-        steps = ended = 0
+        steps = ended = begun = 0
         batch_now = 0
         for batch in range(1, len(stage.batches) + 1):
             phase += 1
-            total, done = ended_by_phase.get(phase, (0, 0))
-            steps, ended = steps + total, ended + done
+            total, done, started = ended_by_phase.get(phase, (0, 0, 0))
+            steps, ended, begun = steps + total, ended + done, begun + started
             if not batch_now and done < total:
                 batch_now = batch
         if ended >= steps:
             state = "done"
         elif not now:
-            state = "running"
+            state = "running" if begun else "next"
             now = f"stage {number} of {len(stages)} ({stage.name})"
             if len(stage.batches) > 1:
                 now += f", batch {batch_now} of {len(stage.batches)}"

@@ -684,13 +684,15 @@ def _plan_of(options: str) -> list[PlannedStage]:
         return []
 
 
-def _ended_by_stage(conn: Connection, sid: int) -> dict[int, tuple[int, int]]:
-    """By stage column (phase): its steps, and how many of them have ended."""
+def _ended_by_stage(conn: Connection, sid: int) -> dict[int, tuple[int, int, int]]:
+    """By stage column (phase): its steps, how many of them have ended, and how many
+    have started (left ``initial``: ended ones too)."""
     ended = case((steps.c.state.in_(sorted(STEP_TERMINAL)), 1), else_=0)
+    begun = case((steps.c.started_at.is_not(None), 1), else_=0)
     return {
-        int(stage): (int(n), int(done or 0))
-        for stage, n, done in conn.execute(
-            select(steps.c.stage, func.count(), func.sum(ended))
+        int(stage): (int(n), int(done or 0), int(started or 0))
+        for stage, n, done, started in conn.execute(
+            select(steps.c.stage, func.count(), func.sum(ended), func.sum(begun))
             .where(steps.c.strategy_id == sid)
             .group_by(steps.c.stage)
         )
