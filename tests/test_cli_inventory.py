@@ -232,9 +232,21 @@ def test_group_add_and_list(cli: Cli) -> None:
     assert cli("target", "add", "loose").code == 0
 
     assert groups(cli) == {
-        "east": {"name": "east", "max_parallel": 5, "apply_type": "parallel", "targets": 2},
+        "east": {
+            "name": "east",
+            "max_parallel": 5,
+            "apply_type": "parallel",
+            "order": None,
+            "targets": 2,
+        },
         # serial: one at a time (the list shows what runs)
-        "west": {"name": "west", "max_parallel": 1, "apply_type": "serial", "targets": 0},
+        "west": {
+            "name": "west",
+            "max_parallel": 1,
+            "apply_type": "serial",
+            "order": None,
+            "targets": 0,
+        },
     }
     assert sorted(targets(cli, "--group", "east")) == ["e1", "e2"]
     assert targets(cli, "--group", "west") == {}
@@ -248,6 +260,7 @@ def test_group_add_defaults(cli: Cli) -> None:
         "name": "g",
         "max_parallel": 20,
         "apply_type": "parallel",
+        "order": None,
         "targets": 0,
     }
 
@@ -268,7 +281,13 @@ def test_group_list_when_empty(cli: Cli, monkeypatch: pytest.MonkeyPatch) -> Non
     # piped: the header alone (a script counting rows counts none)
     res = cli("group", "list")
     assert res.code == 0
-    assert res.out.splitlines()[0].split() == ["name", "max_parallel", "apply_type", "targets"]
+    assert res.out.splitlines()[0].split() == [
+        "name",
+        "max_parallel",
+        "apply_type",
+        "order",
+        "targets",
+    ]
     assert len(res.out.splitlines()) == 2
     as_terminal(monkeypatch)  # on a terminal it says so
     assert "(none)" in cli("group", "list").out
@@ -296,13 +315,14 @@ def test_group_set_changes_what_is_stored_and_says_what_changed(cli: Cli) -> Non
         "name": "east",
         "max_parallel": 1,
         "apply_type": "serial",
+        "order": None,
         "targets": 0,
     }
     res = cli("group", "set", "east", "--apply-type", "parallel", "--format", "json")
     assert res.json() == {
         "name": "east",
-        "before": {"max_parallel": 1, "apply_type": "serial"},
-        "after": {"max_parallel": 20, "apply_type": "parallel"},
+        "before": {"max_parallel": 1, "apply_type": "serial", "order": None},
+        "after": {"max_parallel": 20, "apply_type": "parallel", "order": None},
         "changed": True,
         "active_strategies_unchanged": [],
     }
@@ -368,6 +388,7 @@ def test_group_show_counts_targets_and_unmanaged(cli: Cli) -> None:
         "name": "east",
         "max_parallel": 1,
         "apply_type": "serial",
+        "order": None,
         "targets": 2,
         "unmanaged": 1,
         "strategies": [],

@@ -35,6 +35,18 @@ def test_sim_table_output_names_each_seed() -> None:
     assert "2 runs ok" in res.stdout
 
 
+def test_sim_with_rollout_plans_replays_and_says_how() -> None:
+    # seed 83: a wait between stages on a skewed clock (once a livelock)
+    args = ("--seed", "83", "--targets", "40", "--workflow", "firmware", "--plans")
+    first = _sim(*args, "--format", "json")
+    assert first.returncode == 0, first.stderr
+    run = json.loads(first.stdout)[0]
+    assert run["ok"] and run["options"]["stage_wait_s"] == 30.0
+    assert run["options"]["stages"] == ["g1", "g0", "g2", "rest"]
+    again = _sim(*args, "--format", "json")
+    assert json.loads(again.stdout)[0]["digest"] == run["digest"]
+
+
 def test_sim_rejects_bad_input() -> None:
     for args, needle in [
         (("--faults", "gremlins"), "--faults: unknown fault 'gremlins'"),

@@ -71,12 +71,16 @@ def test_pending_count_and_stage_agree_with_the_queues(
     stage as looking at every step, whatever the order of loads, admissions and ends."""
     run = _run(staged, cap, {1: 2})
     n = 0
+    started = 0  # the highest stage a step was admitted from
     for op, arg, group in ops:
         if op == "add":
+            # (as the engine loads them: none in a stage below one already started,
+            # since a staged strategy's waiting steps are loaded before any starts)
             n += 1
-            run.add_pending(_step(n, arg if staged else 1, group))
+            run.add_pending(_step(n, max(arg, started) if staged else 1, group))
         elif op == "take":
             for rec in run.take_admissions(arg):
+                started = max(started, rec.stage)
                 run.inflight[rec.step_id] = InFlight(rec, "pre-check", 1)
                 run.group_load[rec.group_id] += 1
         elif op == "end" and run.inflight:

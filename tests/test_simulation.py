@@ -126,6 +126,33 @@ def test_ci_sweep_all_faults() -> None:
     assert not failed, f"failing seeds: {[(r.seed, r.workflow) for r in failed]}"
 
 
+def _run_planned(args: tuple[int, str, int]) -> SimResult:
+    seed, workflow, targets = args
+    return run_simulation(SimConfig(seed=seed, targets=targets, workflow=workflow, plans=True))
+
+
+#: seeds whose random plan waited between stages on a skewed clock: a gate's timer of
+#: no length, armed again at once forever (the virtual loop's livelock guard caught it)
+PLANNED_PINNED = [(83, "firmware", 40), (129, "kube-upgrade", 40), (195, "patch", 40)]
+
+
+def test_ci_sweep_with_rollout_plans() -> None:
+    """All faults with a random rollout plan too (stages, batches, canaries, stage
+    limits, a wait between stages): G1-G9 and the phases' order hold."""
+    workflows = ["patch", "clean", "sw-deploy", "firmware", "kube-upgrade"]
+    cases = [(s, workflows[s % len(workflows)], 40) for s in range(1, CI_SEEDS // 2 + 1)]
+    with ProcessPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(_run_planned, [*PLANNED_PINNED, *cases], chunksize=4))
+    failed = [r for r in results if not r.ok]
+    for r in failed:
+        print(r.line(), r.violations[:5])
+    assert not failed, f"failing seeds: {[(r.seed, r.workflow) for r in failed]}"
+    planned = [r for r in results if r.options.get("stages")]
+    assert len(planned) > len(results) // 4  # the plans were really drawn
+    assert any(r.options.get("canary") for r in planned)
+    assert any(r.options.get("batches") for r in planned)
+
+
 def test_ci_sweep_with_poll_states() -> None:
     """`patch` with every other state polling (no built-in workflow polls): the faults
     include stalled conductors that go on polling after they were fenced off, and

@@ -16,6 +16,7 @@ from sqlalchemy.exc import DBAPIError
 from fleetwave.cli.output import Format, console, print_json
 from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.models import ApplyType, name_problem
+from fleetwave.domain.rollout import parse_amount
 from fleetwave.engine.config import LEASE_TTL_MAX_S, LEASE_TTL_MIN_S, EngineConfig
 from fleetwave.store import admin
 from fleetwave.store.admin import DEFAULT_MAX_PARALLEL
@@ -83,6 +84,19 @@ def whole_number(value: str | int) -> int:
             f"{number} is above the largest the database holds ({SQL_INT_MAX})"
         )
     return number
+
+
+def count_or_percent(value: str) -> str:
+    """A count (as :func:`whole_number`) or a percent up to 100 ("5%", "12.5%"), as
+    text: a limit or a size (``--max-failures``, ``--canary``)."""
+    text = value.strip()
+    if not text.endswith("%"):
+        return str(whole_number(text))
+    try:
+        parse_amount(text, "-")
+    except InputError as exc:
+        raise typer.BadParameter(str(exc).removeprefix("-: ")) from None
+    return text
 
 
 def count_from_1(value: str | int) -> int:

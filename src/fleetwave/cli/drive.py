@@ -335,6 +335,8 @@ async def _watch(
                 ended += f", {counts['aborted']} aborted"
             if state == "paused":
                 ended += ", paused: 'fleetwave strategy resume' to go on"
+            elif state == "waiting-approval":
+                ended += f", waiting for approval: 'fleetwave strategy approve {sid}' to go on"
             elif state in ("abort-requested", "aborting"):
                 ended += ", aborting"
             progress.update(task, completed=finished, description=f"strategy {sid} ({ended})")

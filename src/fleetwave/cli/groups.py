@@ -16,6 +16,7 @@ from fleetwave.cli.common import (
     existing_store,
     max_parallel_as_stored,
     store_for,
+    whole_number,
 )
 from fleetwave.cli.output import Format, emit_one, emit_rows
 from fleetwave.domain.models import ApplyType, Group
@@ -35,12 +36,20 @@ def group_add(
     apply_type: Annotated[
         ApplyType, typer.Option(help="parallel, or serial (one at a time)")
     ] = ApplyType.PARALLEL,
+    order: Annotated[
+        int | None,
+        typer.Option(
+            parser=whole_number,
+            metavar="N",
+            help="its place when groups are stages (--stages-by-group): by N, then name",
+        ),
+    ] = None,
     fmt: FormatOpt = Format.table,
     db: DbOpt = None,
 ) -> None:
     """Add a group."""
     parallel = max_parallel_as_stored(max_parallel, apply_type, "group")
-    added = admin.ensure_group(store_for(db), Group(name, parallel, apply_type))
+    added = admin.ensure_group(store_for(db), Group(name, parallel, apply_type, order))
     done(
         fmt,
         f"group {name} added" if added else f"group {name} already exists, unchanged",
@@ -53,7 +62,7 @@ def group_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """List groups."""
     emit_rows(
         queries.list_groups(existing_store(db)),
-        ["name", "max_parallel", "apply_type", "targets"],
+        ["name", "max_parallel", "apply_type", "order", "targets"],
         fmt,
     )
 
@@ -74,12 +83,29 @@ def group_set(
     apply_type: Annotated[
         ApplyType | None, typer.Option(help="parallel, or serial (one at a time)")
     ] = None,
+    order: Annotated[
+        int | None,
+        typer.Option(
+            parser=whole_number,
+            metavar="N",
+            help="its place when groups are stages (--stages-by-group): by N, then name",
+        ),
+    ] = None,
+    no_order: Annotated[
+        bool, typer.Option("--no-order", help="no place of its own (after those with one)")
+    ] = False,
     fmt: FormatOpt = Format.table,
     db: DbOpt = None,
 ) -> None:
-    """Change a group's max parallel or apply type, for strategies created from now on."""
+    """Change a group's max parallel, apply type or stage order, for strategies created
+    from now on."""
     change = admin.change_group(
-        existing_store(db), name, max_parallel=max_parallel, apply_type=apply_type
+        existing_store(db),
+        name,
+        max_parallel=max_parallel,
+        apply_type=apply_type,
+        stage_order=order,
+        no_stage_order=no_order,
     )
     before, after = change["before"], change["after"]
     if not change["changed"]:
@@ -88,8 +114,12 @@ def group_set(
         )
     else:
         said = [
-            f"{what} {before[key]} -> {after[key]}"
-            for what, key in (("max parallel", "max_parallel"), ("apply type", "apply_type"))
+            f"{what} {_none(before[key])} -> {_none(after[key])}"
+            for what, key in (
+                ("max parallel", "max_parallel"),
+                ("apply type", "apply_type"),
+                ("order", "order"),
+            )
             if before[key] != after[key]
         ]
         text = f"group {name}: {', '.join(said)}; strategies created from now on use it"
@@ -101,6 +131,10 @@ def group_set(
                 "taken when created)"
             )
     done(fmt, text, change)
+
+
+def _none(value: object) -> object:
+    return "none" if value is None else value
 
 
 @group_app.command("delete")

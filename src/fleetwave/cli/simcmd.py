@@ -38,6 +38,12 @@ def sim_command(
     ] = None,
     fmt: Annotated[Format, typer.Option("--format", help="table or json")] = Format.table,
     verbose: Annotated[bool, typer.Option(help="log the engine's warnings")] = False,
+    plans: Annotated[
+        bool,
+        typer.Option(
+            "--plans", help="a random rollout plan too (stages, batches, canaries, waits)"
+        ),
+    ] = False,
 ) -> None:
     """Run the dispatcher, workers, store and sim driver on virtual time, check G1-G9.
 
@@ -73,7 +79,19 @@ def sim_command(
     interrupt = Interrupt()
     try:
         with _interrupted_by_signals(interrupt):
-            _sweep(seed, runs, targets, workflow, faults, chosen, keep_db, fmt, verbose, interrupt)
+            _sweep(
+                seed,
+                runs,
+                targets,
+                workflow,
+                faults,
+                chosen,
+                keep_db,
+                fmt,
+                verbose,
+                interrupt,
+                plans=plans,
+            )
     finally:
         engine_log.setLevel(level)  # as it was (the command may run in a test's process)
 
@@ -108,8 +126,11 @@ def _sweep(
     fmt: Format,
     verbose: bool,
     interrupt: Interrupt | None = None,
+    *,
+    plans: bool = False,
 ) -> None:
     """The runs, one seed after the other; what ``sim_command`` prints and exits with."""
+    again = " --plans" if plans else ""  # (in the command that replays or goes on)
     failed: list[int] = []
     results = []
     interrupted = False
@@ -117,7 +138,12 @@ def _sweep(
         for s in range(seed, seed + runs):
             res = run_simulation(
                 SimConfig(
-                    seed=s, targets=targets, workflow=workflow, faults=chosen, keep_db=keep_db
+                    seed=s,
+                    targets=targets,
+                    workflow=workflow,
+                    faults=chosen,
+                    keep_db=keep_db,
+                    plans=plans,
                 ),
                 interrupt,
             )
@@ -141,7 +167,7 @@ def _sweep(
             + f"; seed {cut} was cut short. Go on with: fleetwave sim --seed {cut}"
             + (f" --runs {left}" if left > 1 else "")
             + f" --targets {targets} --workflow {shlex.quote(workflow)}"
-            + f" --faults {shlex.quote(faults)}"
+            + f" --faults {shlex.quote(faults)}{again}"
             + (" --format json" if fmt is Format.json else "")
             + (" --verbose" if verbose else ""),
             highlight=False,
@@ -150,7 +176,7 @@ def _sweep(
     if fmt is Format.table and failed:
         console.print(
             f"FAILED seeds: {failed}; replay one with: fleetwave sim --seed {failed[0]} "
-            f"--targets {targets} --workflow {workflow} --faults {faults}",
+            f"--targets {targets} --workflow {workflow} --faults {faults}{again}",
         )
     elif fmt is Format.table:
         console.print(f"{plural(runs, 'run')} ok")

@@ -3,6 +3,7 @@ drive one here with ``--wait``), pause, resume, abort, show, list and delete."""
 
 from __future__ import annotations
 
+import getpass
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from fleetwave.cli.common import (
     IgnoreMissingOpt,
     LeaseTtlOpt,
     StrategyId,
+    count_or_percent,
     database_hint,
     done,
     engine_config,
@@ -39,6 +41,20 @@ from fleetwave.domain.models import (
     shown,
 )
 from fleetwave.domain.registry import get_workflow
+from fleetwave.domain.rollout import (
+    RolloutSpec,
+    parse_amount,
+    parse_batches,
+    parse_duration,
+    parse_stages,
+)
+from fleetwave.domain.windows import (
+    check_times,
+    earliest_start,
+    parse_time,
+    parse_window,
+    shown_time,
+)
 from fleetwave.domain.yaml_workflow import MAX_SECONDS
 from fleetwave.engine import loop as event_loop
 from fleetwave.store import admin, queries
@@ -101,18 +117,98 @@ def strategy_create(
         int | None, typer.Option(help="steps in flight at once (default 20)")
     ] = None,
     apply_type: Annotated[
-        ApplyType, typer.Option(help="parallel, or serial (one at a time)")
+        # (TYPE, not Typer's <parallel|serial>: this command's many options leave the
+        # help column too narrow for --db's example URL at 80 columns otherwise)
+        ApplyType,
+        typer.Option(metavar="TYPE", help="parallel, or serial (one at a time)"),
     ] = ApplyType.PARALLEL,
     stop_on_failure: Annotated[
         bool, typer.Option("--stop-on-failure", help="stop at the first failure")
     ] = False,
     max_failures: Annotated[
-        int | None,
-        typer.Option(parser=whole_number, metavar="N", help="stop once more than N steps failed"),
+        str | None,
+        typer.Option(
+            parser=count_or_percent,
+            metavar="N|P%",
+            help="stop once more than N steps (or P% of them) failed",
+        ),
     ] = None,
     stages_by_group: Annotated[
         bool,
-        typer.Option("--stages-by-group", help="one stage per group, run one after another"),
+        typer.Option(
+            "--stages-by-group",
+            help="one stage per group (by the groups' --order, then name), one after another",
+        ),
+    ] = False,
+    stage: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="GROUPS",
+            help="a stage of these groups (a,b; rest or * for the others); repeat it, in "
+            "the order they run",
+        ),
+    ] = None,
+    stage_max_failures: Annotated[
+        str | None,
+        typer.Option(
+            parser=count_or_percent,
+            metavar="N|P%",
+            help="stop once more than N steps (or P%) of one stage failed",
+        ),
+    ] = None,
+    batches: Annotated[
+        str | None,
+        typer.Option(
+            metavar="N,N,P%",
+            help="batch sizes within each stage (the last repeats); a batch starts when "
+            "the one before has ended",
+        ),
+    ] = None,
+    canary: Annotated[
+        str | None,
+        typer.Option(
+            parser=count_or_percent,
+            metavar="N|P%",
+            help="run N targets (or P%) first, of the first stage; nothing else starts "
+            "until they complete; one failing fails the strategy",
+        ),
+    ] = None,
+    canary_label: Annotated[
+        list[str] | None,
+        typer.Option(metavar="KEY=VALUE", help="choose the canaries by label (repeatable)"),
+    ] = None,
+    stage_wait: Annotated[
+        str | None,
+        typer.Option(metavar="DURATION", help="wait this long after each stage (10m, 1h30m, 45s)"),
+    ] = None,
+    stage_approval: Annotated[
+        bool,
+        typer.Option(
+            "--stage-approval",
+            help="after each stage, wait for 'strategy approve ID' (waiting-approval)",
+        ),
+    ] = False,
+    start_after: Annotated[
+        str | None,
+        typer.Option(metavar="TIME", help="start no step before then (2026-12-06T01:00Z)"),
+    ] = None,
+    window: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="WINDOW",
+            help="start steps only inside it, weekly ('Sat 01:00-05:00 UTC'); repeatable",
+        ),
+    ] = None,
+    deadline: Annotated[
+        str | None,
+        typer.Option(
+            metavar="TIME",
+            help="start nothing after then; the strategy then ends failed (2026-12-07T06:00Z)",
+        ),
+    ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="print the plan (stages, batches, canaries); write nothing"),
     ] = False,
     timeout: Annotated[
         list[str] | None,
@@ -151,14 +247,38 @@ def strategy_create(
             f"--timeout: {', '.join(unknown)}: workflow {wf.name} has no such state "
             f"(its states: {', '.join(wf.state_names)})"
         )
+    percent = max_failures is not None and max_failures.endswith("%")
     opts = StrategyOptions(
         max_parallel=max_parallel_as_stored(max_parallel, apply_type, "strategy"),
         apply_type=apply_type,
         stop_on_failure=stop_on_failure,
-        max_failures=max_failures,
+        max_failures=int(max_failures) if max_failures is not None and not percent else None,
         stages_by_group=stages_by_group,
         timeouts_s=timeouts,
+        max_failures_percent=max_failures if max_failures is not None and percent else "",
+        stages=[list(s) for s in parse_stages(stage or [])],
+        batches=batches or "",
+        canary=canary or "",
+        canary_label=parse_pairs(canary_label, "--canary-label", typed=False),
+        stage_max_failures=stage_max_failures or "",
+        stage_wait_s=parse_duration(stage_wait, "--stage-wait") if stage_wait else 0.0,
+        stage_approval=stage_approval,
+        **_times(start_after, window or [], deadline),
     )
+    spec = _rollout_spec(opts)
+    if dry_run:
+        plan = admin.plan_strategy(
+            store,
+            wf,
+            opts,
+            target_names=names,
+            group=group,
+            all_targets=all_,
+            labels=parse_pairs(label, "--label", typed=False),
+            spec=spec,
+        )
+        _print_plan(plan, fmt)
+        return
     sid = admin.create_strategy(
         store,
         wf,
@@ -170,6 +290,7 @@ def strategy_create(
         failed_in=failed_in,
         # (a built-in or plug-in workflow of that name comes first: then not the store's)
         workflow_from_store=get_workflow(wf.name) is None,
+        spec=spec,
     )
     made = queries.get_strategy(store, sid)
     if fmt is Format.json:
@@ -180,6 +301,115 @@ def strategy_create(
             f"parallel {made['max_parallel']}); 'fleetwave strategy apply {sid}' starts it",
             highlight=False,
         )
+    stored = made["options"]
+    left_out = int(stored.get("left_out", 0)) if isinstance(stored, dict) else 0
+    if left_out:
+        # said on stderr, also with --format json: a target the operator chose is not
+        # in the rollout
+        err_console.print(
+            f"note: {plural(left_out, 'target')} in no stage left out ('--stage rest' "
+            "takes them; --dry-run lists them)",
+            highlight=False,
+        )
+
+
+def _times(start_after: str | None, windows: list[str], deadline: str | None) -> dict[str, Any]:
+    """``--start-after``, ``--window`` and ``--deadline`` as options, checked: a deadline
+    passed or before the start, and windows that never open before it, are refused."""
+    after = parse_time(start_after, "--start-after") if start_after is not None else None
+    until = parse_time(deadline, "--deadline") if deadline is not None else None
+    parsed = [parse_window(w) for w in windows]
+    check_times(after, parsed, until, time.time())
+    return {"start_after": after, "windows": [w.text for w in parsed], "deadline": until}
+
+
+def _rollout_spec(opts: StrategyOptions) -> RolloutSpec:
+    """The rollout's order as asked in ``opts`` (checked: bad sizes and limits refused)."""
+    if opts.stages and opts.stages_by_group:
+        raise InputError("--stage and --stages-by-group: give one of them")
+    return RolloutSpec(
+        stages=[tuple(s) for s in opts.stages],
+        stages_by_group=opts.stages_by_group,
+        batches=parse_batches(opts.batches) if opts.batches else [],
+        canary=parse_amount(opts.canary, "--canary", least=1) if opts.canary else None,
+        canary_label=opts.canary_label,
+        stage_max_failures=(
+            parse_amount(opts.stage_max_failures, "--stage-max-failures")
+            if opts.stage_max_failures
+            else None
+        ),
+    )
+
+
+def _stops(limit: int | None) -> str:
+    if limit is None:
+        return "no failure threshold"
+    if limit == 0:
+        return "stops at the first failure"
+    return f"stops past {plural(limit, 'failure')}"
+
+
+def _print_plan(plan: dict[str, Any], fmt: Format) -> None:
+    """``strategy create --dry-run``: the plan, as text or data."""
+    if fmt is Format.json:
+        print_json(plan)
+        return
+    limit = plan["max_failures"]
+    console.print(
+        f"plan: {plural(plan['steps'], 'step')} of {plan['workflow']}, max parallel "
+        f"{plan['max_parallel']}, "
+        + _stops(limit)
+        + f"; starts {plan['earliest_start']}; nothing written",
+        highlight=False,
+    )
+    for stage in plan["stages"]:
+        groups = ", ".join(
+            f"{g['name']} (max parallel {g['max_parallel']})"
+            if g["max_parallel"] is not None
+            else "no group"
+            for g in stage["groups"]
+        )
+        limit = (
+            "any failure stops it"
+            if stage["canary"]
+            else ""
+            if stage["max_failures"] is None
+            else _stops(stage["max_failures"])
+        )
+        sizes = [b["size"] for b in stage["batches"]]
+        batches = f"; batches {', '.join(map(str, sizes))}" if len(sizes) > 1 else ""
+        console.print(
+            f"stage {stage['stage']} {stage['name']}: {plural(stage['steps'], 'step')}"
+            + (f"; groups {groups}" if groups else "")
+            + batches
+            + (f"; {limit}" if limit else ""),
+            highlight=False,
+        )
+        if stage["canary"]:
+            console.print(
+                f"  canaries: {', '.join(stage['batches'][0]['targets'])}", highlight=False
+            )
+    if plan["windows"]:
+        console.print(f"windows: {'; '.join(plan['windows'])}", highlight=False)
+    if plan["deadline"] is not None:
+        console.print(
+            f"deadline: {shown_time(plan['deadline'])} (nothing starts after it)",
+            highlight=False,
+        )
+    between = []
+    if plan["stage_wait_s"]:
+        between.append(f"wait {plan['stage_wait_s']:g}s")
+    if plan["stage_approval"]:
+        between.append("wait for 'fleetwave strategy approve'")
+    if between:
+        console.print(f"after each stage: {', then '.join(between)}", highlight=False)
+    left = plan["left_out"]
+    if left:
+        console.print(f"left out: {plural(len(left), 'target')}", highlight=False)
+        for item in left[:20]:
+            console.print(f"  {item['target']}: {item['why']}", highlight=False)
+        if len(left) > 20:
+            console.print(f"  ... and {len(left) - 20} more", highlight=False)
 
 
 def _target_names(given: str) -> list[str]:
@@ -255,7 +485,9 @@ def strategy_apply(
     if not wait:
         who = queries.driving(store, strategy_id)
         now = "applying" if before in ("initial", "paused", "applying") else before
-        if now != "applying":
+        if before == StrategyState.WAITING_APPROVAL:
+            now += f" ('fleetwave strategy approve {strategy_id}' lets its next stage start)"
+        elif now != "applying":
             now += " (apply does not undo an abort: a conductor finishes it)"
         elif before == "paused":
             now += " (resumed: it was paused)"
@@ -277,6 +509,9 @@ def strategy_apply(
             )
         else:
             console.print(f"strategy {strategy_id} {now}; {said}")
+            later = _not_before(store, strategy_id)
+            if later:
+                console.print(f"strategy {strategy_id}: {later}", highlight=False)
         if who.nobody:
             err_console.print(
                 f"warning: no conductor serves {store.url}: strategy {strategy_id} waits until "
@@ -321,6 +556,22 @@ def strategy_apply(
         )
         raise typer.Exit(130)
     _ended(queries.get_strategy(store, strategy_id), fmt)
+
+
+def _not_before(store: Store, sid: int) -> str:
+    """What holds an applied strategy's first step, said by apply ("" if nothing)."""
+    stored = queries.get_strategy(store, sid)["options"]
+    if not isinstance(stored, dict):
+        return ""
+    after, windows = stored.get("start_after"), stored.get("windows") or []
+    if after is None and not windows:
+        return ""
+    now = time.time()
+    start = earliest_start(after, [parse_window(w) for w in windows], now)
+    if start <= now:
+        return ""
+    why = "--start-after" if after is not None and start == after else "--window"
+    return f"nothing starts before {shown_time(start)} ({why})"
 
 
 def _apply_patiently(store: Store, strategy_id: int, was: str) -> str:
@@ -376,6 +627,32 @@ def _ended(summary: dict[str, Any], fmt: Format) -> None:
         emit_one(summary, fmt)
     if summary["state"] != StrategyState.COMPLETE:
         raise typer.Exit(1)
+
+
+@strategy_app.command("approve")
+def strategy_approve(
+    strategy_id: StrategyId,
+    by: Annotated[
+        str | None,
+        typer.Option(metavar="NAME", help="who approves (default: the user running this)"),
+    ] = None,
+    fmt: FormatOpt = Format.table,
+    db: DbOpt = None,
+) -> None:
+    """Let a strategy waiting for approval (--stage-approval) start its next stage."""
+    who = (by if by is not None else _user()).strip()
+    if not who:
+        raise InputError("--by: an empty name")
+    answer = admin.approve_strategy(existing_store(db), strategy_id, who)
+    done(fmt, f"strategy {strategy_id}: {answer['details']}", answer)
+
+
+def _user() -> str:
+    """Who runs this command, as the system knows them."""
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):
+        return "unknown"
 
 
 @strategy_app.command("pause")

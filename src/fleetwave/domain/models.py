@@ -6,13 +6,18 @@ import re
 import unicodedata
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fleetwave.domain.rollout import PlannedStage
 
 
 class StrategyState(StrEnum):
     INITIAL = "initial"
     APPLYING = "applying"
     PAUSED = "paused"
+    #: a stage ended and the next waits for ``strategy approve`` (``--stage-approval``)
+    WAITING_APPROVAL = "waiting-approval"
     ABORT_REQUESTED = "abort-requested"
     ABORTING = "aborting"
     COMPLETE = "complete"
@@ -28,6 +33,7 @@ STRATEGY_ACTIVE = frozenset(
         StrategyState.INITIAL,
         StrategyState.APPLYING,
         StrategyState.PAUSED,
+        StrategyState.WAITING_APPROVAL,
         StrategyState.ABORT_REQUESTED,
         StrategyState.ABORTING,
     }
@@ -135,6 +141,9 @@ class Group:
     name: str
     max_parallel: int = 20
     apply_type: ApplyType = ApplyType.PARALLEL
+    #: its place when groups are stages (``--stages-by-group``): by this, then by name;
+    #: groups without one after those with one
+    stage_order: int | None = None
 
     @property
     def effective_parallel(self) -> int:
@@ -153,10 +162,54 @@ class StrategyOptions:
     stages_by_group: bool = False
     #: per-state timeout overrides, seconds
     timeouts_s: dict[str, float] = field(default_factory=dict)
+    #: ``--max-failures`` as a percent ("5%"), as given; :attr:`max_failures` is then
+    #: that percent of the strategy's steps, rounded down (set when it is created)
+    max_failures_percent: str = ""
+    #: the rollout's order as given (``--stage``, ``--batches``, ``--canary``,
+    #: ``--canary-label``, ``--stage-max-failures``), shown by ``strategy show``
+    stages: list[list[str]] = field(default_factory=list)
+    batches: str = ""
+    canary: str = ""
+    canary_label: dict[str, str] = field(default_factory=dict)
+    stage_max_failures: str = ""
+    #: the plan made of them when the strategy was created (fleetwave.domain.rollout):
+    #: its stages in order, each cut into batches; a step's stage column is its phase
+    #: (one per batch of each stage). Empty: one stage, or stages by group made before
+    #: plans were kept
+    plan: list[PlannedStage] = field(default_factory=list)
+    #: targets chosen but in no stage of the plan, left out of the strategy
+    left_out: int = 0
+    #: after each stage of the plan, wait this long before the next starts
+    stage_wait_s: float = 0.0
+    #: after each stage of the plan, wait for ``strategy approve`` before the next starts
+    stage_approval: bool = False
+    #: no step starts before this time (epoch seconds; ``--start-after``)
+    start_after: float | None = None
+    #: steps start only inside these weekly windows (``--window``, as given)
+    windows: list[str] = field(default_factory=list)
+    #: after this time nothing new starts, and the strategy ends failed (``--deadline``)
+    deadline: float | None = None
 
     @property
     def effective_parallel(self) -> int:
         return 1 if self.apply_type is ApplyType.SERIAL else self.max_parallel
+
+    @property
+    def staged(self) -> bool:
+        """Whether its steps run in more than one phase (stages, batches, canaries)."""
+        return self.stages_by_group or sum(len(s.batches) for s in self.plan) > 1
+
+    @property
+    def gated(self) -> bool:
+        """Whether something besides the steps' ends holds a phase's start (a wait after
+        a stage, an approval)."""
+        return bool(
+            self.stage_wait_s > 0
+            or self.stage_approval
+            or self.start_after is not None
+            or self.windows
+            or self.deadline is not None
+        )
 
     @property
     def failure_limit(self) -> int | None:

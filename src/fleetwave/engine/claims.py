@@ -31,7 +31,7 @@ from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.engine.clock import Clock
 from fleetwave.engine.messages import Message, StrategyClaimed
 from fleetwave.engine.run import InFlight, StrategyRun, Unsettled
-from fleetwave.engine.stopping import not_started_reason, stop_reason
+from fleetwave.engine.stopping import not_started_reason, stage_stop_on_takeover, stop_reason
 from fleetwave.engine.store_calls import StoreCalls
 from fleetwave.store import runtime as rt
 from fleetwave.store.admin import options_from_json
@@ -69,7 +69,9 @@ class ClaimsMixin(StoreCalls):
             self, run: StrategyRun, *, everything: bool, page: int | None = None
         ) -> None: ...
 
-        def _count_failure(self, run: StrategyRun, who: str | None = None) -> None: ...
+        def _count_failure(
+            self, run: StrategyRun, who: str | None = None, phase: int | None = None
+        ) -> None: ...
 
     async def _claim(self, *, register: bool = False) -> None:
         todo: set[int] | None = None
@@ -207,13 +209,18 @@ class ClaimsMixin(StoreCalls):
         # A staged strategy is loaded whole: which stage comes next is then decided on
         # every waiting step, not on the assumption that pages come in stage order.
         first = self.config.waiting_page or max(run.cap, self._prefetch_page())
-        await self._load_waiting(run, everything=opts.stages_by_group, page=first)
+        await self._load_waiting(run, everything=opts.staged, page=first)
         limit = opts.failure_limit
         if limit is not None and run.failed > limit:
             run.stopping = "failure"
             # as the conductor that saw it said it: the failure that went past the limit
             who = await self._io(rt.failure_past_limit, self.store, rec.id, limit)
             run.stop_details = stop_reason(run.options, limit + 1, who)
+        if run.failed and run.stopping is None and run.limits_failures and opts.plan:
+            by_phase = await self._io(rt.failed_by_stage, self.store, rec.id)
+            stage_stop = stage_stop_on_takeover(run, by_phase)
+            if stage_stop is not None:
+                run.stopping, run.stop_details = "failure", stage_stop
         if rec.state in (StrategyState.ABORT_REQUESTED, StrategyState.ABORTING):
             # The operator's abort wins over the failure threshold, as it does when the
             # abort reaches a running conductor (found by the simulator's abort fault).
@@ -295,7 +302,7 @@ class ClaimsMixin(StoreCalls):
                 and run.stopping is None
             ):
                 end(step, STEP_FAILED, unmanaged_reason(step.target.name))
-                self._count_failure(run, step.target.name)
+                self._count_failure(run, step.target.name, step.stage)
                 failed_now.add(step.step_id)
         for step in taken:
             if step.step_id in failed_now:

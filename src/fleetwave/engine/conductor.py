@@ -33,6 +33,8 @@ on the same object (``self``; nothing in between on the hot path):
 - :mod:`.periodic`: the periodic pass and the lease watchdog;
 - :mod:`.outcome_log`: what the log says of failed steps and stale outcomes;
 - :mod:`.gc_freeze`: moving loaded strategies out of the garbage collector's sight;
+- :mod:`.gates`: phases held by time (a wait after a stage, a start time, a window,
+  the deadline) or an operator's approval;
 - :mod:`.store_calls`: store calls on the loop, retried, outages ridden out.
 
 Its settings and counters are in :mod:`.config`, what it raises in :mod:`.errors`
@@ -67,6 +69,7 @@ from fleetwave.engine.clock import Clock, ServerClock, WallClock
 from fleetwave.engine.config import EngineConfig, EngineStats
 from fleetwave.engine.deadlines import DeadlinesMixin
 from fleetwave.engine.errors import SimulatedCrash, StoreReplaced, StoreUnavailable
+from fleetwave.engine.gates import GatesMixin
 from fleetwave.engine.gc_freeze import GcFreezeMixin
 from fleetwave.engine.messages import (
     ActionFinished,
@@ -83,7 +86,7 @@ from fleetwave.engine.outcome_log import OutcomeLogMixin, outcomes
 from fleetwave.engine.periodic import PeriodicMixin
 from fleetwave.engine.run import InFlight, StrategyRun
 from fleetwave.engine.settle import SettleMixin
-from fleetwave.engine.stopping import stop_reason
+from fleetwave.engine.stopping import commit_stop_rule, count_failure
 from fleetwave.engine.store_calls import StoreCalls, _Fresh
 from fleetwave.engine.worker import WorkerMixin, resolve_future
 from fleetwave.store import callbacks as cbs
@@ -112,6 +115,7 @@ class Conductor(
     # (a part that defines a method comes before the parts that only declare it, or
     # mypy takes the declaration for the method: its check is in that order)
     GcFreezeMixin,
+    GatesMixin,
     SettleMixin,
     ClaimsMixin,
     PeriodicMixin,
@@ -624,6 +628,7 @@ class Conductor(
             self.post(CallbackArrived(record))
         if self._ending_waits:
             self._ending_waits_end()
+        await self._look_at_gates(now)  # (phases held by time or by an approval)
         await self._mark_aborting()
         await self._finish_done_runs()
 
@@ -824,9 +829,6 @@ class Conductor(
             if not (everything and run.more_waiting):
                 return
 
-    def _failure_details(self, run: StrategyRun, who: str | None = None) -> str:
-        return stop_reason(run.options, run.failed, who)
-
     def _reported(
         self, msg: ActionFinished | RetryScheduled
     ) -> tuple[StrategyRun, InFlight] | None:
@@ -924,7 +926,7 @@ class Conductor(
                     )
                 )
             if decision.to_state == STEP_FAILED:
-                self._count_failure(run, fl.rec.target.name)
+                self._count_failure(run, fl.rec.target.name, fl.rec.stage)
         else:
             fl.state = decision.to_state
             fl.waiter = None  # the next state's waiter is made when its action starts
@@ -982,7 +984,10 @@ class Conductor(
             return
         fl = _free_slot(run, t.step_id)
         if t.to_state == STEP_FAILED:
-            self._count_failure(run, fl.rec.target.name if fl is not None else None)
+            if fl is not None:
+                self._count_failure(run, fl.rec.target.name, fl.rec.stage)
+            else:
+                self._count_failure(run)
             self._log_failed(t, fl)
         self._wake_soon()  # its slot is free: fill it without waiting for another message
 
@@ -1024,27 +1029,30 @@ class Conductor(
         """For each strategy starting steps in this batch under a failure limit: how
         many more failures it tolerates, and what stops it past that."""
         rules: dict[int, rt.StopRule] = {}
-        if all(run.options.failure_limit is None for run in self.runs.values()):
+        if not any(run.limits_failures for run in self.runs.values()):
             return rules  # (no limit anywhere: the batch need not be looked at)
         for t in batch:
             if t.from_state != STEP_INITIAL or t.strategy_id in rules:
                 continue
             run = self.runs.get(t.strategy_id)
-            limit = run.options.failure_limit if run is not None else None
-            if run is None or limit is None:
+            fl = run.inflight.get(t.step_id) if run is not None else None
+            if run is None or fl is None or not run.limits_failures:
                 continue
-            # the commit names the target whose failure crossed the limit
-            details = stop_reason(run.options, limit + 1, rt.StopRule.TARGET)
-            rules[run.id] = rt.StopRule(limit - run.failed, details)
+            # (the steps a batch starts are of one phase: the stage that runs)
+            rule = commit_stop_rule(run, fl.rec.stage)
+            if rule is not None:
+                rules[run.id] = rule
         return rules
 
-    def _count_failure(self, run: StrategyRun, who: str | None = None) -> None:
-        """One more failed step (of target ``who``); past the limit the strategy stops."""
-        run.failed += 1
-        limit = run.options.failure_limit
-        if run.stopping is None and limit is not None and run.failed > limit:
+    def _count_failure(
+        self, run: StrategyRun, who: str | None = None, phase: int | None = None
+    ) -> None:
+        """One more failed step (of target ``who``, in ``phase``); past the limit (the
+        strategy's or its stage's; any canary's failure) the strategy stops."""
+        why = count_failure(run, phase, who)
+        if run.stopping is None and why is not None:
             run.stopping = "failure"
-            run.stop_details = self._failure_details(run, who)
+            run.stop_details = why
             _stop_flights(run, self._end_wait)
             log.warning("strategy %s: %s", run.id, run.stop_details)
 
@@ -1253,7 +1261,7 @@ class Conductor(
                 continue
             if run.stopping == "abort":
                 final, details = StrategyState.ABORTED, run.stop_details
-            elif run.failed:
+            elif run.failed or run.stopping is not None:  # (a deadline: none failed)
                 final = StrategyState.FAILED
                 details = run.stop_details or f"{plural(run.failed, 'step')} failed"
             else:

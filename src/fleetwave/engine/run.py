@@ -7,10 +7,12 @@ its id), never change it.
 from __future__ import annotations
 
 import asyncio
+import heapq
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from fleetwave.domain.models import StrategyOptions
+from fleetwave.domain.rollout import phase_stages
 from fleetwave.domain.rules import Decision, decide
 from fleetwave.domain.workflow import Advance, StateDef, WorkflowDef
 from fleetwave.store.callbacks import CallbackRecord
@@ -102,6 +104,10 @@ class StrategyRun:
     starved: bool = False
     #: how many steps :attr:`pending` holds (asked for on every batch)
     _pending_n: int = 0
+    #: the stages :attr:`pending` has keys for, as a heap: the lowest is found without
+    #: looking at every stage (a plan of batches of 1 has one per target); a stage
+    #: emptied is dropped once it comes to the top
+    _stage_heap: list[int] = field(default_factory=list)
     #: steps whose transition was refused although the strategy is still held (their
     #: row was changed by someone else), with their stage if known: read back and
     #: settled before the strategy ends; each keeps its slot (and its stage open) until
@@ -131,12 +137,36 @@ class StrategyRun:
     #: by state, what :func:`decide` makes of a plain :class:`Advance` (the next state,
     #: no details): nearly every action's outcome, made once
     advance: dict[str, Decision] = field(init=False, repr=False)
+    #: its steps run in more than one phase (stages, batches, canaries)
+    staged: bool = field(init=False)
+    #: by phase (a step's stage column), the index of its stage in the options' plan
+    phase_stage: list[int] = field(init=False, repr=False)
+    #: failed steps by stage of the plan (for the stages' own limits and canaries)
+    failed_in_stage: Counter[int] = field(default_factory=Counter)
+    #: whether failures may stop it (a failure limit, a stage's own, canaries)
+    limits_failures: bool = field(init=False)
+    #: whether something besides the steps' ends holds a phase's start (a wait after a
+    #: stage, an approval: see fleetwave.domain.rollout.phase_gate)
+    gated: bool = field(init=False)
+    #: the phase its gate was found open for (0: none yet): admissions from any other
+    #: phase wait until the dispatcher has looked at that one's gate
+    gate_phase: int = 0
+    #: a phase whose gate the dispatcher is to look at (after its next admissions)
+    gate_due: int | None = None
+    #: wakes the dispatcher when a gate's time comes (or to look for an approval again)
+    gate_timer: asyncio.TimerHandle | None = None
 
     def __post_init__(self) -> None:
         self.id = self.record.id
         self.defs = {st.name: st for st in self.workflow.states}
         names = self.workflow.state_names
         self.advance = {name: decide(names, name, _PLAIN_ADVANCE) for name in names}
+        self.staged = self.options.staged
+        self.phase_stage = phase_stages(self.options.plan)
+        self.limits_failures = self.options.failure_limit is not None or any(
+            s.canary or s.max_failures is not None for s in self.options.plan
+        )
+        self.gated = self.options.gated
 
     @property
     def waits_for_callbacks(self) -> bool:
@@ -152,26 +182,55 @@ class StrategyRun:
         return self.record.group_caps.get(group_id, UNCAPPED)
 
     def add_pending(self, rec: StepRecord) -> None:
-        self.pending.setdefault(rec.stage, {}).setdefault(rec.group_id, deque()).append(rec)
+        self._stage_queues(rec.stage).setdefault(rec.group_id, deque()).append(rec)
         self._pending_n += 1
+
+    def _stage_queues(self, stage: int) -> dict[int | None, deque[StepRecord]]:
+        queues = self.pending.get(stage)
+        if queues is None:
+            queues = self.pending[stage] = {}
+            heapq.heappush(self._stage_heap, stage)
+        return queues
+
+    def _lowest_pending(self) -> int | None:
+        """The lowest stage with a step waiting (stages emptied are dropped)."""
+        heap = self._stage_heap
+        while heap:
+            queues = self.pending.get(heap[0])
+            if queues is not None and any(queues.values()):
+                return heap[0]
+            self.pending.pop(heapq.heappop(heap), None)
+        return None
 
     def pending_count(self) -> int:
         return self._pending_n
 
     def current_stage(self) -> int | None:
-        """The lowest stage with work left; later stages wait until it is all terminal."""
-        if not self.options.stages_by_group:
+        """The lowest stage with work left; later stages wait until it is all terminal.
+
+        O(log stages): it relies on what admission keeps true, that no step waits in a
+        stage below one in flight (a staged strategy's waiting steps are all loaded
+        before any starts; a step put back waits in the stage it was taken from)."""
+        if not self.staged:
             # All steps share one stage: no need to look at every step in flight.
-            for stage, groups in self.pending.items():
+            for one, groups in self.pending.items():
                 if any(groups.values()):
-                    return stage
+                    return one
             for fl in self.inflight.values():
                 return fl.rec.stage
             return None
-        stages = {rec.rec.stage for rec in self.inflight.values()}
-        stages.update(s for s, groups in self.pending.items() if any(groups.values()))
-        stages.update(u.stage for u in self.unsettled.values() if u.stage is not None)
-        return min(stages) if stages else None
+        # Steps in flight are all of the lowest stage with work left (a later one starts
+        # only once the earlier ones have ended): one of them says which, as do the
+        # unsettled ones (rare), and the lowest stage waiting.
+        stage = self._lowest_pending()
+        for fl in self.inflight.values():
+            if stage is None or fl.rec.stage < stage:
+                stage = fl.rec.stage
+            break
+        for u in self.unsettled.values():
+            if u.stage is not None and (stage is None or u.stage < stage):
+                stage = u.stage
+        return stage
 
     def held_slots(self) -> int:
         """Slots taken: steps in flight, and unsettled ones (they may be taken over)."""
@@ -195,6 +254,9 @@ class StrategyRun:
         stage = self.current_stage()
         if stage is None or stage not in self.pending:
             return []
+        if self.gated and stage != self.gate_phase:
+            self.gate_due = stage  # the dispatcher looks at its gate first
+            return []
         out: list[StepRecord] = []
         for gid, queue in self.pending[stage].items():
             room = min(free - len(out), self.group_cap(gid) - self.group_load[gid])
@@ -209,12 +271,13 @@ class StrategyRun:
     def requeue_front(self, recs: list[StepRecord]) -> None:
         """Put steps taken by :meth:`take_admissions` back, in their order."""
         for rec in reversed(recs):
-            self.pending.setdefault(rec.stage, {}).setdefault(rec.group_id, deque()).appendleft(rec)
+            self._stage_queues(rec.stage).setdefault(rec.group_id, deque()).appendleft(rec)
         self._pending_n += len(recs)
 
     def drain_pending(self) -> list[StepRecord]:
         out = [rec for groups in self.pending.values() for q in groups.values() for rec in q]
         self.pending.clear()
+        self._stage_heap.clear()
         self._pending_n = 0
         return out
 

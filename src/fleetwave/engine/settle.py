@@ -41,7 +41,9 @@ class SettleMixin(StoreCalls):
     _deadline_of: Callable[[StrategyRun, str, float], float | None]
     if TYPE_CHECKING:  # (called with keywords, or without an argument that has a default)
 
-        def _count_failure(self, run: StrategyRun, who: str | None = None) -> None: ...
+        def _count_failure(
+            self, run: StrategyRun, who: str | None = None, phase: int | None = None
+        ) -> None: ...
 
         def _move(
             self,
@@ -190,7 +192,7 @@ class SettleMixin(StoreCalls):
                 run.failed -= 1
             if row.state in STEP_TERMINAL:
                 if row.state == STEP_FAILED and not counted:
-                    self._count_failure(run, row.target.name)
+                    self._count_failure(run, row.target.name, row.stage)
                 settled(step_id, f"ended elsewhere: {row.state}")
             elif row.state == STEP_INITIAL and not seen:
                 run.requeue_front([row])

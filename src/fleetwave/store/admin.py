@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from contextvars import ContextVar
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Table, case, delete, func, insert, select, update
@@ -31,6 +31,18 @@ from fleetwave.domain.models import (
     plural,
     shown,
 )
+from fleetwave.domain.rollout import (
+    APPROVED_EVENT,
+    Plan,
+    PlannedStage,
+    PlanTarget,
+    RolloutSpec,
+    approval_text,
+    parse_amount,
+    phase_stages,
+    plan_rollout,
+)
+from fleetwave.domain.windows import earliest_start, parse_window, shown_time
 from fleetwave.domain.workflow import WorkflowDef, WorkflowError, describe_workflow
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.store import slots
@@ -84,9 +96,9 @@ def _add_group(store: Store, group: Group, *, existing_ok: bool) -> tuple[int, b
     _check_max_parallel(group.max_parallel)
     with store.write() as conn:
         there = conn.execute(
-            select(groups.c.id, groups.c.max_parallel, groups.c.apply_type).where(
-                groups.c.name == group.name
-            )
+            select(
+                groups.c.id, groups.c.max_parallel, groups.c.apply_type, groups.c.stage_order
+            ).where(groups.c.name == group.name)
         ).first()
         if there is not None:
             other = [
@@ -94,6 +106,7 @@ def _add_group(store: Store, group: Group, *, existing_ok: bool) -> tuple[int, b
                 for field, stored, given in (
                     ("max-parallel", there.max_parallel, group.max_parallel),
                     ("apply-type", there.apply_type, group.apply_type.value),
+                    ("order", there.stage_order, group.stage_order),
                 )
                 if stored != given
             ]
@@ -110,6 +123,7 @@ def _add_group(store: Store, group: Group, *, existing_ok: bool) -> tuple[int, b
                 name=group.name,
                 max_parallel=group.max_parallel,
                 apply_type=group.apply_type.value,
+                stage_order=group.stage_order,
             )
         )
         return int(res.inserted_primary_key[0]), True  # type: ignore[index]
@@ -121,7 +135,9 @@ DEFAULT_MAX_PARALLEL = 20
 
 def _group_row(conn: Connection, name: str) -> Any:
     row = conn.execute(
-        select(groups.c.id, groups.c.max_parallel, groups.c.apply_type).where(groups.c.name == name)
+        select(groups.c.id, groups.c.max_parallel, groups.c.apply_type, groups.c.stage_order).where(
+            groups.c.name == name
+        )
     ).first()
     if row is None:
         raise NotFound(f"group '{name}' not found")
@@ -144,6 +160,8 @@ def change_group(
     *,
     max_parallel: int | None = None,
     apply_type: ApplyType | None = None,
+    stage_order: int | None = None,
+    no_stage_order: bool = False,
 ) -> dict[str, Any]:
     """Change a group's max parallel or apply type: what it was, what it is, and the
     active strategies that keep the caps they were created with.
@@ -153,8 +171,10 @@ def change_group(
     at a time (another max parallel is refused), and a group made parallel without a
     max parallel gets the default (20).
     """
-    if max_parallel is None and apply_type is None:
-        raise InputError("nothing to change: give --max-parallel or --apply-type")
+    if max_parallel is None and apply_type is None and stage_order is None and not no_stage_order:
+        raise InputError("nothing to change: give --max-parallel, --apply-type or --order")
+    if stage_order is not None and no_stage_order:
+        raise InputError("--order and --no-order: give one of them")
     if max_parallel is not None:
         _check_max_parallel(max_parallel)
     with store.write() as conn:
@@ -170,18 +190,23 @@ def change_group(
             new_max = DEFAULT_MAX_PARALLEL  # made parallel: as a group added so
         else:
             new_max = int(row.max_parallel)
+        new_order = None if no_stage_order else stage_order or row.stage_order
         conn.execute(
             update(groups)
             .where(groups.c.id == row.id)
-            .values(max_parallel=new_max, apply_type=new_type.value)
+            .values(max_parallel=new_max, apply_type=new_type.value, stage_order=new_order)
         )
         # what ran before: a serial group one at a time, whatever an old row says
         old_max = 1 if old_type is ApplyType.SERIAL else int(row.max_parallel)
         return {
             "name": name,
-            "before": {"max_parallel": old_max, "apply_type": old_type.value},
-            "after": {"max_parallel": new_max, "apply_type": new_type.value},
-            "changed": (new_max, new_type) != (old_max, old_type),
+            "before": {
+                "max_parallel": old_max,
+                "apply_type": old_type.value,
+                "order": row.stage_order,
+            },
+            "after": {"max_parallel": new_max, "apply_type": new_type.value, "order": new_order},
+            "changed": (new_max, new_type, new_order) != (old_max, old_type, row.stage_order),
             "active_strategies_unchanged": _strategies_using_group(conn, row.id, active=True),
         }
 
@@ -836,6 +861,7 @@ def _check_max_parallel(value: int) -> None:
 def options_from_json(raw: str) -> StrategyOptions:
     data = json.loads(raw)
     data["apply_type"] = ApplyType(data["apply_type"])
+    data["plan"] = [PlannedStage(**stage) for stage in data.get("plan", ())]
     opts = StrategyOptions(**data)
     if not 1 <= opts.max_parallel <= MAX_PARALLEL:  # written by an earlier version
         raise InputError(f"max_parallel: must be 1 to {MAX_PARALLEL}, got {opts.max_parallel}")
@@ -859,6 +885,7 @@ def create_strategy(
     labels: dict[str, str] | None = None,
     failed_in: int | None = None,
     workflow_from_store: bool = False,
+    spec: RolloutSpec | None = None,
 ) -> int:
     """Create a strategy over the targets named, those of a group, or all of them;
     ``labels`` keeps only the targets with every one of these labels (of the group,
@@ -866,27 +893,12 @@ def create_strategy(
     strategy the names were read from (its failed and aborted steps): refused if it is
     being deleted by the time the write lock is taken. ``workflow_from_store``: ``wf``
     was read from the stored workflows (not a built-in or plug-in one): refused if it
-    was replaced or deleted by the time the write lock is taken."""
-    _check_max_parallel(opts.max_parallel)
-    if opts.max_failures is not None and opts.max_failures < 0:
-        raise InputError(f"--max-failures: must not be negative, got {opts.max_failures}")
-    if labels and target_names is not None:
-        raise InputError(
-            "--label: picks among the targets of --group, or of all; not with --targets "
-            "(a named target without the label would be left out without a word)"
-        )
-    if labels and group is None:
-        all_targets = True
-    chosen = sum([target_names is not None, group is not None, all_targets])
-    if chosen != 1:
-        raise InputError(
-            "choose the targets with exactly one of --targets, --group, --all or --failed-in "
-            "(--label alone: all targets with those labels)"
-        )
-    wf.with_timeouts(opts.timeouts_s)  # validates the state names
-    now = _now()
-
+    was replaced or deleted by the time the write lock is taken. ``spec``: the
+    rollout's order (stages, batches, canaries; see :func:`plan_strategy`)."""
+    spec = _spec_of(opts, spec)
     names = None if target_names is None else list(target_names)  # (read twice, maybe)
+    labels, all_targets = _check_choice(wf, opts, names, group, all_targets, labels)
+    now = _now()
 
     def choose(conn: Connection) -> list[_Pick]:
         return _choose_targets(conn, names, group, labels)
@@ -897,10 +909,12 @@ def create_strategy(
     with store.read() as conn:
         rows = choose(conn)
         # (a group is never renamed: the order stays right while its targets stay in it)
-        gnames = _group_names(conn)
+        gnames, orders = _group_names(conn), _group_orders(conn)
     _order(rows, gnames)
+    plan, opts = _planned(rows, gnames, orders, spec, opts)
     # (chosen by label: a label changed meanwhile chooses again too)
-    picked = {(r.id, r.name, r.group_id, r.labels if labels else "") for r in rows}
+    by_label = bool(labels or spec.canary_label)
+    picked = {(r.id, r.name, r.group_id, r.labels if by_label else "") for r in rows}
     with store.write() as conn:
         if workflow_from_store:
             _workflow_still_stored(conn, wf)
@@ -916,40 +930,17 @@ def create_strategy(
                     f"--failed-in: strategy {failed_in} was deleted while the strategy "
                     "was being created; nothing was created"
                 )
-        if not _still_as_read(conn, picked, store.hooks, with_labels=bool(labels)):
+        if not _still_as_read(conn, picked, store.hooks, with_labels=by_label) or (
+            spec.planned and _group_orders(conn) != orders
+        ):
             rows = choose(conn)  # the fleet changed meanwhile: chosen again, as of now
-            _order(rows, _group_names(conn))
-        held = _held_by_active(conn, [r.id for r in rows], hooks=store.hooks)
-        if held:
-            name_of = {r.id: r.name for r in rows}
-            problems = []
-            for busy_sid, tids in held.items():
-                state = _strategy_state(conn, busy_sid)
-                how = (
-                    f"it was never applied: 'fleetwave strategy delete {busy_sid}' frees "
-                    "its targets"
-                    if state == StrategyState.INITIAL
-                    else _how_it_ends(busy_sid, state, "it frees its targets")
-                )
-                busy = sorted(name_of[t] for t in tids)
-                who = (
-                    f"target {busy[0]}"
-                    if len(busy) == 1
-                    else f"{len(busy)} targets ({', '.join(busy[:5])}"
-                    + (f" and {len(busy) - 5} more)" if len(busy) > 5 else ")")
-                )
-                problems.append(f"{who}: already in active strategy {busy_sid} ({state}); {how}")
-            raise Conflict("; ".join(problems))
-        gcaps: dict[int, int] = {}
-        for g in conn.execute(select(groups)):
-            gcaps[g.id] = 1 if g.apply_type == ApplyType.SERIAL.value else int(g.max_parallel)
-        # Stages by group if asked.
-        stage_of: dict[int | None, int] = {}
-        if opts.stages_by_group:
-            for r in rows:
-                stage_of.setdefault(r.group_id, len(stage_of) + 1)
+            gnames, orders = _group_names(conn), _group_orders(conn)
+            _order(rows, gnames)
+            plan, opts = _planned(rows, gnames, orders, spec, opts)
+        _refuse_held(conn, _in_plan(rows, plan), store.hooks)
         sid = _take_ids(conn, strategies)
-        first_step = _take_ids(conn, steps, len(rows))
+        first_step = _take_ids(conn, steps, len(plan.order))
+        gcaps = _group_caps(conn)
         conn.execute(
             insert(strategies).values(
                 id=sid,
@@ -960,13 +951,14 @@ def create_strategy(
                 state=StrategyState.INITIAL.value,
                 options=options_to_json(opts),
                 group_caps=json.dumps({str(k): v for k, v in gcaps.items()}),
-                step_count=len(rows),
+                step_count=len(plan.order),
                 details="",
                 created_at=now,
                 updated_at=now,
                 fence=0,
             )
         )
+        group_of = {r.id: r.group_id for r in rows}
         # The driver's executemany of plain rows: through SQLAlchemy's of dicts, 100,000
         # steps held the write lock (and every running rollout's commits) twice as long.
         p = store.hooks.placeholder
@@ -974,20 +966,12 @@ def create_strategy(
             "INSERT INTO steps (id, strategy_id, target_id, ordinal, stage, group_id, state, "
             f"details, attempt, fence) VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p}, '', 0, 0)",
             [
-                (
-                    first_step + i,
-                    sid,
-                    r.id,
-                    i,
-                    stage_of.get(r.group_id, 1),
-                    r.group_id,
-                    STEP_INITIAL,
-                )
-                for i, r in enumerate(rows)
+                (first_step + i, sid, tid, i, phase, group_of[tid], STEP_INITIAL)
+                for i, (tid, phase) in enumerate(plan.order)
             ],
         )
         # its slots: the strategy's and those of each group it has steps of (G7)
-        present = {r.group_id for r in rows if r.group_id is not None}
+        present = {g for tid, _ in plan.order if (g := group_of[tid]) is not None}
         slots.insert_slots(
             conn,
             store.hooks,
@@ -996,6 +980,208 @@ def create_strategy(
             {gid: gcaps.get(gid, UNCAPPED_GROUP) for gid in present},
         )
         return sid
+
+
+def plan_strategy(
+    store: Store,
+    wf: WorkflowDef,
+    opts: StrategyOptions,
+    *,
+    target_names: Iterable[str] | None = None,
+    group: str | None = None,
+    all_targets: bool = False,
+    labels: dict[str, str] | None = None,
+    spec: RolloutSpec | None = None,
+) -> dict[str, Any]:
+    """What :func:`create_strategy` would create, as data, writing nothing (``strategy
+    create --dry-run``): the same checks (bad input, targets held by an active
+    strategy are refused alike), then the plan: its stages in order with their groups
+    and caps, batch sizes and canaries, the targets left out and why, and the options
+    as they would be stored."""
+    spec = _spec_of(opts, spec)
+    names = None if target_names is None else list(target_names)
+    labels, all_targets = _check_choice(wf, opts, names, group, all_targets, labels)
+    with store.read() as conn:
+        rows = _choose_targets(conn, names, group, labels)
+        gnames, orders = _group_names(conn), _group_orders(conn)
+        _order(rows, gnames)
+        plan, opts = _planned(rows, gnames, orders, spec, opts)
+        _refuse_held(conn, _in_plan(rows, plan), store.hooks)
+        caps = _group_caps(conn)
+    name_of = {r.id: r.name for r in rows}
+    group_of = {r.id: r.group_id for r in rows}
+    by_phase: dict[int, list[int]] = {}
+    for tid, phase in plan.order:
+        by_phase.setdefault(phase, []).append(tid)
+    stages_out: list[dict[str, Any]] = []
+    phase = 0
+    for stage in plan.stages or [PlannedStage("all", [], len(rows), [len(rows)])]:
+        batches = []
+        ids: list[int] = []
+        for size in stage.batches:
+            phase += 1
+            batch_ids = by_phase.get(phase, [])
+            ids += batch_ids
+            batches.append(
+                {"phase": phase, "size": size, "targets": [name_of[t] for t in batch_ids]}
+            )
+        gids = list(dict.fromkeys(group_of[t] for t in ids))
+        stages_out.append(
+            {
+                "stage": len(stages_out) + 1,
+                "name": stage.name,
+                "canary": stage.canary,
+                "steps": stage.steps,
+                "groups": [
+                    {"name": gnames[g], "max_parallel": caps[g]} for g in gids if g is not None
+                ]
+                + ([{"name": "(no group)", "max_parallel": None}] if None in gids else []),
+                "max_failures": stage.max_failures,
+                "batches": batches,
+            }
+        )
+    return {
+        "workflow": wf.name,
+        "steps": len(plan.order),
+        "max_parallel": opts.effective_parallel,
+        "max_failures": opts.failure_limit,
+        "stages": stages_out,
+        "left_out": [{"target": n, "why": why} for n, why in plan.left_out],
+        "stage_wait_s": opts.stage_wait_s,
+        "stage_approval": opts.stage_approval,
+        "windows": opts.windows,
+        "deadline": opts.deadline,
+        "earliest_start": _earliest(opts),
+    }
+
+
+def _earliest(opts: StrategyOptions) -> str:
+    """When a strategy applied now may start its first step, as the dry run says it."""
+    if opts.start_after is None and not opts.windows:
+        return "when applied"
+    now = _now()
+    start = earliest_start(opts.start_after, [parse_window(w) for w in opts.windows], now)
+    return "when applied" if start <= now else shown_time(start)
+
+
+def _spec_of(opts: StrategyOptions, spec: RolloutSpec | None) -> RolloutSpec:
+    """The rollout's order: ``spec`` as given, or stages by group from the options."""
+    if spec is None:
+        return RolloutSpec(stages_by_group=opts.stages_by_group)
+    if spec.stages and spec.stages_by_group:
+        raise InputError("--stage and --stages-by-group: give one of them")
+    return spec
+
+
+def _check_choice(
+    wf: WorkflowDef,
+    opts: StrategyOptions,
+    names: list[str] | None,
+    group: str | None,
+    all_targets: bool,
+    labels: dict[str, str] | None,
+) -> tuple[dict[str, str] | None, bool]:
+    """Refuse options that contradict each other; returns the labels and whether all
+    targets are chosen (``--label`` alone: of all)."""
+    _check_max_parallel(opts.max_parallel)
+    if opts.max_failures is not None and opts.max_failures < 0:
+        raise InputError(f"--max-failures: must not be negative, got {opts.max_failures}")
+    if labels and names is not None:
+        raise InputError(
+            "--label: picks among the targets of --group, or of all; not with --targets "
+            "(a named target without the label would be left out without a word)"
+        )
+    if labels and group is None:
+        all_targets = True
+    chosen = sum([names is not None, group is not None, all_targets])
+    if chosen != 1:
+        raise InputError(
+            "choose the targets with exactly one of --targets, --group, --all or --failed-in "
+            "(--label alone: all targets with those labels)"
+        )
+    wf.with_timeouts(opts.timeouts_s)  # validates the state names
+    return labels, all_targets
+
+
+def _planned(
+    rows: list[_Pick],
+    gnames: dict[int | None, str],
+    orders: dict[str, int | None],
+    spec: RolloutSpec,
+    opts: StrategyOptions,
+) -> tuple[Plan, StrategyOptions]:
+    """The plan of the chosen targets (in the strategy's order), and the options with
+    what depends on how many steps there are: the plan, a percent failure limit."""
+    chosen = [
+        PlanTarget(
+            r.id,
+            r.name,
+            gnames.get(r.group_id) if r.group_id is not None else None,
+            json.loads(r.labels) if spec.canary_label else {},
+        )
+        for r in rows
+    ]
+    plan = plan_rollout(chosen, spec, group_order=orders)
+    if (opts.stage_wait_s or opts.stage_approval) and len(plan.stages) < 2:
+        which = "--stage-wait" if opts.stage_wait_s else "--stage-approval"
+        raise InputError(
+            f"{which}: the strategy has one stage; it holds between stages (--stage, "
+            "--stages-by-group, --canary)"
+        )
+    if opts.max_failures_percent:
+        limit = parse_amount(opts.max_failures_percent, "--max-failures").limit_of(len(plan.order))
+        opts = replace(opts, max_failures=limit)
+    if not spec.planned:
+        return plan, opts
+    return plan, replace(opts, plan=plan.stages, left_out=len(plan.left_out))
+
+
+def _in_plan(rows: list[_Pick], plan: Plan) -> list[_Pick]:
+    """The chosen targets the plan runs (not those left out of every stage)."""
+    if not plan.left_out:
+        return rows
+    ids = {tid for tid, _ in plan.order}
+    return [r for r in rows if r.id in ids]
+
+
+def _refuse_held(conn: Connection, rows: list[_Pick], hooks: DialectHooks) -> None:
+    """Refuse targets already in an active strategy, naming each by strategy."""
+    held = _held_by_active(conn, [r.id for r in rows], hooks=hooks)
+    if not held:
+        return
+    name_of = {r.id: r.name for r in rows}
+    problems = []
+    for busy_sid, tids in held.items():
+        state = _strategy_state(conn, busy_sid)
+        how = (
+            f"it was never applied: 'fleetwave strategy delete {busy_sid}' frees its targets"
+            if state == StrategyState.INITIAL
+            else _how_it_ends(busy_sid, state, "it frees its targets")
+        )
+        busy = sorted(name_of[t] for t in tids)
+        who = (
+            f"target {busy[0]}"
+            if len(busy) == 1
+            else f"{len(busy)} targets ({', '.join(busy[:5])}"
+            + (f" and {len(busy) - 5} more)" if len(busy) > 5 else ")")
+        )
+        problems.append(f"{who}: already in active strategy {busy_sid} ({state}); {how}")
+    raise Conflict("; ".join(problems))
+
+
+def _group_caps(conn: Connection) -> dict[int, int]:
+    return {
+        int(g.id): 1 if g.apply_type == ApplyType.SERIAL.value else int(g.max_parallel)
+        for g in conn.execute(select(groups))
+    }
+
+
+def _group_orders(conn: Connection) -> dict[str, int | None]:
+    """Every group's stage order (``group add --order``; None: none), by name."""
+    return {
+        str(g.name): g.stage_order
+        for g in conn.execute(select(groups.c.name, groups.c.stage_order))
+    }
 
 
 def _workflow_still_stored(conn: Connection, wf: WorkflowDef) -> None:
@@ -1158,6 +1344,7 @@ def apply_strategy(store: Store, sid: int, *, resume: bool = True) -> str:
         elif state not in (
             StrategyState.APPLYING,
             StrategyState.PAUSED,
+            StrategyState.WAITING_APPROVAL,
             StrategyState.ABORT_REQUESTED,
             StrategyState.ABORTING,
         ):
@@ -1174,7 +1361,7 @@ def pause_strategy(store: Store, sid: int) -> str:
     Returns the state it was in (``paused`` again is not an error). The conductor's
     commit that would start a step reads this state, so nothing starts once this returns.
     """
-    hint = {StrategyState.INITIAL.value: " (apply it first)"}
+    hint = {StrategyState.INITIAL.value: " (apply it first)", **_APPROVAL_HINT}
     return _switch_state(
         store, sid, StrategyState.APPLYING, StrategyState.PAUSED, "an applying", "paused", hint
     )
@@ -1183,8 +1370,61 @@ def pause_strategy(store: Store, sid: int) -> str:
 def resume_strategy(store: Store, sid: int) -> str:
     """paused -> applying; returns the state it was in (``applying`` again is not an error)."""
     return _switch_state(
-        store, sid, StrategyState.PAUSED, StrategyState.APPLYING, "a paused", "resumed", {}
+        store,
+        sid,
+        StrategyState.PAUSED,
+        StrategyState.APPLYING,
+        "a paused",
+        "resumed",
+        _APPROVAL_HINT,
     )
+
+
+#: what pause and resume say of a strategy waiting for approval
+_APPROVAL_HINT = {
+    StrategyState.WAITING_APPROVAL.value: (
+        " (nothing runs while it waits for approval: 'fleetwave strategy approve "
+        "ID' lets the next stage start, 'fleetwave strategy abort ID' ends it)"
+    )
+}
+
+
+def approve_strategy(store: Store, sid: int, by: str) -> dict[str, Any]:
+    """waiting-approval -> applying: the next stage may start. Recorded as an event
+    naming the stage and who approved it. Refused (Conflict) when it is not waiting for
+    an approval."""
+    with store.write() as conn:
+        row = conn.execute(
+            select(strategies.c.state, strategies.c.options).where(strategies.c.id == sid)
+        ).first()
+        if row is None:
+            raise NotFound(f"strategy {sid} not found")
+        if row.state != StrategyState.WAITING_APPROVAL:
+            raise Conflict(
+                f"strategy {sid}: is {row.state}, not waiting for approval; nothing to approve"
+            )
+        plan = options_from_json(row.options).plan
+        # the stage that waits: the first with a step not ended (the ones before have all
+        # ended, or it would not wait)
+        open_phase = conn.execute(
+            select(func.min(steps.c.stage)).where(
+                steps.c.strategy_id == sid, steps.c.state.not_in(sorted(STEP_TERMINAL))
+            )
+        ).scalar()
+        number = phase_stages(plan)[int(open_phase)] + 1 if open_phase is not None else 0
+        now = _now()
+        details = approval_text(number, plan, by) if number else f"approved by {by}"
+        conn.execute(
+            update(strategies)
+            .where(strategies.c.id == sid, strategies.c.state == row.state)
+            .values(state=StrategyState.APPLYING.value, details="", updated_at=now)
+        )
+        conn.execute(
+            insert(events).values(
+                at=now, strategy_id=sid, kind=APPROVED_EVENT, details=details, conductor=None
+            )
+        )
+        return {"id": sid, "stage": number, "approved_by": by, "details": details}
 
 
 def _switch_state(
@@ -1284,7 +1524,11 @@ def request_abort(store: Store, sid: int) -> str | None:
                 )
             )
             return StrategyState.INITIAL.value
-        if state not in (StrategyState.APPLYING, StrategyState.PAUSED):
+        if state not in (
+            StrategyState.APPLYING,
+            StrategyState.PAUSED,
+            StrategyState.WAITING_APPROVAL,
+        ):
             raise Conflict(
                 f"strategy {sid}: is {state}; only a strategy not yet ended can be aborted"
             )

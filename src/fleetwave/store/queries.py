@@ -9,19 +9,23 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
-from sqlalchemy import and_, case, func, select
+from sqlalchemy import Connection, and_, case, func, select
 
 from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.models import (
     STEP_ABORTED,
+    STEP_COMPLETE,
     STEP_FAILED,
     STEP_INITIAL,
     STEP_TERMINAL,
+    STRATEGY_TERMINAL,
     StrategyState,
     has_labels,
     shown,
 )
+from fleetwave.domain.rollout import APPROVED_EVENT, PlannedStage, stage_progress, time_left_s
 from fleetwave.store import leases
+from fleetwave.store.admin import options_from_json
 from fleetwave.store.db import Store
 from fleetwave.store.runtime import DRIVEN_STATES, conductor_gone
 from fleetwave.store.schema import (
@@ -51,6 +55,7 @@ def list_groups(store: Store) -> list[dict[str, Any]]:
                 # what runs: a serial group has one target in flight, whatever was set
                 "max_parallel": 1 if g.apply_type == "serial" else g.max_parallel,
                 "apply_type": g.apply_type,
+                "order": g.stage_order,
                 "targets": counts.get(g.id, 0),
             }
             for g in conn.execute(select(groups).order_by(groups.c.name))
@@ -85,6 +90,7 @@ def get_group(store: Store, name: str) -> dict[str, Any]:
             "name": g.name,
             "max_parallel": 1 if g.apply_type == "serial" else g.max_parallel,
             "apply_type": g.apply_type,
+            "order": g.stage_order,
             "targets": int(total),
             "unmanaged": int(unmanaged or 0),
             "strategies": [
@@ -625,8 +631,72 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
             .order_by(journal.c.id.desc())
             .limit(1)
         ).scalar_one_or_none()
+        plan = _plan_of(r.options)
+        if plan:
+            ended = _ended_by_stage(conn, sid)
+            approvals = [
+                {"at": e.at, "details": e.details}
+                for e in conn.execute(
+                    select(events.c.at, events.c.details)
+                    .where(events.c.strategy_id == sid, events.c.kind == APPROVED_EVENT)
+                    .order_by(events.c.id)
+                )
+            ]
+        took = conn.execute(
+            select(func.avg(steps.c.finished_at - steps.c.started_at)).where(
+                steps.c.strategy_id == sid,
+                steps.c.state == STEP_COMPLETE,
+                steps.c.started_at.is_not(None),
+            )
+        ).scalar()
+        first_at = conn.execute(
+            select(func.min(journal.c.at)).where(journal.c.strategy_id == sid)
+        ).scalar()
     out["done"] = steps_ended(counts)  # as strategy list has it
+    total = int(r.step_count)
+    out["percent_done"] = round(100 * out["done"] / total, 1) if total else 100.0
+    if first_at is not None and r.state not in STRATEGY_TERMINAL:
+        out["elapsed_s"] = round(max(0.0, now - float(first_at)), 1)
+        left = time_left_s(
+            total,
+            out["done"],
+            None if took is None else float(took),
+            int(out.get("max_parallel") or 1),
+        )
+        out["time_left_estimate_s"] = None if left is None else round(left)
+    if plan:
+        out["stages"], out["stage_now"] = stage_progress(plan, ended)
+        if approvals:
+            out["approvals"] = approvals
+        if r.state == StrategyState.INITIAL:  # never applied: nothing runs yet
+            out["stage_now"] = None
+            for stage in out["stages"]:
+                stage["state"] = "waiting"
     return out
+
+
+def _plan_of(options: str) -> list[PlannedStage]:
+    """A strategy's plan (stages, batches, canaries) from its options; none if they
+    cannot be read (``strategy show`` shows what it can)."""
+    try:
+        return options_from_json(options).plan
+    except (TypeError, ValueError, KeyError):
+        return []
+
+
+def _ended_by_stage(conn: Connection, sid: int) -> dict[int, tuple[int, int, int]]:
+    """By stage column (phase): its steps, how many of them have ended, and how many
+    have started (left ``initial``: ended ones too)."""
+    ended = case((steps.c.state.in_(sorted(STEP_TERMINAL)), 1), else_=0)
+    begun = case((steps.c.started_at.is_not(None), 1), else_=0)
+    return {
+        int(stage): (int(n), int(done or 0), int(started or 0))
+        for stage, n, done, started in conn.execute(
+            select(steps.c.stage, func.count(), func.sum(ended), func.sum(begun))
+            .where(steps.c.strategy_id == sid)
+            .group_by(steps.c.stage)
+        )
+    }
 
 
 def strategy_workflow(store: Store, sid: int) -> tuple[str, str | None]:
@@ -1036,6 +1106,7 @@ EVENT_KINDS = {
     "abort-too-late": "an abort came after every step had ended (the strategy ended so)",
     "takeover-incomplete": "steps moved on while a takeover read them",
     "strategy-undrivable": "the strategy cannot be driven (why)",
+    APPROVED_EVENT: "an operator approved the next stage (which, by whom)",
 }
 
 

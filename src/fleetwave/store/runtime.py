@@ -22,6 +22,7 @@ from fleetwave.domain.models import (
     StrategyState,
     Target,
 )
+from fleetwave.domain.rollout import APPROVED_EVENT, approved_stage
 from fleetwave.store import slots
 from fleetwave.store.db import Store
 from fleetwave.store.notify import notify
@@ -58,6 +59,7 @@ HOSTNAME = _host_identity()
 DRIVEN_STATES = (
     StrategyState.APPLYING.value,
     StrategyState.PAUSED.value,
+    StrategyState.WAITING_APPROVAL.value,
     StrategyState.ABORT_REQUESTED.value,
     StrategyState.ABORTING.value,
 )
@@ -590,6 +592,53 @@ def failure_past_limit(store: Store, sid: int, limit: int) -> str | None:
             (sid,),
         ).first()
     return None if row is None else str(row[0])
+
+
+def failed_by_stage(store: Store, sid: int) -> dict[int, int]:
+    """Strategy ``sid``'s failed steps by stage column (its phase), for a conductor that
+    takes over a strategy whose stages have failure limits of their own."""
+    p = store.hooks.placeholder
+    with store.read() as conn:
+        rows = conn.exec_driver_sql(
+            f"SELECT stage, count(*) FROM steps WHERE strategy_id = {p} AND state = "
+            f"'{STEP_FAILED}' GROUP BY stage",
+            (sid,),
+        ).all()
+    return {int(stage): int(n) for stage, n in rows}
+
+
+def gate_facts(store: Store, sid: int, phase: int) -> tuple[float | None, int]:
+    """What a gate before ``phase`` of strategy ``sid`` depends on: when the last step
+    of the earlier phases ended (None: none has), and the highest stage approved
+    (``strategy approve``; 0: none)."""
+    p = store.hooks.placeholder
+    with store.read() as conn:
+        ended = conn.exec_driver_sql(
+            f"SELECT max(finished_at) FROM steps WHERE strategy_id = {p} AND stage < {p}",
+            (sid, phase),
+        ).scalar()
+        said = conn.exec_driver_sql(
+            f"SELECT details FROM events WHERE strategy_id = {p} AND kind = {p}",
+            (sid, APPROVED_EVENT),
+        ).all()
+    approved = [n for (text,) in said if (n := approved_stage(str(text))) is not None]
+    return (None if ended is None else float(ended)), max(approved, default=0)
+
+
+def hold_for_approval(
+    store: Store, sid: int, cid: str, fence: int, details: str, now: float
+) -> bool:
+    """applying -> waiting-approval, saying for which stage (``details``); only its owner
+    may, at the fence it holds it at. False if it was not applying (paused, aborting,
+    waiting already)."""
+    p = store.hooks.placeholder
+    with store.write() as conn:
+        res = conn.exec_driver_sql(
+            f"UPDATE strategies SET state = {p}, details = {p}, updated_at = {p} WHERE id = {p} "
+            f"AND owner = {p} AND fence = {p} AND state = '{StrategyState.APPLYING.value}'",
+            (StrategyState.WAITING_APPROVAL.value, details, now, sid, cid, fence),
+        )
+        return bool(res.rowcount == 1)
 
 
 def _failed_count(conn: Connection, store: Store, sid: int) -> int:

@@ -48,6 +48,9 @@ groups = Table(
     Column("name", String(255), nullable=False, unique=True),
     Column("max_parallel", Integer, nullable=False),
     Column("apply_type", String(16), nullable=False),
+    #: its place in a rollout by stages (``--stages-by-group``): by this, then by name;
+    #: groups without one come after those with one
+    Column("stage_order", Integer),
 )
 
 targets = Table(

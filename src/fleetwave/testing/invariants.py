@@ -20,6 +20,8 @@ Used by ``fleetwave check``, the demo, the simulator and the tests:
   group, and as many failed, as its steps do;
 * stages: no step of a stage starts before every step of the earlier stages has
   ended (a step and the one it frees a slot for may share a commit: journal order);
+  a step's stage column is its phase, one per batch of each stage of the strategy's
+  plan (canaries first), so this checks batches and canaries too;
 * and the bookkeeping around them: each step's row agrees with its journal, a
   terminal strategy has only terminal steps and holds no lease, and the failure
   threshold stopped admissions exactly when it was exceeded.
@@ -42,6 +44,7 @@ from fleetwave.domain.models import (
     UNDRIVABLE,
     StrategyState,
 )
+from fleetwave.domain.rollout import phase_stages, stage_failure_stop
 from fleetwave.domain.rules import is_allowed_move
 from fleetwave.store import slots
 from fleetwave.store.admin import options_from_json
@@ -161,6 +164,10 @@ def _check_strategy(
         return
     cap = opts.effective_parallel
     limit = opts.failure_limit
+    # a plan's stages with a limit of their own (or canaries): failures counted by stage
+    phase_stage = phase_stages(opts.plan)
+    stage_limited = any(s.canary or s.max_failures is not None for s in opts.plan)
+    failed_in_stage: Counter[int] = Counter()
     name = {r.id: r.name for r in step_rows}
     group = {r.id: r.group_id for r in step_rows}
     stage = {r.id: r.stage for r in step_rows}
@@ -196,6 +203,7 @@ def _check_strategy(
             and to == "aborted"
             and details.startswith(("not started:", "stopped after "))
             and not details.startswith(f"not started: {UNDRIVABLE}")
+            and not details.endswith("(--deadline)")
         ):
             stopped_for_threshold = step_id
         prev = last.get(step_id, STEP_INITIAL)
@@ -221,12 +229,19 @@ def _check_strategy(
                 failures += 1
                 if limit is not None and failures > limit and stopped_at is None:
                     stopped_at = i
+                phase = stage.get(step_id, 0)
+                if stage_limited and 0 < phase < len(phase_stage):
+                    index = phase_stage[phase]
+                    failed_in_stage[index] += 1
+                    over = stage_failure_stop(opts.plan[index], failed_in_stage[index])
+                    if over is not None and stopped_at is None:
+                        stopped_at = i
         elif frm == STEP_INITIAL:
             if stopped_at is not None:
-                result.add(
-                    f"threshold: {who(step_id)} started after the failure threshold "
-                    f"({limit}) was exceeded"
+                which = (
+                    "a failure threshold" if stage_limited else f"the failure threshold ({limit})"
                 )
+                result.add(f"threshold: {who(step_id)} started after {which} was exceeded")
             own = stage.get(step_id, 0)
             earlier = sorted(s for s, n in open_in_stage.items() if s < own and n > 0)
             if earlier:
@@ -245,7 +260,7 @@ def _check_strategy(
                 )
 
     if (
-        limit is not None
+        (limit is not None or stage_limited)
         and stopped_at is None
         and strat.state != "aborted"
         and stopped_for_threshold is not None

@@ -42,7 +42,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
-from fleetwave.domain.errors import Conflict
+from fleetwave.domain.errors import Conflict, InputError
 from fleetwave.domain.models import (
     STEP_TERMINAL,
     STRATEGY_TERMINAL,
@@ -54,6 +54,7 @@ from fleetwave.domain.models import (
     unmanaged_reason,
 )
 from fleetwave.domain.registry import get_workflow
+from fleetwave.domain.rollout import RolloutSpec, parse_amount, parse_batches
 from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.clock import LoopClock
 from fleetwave.engine.conductor import Conductor
@@ -132,6 +133,9 @@ class SimConfig:
     #: False: no stop on failure and no failure threshold, so every target runs its
     #: course (for runs at scale); the seed's other draws stay the same
     failure_limits: bool = True
+    #: True: a random rollout plan too (stages, batches, canaries, stage limits, a wait
+    #: between stages), from a generator of its own: the seed's other draws stay the same
+    plans: bool = False
 
 
 @dataclass
@@ -653,7 +657,18 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
         max_failures=max_failures if cfg.failure_limits else None,
         stages_by_group=bool(groups) and rng.random() < 0.3,
     )
-    sid = admin.create_strategy(store, wf, opts, all_targets=True)
+    spec = None
+    if cfg.plans:
+        opts, spec = _random_plan(random.Random(cfg.seed * 7919 + 11), opts, groups, cfg)
+    try:
+        sid = admin.create_strategy(store, wf, opts, all_targets=True, spec=spec)
+    except InputError:
+        # a plan this fleet cannot take (more canaries than its first stage, a wait
+        # with one stage): the same without canaries and waits
+        assert spec is not None
+        opts = replace(opts, stage_wait_s=0.0)
+        spec = replace(spec, canary=None)
+        sid = admin.create_strategy(store, wf, opts, all_targets=True, spec=spec)
     admin.apply_strategy(store, sid)
 
     faults = _Faults(
@@ -860,8 +875,49 @@ async def _simulate(cfg: SimConfig, db_path: Path) -> SimResult:
             "stop_on_failure": opts.stop_on_failure,
             "max_failures": opts.max_failures,
             "groups": len(groups),
+            **(
+                {
+                    "stages": [s.name for s in created.plan],
+                    "batches": spec.batches and [b.text for b in spec.batches],
+                    "canary": spec.canary and spec.canary.text,
+                    "stage_wait_s": opts.stage_wait_s,
+                }
+                if spec is not None and (created := _options_of(store, sid)).plan
+                else {}
+            ),
         },
     )
+
+
+def _random_plan(
+    rng: random.Random, opts: StrategyOptions, groups: list[str], cfg: SimConfig
+) -> tuple[StrategyOptions, RolloutSpec]:
+    """A random rollout plan over the fleet's groups (``--stage``, ``--batches``,
+    ``--canary``, ``--stage-max-failures``, ``--stage-wait``)."""
+    stages: list[tuple[str, ...]] = []
+    if groups and not opts.stages_by_group and rng.random() < 0.5:
+        cut = rng.randint(1, len(groups))
+        named: list[tuple[str, ...]] = [(g,) for g in rng.sample(groups, cut)]
+        stages = [*named, ("rest",)]
+    spec = RolloutSpec(
+        stages=stages,
+        stages_by_group=opts.stages_by_group,
+        batches=parse_batches(rng.choice(["1,10%", "5", "25%"])) if rng.random() < 0.5 else [],
+        canary=parse_amount(rng.choice(["1", "3", "2%"]), "--canary", least=1)
+        if rng.random() < 0.3
+        else None,
+        stage_max_failures=parse_amount(rng.choice(["0", "3", "10%"]), "--stage-max-failures")
+        if cfg.failure_limits and rng.random() < 0.3
+        else None,
+    )
+    wait = rng.choice([0.0, 0.0, 30.0]) if stages or opts.stages_by_group else 0.0
+    return replace(opts, stage_wait_s=wait), spec
+
+
+def _options_of(store: Store, sid: int) -> StrategyOptions:
+    with store.read() as conn:
+        raw = conn.execute(select(strategies.c.options).where(strategies.c.id == sid))
+        return admin.options_from_json(raw.scalar_one())
 
 
 class Interrupt:
