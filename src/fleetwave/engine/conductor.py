@@ -314,12 +314,14 @@ class Conductor(
             if hasattr(driver, "callback_sink"):
                 driver.callback_sink = self._sink  # simulated agents call us back here
         try:
+            # Listening before the first claim: a commit after it wakes this conductor,
+            # one before it the claim finds (PostgreSQL; nothing on SQLite)
+            listener.start()
             await self._sync_lease_clock()
             await self._claim(register=True)
             if on_ready is not None:
                 on_ready()
             self._watch_leases()
-            listener.start()  # (PostgreSQL: woken by other processes' commits)
             periodic = asyncio.create_task(self._periodic(), name="fleetwave-periodic")
             periodic.add_done_callback(self._periodic_ended)
             try:
@@ -351,8 +353,6 @@ class Conductor(
                 held = [i for run in self.runs.values() for i in run.inflight]
                 await self._io(rt.release_conductor, self.store, self.id, self._NOW, held)
             self._writer.close()
-            if listener.available:
-                await asyncio.to_thread(listener.join)
         return self.finished
 
     async def _stop_workers(self) -> list[InFlight]:

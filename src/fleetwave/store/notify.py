@@ -28,6 +28,9 @@ log = logging.getLogger("fleetwave.engine")
 CHANNEL = "fleetwave"
 #: how long the listener waits for a notification before it looks whether to stop
 POLL_S = 0.5
+#: how long starting waits for the listener to listen (a server that does not answer:
+#: the conductor goes on without, and the listener keeps trying)
+START_WAIT_S = 2.0
 #: how long it waits before connecting again after losing its connection
 RECONNECT_S = 1.0
 
@@ -49,6 +52,7 @@ class Listener:
         self.store = store
         self.on_notify = on_notify
         self._stop = threading.Event()
+        self._listening = threading.Event()
         self._thread: threading.Thread | None = None
         #: how many notifications it has passed on (for tests and ``conductor list``)
         self.received = 0
@@ -58,13 +62,18 @@ class Listener:
         return self.store.hooks.name == "postgresql"
 
     def start(self) -> None:
+        """Start listening; returns once it listens (or after :data:`START_WAIT_S`): what
+        is committed after that wakes this process, what was before its first pass finds.
+        """
         if not self.available or self._thread is not None:
             return
         self._thread = threading.Thread(target=self._run, name="fleetwave-listen", daemon=True)
         self._thread.start()
+        self._listening.wait(START_WAIT_S)
 
     def stop(self) -> None:
-        """Ask the thread to end (it does within :data:`POLL_S`); :meth:`join` waits."""
+        """Ask the thread to end: it does within :data:`POLL_S`, closing its connection
+        (nobody waits for it: a conductor on a virtual clock cannot wait on a thread)."""
         self._stop.set()
 
     def join(self) -> None:
@@ -84,6 +93,7 @@ class Listener:
             try:
                 with psycopg.connect(url, autocommit=True, connect_timeout=10) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
+                    self._listening.set()
                     if said:
                         log.info("listening for wake-ups again")
                     said = False
