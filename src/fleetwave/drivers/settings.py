@@ -16,6 +16,7 @@ Every driver class names its per-target settings with a pydantic model
 
 from __future__ import annotations
 
+import json
 import types
 import typing
 from typing import Any
@@ -119,7 +120,7 @@ def checked_settings(driver: str, settings: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(str(k) for k in settings if k not in fields)
     if unknown:
         raise SettingsError(
-            f"{shown(unknown[0])}: unknown setting of the {driver} driver "
+            f"{unknown[0] if unknown[0].isidentifier() else shown(unknown[0])}: unknown setting of the {driver} driver "
             f"(known: {', '.join(fields) or 'none'})"
         )
     secret = secret_settings(driver)
@@ -156,9 +157,15 @@ def same_settings(driver: str, stored: dict[str, Any], given: dict[str, Any]) ->
     if stored.keys() != given.keys():
         return False
     secret = secret_settings(driver)
+    # as stored (JSON): 1 and true, 5 and 5.0 are other values
     return all(
-        same_secret(v, given[k]) if k in secret else v == given[k] for k, v in stored.items()
+        same_secret(v, given[k]) if k in secret else _json(v) == _json(given[k])
+        for k, v in stored.items()
     )
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
 
 
 def _wants_text(info: FieldInfo) -> bool:

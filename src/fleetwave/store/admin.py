@@ -381,13 +381,16 @@ def _clashes(
         if there is None:
             continue
         settings = json.dumps(t.settings, sort_keys=True)
-        if settings != there[2] and t.driver == there[1]:
+        if settings != there[2]:
             kept = json.loads(there[2])
-            if same_settings(t.driver, kept, t.settings):
+            if t.driver == there[1] and same_settings(t.driver, kept, t.settings):
                 settings = there[2]  # a secret sealed anew: the same secret
-            else:  # said as shown: secrets masked
-                there = (there[0], there[1], _masked(t.driver, kept), there[3])
+            else:  # said as shown (secrets masked), told apart even when they read alike
+                shown_there = _masked(there[1], kept)
                 settings = _masked(t.driver, t.settings)
+                if settings == shown_there:
+                    settings += " (a secret differs)"
+                there = (there[0], there[1], shown_there, there[3])
         given = (
             t.group,
             t.driver,
