@@ -62,7 +62,7 @@ def test_a_clear_secret_is_stored_sealed_and_never_printed(
         "before": {"url": URL, "token": "***"},
         "after": {"url": URL, "token": "***"},
     }
-    assert "other2".encode() not in db_path.read_bytes()
+    assert b"other2" not in db_path.read_bytes()
 
 
 def test_without_a_key_a_clear_secret_is_refused_without_its_value(

@@ -119,9 +119,9 @@ def checked_settings(driver: str, settings: dict[str, Any]) -> dict[str, Any]:
     fields = model.model_fields
     unknown = sorted(str(k) for k in settings if k not in fields)
     if unknown:
+        key = unknown[0] if unknown[0].isidentifier() else shown(unknown[0])
         raise SettingsError(
-            f"{unknown[0] if unknown[0].isidentifier() else shown(unknown[0])}: unknown setting of the {driver} driver "
-            f"(known: {', '.join(fields) or 'none'})"
+            f"{key}: unknown setting of the {driver} driver (known: {', '.join(fields) or 'none'})"
         )
     secret = secret_settings(driver)
     given: dict[str, Any] = {}
