@@ -136,10 +136,23 @@ def _why(exc: httpx.HTTPError, url: str, timeout_s: float) -> str:
     if isinstance(exc, httpx.TimeoutException):
         return f"http: no answer within {timeout_s:g}s at {url}"
     if isinstance(exc, httpx.ConnectError):
-        if "refused" in text.lower():
+        if "refused" in text.lower() or _caused_by(exc, ConnectionRefusedError):
             return f"http: connection refused at {url}"
         return f"http: cannot connect to {url}: {text}"
     return f"http: {type(exc).__name__} at {url}: {text}"
+
+
+def _caused_by(exc: BaseException, kind: type[BaseException]) -> bool:
+    """Whether ``kind`` is in the exception's chain (anyio wraps the OS's error in its
+    "all connection attempts failed")."""
+    seen: BaseException | None = exc
+    for _ in range(10):
+        if seen is None:
+            return False
+        if isinstance(seen, kind):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _error_text(resp: httpx.Response) -> str:
