@@ -73,10 +73,10 @@ LATENCY_MS = 20
 POLL_S = 2.0
 #: each sim operation of the comparison run (its CPU per transition hardly depends on it)
 SIM_LATENCY_MS = 200
-#: a site's answers at the least, in order: pre-check 1 (release), updating-patches 2
-#: (release, upload), creating 4 (strategy, release, create, built), applying 3
-#: (strategy, apply, applied), finishing 3 (release, strategy, delete)
-MIN_REQUESTS = 13
+#: a site's answers at the least, in order: pre-check 1 (the release), updating-patches
+#: 1 (the upload), creating 2 (the create, the build's end), applying 3 (the strategy,
+#: the apply, its end), finishing 2 (the release, the delete)
+MIN_REQUESTS = 9
 MAX_RATIO = 1.2
 
 

@@ -279,7 +279,7 @@ class HttpDriver:
             return await self._license(site)
         assert op.strategy is not None
         if op.kind == "create":
-            return await self._create(site, op)
+            return await self._create(site, op, ctx.recovering)
         if op.kind == "apply":
             return await self._apply(site, op.strategy)
         return await self._finish(site, op.strategy)
@@ -391,18 +391,21 @@ class HttpDriver:
         return RemoteResult.DONE
 
     async def _upload(self, site: _Site, op: Operation) -> RemoteResult:
-        state = await site.release_state()
-        if state == "deployed" and op.skip_when_deployed:
+        """Upload the release (the site keeps one it has: ``uploaded: false``), and say
+        how the site has it: deployed already is "already done" where that skips."""
+        release = await self._upload_release(site, op.release_kind)
+        if release.get("state") == "deployed" and op.skip_when_deployed:
             return RemoteResult.ALREADY_DONE
-        if state is not None:
-            return RemoteResult.DONE  # the site has it
-        await self._upload_release(site, op.release_kind)
         return RemoteResult.DONE
 
-    async def _upload_release(self, site: _Site, kind: ReleaseKind) -> None:
+    async def _upload_release(self, site: _Site, kind: ReleaseKind) -> dict[str, Any]:
+        """The release as the site has it after the upload."""
         path = "/software/releases"
         resp = await site.request("POST", path, {"release_id": site.cfg.release, "kind": kind})
-        site.answer(resp, "POST", path)
+        release = site.answer(resp, "POST", path).get("release")
+        if not isinstance(release, dict):
+            raise StepFailed(f"http: POST {site.base + path}: no release in the answer")
+        return release
 
     async def _license(self, site: _Site) -> RemoteResult:
         if site.cfg.license is None:
@@ -421,32 +424,34 @@ class HttpDriver:
         site.answer(resp, "POST", "/license")
         return RemoteResult.DONE
 
-    async def _create(self, site: _Site, op: Operation) -> RemoteResult:
-        """Create the strategy and wait for its build; attach to one the site has."""
+    async def _create(self, site: _Site, op: Operation, recovering: bool) -> RemoteResult:
+        """Create the strategy and wait for its build. The site refuses a second one
+        (409) and says which it has: attached to, or deleted and created afresh; a
+        release the site lacks (422) is uploaded first. After a takeover (a recover
+        hook: ``recovering``) the strategy is read first: no create is sent to a site
+        that has one of ours."""
         kind = op.strategy
         assert kind is not None
         path = f"/orchestration/{kind}/strategy"
-        for _ in range(3):  # a strategy deleted here is created afresh on the next turn
-            existing = await site.strategy(kind)
-            if existing is None:
-                if await site.release_state() is None:
-                    await self._upload_release(site, op.release_kind)
-                resp = await site.request("POST", path, {"release": site.cfg.release})
-                if resp.status_code == 409:
-                    body = (
-                        resp.json()
-                        if resp.headers.get("content-type", "").startswith("application/json")
-                        else {}
-                    )
-                    existing = body.get("strategy") if isinstance(body, dict) else None
-                    if not isinstance(existing, dict):
-                        raise StepFailed(f"http: POST {site.base + path}: 409: {_error_text(resp)}")
-                else:
-                    site.answer(resp, "POST", path)
-                    return await self._wait_built(site, kind)
-            if await self._recreate(site, kind, existing):
+        if recovering:
+            found = await site.strategy(kind)
+            if found is not None and not await self._recreate(site, kind, found):
+                return await self._wait_built(site, kind, found)
+        uploaded = False
+        for _ in range(4):  # a strategy deleted, a release uploaded: then created
+            resp = await site.request("POST", path, {"release": site.cfg.release})
+            body = _json_or_none(resp)
+            if resp.status_code == 422 and _field(body) == "release" and not uploaded:
+                await self._upload_release(site, op.release_kind)
+                uploaded = True
                 continue
-            return await self._wait_built(site, kind)
+            if resp.status_code == 409 and isinstance(_get(body, "strategy"), dict):
+                existing: dict[str, Any] = _get(body, "strategy")
+                if await self._recreate(site, kind, existing):
+                    continue
+                return await self._wait_built(site, kind, existing)
+            site.answer(resp, "POST", path)
+            return await self._wait_built(site, kind, None)
         raise StepFailed(f"http: {site.name}: the {kind} strategy keeps changing under us")
 
     async def _recreate(self, site: _Site, kind: StrategyType, existing: dict[str, Any]) -> bool:
@@ -474,15 +479,20 @@ class HttpDriver:
             site.answer(resp, "DELETE", gone)
         return True
 
-    async def _wait_built(self, site: _Site, kind: StrategyType) -> RemoteResult:
+    async def _wait_built(
+        self, site: _Site, kind: StrategyType, strategy: dict[str, Any] | None
+    ) -> RemoteResult:
+        """Until the build ends (``strategy``: as last read; None: just created, building)."""
         while True:
-            strategy = await site.strategy(kind)
-            if strategy is None:
-                raise StepFailed(f"http: {site.name}: the {kind} strategy vanished while building")
-            state = strategy.get("state")
-            if state == "building":
+            if strategy is None or strategy.get("state") == "building":
                 await asyncio.sleep(site.cfg.build_poll_s)
+                strategy = await site.strategy(kind)
+                if strategy is None:
+                    raise StepFailed(
+                        f"http: {site.name}: the {kind} strategy vanished while building"
+                    )
                 continue
+            state = strategy.get("state")
             if state in ("ready-to-apply", "applying", "applied"):
                 return RemoteResult.DONE
             raise StepFailed(_failed(site, kind, strategy))
@@ -522,10 +532,11 @@ class HttpDriver:
             state = strategy.get("state")
             if state == "ready-to-apply" and not applied_by_us:
                 resp = await site.request("POST", path + "/actions", {"action": "apply"})
-                if resp.status_code != 409:  # 409: it moved meanwhile; read it again
-                    site.answer(resp, "POST", path + "/actions")
-                    applied_by_us = True
-                continue
+                if resp.status_code == 409:  # it moved meanwhile: read it again
+                    continue
+                site.answer(resp, "POST", path + "/actions")
+                applied_by_us = True
+                state = "applying"  # (it was just now)
             if state == "applied":
                 return RemoteResult.DONE
             if state in ("applying", "building", "ready-to-apply"):
@@ -541,18 +552,33 @@ class HttpDriver:
                 f"http: {site.name}: release {site.cfg.release} is {state or 'not on the site'}, "
                 "not deployed, after the apply"
             )
-        strategy = await site.strategy(kind)
-        if strategy is None:
-            return RemoteResult.DONE
-        if strategy.get("state") in RUNNING:
-            raise StepFailed(
-                f"http: {site.name}: the {kind} strategy is {strategy.get('state')}, not finished"
-            )
         path = f"/orchestration/{kind}/strategy"
         resp = await site.request("DELETE", path)
-        if resp.status_code != 404:
+        if resp.status_code == 409:  # running: not finished (the site says which state)
+            strategy = _get(_json_or_none(resp), "strategy")
+            raise StepFailed(
+                f"http: {site.name}: the {kind} strategy is "
+                f"{_get(strategy, 'state') or 'busy'}, not finished"
+            )
+        if resp.status_code != 404:  # (404: none left)
             site.answer(resp, "DELETE", path)
         return RemoteResult.DONE
+
+
+def _json_or_none(resp: httpx.Response) -> Any:
+    try:
+        return resp.json()
+    except ValueError:
+        return None
+
+
+def _get(body: Any, key: str) -> Any:
+    return body.get(key) if isinstance(body, dict) else None
+
+
+def _field(body: Any) -> str:
+    """The field a refusal names (``release`` for a release the site lacks)."""
+    return str(_get(body, "field") or "")
 
 
 def _failed(site: _Site, kind: str, strategy: dict[str, Any]) -> str:
