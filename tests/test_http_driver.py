@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from cli_harness import Cli
+from fleetwave.drivers.http import _Progress
 from test_cli_strategy import apply_wait, steps
 from test_site_emulator import Emulator
 
@@ -292,3 +293,18 @@ def test_a_conductor_killed_mid_apply_the_next_one_observes_the_sites(
         assert left["conductor"] != entered["conductor"] and left["fence"] > entered["fence"]
     check = cli("check")
     assert check.code == 0 and "ok:" in check.text, check.text
+
+
+def test_a_poll_comes_sooner_when_the_sites_progress_says_the_phase_ends_sooner() -> None:
+    look = _Progress(poll_s=2.0)
+    applying = {"state": "applying"}
+    assert look.next_look_s({**applying, "progress_percent": 10}, now=100.0) == 2.0
+    # 10 -> 40 % in 2 s: 60 % left is 4 s, more than a poll
+    assert look.next_look_s({**applying, "progress_percent": 40}, now=102.0) == 2.0
+    # 10 -> 85 % in 5 s: 15 % left is 1 s
+    assert look.next_look_s({**applying, "progress_percent": 85}, now=105.0) == pytest.approx(1.0)
+    # 99 %: never sooner than a tenth of the poll
+    assert look.next_look_s({**applying, "progress_percent": 99}, now=106.0) == 0.2
+    # another phase (or no progress said) starts afresh at the poll interval
+    assert look.next_look_s({"state": "aborting", "progress_percent": 50}, now=107.0) == 2.0
+    assert look.next_look_s({"state": "aborting", "progress_percent": None}, now=108.0) == 2.0

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import ssl
 import zlib
 from dataclasses import dataclass
@@ -98,7 +99,38 @@ class HttpSettings(BaseModel):
 
 
 class Unreachable(TransientError):
-    """No answer from the site (refused, timed out, 503): worth another try."""
+    """No answer from the site (refused, timed out, 503): worth another try;
+    ``retry_after_s`` is when the site said to (a 503's ``Retry-After``), if it did."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class _Progress:
+    """When to look at a running phase again: every ``poll_s``, or sooner when the
+    progress the site reports says the phase ends before then (the end is not seen
+    up to a whole poll late). Never later than ``poll_s``, nor sooner than a tenth of it."""
+
+    def __init__(self, poll_s: float) -> None:
+        self.poll_s = poll_s
+        #: (when, percent) of the first report of the phase now running, and its state
+        self.first: tuple[float, float] | None = None
+        self.state: object = None
+
+    def next_look_s(self, strategy: dict[str, Any], now: float) -> float:
+        state, percent = strategy.get("state"), strategy.get("progress_percent")
+        if state != self.state or not isinstance(percent, int | float):
+            self.state, self.first = state, None
+        if not isinstance(percent, int | float):
+            return self.poll_s
+        if self.first is None or percent <= self.first[1]:
+            if self.first is None:
+                self.first = (now, float(percent))
+            return self.poll_s
+        began, at = self.first
+        left_s = (100.0 - percent) * (now - began) / (percent - at)
+        return min(self.poll_s, max(self.poll_s / 10, left_s))
 
 
 @dataclass(frozen=True)
@@ -207,7 +239,9 @@ class _Site:
             else:
                 if resp.status_code != 503:
                     return resp
-                error = Unreachable(f"http: {url} unreachable (503: {_error_text(resp)})")
+                error = Unreachable(
+                    f"http: {url} unreachable (503: {_error_text(resp)})", _retry_after_s(resp)
+                )
             if attempt >= retries:
                 raise error
             attempt += 1
@@ -483,9 +517,12 @@ class HttpDriver:
         self, site: _Site, kind: StrategyType, strategy: dict[str, Any] | None
     ) -> RemoteResult:
         """Until the build ends (``strategy``: as last read; None: just created, building)."""
+        loop = asyncio.get_running_loop()
+        progress = _Progress(site.cfg.build_poll_s)
         while True:
             if strategy is None or strategy.get("state") == "building":
-                await asyncio.sleep(site.cfg.build_poll_s)
+                seen = strategy or {"state": "building"}
+                await asyncio.sleep(progress.next_look_s(seen, loop.time()))
                 strategy = await site.strategy(kind)
                 if strategy is None:
                     raise StepFailed(
@@ -505,6 +542,7 @@ class HttpDriver:
         allowance = site.cfg.unreachable_allowance_s
         down_since: float | None = None
         applied_by_us = False
+        progress = _Progress(site.cfg.apply_poll_s)
         while True:
             try:
                 strategy = await site.strategy(kind)
@@ -517,7 +555,9 @@ class HttpDriver:
                         f"apply, over its allowance of {allowance:g}s "
                         f"(unreachable_allowance_s): {exc}"
                     ) from None
-                await asyncio.sleep(min(site.cfg.apply_poll_s, max(0.0, allowance / 4) or 0.05))
+                # as the site said (its Retry-After), within the poll and the allowance
+                wait = min(site.cfg.apply_poll_s, exc.retry_after_s or math.inf, allowance / 4)
+                await asyncio.sleep(max(0.05, wait))
                 continue
             down_since = None
             if strategy is None:
@@ -540,7 +580,7 @@ class HttpDriver:
             if state == "applied":
                 return RemoteResult.DONE
             if state in ("applying", "building", "ready-to-apply"):
-                await asyncio.sleep(site.cfg.apply_poll_s)
+                await asyncio.sleep(progress.next_look_s(strategy, loop.time()))
                 continue
             raise StepFailed(_failed(site, kind, strategy))
 
@@ -563,6 +603,15 @@ class HttpDriver:
         if resp.status_code != 404:  # (404: none left)
             site.answer(resp, "DELETE", path)
         return RemoteResult.DONE
+
+
+def _retry_after_s(resp: httpx.Response) -> float | None:
+    """When a 503 says to try again: its body's ``retry_after_s``, or ``Retry-After``."""
+    said = _get(_json_or_none(resp), "retry_after_s")
+    if isinstance(said, int | float) and not isinstance(said, bool) and 0 <= said < 86_400:
+        return float(said)
+    header = resp.headers.get("retry-after", "")
+    return float(header) if header.isdigit() else None
 
 
 def _json_or_none(resp: httpx.Response) -> Any:
