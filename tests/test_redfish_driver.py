@@ -1,0 +1,170 @@
+"""The redfish driver through sushy against sushy-tools' Redfish emulator (``sushy-emulator
+--fake``, a real process on a loopback port, with basic auth): the clean workflow's BMC
+states run as a YAML workflow of ``driver: redfish`` targets; a BMC that refuses the
+credentials and one that refuses connections fail the step with the reason, the
+password never in it.
+
+The fake BMC applies a power action 1 to 11 s after it is asked (sushy-tools' own
+pacing), so a node's four states take up to about half a minute.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import bcrypt
+import httpx
+import pytest
+
+from cli_harness import Cli
+from test_cli_strategy import steps
+
+NODES = ["node-1", "node-2"]
+PASSWORD = "bmc-pass-0451"
+CLEAN_BMC = """\
+name: clean-bmc
+states:
+  - {name: power-off, timeout_s: 60}
+  - {name: set-boot-network, timeout_s: 60}
+  - {name: power-on, timeout_s: 60}
+  - {name: final-power-off, timeout_s: 60}
+"""
+
+
+def _uuid(index: int) -> str:
+    return f"0000000{index}-0000-0000-0000-000000000000"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Bmc:
+    """A running ``sushy-emulator --fake`` serving one fake system per node."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        auth = tmp / "htpasswd"
+        auth.write_text(f"admin:{bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt()).decode()}\n")
+        systems = [
+            {"uuid": _uuid(i), "name": name, "power_state": "On"} for i, name in enumerate(NODES, 1)
+        ]
+        config = tmp / "emulator.conf"
+        config.write_text(
+            f"SUSHY_EMULATOR_FAKE_SYSTEMS = {systems!r}\n"
+            f"SUSHY_EMULATOR_AUTH_FILE = {str(auth)!r}\n"
+            f"SUSHY_EMULATOR_STATE_DIR = {str(tmp / 'state')!r}\n"
+        )
+        exe = Path(sys.executable).parent / "sushy-emulator"
+        self.log = tmp / "emulator.log"
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(
+                [
+                    str(exe if exe.exists() else shutil.which("sushy-emulator")),
+                    *("--config", str(config), "-i", "127.0.0.1", "-p", str(self.port), "--fake"),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        self.http = httpx.Client(base_url=self.url, auth=("admin", PASSWORD), timeout=10)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if self.http.get("/redfish/v1/").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"sushy-emulator did not start: {self.log.read_text()}")
+            time.sleep(0.1)
+
+    def system(self, index: int) -> dict[str, object]:
+        r = self.http.get(f"/redfish/v1/Systems/{_uuid(index)}")
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    def stop(self) -> None:
+        self.http.close()
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def bmc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bmc]:
+    emu = Bmc(tmp_path_factory.mktemp("bmc"))
+    try:
+        yield emu
+    finally:
+        emu.stop()
+
+
+def _add_node(cli: Cli, name: str, address: str, index: int, *extra: str) -> None:
+    res = cli(
+        "target", "add", name, "--driver", "redfish",
+        "--set", f"redfish_address={address}",
+        "--set", f"redfish_system_id=/redfish/v1/Systems/{_uuid(index)}",
+        "--set", "redfish_username=admin",
+        "--set", "redfish_password=env:BMC_PASSWORD",
+        "--set", "power_poll_s=0.5", *extra,
+    )  # fmt: skip
+    assert res.code == 0, res.text
+
+
+@pytest.fixture
+def clean_bmc(cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    wf = tmp_path / "clean-bmc.yaml"
+    wf.write_text(CLEAN_BMC)
+    assert cli("workflow", "add", str(wf)).code == 0
+    monkeypatch.setenv("BMC_PASSWORD", PASSWORD)
+
+
+def test_the_clean_workflows_bmc_states_run_through_sushy(
+    cli: Cli, bmc: Bmc, clean_bmc: None
+) -> None:
+    for i, name in enumerate(NODES, 1):
+        _add_node(cli, name, bmc.url, i)
+    res = cli("strategy", "create", "--workflow", "clean-bmc", "--all", "--format", "json")
+    sid = int(res.json()["id"])
+    run = cli("strategy", "apply", str(sid), "--wait")
+    assert run.code == 0, steps(cli, sid)
+    for i in range(1, len(NODES) + 1):  # what the BMC says now
+        system = bmc.system(i)
+        assert system["PowerState"] == "Off"
+        assert system["Boot"]["BootSourceOverrideTarget"] == "Pxe"  # type: ignore[index]
+        # (sushy-tools keeps the device, and reports any override as continuous)
+        assert system["Boot"]["BootSourceOverrideEnabled"] in ("Once", "Continuous")  # type: ignore[index]
+    check = cli("check")
+    assert check.code == 0 and "ok:" in check.text, check.text
+
+
+def test_a_bmc_refusing_the_credentials_or_the_connection_fails_with_the_reason(
+    cli: Cli, bmc: Bmc, clean_bmc: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BMC_PASSWORD", "wrong-password-9")
+    _add_node(cli, "node-1", bmc.url, 1)
+    closed = f"http://127.0.0.1:{_free_port()}"
+    _add_node(cli, "node-2", closed, 2, "--set", "redfish_timeout_s=2")
+    res = cli("strategy", "create", "--workflow", "clean-bmc", "--all", "--format", "json")
+    sid = int(res.json()["id"])
+    started = time.monotonic()
+    assert cli("strategy", "apply", str(sid), "--wait").code == 1
+    assert time.monotonic() - started < 30
+    by_node = steps(cli, sid)
+    assert by_node["node-1"]["details"] == (
+        f"power-off: redfish: {bmc.url} refused access (check redfish_username and "
+        "redfish_password)"
+    )
+    assert by_node["node-2"]["details"] == (
+        f"power-off: redfish: connection refused at {closed} (attempt 1 of 1)"
+    )
+    everything = cli("step", "list", "--strategy", str(sid), "--format", "json").text
+    assert "wrong-password-9" not in everything and PASSWORD not in everything
