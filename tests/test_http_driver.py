@@ -251,14 +251,13 @@ def _fleetwave(*args: str, env: dict[str, str], **kw: Any) -> subprocess.Popen[s
 def test_a_conductor_killed_mid_apply_the_next_one_observes_the_sites(
     cli: Cli, emulator: Emulator, db_path: Path, tmp_path: Path
 ) -> None:
-    # The next conductor takes over once the lease (15 s, the shortest) has run out: by
-    # then site-0021's apply (1 s) has ended; site-0022's (20 s, the hosts rebooting at
-    # 18 s) is still running; site-0023's strategy was building (for 20 s) when the
-    # conductor died, and is still
+    # The next conductor takes over at once (a dead process on this host is seen dead):
+    # site-0021's apply (1 s) and site-0022's (3 s, the hosts rebooting from 1.5 s) are
+    # still running, site-0023's strategy still building (3 s)
     sites = ["site-0021", "site-0022", "site-0023"]
     admin(emulator, "site-0021", {"settings": {"apply_s": 100}})
-    admin(emulator, "site-0022", {"settings": {"apply_s": 2000, "reboot_at": 0.9}})
-    admin(emulator, "site-0023", {"settings": {"build_s": 2000}})
+    admin(emulator, "site-0022", {"settings": {"apply_s": 300, "reboot_s": 50}})
+    admin(emulator, "site-0023", {"settings": {"build_s": 300}})
     import_sites(cli, emulator, tmp_path, {s: {} for s in sites})
     res = cli("strategy", "create", "--workflow", "patch", "--all", "--format", "json")
     sid = str(res.json()["id"])

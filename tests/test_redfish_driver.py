@@ -2,7 +2,8 @@
 --fake``, a real process on a loopback port, with basic auth): the clean workflow's BMC
 states run as a YAML workflow of ``driver: redfish`` targets; a BMC that refuses the
 credentials and one that refuses connections fail the step with the reason, the
-password never in it.
+password never in it; a conductor killed while a node powers off, and the next one's
+recover hook reading the BMC instead of powering it off again.
 
 The fake BMC applies a power action 1 to 11 s after it is asked (sushy-tools' own
 pacing), so a node's four states take up to about half a minute.
@@ -10,7 +11,9 @@ pacing), so a node's four states take up to about half a minute.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -56,7 +59,8 @@ class Bmc:
         auth = tmp / "htpasswd"
         auth.write_text(f"admin:{bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt()).decode()}\n")
         systems = [
-            {"uuid": _uuid(i), "name": name, "power_state": "On"} for i, name in enumerate(NODES, 1)
+            {"uuid": _uuid(i), "name": name, "power_state": "On"}
+            for i, name in enumerate([*NODES, "node-3"], 1)
         ]
         config = tmp / "emulator.conf"
         config.write_text(
@@ -168,3 +172,37 @@ def test_a_bmc_refusing_the_credentials_or_the_connection_fails_with_the_reason(
     )
     everything = cli("step", "list", "--strategy", str(sid), "--format", "json").text
     assert "wrong-password-9" not in everything and PASSWORD not in everything
+
+
+def test_a_conductor_killed_mid_power_off_the_next_one_reads_the_bmc(
+    cli: Cli, bmc: Bmc, clean_bmc: None, db_path: Path
+) -> None:
+    _add_node(cli, "node-3", bmc.url, 3)
+    res = cli("strategy", "create", "--workflow", "clean-bmc", "--all", "--format", "json")
+    sid = str(res.json()["id"])
+    env = {**os.environ, "FLEETWAVE_DB": str(db_path)}
+    exe = str(Path(sys.executable).parent / "fleetwave")
+    apply = [exe, "strategy", "apply", sid, "--wait", "--lease-ttl", "15"]
+    reset = f"/redfish/v1/Systems/{_uuid(3)}/Actions/ComputerSystem.Reset"
+    resets_before = bmc.log.read_text().count(reset)
+    first = subprocess.Popen(apply, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:  # until the power-off was asked of the BMC (its log says so)
+        deadline = time.monotonic() + 30
+        while bmc.log.read_text().count(reset) == resets_before:
+            assert time.monotonic() < deadline and first.poll() is None, first.communicate()
+            time.sleep(0.05)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.communicate(timeout=10)
+    assert steps(cli, int(sid))["node-3"]["state"] == "power-off"
+    second = subprocess.run(apply, env=env, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stdout + second.stderr
+    # power off, then on, then off: three resets, the first never sent again (the
+    # next conductor took over at once: this host's dead conductor was seen dead; the
+    # BMC had not yet applied the power-off, and it watched it land)
+    assert bmc.log.read_text().count(reset) - resets_before == 3
+    history = cli("history", "--strategy", sid, "--format", "json").json()
+    entered = next(t for t in history if t["to"] == "power-off")
+    left = next(t for t in history if t["from"] == "power-off")
+    assert left["conductor"] != entered["conductor"]
+    assert bmc.system(3)["PowerState"] == "Off"

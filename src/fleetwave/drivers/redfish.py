@@ -16,9 +16,9 @@ as the built-in ``clean`` workflow's states, so a YAML workflow of those states 
 sushy is synchronous: each call runs in a worker thread, bounded by the BMC's
 ``redfish_timeout_s``. A BMC that cannot be reached or refuses fails the operation
 with the reason (``redfish: connection refused at https://...``), the password never
-in it. ``observe`` reads the power state or boot override, changing nothing (a power
-action the recover hook then sends again is harmless: the node is only brought to the
-state the step wants).
+in it. ``observe`` reads the power state or boot override, changing nothing; after a
+takeover a node not yet in the wanted power state is watched for a while (the lost
+conductor may have asked already) before the action is asked for again.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ from fleetwave.drivers.secrets import SecretError, reveal
 from fleetwave.drivers.settings import SettingsError, parsed_settings
 
 Kind = Literal["power", "boot", "none"]
+#: after a takeover, how long a power state may take to land (the lost conductor may
+#: have asked for it) before the power action is asked for again
+RECOVER_GRACE_S = 30.0
 
 
 class RedfishSettings(BaseModel):
@@ -157,19 +160,30 @@ class RedfishDriver:
             return RemoteResult.DONE
         if await self._call(bmc, bmc.power_state) == op.power:
             return RemoteResult.ALREADY_DONE
+        if ctx.recovering:
+            # The conductor that was lost may have asked already, and a BMC says nothing
+            # of a power action under way: give it time to land before asking again.
+            grace_s = min(bmc.cfg.power_timeout_s, RECOVER_GRACE_S)
+            if await self._wait_power(bmc, op.power, grace_s) == op.power:
+                return RemoteResult.DONE
         await self._call(bmc, lambda: bmc.reset(op.power))
+        state = await self._wait_power(bmc, op.power, bmc.cfg.power_timeout_s)
+        if state == op.power:
+            return RemoteResult.DONE
+        raise StepFailed(
+            f"redfish: {bmc.name}: still {state} {bmc.cfg.power_timeout_s:g}s after "
+            f"powering {op.power} (power_timeout_s)"
+        )
+
+    async def _wait_power(self, bmc: _Bmc, power: str, for_s: float) -> str:
+        """Until the BMC reports ``power``, for ``for_s`` at most: the state last read."""
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + bmc.cfg.power_timeout_s
+        give_up = loop.time() + for_s
         while True:
             await asyncio.sleep(bmc.cfg.power_poll_s)
-            state = await self._call(bmc, bmc.power_state)
-            if state == op.power:
-                return RemoteResult.DONE
-            if loop.time() >= give_up:
-                raise StepFailed(
-                    f"redfish: {bmc.name}: still {state} {bmc.cfg.power_timeout_s:g}s after "
-                    f"powering {op.power} (power_timeout_s)"
-                )
+            state: str = await self._call(bmc, bmc.power_state)
+            if state == power or loop.time() >= give_up:
+                return state
 
     async def observe(self, target: Target, operation: str, ctx: ActionContext) -> RemoteResult:
         op, bmc = self._begin(target, operation)
