@@ -3,7 +3,9 @@
 states run as a YAML workflow of ``driver: redfish`` targets; a BMC that refuses the
 credentials and one that refuses connections fail the step with the reason, the
 password never in it; a conductor killed while a node powers off, and the next one's
-recover hook reading the BMC instead of powering it off again.
+recover hook reading the BMC instead of powering it off again; and the built-in
+``clean`` workflow end to end, with a simulated agent that comes up once its node is
+powered on to boot from the network and reports through ``fleetwave step callback``.
 
 The fake BMC applies a power action 1 to 11 s after it is asked (sushy-tools' own
 pacing), so a node's four states take up to about half a minute.
@@ -60,7 +62,7 @@ class Bmc:
         auth.write_text(f"admin:{bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt()).decode()}\n")
         systems = [
             {"uuid": _uuid(i), "name": name, "power_state": "On"}
-            for i, name in enumerate([*NODES, "node-3"], 1)
+            for i, name in enumerate([*NODES, "node-3", "node-4", "node-5"], 1)
         ]
         config = tmp / "emulator.conf"
         config.write_text(
@@ -206,3 +208,59 @@ def test_a_conductor_killed_mid_power_off_the_next_one_reads_the_bmc(
     left = next(t for t in history if t["from"] == "power-off")
     assert left["conductor"] != entered["conductor"]
     assert bmc.system(3)["PowerState"] == "Off"
+
+
+def test_the_clean_workflow_end_to_end_with_an_agent_that_boots_from_the_network(
+    cli: Cli, bmc: Bmc, db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BMC_PASSWORD", PASSWORD)
+    nodes = {"node-4": 4, "node-5": 5}
+    for name, index in nodes.items():
+        _add_node(cli, name, bmc.url, index)
+    res = cli("strategy", "create", "--workflow", "clean", "--all", "--format", "json")
+    sid = str(res.json()["id"])
+    env = {**os.environ, "FLEETWAVE_DB": str(db_path)}
+    exe = str(Path(sys.executable).parent / "fleetwave")
+    run = subprocess.Popen(
+        [exe, "strategy", "apply", sid, "--wait"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    reported: set[tuple[str, str]] = set()
+    deadline = time.monotonic() + 120
+    try:
+        # The agents: a node powered on to boot from the network comes up and says so;
+        # then it runs its clean steps and reports them done.
+        while run.poll() is None:
+            assert time.monotonic() < deadline, "the clean rollout did not end"
+            for name, step in steps(cli, int(sid)).items():
+                state = step["state"]
+                if state not in ("wait-for-agent", "clean-steps") or (name, state) in reported:
+                    continue
+                system = bmc.system(nodes[name])
+                booted = system["PowerState"] == "On" and (
+                    system["Boot"]["BootSourceOverrideTarget"] == "Pxe"  # type: ignore[index]
+                )
+                if state == "wait-for-agent" and not booted:
+                    continue
+                said = (
+                    "agent up, booted from the network"
+                    if state == "wait-for-agent"
+                    else ("clean steps done: erase_devices_metadata")
+                )
+                answer = cli("step", "callback", str(step["step"]), state, "--details", said)
+                assert answer.code == 0, answer.text
+                reported.add((name, state))
+            time.sleep(0.2)
+    finally:
+        if run.poll() is None:
+            run.kill()
+        out = run.communicate()[0].decode()
+    assert run.returncode == 0, out
+    assert reported == {(n, s) for n in nodes for s in ("wait-for-agent", "clean-steps")}
+    for name, index in nodes.items():
+        assert bmc.system(index)["PowerState"] == "Off", name
+        assert steps(cli, int(sid))[name]["state"] == "complete"
+    check = cli("check")
+    assert check.code == 0 and "ok:" in check.text, check.text
