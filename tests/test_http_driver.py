@@ -18,8 +18,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -186,7 +188,20 @@ states:
 """
 
 
-def test_a_site_that_refuses_or_never_answers_fails_within_its_timeout(
+class _Garbled(BaseHTTPRequestHandler):
+    """A site answering text where its API answers JSON."""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "5")
+        self.end_headers()
+        self.wfile.write(b"hello")
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet
+        pass
+
+
+def test_a_site_that_refuses_never_answers_or_garbles_fails_within_its_timeout(
     cli: Cli, tmp_path: Path
 ) -> None:
     closed = socket.socket()
@@ -197,6 +212,9 @@ def test_a_site_that_refuses_or_never_answers_fails_within_its_timeout(
     silent.bind(("127.0.0.1", 0))
     silent.listen(10)  # connects, never answers
     silent_port = silent.getsockname()[1]
+    garbled = ThreadingHTTPServer(("127.0.0.1", 0), _Garbled)
+    garbled_port = garbled.server_address[1]
+    threading.Thread(target=garbled.serve_forever, daemon=True).start()
     try:
         wf = tmp_path / "wf.yaml"
         wf.write_text(PRE_CHECK_ONLY)
@@ -204,6 +222,7 @@ def test_a_site_that_refuses_or_never_answers_fails_within_its_timeout(
         for name, port, extra in (
             ("refusing", refused_port, []),
             ("silent", silent_port, ["--set", "timeout_s=0.3", "--set", "read_retries=1"]),
+            ("garbled", garbled_port, []),
         ):
             url = f"http://127.0.0.1:{port}/sites/{name}"
             res = cli("target", "add", name, "--driver", "http", "--set", f"url={url}", *extra)
@@ -221,8 +240,14 @@ def test_a_site_that_refuses_or_never_answers_fails_within_its_timeout(
             f"pre-check: http: no answer within 0.3s at http://127.0.0.1:{silent_port}"
             f"/sites/silent/software/releases/{RELEASE} (attempt 1 of 1)"
         )
+        assert by_site["garbled"]["details"] == (
+            f"pre-check: http: GET http://127.0.0.1:{garbled_port}/sites/garbled/software"
+            f"/releases/{RELEASE}: not a JSON object: 'hello'"
+        )
     finally:
         silent.close()
+        garbled.shutdown()
+        garbled.server_close()
 
 
 def wait_state(emulator: Emulator, site: str, state: str) -> None:
