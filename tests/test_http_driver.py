@@ -2,7 +2,8 @@
 built-in workflows complete over HTTP; a site that already has a strategy (ready to
 apply, applying, failed, another's) is attached to or recreated, never applied twice;
 a site unreachable during an apply for less and for more than its allowance; a site
-that refuses connections or never answers fails within its timeout with the reason;
+that refuses connections, never answers or answers garbage fails within its timeout
+with the reason;
 a conductor killed mid-apply, and the next one's recover hook observing the site.
 
 One emulator serves the module (each test uses its own sites) at time scale 0.01: a
