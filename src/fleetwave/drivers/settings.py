@@ -16,6 +16,7 @@ Every driver class names its per-target settings with a pydantic model
 
 from __future__ import annotations
 
+import functools
 import json
 import types
 import typing
@@ -58,8 +59,12 @@ def _is_secret_field(info: FieldInfo) -> bool:
 def secret_settings(driver: str) -> frozenset[str]:
     """The names of the driver's secret settings (none for an unknown driver)."""
     model = _model(driver)
-    if model is None:
-        return frozenset()
+    return frozenset() if model is None else _secret_fields(model)
+
+
+@functools.cache
+def _secret_fields(model: type[BaseModel]) -> frozenset[str]:
+    # asked per row of a target list (100,000 of them): worked out once per model
     return frozenset(n for n, f in model.model_fields.items() if _is_secret_field(f))
 
 
