@@ -278,12 +278,12 @@ def test_a_conductor_killed_mid_apply_the_next_one_observes_the_sites(
     cli: Cli, emulator: Emulator, db_path: Path, tmp_path: Path
 ) -> None:
     # The next conductor takes over at once (a dead process on this host is seen dead):
-    # site-0021's apply (1 s) and site-0022's (3 s, the hosts rebooting from 1.5 s) are
-    # still running, site-0023's strategy still building (3 s)
+    # site-0021's apply (5 s) and site-0022's (8 s, the hosts rebooting from 4 s) are
+    # still running, site-0023's strategy still building (8 s)
     sites = ["site-0021", "site-0022", "site-0023"]
-    admin(emulator, "site-0021", {"settings": {"apply_s": 100}})
-    admin(emulator, "site-0022", {"settings": {"apply_s": 300, "reboot_s": 50}})
-    admin(emulator, "site-0023", {"settings": {"build_s": 300}})
+    admin(emulator, "site-0021", {"settings": {"apply_s": 500}})
+    admin(emulator, "site-0022", {"settings": {"apply_s": 800, "reboot_s": 50}})
+    admin(emulator, "site-0023", {"settings": {"build_s": 800}})
     import_sites(cli, emulator, tmp_path, {s: {} for s in sites})
     res = cli("strategy", "create", "--workflow", "patch", "--all", "--format", "json")
     sid = str(res.json()["id"])

@@ -113,14 +113,16 @@ def bmc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bmc]:
         emu.stop()
 
 
-def _add_node(cli: Cli, name: str, address: str, index: int, *extra: str) -> None:
+def _add_node(
+    cli: Cli, name: str, address: str, index: int, *extra: str, poll_s: float = 0.5
+) -> None:
     res = cli(
         "target", "add", name, "--driver", "redfish",
         "--set", f"redfish_address={address}",
         "--set", f"redfish_system_id=/redfish/v1/Systems/{_uuid(index)}",
         "--set", "redfish_username=admin",
         "--set", "redfish_password=env:BMC_PASSWORD",
-        "--set", "power_poll_s=0.5", *extra,
+        "--set", f"power_poll_s={poll_s}", *extra,
     )  # fmt: skip
     assert res.code == 0, res.text
 
@@ -179,7 +181,8 @@ def test_a_bmc_refusing_the_credentials_or_the_connection_fails_with_the_reason(
 def test_a_conductor_killed_mid_power_off_the_next_one_reads_the_bmc(
     cli: Cli, bmc: Bmc, clean_bmc: None, db_path: Path
 ) -> None:
-    _add_node(cli, "node-3", bmc.url, 3)
+    # (its conductor looks 2 s after asking: time enough to kill it before it sees)
+    _add_node(cli, "node-3", bmc.url, 3, poll_s=2)
     res = cli("strategy", "create", "--workflow", "clean-bmc", "--all", "--format", "json")
     sid = str(res.json()["id"])
     env = {**os.environ, "FLEETWAVE_DB": str(db_path)}
