@@ -509,7 +509,7 @@ def test_target_set_blames_the_stored_driver_when_no_driver_is_given(
         (["--unlabel", "nothere"], ["--unlabel", "no label", "'nothere'"]),
         (["--set", "latency_ms=-1"], ["target a", "latency_ms", "-1"]),
         (["--set", "bogus=1"], ["target a", "bogus", "unknown"]),
-        (["--driver", "nope"], ["--driver", "'nope'", "known: sim"]),
+        (["--driver", "nope"], ["--driver", "'nope'", "known: http, redfish, sim"]),
         (["--group", "nowhere"], ["--group", "'nowhere'"]),
         (["--group", "east", "--no-group"], ["--group", "--no-group"]),
         (["--unset", "latency_ms", "--set", "latency_ms=1"], ["--unset", "'latency_ms'"]),

@@ -3,6 +3,7 @@
 The public API for writing workflows in Python lives here; see README.md.
 """
 
+from fleetwave.domain.models import Target
 from fleetwave.domain.registry import register_action, register_workflow
 from fleetwave.domain.workflow import (
     ActionContext,
@@ -10,6 +11,7 @@ from fleetwave.domain.workflow import (
     NotStarted,
     NotYet,
     Outcome,
+    RemoteResult,
     Skip,
     StateAction,
     StateDef,
@@ -24,10 +26,12 @@ __all__ = [
     "NotStarted",
     "NotYet",
     "Outcome",
+    "RemoteResult",
     "Skip",
     "StateAction",
     "StateDef",
     "StepFailed",
+    "Target",
     "TransientError",
     "WorkflowDef",
     "register_action",

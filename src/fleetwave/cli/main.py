@@ -37,6 +37,7 @@ from fleetwave.cli.common import (
 from fleetwave.cli.conductors import conductor_app
 from fleetwave.cli.demo import demo_command
 from fleetwave.cli.drive import ServeReport, stop_on_signals
+from fleetwave.cli.drivers import driver_app
 from fleetwave.cli.groups import group_app
 from fleetwave.cli.journal import check, events, history
 from fleetwave.cli.output import console, err_console
@@ -155,6 +156,7 @@ app.add_typer(workflow_app, name="workflow", cls=_Commands)
 app.add_typer(strategy_app, name="strategy", cls=_Commands)
 app.add_typer(step_app, name="step", cls=_Commands)
 app.add_typer(conductor_app, name="conductor", cls=_Commands)
+app.add_typer(driver_app, name="driver", cls=_Commands)
 app.command("demo")(demo_command)
 app.command("sim")(sim_command)
 app.command("site-emulator")(site_emulator_command)

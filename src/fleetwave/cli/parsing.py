@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from fleetwave.domain.yaml_workflow import (
     load_yaml,
     yaml_problem,
 )
-from fleetwave.drivers.sim import SimSettingError, validate_settings
+from fleetwave.drivers.settings import SettingsError, checked_settings
 from fleetwave.store.admin import TargetBatch
 
 TARGET_COLUMNS = {"name", "group", "driver", "managed"}
@@ -71,25 +72,26 @@ def several(option: str, given: list[str] | None) -> list[str]:
     return out
 
 
-def check_target(t: Target, where: str) -> None:
-    """The target's name (by the name rule) and its driver settings; ``where`` names it
-    in the settings' errors."""
+def check_target(t: Target, where: str) -> Target:
+    """The target's name (by the name rule) and its driver settings, checked against the
+    driver's settings model; ``where`` names it in the settings' errors. The target to
+    store: its secrets given in clear sealed (``fleetwave.drivers.secrets``)."""
     problem = name_problem(t.name)
     if problem:
         raise InputError(f"target name: {problem}")
-    if t.driver == "sim":
-        try:
-            validate_settings(t.settings)
-        except SimSettingError as exc:
-            raise InputError(f"{where}: {exc}") from None
+    try:
+        settings = checked_settings(t.driver, t.settings)
+    except SettingsError as exc:
+        raise InputError(f"{where}: {exc}") from None
+    return t if settings is t.settings else replace(t, settings=settings)
 
 
-def _check_row(t: Target, where: str) -> None:
+def _check_row(t: Target, where: str) -> Target:
     """A target read from a file: its name's errors name the file and line too."""
     problem = name_problem(t.name)
     if problem:
         raise InputError(f"{where}: name: {problem}")
-    check_target(t, where)
+    return check_target(t, where)
 
 
 def _truthy(raw: Any, where: str) -> bool:
@@ -181,8 +183,7 @@ def targets_from_csv(text: str, source: str) -> TargetBatch:
                 settings=settings,
                 managed=_truthy(row.get("managed", ""), where),
             )
-            _check_row(t, where)
-            out.append(t)
+            out.append(_check_row(t, where))
             out.origins.append(where)
             out.no_labels.add(out[-1].name)
     except csv.Error as exc:
@@ -328,8 +329,7 @@ def targets_from_yaml(text: str, source: str) -> TargetBatch:
             },
             managed=_truthy(item.get("managed", True), named),
         )
-        _check_row(t, named)
-        out.append(t)
+        out.append(_check_row(t, named))
         out.origins.append(where)
         if item.get("labels") is None:
             out.no_labels.add(name)

@@ -32,7 +32,9 @@ target_app = typer.Typer(help="Managed targets (subclouds, hosts, nodes).", no_a
 def target_add(
     name: str,
     group: Annotated[str | None, typer.Option(metavar="NAME", help="group name")] = None,
-    driver: Annotated[str, typer.Option(metavar="NAME", help="driver: sim")] = "sim",
+    driver: Annotated[
+        str, typer.Option(metavar="NAME", help="driver ('fleetwave driver list')")
+    ] = "sim",
     set_: Annotated[
         list[str] | None,
         typer.Option("--set", metavar="KEY=VALUE", help="driver setting (repeatable)"),
@@ -53,7 +55,7 @@ def target_add(
         labels=parse_pairs(label, "--label", typed=False),
         managed=not unmanaged,
     )
-    check_target(t, f"target {name}")
+    t = check_target(t, f"target {name}")
     added = bool(admin.ensure_targets(store_for(db), [t]))
     done(
         fmt,

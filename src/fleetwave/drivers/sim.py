@@ -42,7 +42,9 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from fleetwave.domain.models import Target, shown, typed_as_number
 from fleetwave.domain.workflow import ActionContext, RemoteResult, StepFailed, TransientError
@@ -170,6 +172,45 @@ def validate_settings(settings: dict[str, Any]) -> None:
                 f"sim setting {key}: the text {shown(raw)} where a number goes (unquote it)"
             )
     _Profile(settings)
+
+
+def _rate(what: str) -> Any:
+    return Field(default=0.0, ge=0, le=1, description=what)
+
+
+class SimSettings(BaseModel):
+    """The sim driver's settings, as ``driver show sim`` lists them (the checks are
+    :func:`validate_settings`, in the sim's own words)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    latency_ms: float = Field(
+        default=0.0, ge=0, le=MAX_LATENCY_MS, description="time each operation takes"
+    )
+    latency: Literal["fixed", "uniform", "lognormal"] = Field(
+        default="fixed",
+        description="fixed, uniform (0..2 x latency_ms) or lognormal (median latency_ms)",
+    )
+    latency_sigma: float = Field(default=0.5, ge=0, le=5, description="lognormal's sigma")
+    failure_rate: float = _rate("chance an operation fails for good")
+    flaky_rate: float = _rate("chance an operation fails transiently (retried by policy)")
+    hang_rate: float = _rate("chance an operation never returns (the timeout ends it)")
+    error_rate: float = _rate("chance the driver raises an unexpected exception")
+    fail_at: str | None = Field(default=None, description="a state whose operation fails")
+    hang_at: str | None = Field(default=None, description="a state whose operation hangs")
+    already_done: bool = Field(
+        default=False, description="the target reports it is already done (pre-check skips)"
+    )
+    remote_state: str | None = Field(
+        default=None, description="a state the target reports that no workflow knows"
+    )
+    unexpected_at: str | None = Field(
+        default=None, description="where remote_state is reported (default: the first state)"
+    )
+    callback_fail_rate: float = _rate("a callback reports failure")
+    callback_lost_rate: float = _rate("a callback never comes")
+    callback_dup_rate: float = _rate("a callback is sent twice")
+    callback_late_rate: float = _rate("an extra callback comes long after")
 
 
 class _Profile:
@@ -397,7 +438,13 @@ class _Run:
 
 
 class SimDriver:
+    """The simulated fleet: targets behave as their settings say (deterministic for a
+    seed); the embedded default."""
+
     name = "sim"
+    settings_model = SimSettings
+    #: the settings' checks (fleetwave.drivers.settings calls it instead of the model's)
+    check_settings = staticmethod(validate_settings)
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed

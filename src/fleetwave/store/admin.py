@@ -404,15 +404,28 @@ def _clashes(
     """The items that may not be added over a target of the same name, in input order,
     with what differs (empty: it is there; ``existing_ok`` lets the same one through).
     The labels of those in ``unlabelled`` (their source gave none) are not compared."""
+    from fleetwave.drivers.settings import same_settings
+
     out: list[tuple[int, str]] = []
     for i, t in enumerate(items):
         there = stored.get(t.name)
         if there is None:
             continue
+        settings = json.dumps(t.settings, sort_keys=True)
+        if settings != there[2]:
+            kept = json.loads(there[2])
+            if t.driver == there[1] and same_settings(t.driver, kept, t.settings):
+                settings = there[2]  # a secret sealed anew: the same secret
+            else:  # said as shown (secrets masked), told apart even when they read alike
+                shown_there = _masked(there[1], kept)
+                settings = _masked(t.driver, t.settings)
+                if settings == shown_there:
+                    settings += " (a secret differs)"
+                there = (there[0], there[1], shown_there, there[3])
         given = (
             t.group,
             t.driver,
-            json.dumps(t.settings, sort_keys=True),
+            settings,
             there[3] if t.name in unlabelled else json.dumps(t.labels, sort_keys=True),
         )
         other = [
@@ -427,6 +440,12 @@ def _clashes(
         elif not existing_ok:
             out.append((i, ""))
     return out
+
+
+def _masked(driver: str, settings: dict[str, Any]) -> str:
+    from fleetwave.drivers.settings import mask_settings
+
+    return json.dumps(mask_settings(driver, settings), sort_keys=True)
 
 
 def _shown_value(value: str | None) -> str:
@@ -577,15 +596,16 @@ def change_target(
     unset: Sequence[str] = (),
     labels: dict[str, str] | None = None,
     unlabel: Sequence[str] = (),
-    check: Callable[[Target], None] | None = None,
+    check: Callable[[Target], Target | None] | None = None,
 ) -> dict[str, Any]:
     """Change a target's group (None: no group), driver, settings (set some, unset
     some) or labels: what changed, field by field (empty: nothing did).
 
     ``check`` is given the target as it would be (its driver's settings validated
-    there); nothing is written when it raises. Refused while the target is in an
-    active strategy: a step reads its target's definition when it starts, so a change
-    then would apply to some states and not others.
+    there) and may answer it as it is to be stored (its secrets sealed); nothing is
+    written when it raises. Secret settings are masked in what it answers. Refused while
+    the target is in an active strategy: a step reads its target's definition when it
+    starts, so a change then would apply to some states and not others.
     """
     settings = settings or {}
     labels = labels or {}
@@ -647,7 +667,8 @@ def change_target(
                 + ("" if driver is not None else "; give --driver")
             )
         if check is not None:
-            check(new)
+            new = check(new) or new
+            new_settings = new.settings
         gid = None
         if new.group is not None:
             gid = _group_ids(conn).get(new.group)
@@ -666,6 +687,20 @@ def change_target(
         }
         if not changes:
             return changes
+        if "settings" in changes:
+            from fleetwave.drivers.settings import mask_settings, same_settings
+
+            if new.driver == row.driver and same_settings(new.driver, old_settings, new_settings):
+                # a secret given again as it was: sealed anew, the same all the same
+                del changes["settings"]
+                if not changes:
+                    return changes
+                new_settings = old_settings
+            else:
+                changes["settings"] = {
+                    "before": mask_settings(row.driver, old_settings),
+                    "after": mask_settings(new.driver, new_settings),
+                }
         # Only a step that has not ended reads the target (its group is the step's own
         # copy, taken when the strategy was created): one that has ended holds nothing.
         busy = _active_strategy_of(conn, [row.id], open_steps=True)

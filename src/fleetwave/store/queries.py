@@ -107,13 +107,20 @@ def get_group(store: Store, name: str) -> dict[str, Any]:
 
 
 def _target_dict(r: Any, read: Callable[[str], Any] = json.loads) -> dict[str, Any]:
-    """A target's row; its settings and labels through ``read`` (``str``: as stored)."""
+    """A target's row; its settings and labels through ``read`` (``str``: as stored),
+    secret settings masked (``fleetwave.drivers.settings.mask_settings``)."""
+    from fleetwave.drivers.settings import mask_settings, secret_settings
+
+    settings = read(r.settings)
+    if secret_settings(r.driver):
+        masked = mask_settings(r.driver, json.loads(r.settings))
+        settings = json.dumps(masked, sort_keys=True) if read is str else masked
     return {
         "name": r.name,
         "group": r.group_name,
         "driver": r.driver,
         "managed": bool(r.managed),
-        "settings": read(r.settings),
+        "settings": settings,
         "labels": read(r.labels),
     }
 

@@ -1,0 +1,269 @@
+"""The redfish driver through sushy against sushy-tools' Redfish emulator (``sushy-emulator
+--fake``, a real process on a loopback port, with basic auth): the clean workflow's BMC
+states run as a YAML workflow of ``driver: redfish`` targets; a BMC that refuses the
+credentials and one that refuses connections fail the step with the reason, the
+password never in it; a conductor killed while a node powers off, and the next one's
+recover hook reading the BMC instead of powering it off again; and the built-in
+``clean`` workflow end to end, with a simulated agent that comes up once its node is
+powered on to boot from the network and reports through ``fleetwave step callback``.
+
+The fake BMC applies a power action 1 to 11 s after it is asked (sushy-tools' own
+pacing), so a node's four states take up to about half a minute.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import bcrypt
+import httpx
+import pytest
+
+from cli_harness import Cli
+from test_cli_strategy import steps
+
+NODES = ["node-1", "node-2"]
+PASSWORD = "bmc-pass-0451"
+CLEAN_BMC = """\
+name: clean-bmc
+states:
+  - {name: power-off, timeout_s: 60}
+  - {name: set-boot-network, timeout_s: 60}
+  - {name: power-on, timeout_s: 60}
+  - {name: final-power-off, timeout_s: 60}
+"""
+
+
+def _uuid(index: int) -> str:
+    return f"0000000{index}-0000-0000-0000-000000000000"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Bmc:
+    """A running ``sushy-emulator --fake`` serving one fake system per node."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        auth = tmp / "htpasswd"
+        auth.write_text(f"admin:{bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt()).decode()}\n")
+        systems = [
+            {"uuid": _uuid(i), "name": name, "power_state": "On"}
+            for i, name in enumerate([*NODES, "node-3", "node-4", "node-5"], 1)
+        ]
+        config = tmp / "emulator.conf"
+        config.write_text(
+            f"SUSHY_EMULATOR_FAKE_SYSTEMS = {systems!r}\n"
+            f"SUSHY_EMULATOR_AUTH_FILE = {str(auth)!r}\n"
+            f"SUSHY_EMULATOR_STATE_DIR = {str(tmp / 'state')!r}\n"
+        )
+        exe = Path(sys.executable).parent / "sushy-emulator"
+        self.log = tmp / "emulator.log"
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(
+                [
+                    str(exe if exe.exists() else shutil.which("sushy-emulator")),
+                    *("--config", str(config), "-i", "127.0.0.1", "-p", str(self.port), "--fake"),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        self.http = httpx.Client(base_url=self.url, auth=("admin", PASSWORD), timeout=10)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if self.http.get("/redfish/v1/").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"sushy-emulator did not start: {self.log.read_text()}")
+            time.sleep(0.1)
+
+    def system(self, index: int) -> dict[str, object]:
+        r = self.http.get(f"/redfish/v1/Systems/{_uuid(index)}")
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    def stop(self) -> None:
+        self.http.close()
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def bmc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bmc]:
+    emu = Bmc(tmp_path_factory.mktemp("bmc"))
+    try:
+        yield emu
+    finally:
+        emu.stop()
+
+
+def _add_node(
+    cli: Cli, name: str, address: str, index: int, *extra: str, poll_s: float = 0.5
+) -> None:
+    res = cli(
+        "target", "add", name, "--driver", "redfish",
+        "--set", f"redfish_address={address}",
+        "--set", f"redfish_system_id=/redfish/v1/Systems/{_uuid(index)}",
+        "--set", "redfish_username=admin",
+        "--set", "redfish_password=env:BMC_PASSWORD",
+        "--set", f"power_poll_s={poll_s}", *extra,
+    )  # fmt: skip
+    assert res.code == 0, res.text
+
+
+@pytest.fixture
+def clean_bmc(cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    wf = tmp_path / "clean-bmc.yaml"
+    wf.write_text(CLEAN_BMC)
+    assert cli("workflow", "add", str(wf)).code == 0
+    monkeypatch.setenv("BMC_PASSWORD", PASSWORD)
+
+
+def test_the_clean_workflows_bmc_states_run_through_sushy(
+    cli: Cli, bmc: Bmc, clean_bmc: None
+) -> None:
+    for i, name in enumerate(NODES, 1):
+        _add_node(cli, name, bmc.url, i)
+    res = cli("strategy", "create", "--workflow", "clean-bmc", "--all", "--format", "json")
+    sid = int(res.json()["id"])
+    run = cli("strategy", "apply", str(sid), "--wait")
+    assert run.code == 0, steps(cli, sid)
+    for i in range(1, len(NODES) + 1):  # what the BMC says now
+        system = bmc.system(i)
+        assert system["PowerState"] == "Off"
+        assert system["Boot"]["BootSourceOverrideTarget"] == "Pxe"  # type: ignore[index]
+        # (sushy-tools keeps the device, and reports any override as continuous)
+        assert system["Boot"]["BootSourceOverrideEnabled"] in ("Once", "Continuous")  # type: ignore[index]
+    check = cli("check")
+    assert check.code == 0 and "ok:" in check.text, check.text
+
+
+def test_a_bmc_refusing_the_credentials_or_the_connection_fails_with_the_reason(
+    cli: Cli, bmc: Bmc, clean_bmc: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BMC_PASSWORD", "wrong-password-9")
+    _add_node(cli, "node-1", bmc.url, 1)
+    closed = f"http://127.0.0.1:{_free_port()}"
+    _add_node(cli, "node-2", closed, 2, "--set", "redfish_timeout_s=2")
+    res = cli("strategy", "create", "--workflow", "clean-bmc", "--all", "--format", "json")
+    sid = int(res.json()["id"])
+    started = time.monotonic()
+    assert cli("strategy", "apply", str(sid), "--wait").code == 1
+    assert time.monotonic() - started < 30
+    by_node = steps(cli, sid)
+    assert by_node["node-1"]["details"] == (
+        f"power-off: redfish: {bmc.url} refused access (check redfish_username and "
+        "redfish_password)"
+    )
+    assert by_node["node-2"]["details"] == (
+        f"power-off: redfish: connection refused at {closed} (attempt 1 of 1)"
+    )
+    everything = cli("step", "list", "--strategy", str(sid), "--format", "json").text
+    assert "wrong-password-9" not in everything and PASSWORD not in everything
+
+
+def test_a_conductor_killed_mid_power_off_the_next_one_reads_the_bmc(
+    cli: Cli, bmc: Bmc, clean_bmc: None, db_path: Path
+) -> None:
+    # (its conductor looks 2 s after asking: time enough to kill it before it sees)
+    _add_node(cli, "node-3", bmc.url, 3, poll_s=2)
+    res = cli("strategy", "create", "--workflow", "clean-bmc", "--all", "--format", "json")
+    sid = str(res.json()["id"])
+    env = {**os.environ, "FLEETWAVE_DB": str(db_path)}
+    exe = str(Path(sys.executable).parent / "fleetwave")
+    apply = [exe, "strategy", "apply", sid, "--wait", "--lease-ttl", "15"]
+    reset = f"/redfish/v1/Systems/{_uuid(3)}/Actions/ComputerSystem.Reset"
+    resets_before = bmc.log.read_text().count(reset)
+    first = subprocess.Popen(apply, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:  # until the power-off was asked of the BMC (its log says so)
+        deadline = time.monotonic() + 30
+        while bmc.log.read_text().count(reset) == resets_before:
+            assert time.monotonic() < deadline and first.poll() is None, first.communicate()
+            time.sleep(0.05)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.communicate(timeout=10)
+    assert steps(cli, int(sid))["node-3"]["state"] == "power-off"
+    second = subprocess.run(apply, env=env, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stdout + second.stderr
+    # power off, then on, then off: three resets, the first never sent again (the
+    # next conductor took over at once: this host's dead conductor was seen dead; the
+    # BMC had not yet applied the power-off, and it watched it land)
+    assert bmc.log.read_text().count(reset) - resets_before == 3
+    history = cli("history", "--strategy", sid, "--format", "json").json()
+    entered = next(t for t in history if t["to"] == "power-off")
+    left = next(t for t in history if t["from"] == "power-off")
+    assert left["conductor"] != entered["conductor"]
+    assert bmc.system(3)["PowerState"] == "Off"
+
+
+def test_the_clean_workflow_end_to_end_with_an_agent_that_boots_from_the_network(
+    cli: Cli, bmc: Bmc, db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BMC_PASSWORD", PASSWORD)
+    nodes = {"node-4": 4, "node-5": 5}
+    for name, index in nodes.items():
+        _add_node(cli, name, bmc.url, index)
+    res = cli("strategy", "create", "--workflow", "clean", "--all", "--format", "json")
+    sid = str(res.json()["id"])
+    env = {**os.environ, "FLEETWAVE_DB": str(db_path)}
+    exe = str(Path(sys.executable).parent / "fleetwave")
+    run = subprocess.Popen(
+        [exe, "strategy", "apply", sid, "--wait"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    reported: set[tuple[str, str]] = set()
+    deadline = time.monotonic() + 120
+    try:
+        # The agents: a node powered on to boot from the network comes up and says so;
+        # then it runs its clean steps and reports them done.
+        while run.poll() is None:
+            assert time.monotonic() < deadline, "the clean rollout did not end"
+            for name, step in steps(cli, int(sid)).items():
+                state = step["state"]
+                if state not in ("wait-for-agent", "clean-steps") or (name, state) in reported:
+                    continue
+                system = bmc.system(nodes[name])
+                booted = system["PowerState"] == "On" and (
+                    system["Boot"]["BootSourceOverrideTarget"] == "Pxe"  # type: ignore[index]
+                )
+                if state == "wait-for-agent" and not booted:
+                    continue
+                said = (
+                    "agent up, booted from the network"
+                    if state == "wait-for-agent"
+                    else ("clean steps done: erase_devices_metadata")
+                )
+                answer = cli("step", "callback", str(step["step"]), state, "--details", said)
+                assert answer.code == 0, answer.text
+                reported.add((name, state))
+            time.sleep(0.2)
+    finally:
+        if run.poll() is None:
+            run.kill()
+        out = run.communicate()[0].decode()
+    assert run.returncode == 0, out
+    assert reported == {(n, s) for n in nodes for s in ("wait-for-agent", "clean-steps")}
+    for name, index in nodes.items():
+        assert bmc.system(index)["PowerState"] == "Off", name
+        assert steps(cli, int(sid))[name]["state"] == "complete"
+    check = cli("check")
+    assert check.code == 0 and "ok:" in check.text, check.text
