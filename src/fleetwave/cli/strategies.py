@@ -11,6 +11,7 @@ from typing import Annotated, Any
 import typer
 from sqlalchemy.exc import OperationalError
 
+from fleetwave import commands
 from fleetwave.catalog import resolve_workflow, strategy_workflow_def
 from fleetwave.cli.common import (
     DbOpt,
@@ -38,7 +39,6 @@ from fleetwave.domain.models import (
     plural,
     shown,
 )
-from fleetwave.domain.registry import get_workflow
 from fleetwave.domain.yaml_workflow import MAX_SECONDS
 from fleetwave.engine import loop as event_loop
 from fleetwave.store import admin, queries
@@ -134,23 +134,14 @@ def strategy_create(
             raise InputError(f"--{flag} and --no-{flag}: give one of them")
     store = existing_store(db)
     names = _target_names(targets) if targets is not None else None
+    labels = parse_pairs(label, "--label", typed=False)
     if failed_in is not None:
-        if names is not None or group is not None or all_ or label:
-            raise InputError(
-                "--failed-in: picks the targets itself; not with --targets, --group, --all "
-                "or --label"
-            )
-        names = queries.ended_badly_in(store, failed_in)
-        if not names:
-            raise InputError(f"--failed-in: strategy {failed_in} has no failed or aborted step")
+        names = commands.failed_targets(
+            store, failed_in, target_names=names, group=group, all_targets=all_, labels=labels
+        )
     wf = resolve_workflow(store, workflow)
     timeouts = _timeouts(timeout)
-    unknown = [state for state in timeouts if state not in wf.state_names]
-    if unknown:
-        raise InputError(
-            f"--timeout: {', '.join(unknown)}: workflow {wf.name} has no such state "
-            f"(its states: {', '.join(wf.state_names)})"
-        )
+    commands.check_timeouts(wf, timeouts)
     opts = StrategyOptions(
         max_parallel=max_parallel_as_stored(max_parallel, apply_type, "strategy"),
         apply_type=apply_type,
@@ -159,19 +150,17 @@ def strategy_create(
         stages_by_group=stages_by_group,
         timeouts_s=timeouts,
     )
-    sid = admin.create_strategy(
+    made = commands.create_strategy(
         store,
         wf,
         opts,
         target_names=names,
         group=group,
         all_targets=all_,
-        labels=parse_pairs(label, "--label", typed=False),
+        labels=labels,
         failed_in=failed_in,
-        # (a built-in or plug-in workflow of that name comes first: then not the store's)
-        workflow_from_store=get_workflow(wf.name) is None,
     )
-    made = queries.get_strategy(store, sid)
+    sid = made["id"]
     if fmt is Format.json:
         print_json(made)
     else:
@@ -247,14 +236,11 @@ def strategy_apply(
         # Driving it here needs its workflow here (a Python one, or a YAML one naming a
         # Python action: its plug-in imported).
         strategy_workflow_def(store, strategy_id)
-    before = (
-        _apply_patiently(store, strategy_id, ended["state"])
-        if wait
-        else admin.apply_strategy(store, strategy_id)
-    )
     if not wait:
+        answer = commands.apply_strategy(store, strategy_id)
+        before = str(answer["was"])
         who = queries.driving(store, strategy_id)
-        now = "applying" if before in ("initial", "paused", "applying") else before
+        now = str(answer["state"])
         if now != "applying":
             now += " (apply does not undo an abort: a conductor finishes it)"
         elif before == "paused":
@@ -267,14 +253,7 @@ def strategy_apply(
             said = "nothing drives it yet"
         if fmt is Format.json:
             # driven_by as `strategy show --format json` says it, word for word
-            print_json(
-                {
-                    "id": strategy_id,
-                    "state": now.split(" ")[0],
-                    "was": before,
-                    "driven_by": who.text,
-                }
-            )
+            print_json(answer)
         else:
             console.print(f"strategy {strategy_id} {now}; {said}")
         if who.nobody:
@@ -285,6 +264,7 @@ def strategy_apply(
                 highlight=False,
             )
         return
+    before = _apply_patiently(store, strategy_id, ended["state"])
     if before == StrategyState.PAUSED.value:
         # Not resumed: this may be a job driving the rollout again after a crash, and the
         # pause an operator's, made meanwhile (an incident). Plain apply, or resume, ends it.
@@ -383,16 +363,16 @@ def strategy_pause(
     strategy_id: StrategyId, fmt: FormatOpt = Format.table, db: DbOpt = None
 ) -> None:
     """Pause: no new step starts; steps in flight go on to their end. Undo with resume."""
-    before = admin.pause_strategy(existing_store(db), strategy_id)
+    answer = commands.pause_strategy(existing_store(db), strategy_id)
     done(
         fmt,
         f"strategy {strategy_id}: already paused"
-        if before == "paused"
+        if answer["was"] == "paused"
         else (
             f"strategy {strategy_id}: paused; no new step starts, steps in flight go on to "
             f"their end ('fleetwave strategy resume {strategy_id}' to go on)"
         ),
-        {"id": strategy_id, "state": "paused", "was": str(before)},
+        answer,
     )
 
 
@@ -402,13 +382,13 @@ def strategy_resume(
 ) -> None:
     """Resume a paused strategy: its waiting steps start again."""
     store = existing_store(db)
-    before = admin.resume_strategy(store, strategy_id)
+    answer = commands.resume_strategy(store, strategy_id)
     done(
         fmt,
         f"strategy {strategy_id}: not paused (applying)"
-        if before == "applying"
+        if answer["was"] == "applying"
         else f"strategy {strategy_id}: resumed",
-        {"id": strategy_id, "state": "applying", "was": str(before)},
+        answer,
     )
     _warn_if_undriven(store, strategy_id, "strategy {sid} goes on", "drive")
 
@@ -420,19 +400,13 @@ def strategy_abort(
     """Abort: nothing new starts; running actions finish their current state, and waits
     on a target (for its callback, between polls) end at once."""
     store = existing_store(db)
-    before = admin.request_abort(store, strategy_id)
-    # its state now (a never-applied one is aborted by this very call), and whether
-    # this call asked for the abort
-    after: dict[str | None, str] = {
-        None: StrategyState.ABORT_REQUESTED.value,
-        StrategyState.INITIAL.value: StrategyState.ABORTED.value,
-    }
-    now = after.get(before, str(before))
-    answer = {
-        "id": strategy_id,
-        "state": now,
-        "asked_now": before is None or before == StrategyState.INITIAL,
-    }
+    answer = commands.abort_strategy(store, strategy_id)
+    now = answer["state"]
+    # what it was: aborted before, never applied (aborted by this call), asked for now,
+    # or an abort asked for before and under way
+    before = (
+        now if not answer["asked_now"] else (StrategyState.INITIAL if now == "aborted" else None)
+    )
     if before == StrategyState.ABORTED:
         done(fmt, f"strategy {strategy_id}: already aborted", answer)
         return

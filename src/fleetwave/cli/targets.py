@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
+from fleetwave import commands
 from fleetwave.cli.common import (
     DbOpt,
     FormatOpt,
@@ -19,7 +20,7 @@ from fleetwave.cli.common import (
     store_for,
 )
 from fleetwave.cli.output import Format, emit_one, emit_rows, err_console
-from fleetwave.cli.parsing import check_target, parse_pairs, targets_from_file
+from fleetwave.cli.parsing import parse_pairs, targets_from_file
 from fleetwave.domain.errors import InputError
 from fleetwave.domain.models import Target, plural
 from fleetwave.store import admin, queries
@@ -53,12 +54,11 @@ def target_add(
         labels=parse_pairs(label, "--label", typed=False),
         managed=not unmanaged,
     )
-    check_target(t, f"target {name}")
-    added = bool(admin.ensure_targets(store_for(db), [t]))
+    answer = commands.add_target(store_for(db), t)
     done(
         fmt,
-        f"target {name} added" if added else f"target {name} already exists, unchanged",
-        {"name": name, "added": added},
+        f"target {name} added" if answer["added"] else f"target {name} already exists, unchanged",
+        answer,
     )
 
 
@@ -115,20 +115,15 @@ def target_show(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> N
 @target_app.command("manage")
 def target_manage(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Mark a target managed: rollouts may touch it."""
-    admin.set_managed(existing_store(db), name, True)
-    done(fmt, f"target {name} is managed", {"name": name, "managed": True})
+    done(fmt, f"target {name} is managed", commands.set_managed(existing_store(db), name, True))
 
 
 @target_app.command("unmanage")
 def target_unmanage(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Mark a target unmanaged: its step fails when its turn comes, nothing touches it."""
-    waiting = admin.set_managed(existing_store(db), name, False)
-    done(
-        fmt,
-        f"target {name} is unmanaged",
-        {"name": name, "managed": False, "steps_to_fail": waiting},
-    )
-    for w in waiting if fmt is Format.table else ():
+    answer = commands.set_managed(existing_store(db), name, False)
+    done(fmt, f"target {name} is unmanaged", answer)
+    for w in answer["steps_to_fail"] if fmt is Format.table else ():
         # A failed step makes the strategy end failed (apply --wait exits 1, alerts fire),
         # and may stop it: said now, not found at the end.
         stops = (
@@ -183,7 +178,7 @@ def target_set(
             "nothing to change: give --group, --no-group, --driver, --set, --unset, --label "
             "or --unlabel"
         )
-    changes = admin.change_target(
+    answer = commands.change_target(
         existing_store(db),
         name,
         group=None if no_group else (group if group is not None else admin.KEEP),
@@ -192,13 +187,13 @@ def target_set(
         unset=[k.strip() for k in unset or []],
         labels=parse_pairs(label, "--label", typed=False),
         unlabel=[k.strip() for k in unlabel or []],
-        check=lambda t: check_target(t, f"target {name}"),
     )
+    changes = answer["changes"]
     said = "; ".join(_said_change(field, c["before"], c["after"]) for field, c in changes.items())
     done(
         fmt,
         f"target {name}: {said}" if changes else f"target {name}: unchanged (it is so already)",
-        {"name": name, "changed": bool(changes), "changes": changes},
+        answer,
     )
 
 
