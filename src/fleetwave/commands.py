@@ -12,12 +12,25 @@ from __future__ import annotations
 from typing import Any
 
 from fleetwave.cli.parsing import check_target
-from fleetwave.domain.errors import InputError, NotFound
-from fleetwave.domain.models import StrategyOptions, StrategyState, Target
+from fleetwave.domain.errors import Conflict, InputError, NotFound
+from fleetwave.domain.models import ApplyType, StrategyOptions, StrategyState, Target
 from fleetwave.domain.registry import get_workflow
 from fleetwave.domain.workflow import WorkflowDef
 from fleetwave.store import admin, queries
 from fleetwave.store.db import Store
+from fleetwave.testing.invariants import CheckResult
+from fleetwave.testing.invariants import check as check_invariants
+
+
+def max_parallel_as_stored(given: int | None, apply_type: ApplyType, what: str) -> int:
+    """--max-parallel as stored: serial means one at a time, so a serial group or
+    strategy given another number is refused rather than silently run one by one."""
+    if apply_type is not ApplyType.SERIAL:
+        return admin.DEFAULT_MAX_PARALLEL if given is None else given
+    if given is not None and given < 1:
+        return given  # refused as every max parallel below 1 is, by the store
+    admin.check_serial(given, what)
+    return 1
 
 
 def add_target(store: Store, target: Target) -> dict[str, Any]:
@@ -155,3 +168,39 @@ def delete_strategy(store: Store, sid: int, *, ignore_missing: bool = False) -> 
             raise
         return {"id": sid, "deleted": False}
     return {"id": sid, "deleted": True}
+
+
+def check(store: Store, strategy: int | None = None) -> tuple[CheckResult, dict[str, Any]]:
+    """``fleetwave check``: G1, G3, G7 and G8 verified from the journal, and notes on
+    work left waiting (an applying strategy no conductor drives); the result, and the
+    answer (``ok`` says whether the guarantees held)."""
+    if strategy is not None:
+        queries.strategy_exists(store, strategy)
+    result = check_invariants(store, strategy)
+    if strategy is not None and result.deleting:
+        raise Conflict(
+            f"strategy {strategy}: is being deleted (part of its journal is gone already); "
+            f"'fleetwave strategy delete {strategy}' finishes it"
+        )
+    return result, result.to_json() | {"notes": _undriven_notes(store, strategy)}
+
+
+def _undriven_notes(store: Store, only: int | None) -> list[str]:
+    """Strategies that should be moving and that no conductor drives nor will claim (a
+    conductor killed, none serving): not a violation, but work left waiting."""
+    notes = []
+    for row in queries.list_strategies(store, brief=True):
+        sid = int(row["id"])
+        if (only is not None and sid != only) or row["state"] not in (
+            StrategyState.APPLYING,
+            StrategyState.ABORT_REQUESTED,
+            StrategyState.ABORTING,
+        ):
+            continue
+        who = queries.driving(store, sid)
+        if who.nobody:
+            notes.append(
+                f"strategy {sid} is {row['state']} and no conductor drives it: it goes on "
+                f"once 'fleetwave serve' runs (or 'fleetwave strategy apply {sid} --wait')"
+            )
+    return notes

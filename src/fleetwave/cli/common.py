@@ -14,11 +14,10 @@ import typer
 from sqlalchemy.exc import DBAPIError
 
 from fleetwave.cli.output import Format, console, print_json
+from fleetwave.commands import max_parallel_as_stored as max_parallel_as_stored
 from fleetwave.domain.errors import InputError, NotFound
-from fleetwave.domain.models import ApplyType, name_problem
+from fleetwave.domain.models import name_problem
 from fleetwave.engine.config import LEASE_TTL_MAX_S, LEASE_TTL_MIN_S, EngineConfig
-from fleetwave.store import admin
-from fleetwave.store.admin import DEFAULT_MAX_PARALLEL
 from fleetwave.store.db import (
     WRITTEN_BY_COMMANDS,
     NoSchema,
@@ -310,17 +309,6 @@ def delete_named(
 def missing(fmt: Format, what: str, key: dict[str, Any]) -> None:
     """``delete --ignore-missing`` of one that is not there: said, not an error."""
     done(fmt, f"{what}: not there, nothing deleted", {**key, "deleted": False})
-
-
-def max_parallel_as_stored(given: int | None, apply_type: ApplyType, what: str) -> int:
-    """--max-parallel as stored: serial means one at a time, so a serial group or
-    strategy given another number is refused rather than silently run one by one."""
-    if apply_type is not ApplyType.SERIAL:
-        return DEFAULT_MAX_PARALLEL if given is None else given
-    if given is not None and given < 1:
-        return given  # refused as every max parallel below 1 is, by the store
-    admin.check_serial(given, what)
-    return 1
 
 
 LeaseTtlOpt = Annotated[

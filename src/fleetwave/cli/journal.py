@@ -8,14 +8,12 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
+from fleetwave import commands
 from fleetwave.cli.common import DbOpt, FormatOpt, count_from_1, existing_store, whole_number
 from fleetwave.cli.output import Format, console, emit_rows, first_then, print_json
 from fleetwave.cli.parsing import several
-from fleetwave.domain.errors import Conflict
-from fleetwave.domain.models import StrategyState, plural
+from fleetwave.domain.models import plural
 from fleetwave.store import queries
-from fleetwave.store.db import Store
-from fleetwave.testing.invariants import check as check_invariants
 
 
 def history(
@@ -80,27 +78,6 @@ def events(
     )
 
 
-def _undriven_notes(store: Store, only: int | None) -> list[str]:
-    """Strategies that should be moving and that no conductor drives nor will claim (a
-    conductor killed, none serving): not a violation, but work left waiting."""
-    notes = []
-    for row in queries.list_strategies(store, brief=True):
-        sid = int(row["id"])
-        if (only is not None and sid != only) or row["state"] not in (
-            StrategyState.APPLYING,
-            StrategyState.ABORT_REQUESTED,
-            StrategyState.ABORTING,
-        ):
-            continue
-        who = queries.driving(store, sid)
-        if who.nobody:
-            notes.append(
-                f"strategy {sid} is {row['state']} and no conductor drives it: it goes on "
-                f"once 'fleetwave serve' runs (or 'fleetwave strategy apply {sid} --wait')"
-            )
-    return notes
-
-
 def check(
     strategy: Annotated[
         int | None, typer.Option(parser=whole_number, metavar="ID", help="only this strategy")
@@ -109,18 +86,10 @@ def check(
     db: DbOpt = None,
 ) -> None:
     """Verify G1, G3, G7 and G8 from the journal; exit 1 listing violations."""
-    store = existing_store(db)
-    if strategy is not None:
-        queries.strategy_exists(store, strategy)
-    result = check_invariants(store, strategy)
-    if strategy is not None and result.deleting:
-        raise Conflict(
-            f"strategy {strategy}: is being deleted (part of its journal is gone already); "
-            f"'fleetwave strategy delete {strategy}' finishes it"
-        )
-    notes = _undriven_notes(store, strategy)
+    result, answer = commands.check(existing_store(db), strategy)
+    notes = answer["notes"]
     if fmt is Format.json:
-        print_json(result.to_json() | {"notes": notes})
+        print_json(answer)
     else:
         console.print(
             f"checked {plural(result.strategies, 'strategy', 'strategies')}, "

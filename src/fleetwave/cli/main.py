@@ -52,11 +52,13 @@ from fleetwave.domain.registry import load_plugins
 from fleetwave.domain.workflow import WorkflowError
 from fleetwave.engine import loop as event_loop
 from fleetwave.engine.conductor import Conductor
+from fleetwave.engine.config import EngineConfig
 from fleetwave.engine.errors import StoreReplaced, StoreUnavailable
 from fleetwave.store import queries
 from fleetwave.store.db import (
     HEAD_REVISION,
     SchemaOutdated,
+    Store,
     StoreError,
     default_db_path,
     mark_initialised,
@@ -213,14 +215,36 @@ app.command()(check)
 
 
 @app.command()
-def serve(lease_ttl: LeaseTtlOpt = None, db: DbOpt = None) -> None:
-    """Run a conductor: drive every applying strategy until interrupted (Ctrl-C)."""
+def serve(
+    listen: Annotated[
+        str | None,
+        typer.Option(
+            metavar="HOST:PORT",
+            help="also serve the REST API here (127.0.0.1:8080; see docs/api.md)",
+        ),
+    ] = None,
+    no_engine: Annotated[
+        bool,
+        typer.Option("--no-engine", help="serve only the API (a conductor runs elsewhere)"),
+    ] = False,
+    lease_ttl: LeaseTtlOpt = None,
+    db: DbOpt = None,
+) -> None:
+    """Run a conductor: drive every applying strategy until interrupted (Ctrl-C); with
+    --listen, serve the REST API beside it."""
+    if no_engine and listen is None:
+        raise InputError("--no-engine: only with --listen (it serves the API alone)")
+    if no_engine and lease_ttl is not None:
+        raise InputError("--lease-ttl: not with --no-engine (no conductor runs here)")
     config = engine_config(lease_ttl)
     event_loop.loop_kind()  # refuse a bad FLEETWAVE_LOOP before announcing anything
     load_plugins()  # and a plug-in that cannot be imported, before taking anything on
     # Never a new database: a mistyped --db would be served, empty, for good (a service
     # manager restarting it), while the real fleet's strategies wait for nobody.
     store = existing_store(db)
+    if listen is not None:
+        _serve_api(store, db, listen, config, engine=not no_engine)
+        return
     others = [queries.conductor_named(c) for c in queries.serving_conductors(store)]
     if others:
         # Allowed (each strategy is driven by one conductor at a time, by claim and
@@ -267,6 +291,59 @@ def serve(lease_ttl: LeaseTtlOpt = None, db: DbOpt = None) -> None:
         # The second Ctrl-C (or SIGTERM): stopped at once, nothing handed back.
         err_console.print(stopped_now(), highlight=False)
         raise typer.Exit(130) from None
+
+
+def _serve_api(
+    store: Store, db: str | None, listen: str, config: EngineConfig, *, engine: bool
+) -> None:
+    """``serve --listen``: the API, beside a conductor unless ``engine`` is False. The
+    API has its own connections to the database (its requests never wait for the
+    engine's), and runs its store calls on its own threads."""
+    from fleetwave.api.serve import bind, serve_api
+    from fleetwave.api.service import Service
+
+    sock, base = bind(listen)
+    service = Service(existing_store(db))
+
+    async def _both() -> None:
+        stop = asyncio.Event()
+        conductor = Conductor(store, config=config) if engine else None
+        service.conductor = conductor
+        stop_on_signals(
+            stop,
+            config.shutdown_grace_s,
+            said=None if engine else (lambda: "stopping: requests under way finish"),
+        )
+        api_stop = asyncio.Event()
+        api = asyncio.create_task(serve_api(service, sock, api_stop), name="fleetwave-api")
+        api.add_done_callback(lambda _: stop.set())  # (it failed: the engine stops too)
+        what = f"API on {base}/v1 (OpenAPI: {base}/openapi.json)"
+        try:
+            if conductor is None:
+                err_console.print(f"serving the {what}; Ctrl-C to stop", highlight=False)
+                await stop.wait()
+            else:
+
+                def ready() -> None:
+                    err_console.print(
+                        f"conductor {conductor.id} serving {store.url}, and the {what}; "
+                        "Ctrl-C to stop",
+                        highlight=False,
+                    )
+
+                await conductor.run(stop=stop, on_ready=ready)
+                err_console.print(f"conductor {conductor.id} stopped; leases handed back")
+        finally:
+            api_stop.set()
+            await api
+        err_console.print("API stopped", highlight=False)
+
+    try:
+        event_loop.run(_both())
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    finally:
+        sock.close()
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -10,7 +10,7 @@ from typing import Any, cast
 
 import typer
 
-from fleetwave.catalog import resolve_workflow, workflow_catalog
+from fleetwave.catalog import resolve_workflow, workflow_rows
 from fleetwave.cli.common import (
     DbOpt,
     FormatOpt,
@@ -88,32 +88,13 @@ def _states_table(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
 @workflow_app.command("list")
 def workflow_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """List workflows."""
-    usable, broken = workflow_catalog(store_if_any(db))
-    rows: list[dict[str, Any]] = [
-        {
-            "name": wf.name,
-            "version": wf.version,
-            "source": wf.source,
-            # JSON: the states as a list; a table: in order, with arrows
-            "states": list(wf.state_names) if fmt is Format.json else " -> ".join(wf.state_names),
-        }
-        for wf in usable
-    ]
-    for name, why in broken.items():
-        # Listed, with why it cannot be used here (the others stay usable).
-        rows.append(
-            {
-                "name": name,
-                "version": None,
-                "source": "yaml",
-                "states": [] if fmt is Format.json else "UNUSABLE HERE (see 'problem')",
-                "problem": why,
-            }
+    rows = workflow_rows(store_if_any(db))
+    broken = [row for row in rows if row.get("problem")]
+    for row in rows if fmt is Format.table else ():
+        # a table: the states in order, with arrows
+        row["states"] = (
+            "UNUSABLE HERE (see 'problem')" if row.get("problem") else " -> ".join(row["states"])
         )
-    if broken:
-        for row in rows:
-            row.setdefault("problem", None)
-    rows.sort(key=lambda r: str(r["name"]))
     columns = ["name", "version", "source", "states"] + (["problem"] if broken else [])
     emit_rows(rows, columns, fmt)
     if broken and fmt is Format.table:

@@ -1,0 +1,101 @@
+"""What every route of the API shares: the store, the engine beside it (if any), the
+threads that run blocking store calls, and the cursors of paged lists.
+
+Store calls block (one or a few transactions; SQLite waits for a writer's lock inside
+the call): they run on the API's own small pool of threads, never on the event loop,
+which also runs the engine when ``fleetwave serve`` serves both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextvars
+import functools
+import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+
+from fastapi import Request
+
+from fleetwave.api.errors import ApiError
+from fleetwave.store.db import Store
+
+if TYPE_CHECKING:
+    from fleetwave.engine.conductor import Conductor
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+#: threads for the API's store calls: enough for reads to overlap a write waiting for
+#: SQLite's lock, few enough that a burst of requests cannot starve the engine's writes
+STORE_THREADS = 8
+#: the most rows one page of a list holds (``limit``), and how many it holds by default
+PAGE_LIMIT_MAX = 1000
+PAGE_LIMIT_DEFAULT = 100
+#: the largest request body read (bytes): a bigger one is refused (413) unread
+MAX_BODY_BYTES = 1_048_576
+
+
+@dataclass
+class Service:
+    """The API's state: one per app (``app.state.service``)."""
+
+    store: Store
+    #: the engine in this process (``fleetwave serve`` without ``--no-engine``): told of
+    #: each callback stored, so that it applies it at once rather than at its next pass
+    conductor: Conductor | None = None
+    #: require a bearer token (False only for tests and ``--no-auth`` on loopback)
+    auth: bool = True
+    threads: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="fw-api")
+    )
+
+    async def call(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run a blocking store call on the API's threads, with this request's context
+        (who asks: recorded with what it changes)."""
+        ctx = contextvars.copy_context()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self.threads, functools.partial(ctx.run, fn, *args, **kwargs)
+        )
+
+    def close(self) -> None:
+        self.threads.shutdown(wait=True)
+
+
+def service_of(request: Request) -> Service:
+    service: Service = request.app.state.service
+    return service
+
+
+def encode_cursor(key: Any) -> str | None:
+    """An opaque cursor for the key of a page's last row (None: no next page)."""
+    if key is None:
+        return None
+    raw = json.dumps([key], separators=(",", ":")).encode("utf-8")
+    return base64.urlsafe_b64encode(raw).decode("ascii").rstrip("=")
+
+
+def decode_cursor(cursor: str | None, kind: type, default: Any) -> Any:
+    """The key a cursor holds (``default`` without one); one this server did not give
+    is bad input naming ``cursor``."""
+    if cursor is None or cursor == "":
+        return default
+    try:
+        padded = cursor + "=" * (-len(cursor) % 4)
+        (key,) = json.loads(base64.urlsafe_b64decode(padded.encode("ascii")))
+    except (ValueError, binascii.Error, UnicodeError, TypeError):
+        key = None
+    if type(key) is not kind:
+        raise ApiError(422, "invalid", "cursor: not a cursor this list gave", "cursor")
+    return key
+
+
+def page_answer(rows: list[dict[str, Any]], next_key: Any) -> dict[str, Any]:
+    """A page of a list: its rows (each as ``--format json`` has it) and the cursor of
+    the next page (null after the last)."""
+    return {"items": rows, "next_cursor": encode_cursor(next_key)}
