@@ -64,7 +64,9 @@ def error_response(
 
 #: a message that starts with what it is about: "--state: ...", "target name: ...",
 #: "STATE: ..." (the CLI's words for an option or an argument)
-_NAMED = re.compile(r"^(--[a-z][a-z0-9-]*|[A-Z][A-Z_]*|[a-z][a-z _]*?):\s")
+_NAMED = re.compile(
+    r"^(?:(?:target|group|workflow) [^\s:]+: )?(--[a-z][a-z0-9-]*|[A-Z][A-Z_]*|[a-z][a-z _]*?):\s"
+)
 
 
 def field_of(message: str) -> str | None:

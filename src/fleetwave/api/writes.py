@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleetwave import commands
@@ -21,7 +21,16 @@ from fleetwave.domain.models import ApplyType, StrategyOptions, Target
 from fleetwave.domain.yaml_workflow import MAX_SECONDS
 from fleetwave.store import admin
 
+
+def _no_body(request: Request) -> None:
+    """A change that takes no body refuses one (what it asked for would be ignored)."""
+    length = request.headers.get("content-length")
+    if (length not in (None, "0")) or "transfer-encoding" in request.headers:
+        raise ApiError(422, "invalid", "body: this request takes none", "body")
+
+
 router = APIRouter()
+NoBody = [Depends(_no_body)]
 
 #: the most target names one strategy body lists (a fleet of more: --group, --label, --all)
 NAMES_MAX = 100_000
@@ -133,27 +142,39 @@ async def create_strategy(svc: Svc, body: StrategyIn) -> dict[str, Any]:
     return await svc.call(_create, svc, body)
 
 
-@router.post("/strategies/{strategy_id}/apply", summary="Start (or resume) a strategy")
+@router.post(
+    "/strategies/{strategy_id}/apply", dependencies=NoBody, summary="Start (or resume) a strategy"
+)
 async def apply_strategy(svc: Svc, strategy_id: StrategyId) -> dict[str, Any]:
     return await svc.call(commands.apply_strategy, svc.store, strategy_id)
 
 
-@router.post("/strategies/{strategy_id}/pause", summary="Pause: no new step starts")
+@router.post(
+    "/strategies/{strategy_id}/pause", dependencies=NoBody, summary="Pause: no new step starts"
+)
 async def pause_strategy(svc: Svc, strategy_id: StrategyId) -> dict[str, Any]:
     return await svc.call(commands.pause_strategy, svc.store, strategy_id)
 
 
-@router.post("/strategies/{strategy_id}/resume", summary="Resume a paused strategy")
+@router.post(
+    "/strategies/{strategy_id}/resume", dependencies=NoBody, summary="Resume a paused strategy"
+)
 async def resume_strategy(svc: Svc, strategy_id: StrategyId) -> dict[str, Any]:
     return await svc.call(commands.resume_strategy, svc.store, strategy_id)
 
 
-@router.post("/strategies/{strategy_id}/abort", summary="Abort: nothing new starts")
+@router.post(
+    "/strategies/{strategy_id}/abort", dependencies=NoBody, summary="Abort: nothing new starts"
+)
 async def abort_strategy(svc: Svc, strategy_id: StrategyId) -> dict[str, Any]:
     return await svc.call(commands.abort_strategy, svc.store, strategy_id)
 
 
-@router.delete("/strategies/{strategy_id}", summary="Delete a strategy that is not running")
+@router.delete(
+    "/strategies/{strategy_id}",
+    dependencies=NoBody,
+    summary="Delete a strategy that is not running",
+)
 async def delete_strategy(
     svc: Svc, strategy_id: StrategyId, ignore_missing: IgnoreMissing = False
 ) -> dict[str, Any]:
@@ -197,17 +218,19 @@ async def change_target(svc: Svc, name: Name, body: TargetChange) -> dict[str, A
     )
 
 
-@router.post("/targets/{name}/manage", summary="Mark a target managed")
+@router.post("/targets/{name}/manage", dependencies=NoBody, summary="Mark a target managed")
 async def manage_target(svc: Svc, name: Name) -> dict[str, Any]:
     return await svc.call(commands.set_managed, svc.store, name, True)
 
 
-@router.post("/targets/{name}/unmanage", summary="Mark a target unmanaged")
+@router.post("/targets/{name}/unmanage", dependencies=NoBody, summary="Mark a target unmanaged")
 async def unmanage_target(svc: Svc, name: Name) -> dict[str, Any]:
     return await svc.call(commands.set_managed, svc.store, name, False)
 
 
-@router.delete("/targets/{name}", summary="Delete a target that is in no strategy")
+@router.delete(
+    "/targets/{name}", dependencies=NoBody, summary="Delete a target that is in no strategy"
+)
 async def delete_target(
     svc: Svc, name: Name, ignore_missing: IgnoreMissing = False
 ) -> dict[str, Any]:

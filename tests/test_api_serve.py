@@ -1,0 +1,104 @@
+"""``fleetwave serve --listen``: the REST API on a real uvicorn server beside the engine
+(a rollout created, applied and read through it, to the end), or alone
+(``--no-engine``); stopped by SIGTERM; its options refused when wrong."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+from sqlalchemy import func, select
+
+from api_harness import cli, serving
+from fleetwave.store.db import open_store
+from fleetwave.store.schema import journal
+
+
+def _init(tmp_path: Path) -> Path:
+    db = tmp_path / "fleet.db"
+    assert cli(db, "init").returncode == 0
+    return db
+
+
+def test_a_rollout_created_applied_and_read_through_the_api_runs_to_the_end(
+    tmp_path: Path,
+) -> None:
+    db = _init(tmp_path)
+    with serving(db) as server, server.client() as http:
+        assert http.get("/healthz").json() == {"ok": True}
+        ready = http.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["ok"] is True
+        for i in range(12):
+            added = http.post("/v1/targets", json={"name": f"s{i:02d}", "labels": {"ring": "a"}})
+            assert added.status_code == 201 and added.json() == {"name": f"s{i:02d}", "added": True}
+        created = http.post(
+            "/v1/strategies", json={"workflow": "patch", "labels": {"ring": "a"}, "max_parallel": 4}
+        )
+        assert created.status_code == 201, created.text
+        sid = created.json()["id"]
+        assert created.json()["steps"] == 12 and created.json()["state"] == "initial"
+        applied = http.post(f"/v1/strategies/{sid}/apply").json()
+        assert applied["state"] == "applying" and applied["was"] == "initial"
+        deadline = time.monotonic() + 60
+        state = ""
+        while time.monotonic() < deadline:
+            state = http.get(f"/v1/strategies/{sid}").json()["state"]
+            if state == "complete":
+                break
+            time.sleep(0.1)
+        assert state == "complete"
+
+        # the journal, a page of 7 at a time, all of it once, in order
+        rows, cursor = [], None
+        while True:
+            page = http.get(
+                f"/v1/strategies/{sid}/history",
+                params={"limit": 7, **({"cursor": cursor} if cursor else {})},
+            ).json()
+            rows += page["items"]
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        store = open_store(str(db))
+        with store.read() as conn:
+            written = conn.execute(
+                select(func.count()).select_from(journal).where(journal.c.strategy_id == sid)
+            ).scalar()
+        assert len(rows) == written == 12 * 6  # five states and complete, each once
+        assert len({(r["step"], r["to"]) for r in rows}) == len(rows)
+
+        checked = http.get("/v1/check").json()
+        assert checked["ok"] is True and checked["violations"] == []
+    assert server.proc.returncode == 0
+    said = "".join(server.lines)
+    assert "leases handed back" in said and "API stopped" in said
+    assert cli(db, "check").returncode == 0
+
+
+def test_no_engine_serves_the_api_and_drives_nothing(tmp_path: Path) -> None:
+    db = _init(tmp_path)
+    assert cli(db, "target", "add", "a1").returncode == 0
+    with serving(db, "--no-engine") as server, server.client() as http:
+        sid = http.post("/v1/strategies", json={"workflow": "patch", "all": True}).json()["id"]
+        answer = http.post(f"/v1/strategies/{sid}/apply").json()
+        assert answer["driven_by"].startswith("nobody")
+        time.sleep(1.0)
+        shown = http.get(f"/v1/strategies/{sid}").json()
+        assert shown["state"] == "applying" and shown["step_states"] == {"initial": 1}
+    assert server.proc.returncode == 0
+    assert "conductor" not in "".join(server.lines)
+
+
+def test_serve_options_that_cannot_work_are_refused(tmp_path: Path) -> None:
+    db = _init(tmp_path)
+    res = cli(db, "serve", "--no-engine")
+    assert res.returncode == 2 and "--no-engine: only with --listen" in res.stderr
+    res = cli(db, "serve", "--listen", "8080")
+    assert res.returncode == 2 and "--listen: expected HOST:PORT" in res.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = cli(db, "serve", "--listen", f"127.0.0.1:{port}")
+    assert res.returncode == 2 and "--listen: cannot listen on" in res.stderr
