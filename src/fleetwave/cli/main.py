@@ -15,8 +15,9 @@ import asyncio
 import logging
 import os
 import re
+import socket
 import sys
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from sqlalchemy.exc import DBAPIError
@@ -52,13 +53,11 @@ from fleetwave.domain.registry import load_plugins
 from fleetwave.domain.workflow import WorkflowError
 from fleetwave.engine import loop as event_loop
 from fleetwave.engine.conductor import Conductor
-from fleetwave.engine.config import EngineConfig
 from fleetwave.engine.errors import StoreReplaced, StoreUnavailable
 from fleetwave.store import queries
 from fleetwave.store.db import (
     HEAD_REVISION,
     SchemaOutdated,
-    Store,
     StoreError,
     default_db_path,
     mark_initialised,
@@ -66,6 +65,9 @@ from fleetwave.store.db import (
     open_store,
 )
 from fleetwave.store.postgres import redact
+
+if TYPE_CHECKING:
+    from fleetwave.api.service import Service
 
 
 class _Interrupted(BaseException):
@@ -242,8 +244,10 @@ def serve(
     # Never a new database: a mistyped --db would be served, empty, for good (a service
     # manager restarting it), while the real fleet's strategies wait for nobody.
     store = existing_store(db)
-    if listen is not None:
-        _serve_api(store, db, listen, config, engine=not no_engine)
+    api = _Api.bind(listen, db) if listen is not None else None
+    if no_engine:
+        assert api is not None
+        _serve_api_alone(api)
         return
     others = [queries.conductor_named(c) for c in queries.serving_conductors(store)]
     if others:
@@ -269,10 +273,15 @@ def serve(
         stop_on_signals(stop, conductor.config.shutdown_grace_s, at_once=stopped_now)
         report = ServeReport(store, conductor)
         reporter: list[asyncio.Task[None]] = []
+        serving = api.start(stop, conductor) if api is not None else None
 
         def ready() -> None:
             # Said once registered: a database locked at start is waited for (logged) first.
-            err_console.print(f"conductor {conductor.id} serving {store.url}; Ctrl-C to stop")
+            also = f", and the {api.said}" if api is not None else ""
+            err_console.print(
+                f"conductor {conductor.id} serving {store.url}{also}; Ctrl-C to stop",
+                highlight=False,
+            )
             reporter.append(asyncio.create_task(report.run()))
 
         try:
@@ -281,6 +290,9 @@ def serve(
             for task in reporter:
                 task.cancel()
             await asyncio.gather(*reporter, return_exceptions=True)
+            if api is not None and serving is not None:
+                # after the conductor: callbacks sent while it stopped are still stored
+                await api.stop(serving)
         if reporter:
             report.tick(stopped=True)  # what ended meanwhile, and what was handed back
         err_console.print(f"conductor {conductor.id} stopped; leases handed back")
@@ -291,59 +303,65 @@ def serve(
         # The second Ctrl-C (or SIGTERM): stopped at once, nothing handed back.
         err_console.print(stopped_now(), highlight=False)
         raise typer.Exit(130) from None
+    finally:
+        if api is not None:
+            api.sock.close()
 
 
-def _serve_api(
-    store: Store, db: str | None, listen: str, config: EngineConfig, *, engine: bool
-) -> None:
-    """``serve --listen``: the API, beside a conductor unless ``engine`` is False. The
-    API has its own connections to the database (its requests never wait for the
-    engine's), and runs its store calls on its own threads."""
-    from fleetwave.api.serve import bind, serve_api
-    from fleetwave.api.service import Service
+class _Api:
+    """``serve --listen``: the REST API served on the command's loop. It has its own
+    connections to the database (its requests never wait for the engine's), and runs
+    its store calls on its own threads (see fleetwave.api.service)."""
 
-    sock, base = bind(listen)
-    service = Service(existing_store(db))
+    def __init__(self, sock: socket.socket, base: str, service: Service) -> None:
+        self.sock = sock
+        self.service = service
+        self.said = f"API on {base}/v1 (OpenAPI: {base}/openapi.json)"
+        self._stop = asyncio.Event()
 
-    async def _both() -> None:
-        stop = asyncio.Event()
-        conductor = Conductor(store, config=config) if engine else None
-        service.conductor = conductor
-        stop_on_signals(
-            stop,
-            config.shutdown_grace_s,
-            said=None if engine else (lambda: "stopping: requests under way finish"),
-        )
-        api_stop = asyncio.Event()
-        api = asyncio.create_task(serve_api(service, sock, api_stop), name="fleetwave-api")
-        api.add_done_callback(lambda _: stop.set())  # (it failed: the engine stops too)
-        what = f"API on {base}/v1 (OpenAPI: {base}/openapi.json)"
-        try:
-            if conductor is None:
-                err_console.print(f"serving the {what}; Ctrl-C to stop", highlight=False)
-                await stop.wait()
-            else:
+    @classmethod
+    def bind(cls, listen: str, db: str | None) -> _Api:
+        """Bound now: a port in use is bad input before anything starts."""
+        from fleetwave.api.serve import bind
+        from fleetwave.api.service import Service
 
-                def ready() -> None:
-                    err_console.print(
-                        f"conductor {conductor.id} serving {store.url}, and the {what}; "
-                        "Ctrl-C to stop",
-                        highlight=False,
-                    )
+        sock, base = bind(listen)
+        return cls(sock, base, Service(existing_store(db)))
 
-                await conductor.run(stop=stop, on_ready=ready)
-                err_console.print(f"conductor {conductor.id} stopped; leases handed back")
-        finally:
-            api_stop.set()
-            await api
+    def start(self, stop: asyncio.Event, conductor: Conductor | None) -> asyncio.Task[None]:
+        """Serve until :meth:`stop`; if the API fails, ``stop`` is set (all stops)."""
+        from fleetwave.api.serve import serve_api
+
+        self.service.conductor = conductor
+        task = asyncio.create_task(serve_api(self.service, self.sock, self._stop))
+        task.add_done_callback(lambda _: stop.set())
+        return task
+
+    async def stop(self, task: asyncio.Task[None]) -> None:
+        self._stop.set()
+        await task
         err_console.print("API stopped", highlight=False)
 
+
+def _serve_api_alone(api: _Api) -> None:
+    """``serve --listen --no-engine``: the API until Ctrl-C or SIGTERM."""
+
+    async def _alone() -> None:
+        stop = asyncio.Event()
+        stop_on_signals(stop, 0, said=lambda: "stopping: requests under way finish")
+        serving = api.start(stop, None)
+        err_console.print(f"serving the {api.said}; Ctrl-C to stop", highlight=False)
+        try:
+            await stop.wait()
+        finally:
+            await api.stop(serving)
+
     try:
-        event_loop.run(_both())
+        event_loop.run(_alone())
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     finally:
-        sock.close()
+        api.sock.close()
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
