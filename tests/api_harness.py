@@ -4,6 +4,7 @@ SIGTERM as a service manager stops it."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -39,7 +40,7 @@ class Server:
         return self.proc.wait(timeout=60)
 
 
-def cli(
+def run_fleetwave(
     db: Path, *args: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -109,3 +110,10 @@ def in_process(db: Path, *, auth: bool = False) -> Iterator[httpx.Client]:
             yield c
     finally:
         store.dispose()
+
+
+def new_token(db: Path, role: str = "admin", name: str = "tests") -> str:
+    """``fleetwave token create``: a bearer token of ``role``."""
+    made = run_fleetwave(db, "token", "create", "--role", role, "--name", name, "--format", "json")
+    assert made.returncode == 0, made.stderr
+    return str(json.loads(made.stdout)["token"])

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from api_harness import cli, in_process, serving
+from api_harness import in_process, new_token, run_fleetwave, serving
 from fleetwave.api.service import MAX_BODY_BYTES
 from fleetwave.store.db import open_store
 from fleetwave.store.schema import callbacks, events, strategies, targets
@@ -139,8 +139,9 @@ def test_bad_input_is_a_4xx_naming_the_field_and_writes_nothing(
 
 def test_the_server_goes_on_serving_after_bad_input(tmp_path: Path) -> None:
     db = tmp_path / "fleet.db"
-    assert cli(db, "init").returncode == 0
-    with serving(db, "--no-engine") as server, server.client() as http:
+    assert run_fleetwave(db, "init").returncode == 0
+    token = new_token(db, "operator")
+    with serving(db, "--no-engine") as server, server.client(token) as http:
         for method, path, kw, status, _ in CASES[:14]:
             assert http.request(method, path, **kw).status_code == status
         assert http.post("/v1/targets", json={"name": "a1"}).status_code == 201

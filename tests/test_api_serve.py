@@ -10,14 +10,14 @@ from pathlib import Path
 
 from sqlalchemy import func, select
 
-from api_harness import cli, serving
+from api_harness import new_token, run_fleetwave, serving
 from fleetwave.store.db import open_store
 from fleetwave.store.schema import journal
 
 
 def _init(tmp_path: Path) -> Path:
     db = tmp_path / "fleet.db"
-    assert cli(db, "init").returncode == 0
+    assert run_fleetwave(db, "init").returncode == 0
     return db
 
 
@@ -25,7 +25,8 @@ def test_a_rollout_created_applied_and_read_through_the_api_runs_to_the_end(
     tmp_path: Path,
 ) -> None:
     db = _init(tmp_path)
-    with serving(db) as server, server.client() as http:
+    token = new_token(db, "operator")
+    with serving(db) as server, server.client(token) as http:
         assert http.get("/healthz").json() == {"ok": True}
         ready = http.get("/readyz")
         assert ready.status_code == 200 and ready.json()["ok"] is True
@@ -73,13 +74,14 @@ def test_a_rollout_created_applied_and_read_through_the_api_runs_to_the_end(
     assert server.proc.returncode == 0
     said = "".join(server.lines)
     assert "leases handed back" in said and "API stopped" in said
-    assert cli(db, "check").returncode == 0
+    assert run_fleetwave(db, "check").returncode == 0
 
 
 def test_no_engine_serves_the_api_and_drives_nothing(tmp_path: Path) -> None:
     db = _init(tmp_path)
-    assert cli(db, "target", "add", "a1").returncode == 0
-    with serving(db, "--no-engine") as server, server.client() as http:
+    assert run_fleetwave(db, "target", "add", "a1").returncode == 0
+    token = new_token(db, "operator")
+    with serving(db, "--no-engine") as server, server.client(token) as http:
         sid = http.post("/v1/strategies", json={"workflow": "patch", "all": True}).json()["id"]
         answer = http.post(f"/v1/strategies/{sid}/apply").json()
         assert answer["driven_by"].startswith("nobody")
@@ -92,13 +94,13 @@ def test_no_engine_serves_the_api_and_drives_nothing(tmp_path: Path) -> None:
 
 def test_serve_options_that_cannot_work_are_refused(tmp_path: Path) -> None:
     db = _init(tmp_path)
-    res = cli(db, "serve", "--no-engine")
+    res = run_fleetwave(db, "serve", "--no-engine")
     assert res.returncode == 2 and "--no-engine: only with --listen" in res.stderr
-    res = cli(db, "serve", "--listen", "8080")
+    res = run_fleetwave(db, "serve", "--listen", "8080")
     assert res.returncode == 2 and "--listen: expected HOST:PORT" in res.stderr
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        res = cli(db, "serve", "--listen", f"127.0.0.1:{port}")
+        res = run_fleetwave(db, "serve", "--listen", f"127.0.0.1:{port}")
     assert res.returncode == 2 and "--listen: cannot listen on" in res.stderr

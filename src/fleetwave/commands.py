@@ -9,6 +9,7 @@ transactions): the API runs them in a thread.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fleetwave.cli.parsing import check_target
@@ -16,7 +17,7 @@ from fleetwave.domain.errors import Conflict, InputError, NotFound
 from fleetwave.domain.models import ApplyType, StrategyOptions, StrategyState, Target
 from fleetwave.domain.registry import get_workflow
 from fleetwave.domain.workflow import WorkflowDef
-from fleetwave.store import admin, queries
+from fleetwave.store import admin, queries, tokens
 from fleetwave.store.db import Store
 from fleetwave.testing.invariants import CheckResult
 from fleetwave.testing.invariants import check as check_invariants
@@ -204,3 +205,18 @@ def _undriven_notes(store: Store, only: int | None) -> list[str]:
                 f"once 'fleetwave serve' runs (or 'fleetwave strategy apply {sid} --wait')"
             )
     return notes
+
+
+def create_token(
+    store: Store, name: str, role: tokens.Role, expires_s: float | None
+) -> dict[str, Any]:
+    """``token create``: the token (shown this once), its name, role and expiry."""
+    now = time.time()
+    expires_at = now + expires_s if expires_s is not None else None
+    token = tokens.create_token(store, name, role, expires_at, now)
+    return {"name": name, "role": role.value, "token": token, "expires_at": expires_at}
+
+
+def revoke_token(store: Store, name: str) -> dict[str, Any]:
+    """``token revoke``: revoked, and whether by this call."""
+    return {"name": name, "revoked": True, "revoked_now": tokens.revoke_token(store, name)}

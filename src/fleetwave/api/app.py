@@ -18,7 +18,8 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import fleetwave
-from fleetwave.api import errors, reads, writes
+from fleetwave.api import callbacks, errors, reads, tokens, writes
+from fleetwave.api.auth import Admin, Operator, Reader
 from fleetwave.api.errors import ApiError, ErrorAnswer, error_response
 from fleetwave.api.service import MAX_BODY_BYTES, Service, service_of
 from fleetwave.store.db import HEAD_REVISION, current_revision
@@ -117,6 +118,8 @@ def make_app(service: Service) -> FastAPI:
             code: {"model": ErrorAnswer, "description": what}
             for code, what in (
                 (400, "malformed request"),
+                (401, "no valid bearer token"),
+                (403, "the token's role may not do this"),
                 (404, "not found"),
                 (409, "conflicts with the current state"),
                 (413, "body too large"),
@@ -129,8 +132,11 @@ def make_app(service: Service) -> FastAPI:
     app.add_middleware(BodyLimit)
 
     v1 = APIRouter(prefix=API_PREFIX)
-    v1.include_router(reads.router, tags=["reads"])
-    v1.include_router(writes.router, tags=["changes"])
+    v1.include_router(reads.router, tags=["reads"], dependencies=[Reader])
+    v1.include_router(writes.router, tags=["changes"], dependencies=[Operator])
+    v1.include_router(tokens.router, tags=["tokens"], dependencies=[Admin])
+    # (agents send their own token, for one step's state: not an API token)
+    v1.include_router(callbacks.router, tags=["agents"])
     app.include_router(v1)
 
     @app.get("/healthz", tags=["health"], summary="The server answers")

@@ -43,12 +43,20 @@ class ErrorAnswer(BaseModel):
 class ApiError(Exception):
     """An error answered as it is: its status, code, message and field."""
 
-    def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        field: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.field = field
+        self.headers = headers
 
 
 def error_response(
@@ -97,7 +105,7 @@ def _input_error(_: Request, exc: Exception) -> JSONResponse:
 
 def _api_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return error_response(exc.status, exc.code, exc.message, exc.field)
+    return error_response(exc.status, exc.code, exc.message, exc.field, exc.headers)
 
 
 def _validation_error(_: Request, exc: Exception) -> JSONResponse:

@@ -46,6 +46,7 @@ from fleetwave.cli.site_emulator import site_emulator_command
 from fleetwave.cli.steps import step_app
 from fleetwave.cli.strategies import strategy_app
 from fleetwave.cli.targets import target_app
+from fleetwave.cli.tokens import token_app
 from fleetwave.cli.workflows import workflow_app
 from fleetwave.domain.errors import InputError
 from fleetwave.domain.models import plural
@@ -159,6 +160,7 @@ app.add_typer(workflow_app, name="workflow", cls=_Commands)
 app.add_typer(strategy_app, name="strategy", cls=_Commands)
 app.add_typer(step_app, name="step", cls=_Commands)
 app.add_typer(conductor_app, name="conductor", cls=_Commands)
+app.add_typer(token_app, name="token", cls=_Commands)
 app.command("demo")(demo_command)
 app.command("sim")(sim_command)
 app.command("site-emulator")(site_emulator_command)

@@ -90,15 +90,7 @@ def step_callback(
         )
     record = accept_callback(store, step_id, state, kind, details, time.time())
     outcome, reason = record.outcome, record.reason  # a late one is answered at once
-    answer: dict[str, Any] = {
-        "id": record.id,
-        "step": step_id,
-        "strategy": record.strategy_id,
-        "state": state,
-        "kind": kind,
-        "outcome": outcome,
-        "reason": reason,
-    }
+    answer = record.answer()
     late = outcome is not None
     ahead = None if late else _ahead_of(store, step, states, state)
     if late:

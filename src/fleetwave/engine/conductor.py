@@ -232,9 +232,15 @@ class Conductor(
         The dispatcher applies it (or records why it was ignored) on its next turn.
         """
         record = cbs.accept_callback(self.store, step_id, state, kind, details, self.clock.now())
+        self.callback_stored(record)
+        return record
+
+    def callback_stored(self, record: cbs.CallbackRecord) -> None:
+        """A callback stored by someone else in this process (the REST API, from its own
+        thread and connection): applied on the dispatcher's next turn, as one it
+        received, rather than found on its next pass. Never blocks; call it on the loop."""
         self._first_sight(record)
         self.post(CallbackArrived(record))
-        return record
 
     def _first_sight(self, record: cbs.CallbackRecord) -> bool:
         """Whether this conductor has not posted this callback yet (and now has)."""

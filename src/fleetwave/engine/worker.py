@@ -44,6 +44,7 @@ from fleetwave.engine.stopping import not_started_reason
 from fleetwave.engine.store_calls import StoreCalls
 from fleetwave.store import callbacks as cbs
 from fleetwave.store import runtime as rt
+from fleetwave.store import tokens
 
 log = logging.getLogger("fleetwave.engine")
 
@@ -119,6 +120,26 @@ class WorkerMixin(StoreCalls):
             if not await go:
                 return
 
+    async def _issue_agent_token(
+        self, strategy_id: int, step_id: int, state: str, timeout_s: float
+    ) -> str:
+        """A new agent token for a state that waits for its target's callback: only its
+        hash is stored (committed before the action hands the token out); it lasts
+        until a while after the state's timeout (a late report is still recorded)."""
+        token = tokens.new_secret(tokens.AGENT_PREFIX)
+        now = self.clock.now()
+        await self._io(
+            tokens.issue_agent_token,
+            self.store,
+            strategy_id,
+            step_id,
+            state,
+            tokens.token_hash(token),
+            now,
+            now + timeout_s + tokens.AGENT_TOKEN_GRACE_S,
+        )
+        return token
+
     async def _run_state(self, run: StrategyRun, fl: InFlight, recovering: bool) -> ActionFinished:
         """Run one state's action (or its recover hook), with retries; never raises."""
         rec, state, fence, waiter = fl.rec, fl.state, fl.fence, fl.waiter
@@ -176,6 +197,9 @@ class WorkerMixin(StoreCalls):
         decision: Decision
         #: a poll state's last "not yet" (its details): said when the state times out
         last_poll: str | None = None
+        agent_token = None
+        if waiter is not None and not recovering and driver is not None:
+            agent_token = await self._issue_agent_token(run.id, rec.step_id, state, timeout_s)
         while True:
             attempts += 1
             try:
@@ -195,6 +219,7 @@ class WorkerMixin(StoreCalls):
                     st.mode == "poll",  # polling
                     0,  # poll
                     (lambda: fl.stopped) if recovering else None,  # is_stopping
+                    agent_token,
                 )
                 self._attempts += 1
                 attempt = fl.running = self._attempts

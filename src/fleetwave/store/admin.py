@@ -35,6 +35,7 @@ from fleetwave.domain.workflow import WorkflowDef, WorkflowError, describe_workf
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.store.db import DialectHooks, Store
 from fleetwave.store.schema import (
+    agent_tokens,
     callbacks,
     events,
     groups,
@@ -56,6 +57,32 @@ ADMIN_CLOCK: ContextVar[Callable[[], float]] = ContextVar("fleetwave_admin_clock
 
 def _now() -> float:
     return ADMIN_CLOCK.get(time.time)()
+
+
+#: Who makes this context's changes when it is not the operator at the command line:
+#: ``api:NAME`` (a REST API request, by its token's name). Each change is then recorded
+#: with it, in the change's own transaction (an event of kind ``change-by``).
+ACTOR: ContextVar[str | None] = ContextVar("fleetwave_actor", default=None)
+
+#: the kind of event that records who made a change through the API
+CHANGE_BY = "change-by"
+
+
+def _record_actor(conn: Connection, what: str, strategy_id: int | None = None) -> None:
+    """Record who made this change (:data:`ACTOR`), if it is known."""
+    actor = ACTOR.get()
+    if actor is None:
+        return
+    conn.execute(
+        insert(events).values(
+            at=_now(),
+            conductor=None,
+            strategy_id=strategy_id,
+            step_id=None,
+            kind=CHANGE_BY,
+            details=f"{what} by {actor}",
+        )
+    )
 
 
 # -- groups -----------------------------------------------------------------
@@ -337,6 +364,9 @@ def _add_targets(
                 for t in items
             ],
         )
+        _record_actor(
+            conn, f"{plural(len(items), 'target')} added ({_some([t.name for t in items])})"
+        )
     return len(items)
 
 
@@ -416,6 +446,7 @@ def set_managed(store: Store, name: str, managed: bool) -> list[dict[str, Any]]:
     with store.write() as conn:
         tid = _target_id(conn, name)
         conn.execute(update(targets).where(targets.c.id == tid).values(managed=managed))
+        _record_actor(conn, f"target {name} {'managed' if managed else 'unmanaged'}")
         if managed:
             return []
         waiting = conn.execute(
@@ -666,6 +697,8 @@ def change_target(
                 labels=json.dumps(new_labels, sort_keys=True),
             )
         )
+        # (which fields, not their values: a setting may be a secret)
+        _record_actor(conn, f"target {name} changed ({', '.join(changes)})")
         return changes
 
 
@@ -707,6 +740,7 @@ def delete_target(store: Store, name: str) -> None:
                 "delete those strategies first"
             )
         conn.execute(delete(targets).where(targets.c.id == tid))
+        _record_actor(conn, f"target {name} deleted")
 
 
 # -- workflows ----------------------------------------------------------------
@@ -944,6 +978,7 @@ def create_strategy(
                 stage_of.setdefault(r.group_id, len(stage_of) + 1)
         sid = _take_ids(conn, strategies)
         first_step = _take_ids(conn, steps, len(rows))
+        _record_actor(conn, f"strategy {sid} created ({wf.name}, {plural(len(rows), 'step')})", sid)
         conn.execute(
             insert(strategies).values(
                 id=sid,
@@ -1135,6 +1170,7 @@ def apply_strategy(store: Store, sid: int, *, resume: bool = True) -> str:
                 .where(strategies.c.id == sid, strategies.c.state == state)
                 .values(state=StrategyState.APPLYING.value, updated_at=_now())
             )
+            _record_actor(conn, f"strategy {sid} applied (it was {state})", sid)
         elif state == StrategyState.DELETING:
             raise Conflict(
                 f"strategy {sid}: is being deleted; 'fleetwave strategy delete {sid}' finishes it"
@@ -1190,6 +1226,7 @@ def _switch_state(
                 .where(strategies.c.id == sid, strategies.c.state == state)
                 .values(state=dst.value, updated_at=_now())
             )
+            _record_actor(conn, f"strategy {sid} {done}", sid)
         elif state != dst:
             raise Conflict(
                 f"strategy {sid}: is {state}; only {which} strategy can be {done}"
@@ -1266,6 +1303,7 @@ def request_abort(store: Store, sid: int) -> str | None:
                     processed_at=now,
                 )
             )
+            _record_actor(conn, f"strategy {sid} aborted (it was never applied)", sid)
             return StrategyState.INITIAL.value
         if state not in (StrategyState.APPLYING, StrategyState.PAUSED):
             raise Conflict(
@@ -1276,6 +1314,7 @@ def request_abort(store: Store, sid: int) -> str | None:
             .where(strategies.c.id == sid, strategies.c.state == state)
             .values(state=StrategyState.ABORT_REQUESTED.value, updated_at=_now())
         )
+        _record_actor(conn, f"strategy {sid} abort requested", sid)
         return None
 
 
@@ -1336,7 +1375,7 @@ def delete_strategy(store: Store, sid: int, *, chunk: int | None = None) -> None
         )
     # Steps first: once a step is gone no callback can be stored for it (one stored
     # for a step still there is deleted with the callbacks after it).
-    for table in (steps, callbacks, journal, events):
+    for table in (steps, callbacks, journal, events, agent_tokens):
         while True:
             began = time.monotonic()
             with store.write() as conn:
@@ -1351,3 +1390,4 @@ def delete_strategy(store: Store, sid: int, *, chunk: int | None = None) -> None
             time.sleep(min(DELETE_PAUSE_MAX_S, time.monotonic() - began))
     with store.write() as conn:
         conn.execute(delete(strategies).where(strategies.c.id == sid))
+        _record_actor(conn, f"strategy {sid} deleted")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sqlalchemy import insert, select
+from sqlalchemy.exc import IntegrityError
 
 from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.models import STEP_TERMINAL
@@ -33,10 +34,31 @@ class CallbackRecord:
     outcome: str | None = None
     reason: str | None = None
 
+    def answer(self) -> dict[str, object]:
+        """What ``step callback --format json`` and the API answer for it."""
+        return {
+            "id": self.id,
+            "step": self.step_id,
+            "strategy": self.strategy_id,
+            "state": self.state,
+            "kind": self.kind,
+            "outcome": self.outcome,
+            "reason": self.reason,
+        }
+
 
 def accept_callback(
-    store: Store, step_id: int, state: str, kind: str, details: str, now: float
+    store: Store,
+    step_id: int,
+    state: str,
+    kind: str,
+    details: str,
+    now: float,
+    idempotency_key: str | None = None,
 ) -> CallbackRecord:
+    """Store a callback (one INSERT). With an ``idempotency_key`` already stored for
+    this step, nothing is stored: the callback stored with it is returned (its sender
+    sent it again, not knowing it had arrived); :func:`is_replay` tells."""
     if kind not in KINDS:
         raise InputError(f"kind: must be one of {', '.join(KINDS)}, got '{kind}'")
     if not state:
@@ -44,6 +66,26 @@ def accept_callback(
     # A target's words: on one line, printable, bounded (a byte that was not UTF-8 in a
     # shell's argument made the insert fail with a traceback)
     details = details_text(details)
+    try:
+        return _insert(store, step_id, state, kind, details, now, idempotency_key)
+    except IntegrityError:
+        if idempotency_key is None:
+            raise
+        again = _keyed(store, step_id, idempotency_key)
+        if again is None:
+            raise
+        return again
+
+
+def _insert(
+    store: Store,
+    step_id: int,
+    state: str,
+    kind: str,
+    details: str,
+    now: float,
+    idempotency_key: str | None,
+) -> CallbackRecord:
     with store.write() as conn:
         row = conn.execute(
             select(steps.c.strategy_id, steps.c.state).where(steps.c.id == step_id)
@@ -64,11 +106,35 @@ def accept_callback(
                 kind=kind,
                 details=details,
                 received_at=now,
+                idempotency_key=idempotency_key,
                 **final,
             )
         )
         cid = int(res.inserted_primary_key[0])  # type: ignore[index]
     return CallbackRecord(cid, int(row.strategy_id), step_id, state, kind, details, outcome, reason)
+
+
+@dataclass(frozen=True, slots=True)
+class Replay(CallbackRecord):
+    """A callback stored before with the same idempotency key (nothing stored now)."""
+
+
+def is_replay(record: CallbackRecord) -> bool:
+    return isinstance(record, Replay)
+
+
+def _keyed(store: Store, step_id: int, key: str) -> CallbackRecord | None:
+    with store.read() as conn:
+        r = conn.execute(
+            select(callbacks).where(
+                callbacks.c.step_id == step_id, callbacks.c.idempotency_key == key
+            )
+        ).first()
+    if r is None:
+        return None
+    return Replay(
+        int(r.id), int(r.strategy_id), step_id, r.state, r.kind, r.details, r.outcome, r.reason
+    )
 
 
 def open_callbacks(store: Store, strategy_ids: list[int], after_id: int) -> list[CallbackRecord]:

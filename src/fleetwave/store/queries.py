@@ -1117,6 +1117,8 @@ EVENT_KINDS = {
     "abort-too-late": "an abort came after every step had ended (the strategy ended so)",
     "takeover-incomplete": "steps moved on while a takeover read them",
     "strategy-undrivable": "the strategy cannot be driven (why)",
+    "change-by": "a change made through the REST API, and by which token",
+    "callback-refused": "an agent's callback refused for its token (from which address, why)",
 }
 
 
