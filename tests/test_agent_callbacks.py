@@ -10,16 +10,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 from sqlalchemy import select, update
 
 from conftest import add_sim_targets
 from fleetwave import ActionContext, Advance, Outcome, StateAction
 from fleetwave.api.serve import bind, serve_api
 from fleetwave.api.service import Service
+from fleetwave.domain import registry
 from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.registry import register_workflow
 from fleetwave.domain.workflow import StateDef, WorkflowDef
@@ -56,16 +58,26 @@ class NoteToken(StateAction):
 
 WAIT = HandsOutItsToken()
 PLAIN = NoteToken()
-WORKFLOW = register_workflow(
-    WorkflowDef(
-        "agent-callbacks-test",
-        (
-            StateDef("boot", WAIT, timeout_s=60, mode="wait-for-callback"),
-            StateDef("finish", PLAIN, timeout_s=60),
-        ),
+WORKFLOW = WorkflowDef(
+    "agent-callbacks-test",
+    (
+        StateDef("boot", WAIT, timeout_s=60, mode="wait-for-callback"),
+        StateDef("finish", PLAIN, timeout_s=60),
     ),
-    replace=True,
 )
+
+
+@pytest.fixture(autouse=True)
+def _registered() -> Iterator[None]:
+    """The workflow, known while a test runs (other tests list the known ones)."""
+    register_workflow(WORKFLOW, replace=True)
+    WAIT.tokens.clear()
+    PLAIN.tokens.clear()
+    try:
+        yield
+    finally:
+        registry._workflows.pop(WORKFLOW.name, None)
+
 
 Agents = Callable[[httpx.AsyncClient, int], Awaitable[None]]
 
@@ -122,8 +134,6 @@ async def _tokens_of(steps: int) -> dict[int, str]:
 def test_agents_call_back_with_their_tokens_and_the_wrong_ones_are_refused(
     store: Store, db_url: str
 ) -> None:
-    WAIT.tokens.clear()
-    PLAIN.tokens.clear()
     add_sim_targets(store, 40)
     sid = admin.create_strategy(store, WORKFLOW, StrategyOptions(max_parallel=40), all_targets=True)
     admin.apply_strategy(store, sid)
@@ -187,7 +197,6 @@ def test_agents_call_back_with_their_tokens_and_the_wrong_ones_are_refused(
 def test_a_late_report_is_recorded_as_late_and_an_expired_token_is_refused(
     store: Store, db_url: str, tmp_path: Path
 ) -> None:
-    WAIT.tokens.clear()
     add_sim_targets(store, 2)
     sid = admin.create_strategy(store, WORKFLOW, StrategyOptions(), all_targets=True)
     admin.apply_strategy(store, sid)

@@ -1,10 +1,11 @@
 """The REST API as one FastAPI app: ``make_app(service)``.
 
 Routes are versioned under ``/v1``; ``/healthz`` (the process answers), ``/readyz``
-(the database answers and its schema is this fleetwave's), ``/openapi.json`` and
-``/docs`` are not. Every error is answered in one shape (:mod:`fleetwave.api.errors`);
-a body larger than :data:`~fleetwave.api.service.MAX_BODY_BYTES` is refused unread,
-and so is a query parameter the route does not take.
+(the database answers and its schema is this fleetwave's), ``/metrics`` (Prometheus),
+``/openapi.json`` and ``/docs`` are not. Every error is answered in one shape
+(:mod:`fleetwave.api.errors`); a body larger than
+:data:`~fleetwave.api.service.MAX_BODY_BYTES` is refused unread, and so is a query
+parameter the route does not take.
 """
 
 from __future__ import annotations
@@ -13,19 +14,20 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import fleetwave
 from fleetwave.api import callbacks, errors, reads, tokens, writes
 from fleetwave.api.auth import Admin, Operator, Reader
 from fleetwave.api.errors import ApiError, ErrorAnswer, error_response
+from fleetwave.api.metrics import API_PREFIX, ApiMetrics, CountRequests
 from fleetwave.api.service import MAX_BODY_BYTES, Service, service_of
+from fleetwave.engine.meters import Meters
 from fleetwave.store.db import HEAD_REVISION, current_revision
 from fleetwave.store.postgres import redact
-
-API_PREFIX = "/v1"
 
 
 def _known_query(request: Request) -> None:
@@ -129,15 +131,29 @@ def make_app(service: Service) -> FastAPI:
     )
     app.state.service = service
     errors.install(app)
+    metrics = service.metrics = ApiMetrics(service)
+    if service.conductor is not None and service.conductor.meters is None:
+        service.conductor.meters = Meters()
     app.add_middleware(BodyLimit)
+    app.add_middleware(CountRequests, metrics=metrics)
 
-    v1 = APIRouter(prefix=API_PREFIX)
-    v1.include_router(reads.router, tags=["reads"], dependencies=[Reader])
-    v1.include_router(writes.router, tags=["changes"], dependencies=[Operator])
-    v1.include_router(tokens.router, tags=["tokens"], dependencies=[Admin])
+    v1 = API_PREFIX
+    app.include_router(reads.router, prefix=v1, tags=["reads"], dependencies=[Reader])
+    app.include_router(writes.router, prefix=v1, tags=["changes"], dependencies=[Operator])
+    app.include_router(tokens.router, prefix=v1, tags=["tokens"], dependencies=[Admin])
     # (agents send their own token, for one step's state: not an API token)
-    v1.include_router(callbacks.router, tags=["agents"])
-    app.include_router(v1)
+    app.include_router(callbacks.router, prefix=v1, tags=["agents"])
+
+    @app.get(
+        "/metrics",
+        tags=["health"],
+        summary="Prometheus metrics (a reader's token)",
+        dependencies=[Reader],
+        response_class=PlainTextResponse,
+    )
+    async def prometheus() -> PlainTextResponse:
+        # (on the loop: the engine's counts are read where they are kept)
+        return PlainTextResponse(metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz", tags=["health"], summary="The server answers")
     async def healthz() -> dict[str, Any]:

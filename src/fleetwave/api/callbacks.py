@@ -24,6 +24,7 @@ from sqlalchemy import insert, select
 from fleetwave.api.auth import bearer
 from fleetwave.api.errors import ApiError
 from fleetwave.api.reads import StepId, Svc
+from fleetwave.api.service import Service
 from fleetwave.store import callbacks as cbs
 from fleetwave.store import tokens
 from fleetwave.store.db import Store
@@ -74,6 +75,11 @@ def _refusal(store: Store, step_id: int, strategy_id: int | None, said: str) -> 
         )
 
 
+def _count(svc: Service, answer: str) -> None:
+    if svc.metrics is not None:
+        svc.metrics.callbacks.labels(answer).inc()
+
+
 @router.post(
     "/steps/{step_id}/callbacks",
     status_code=202,
@@ -108,6 +114,7 @@ async def callback(svc: Svc, step_id: StepId, body: CallbackIn, request: Request
             f"callback for step {step_id} ({body.state}, {body.kind}) from {who} refused: {problem}"
         )
         log.warning("api: %s", said)
+        _count(svc, "refused")
         await svc.call(
             _refusal, svc.store, step_id, None if grant is None else grant.strategy_id, said
         )
@@ -129,6 +136,7 @@ async def callback(svc: Svc, step_id: StepId, body: CallbackIn, request: Request
         body.idempotency_key,
     )
     replay = cbs.is_replay(record)
+    _count(svc, "replayed" if replay else "late" if record.outcome is not None else "accepted")
     if not replay and record.outcome is None and svc.conductor is not None:
         svc.conductor.callback_stored(record)
     return JSONResponse(record.answer(), status_code=200 if replay else 202)

@@ -25,6 +25,7 @@ from fleetwave.api.errors import ApiError
 from fleetwave.store.db import Store
 
 if TYPE_CHECKING:
+    from fleetwave.api.metrics import ApiMetrics
     from fleetwave.engine.conductor import Conductor
 
 P = ParamSpec("P")
@@ -50,6 +51,8 @@ class Service:
     conductor: Conductor | None = None
     #: require a bearer token (False only for tests and ``--no-auth`` on loopback)
     auth: bool = True
+    #: the app's metrics (set by make_app)
+    metrics: ApiMetrics | None = None
     threads: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="fw-api")
     )

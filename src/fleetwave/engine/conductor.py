@@ -79,6 +79,7 @@ from fleetwave.engine.messages import (
     StopRequested,
     StrategyClaimed,
 )
+from fleetwave.engine.meters import Meters
 from fleetwave.engine.outcome_log import OutcomeLogMixin, outcomes
 from fleetwave.engine.periodic import PeriodicMixin
 from fleetwave.engine.run import InFlight, StrategyRun
@@ -148,6 +149,8 @@ class Conductor(
         self.drivers = drivers if drivers is not None else make_drivers(self.config.seed)
         self.id = conductor_id or f"c-{uuid.uuid4().hex[:12]}"
         self.stats = EngineStats()
+        #: counts for /metrics, when something reads them (``serve --listen``)
+        self.meters: Meters | None = None
         self.runs: dict[int, StrategyRun] = {}
         self.finished: dict[int, str] = {}
         self._crash_hook = crash_hook
@@ -234,6 +237,25 @@ class Conductor(
         record = cbs.accept_callback(self.store, step_id, state, kind, details, self.clock.now())
         self.callback_stored(record)
         return record
+
+    def _meter_commit(
+        self,
+        batch: list[rt.Transition],
+        result: rt.CommitResult,
+        marks: list[rt.CallbackMark],
+        events: int,
+        began: float,
+    ) -> None:
+        """Count a commit for /metrics (only with meters: ``serve --listen``)."""
+        assert self.meters is not None
+        unwritten = {id(t) for t in (*result.rejected, *result.deferred)}
+        self.meters.committed(
+            {sid: run.workflow.name for sid, run in self.runs.items()},
+            ((t.strategy_id, t.to_state) for t in batch if id(t) not in unwritten),
+            ((m.outcome, m.reason) for m in marks),
+            len(batch) + len(marks) + events,
+            self._committed_at - began,
+        )
 
     def callback_stored(self, record: cbs.CallbackRecord) -> None:
         """A callback stored by someone else in this process (the REST API, from its own
@@ -534,6 +556,7 @@ class Conductor(
                 deadlines = [d for d in deadlines if d.strategy_id in runs]
                 touched &= runs.keys()
             fences = {sid: runs[sid].record.fence for sid in touched}
+            began = time.perf_counter()
             result = await self._io(
                 self._writer.commit,
                 batch,
@@ -548,6 +571,8 @@ class Conductor(
             self._committed_at = time.perf_counter()
             self.stats.batches += 1
             self.stats.transitions += len(batch) - len(result.rejected) - len(result.deferred)
+            if self.meters is not None:
+                self._meter_commit(batch, result, marks, len(events), began)
             self._crash_point("after-commit")
             # First: entries the commit turned into failed (an unmanaged target) or, after
             # that crossed the failure threshold, aborted, leave the window (_apply then

@@ -39,6 +39,7 @@ from fleetwave.engine.messages import (
     RetryAnswer,
     RetryScheduled,
 )
+from fleetwave.engine.meters import Meters
 from fleetwave.engine.run import InFlight, StrategyRun
 from fleetwave.engine.stopping import not_started_reason
 from fleetwave.engine.store_calls import StoreCalls
@@ -82,6 +83,7 @@ class WorkerMixin(StoreCalls):
     _ending_waits: list[InFlight]
     post: Callable[[Message], None]
     _first_sight: Callable[[cbs.CallbackRecord], bool]
+    meters: Meters | None
     _wake_soon: Callable[[], None]
     _arm_deadline: Callable[[float, int, InFlight], None]
 
@@ -94,9 +96,12 @@ class WorkerMixin(StoreCalls):
         recovering = fl.recovering
         loop = self._loop
         measure = self.config.measure_latency
+        meters = self.meters
         while True:
             if measure and not recovering:
                 self.stats.dispatch_latency_s.append(time.perf_counter() - self._committed_at)
+            if meters is not None and not recovering:
+                meters.dispatch_s.observe(time.perf_counter() - self._committed_at)
             try:
                 msg = await self._run_state(run, fl, recovering)
             except _RetryRefused:
