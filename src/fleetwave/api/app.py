@@ -149,7 +149,13 @@ def make_app(service: Service) -> FastAPI:
         tags=["health"],
         summary="Prometheus metrics (a reader's token)",
         dependencies=[Reader],
-        response_class=PlainTextResponse,
+        response_model=None,
+        responses={
+            200: {
+                "description": "Prometheus's text format",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            }
+        },
     )
     async def prometheus() -> PlainTextResponse:
         # (on the loop: the engine's counts are read where they are kept)

@@ -135,16 +135,35 @@ def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     return error_response(422, "invalid", message, field)
 
 
-def _http_error(_: Request, exc: Exception) -> JSONResponse:
+def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     codes = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized", 403: "forbidden"}
+    headers = dict(exc.headers) if exc.headers else {}
+    if exc.status_code == 405:
+        # every method the path takes (Starlette's names only the first route's)
+        headers["Allow"] = ", ".join(_methods_of(request))
     return error_response(
         exc.status_code,
         codes.get(exc.status_code, "http_error"),
         str(exc.detail),
         None,
-        dict(exc.headers) if exc.headers else None,
+        headers or None,
     )
+
+
+def _methods_of(request: Request) -> list[str]:
+    """The methods the API documents for the request's path."""
+    app = request.app
+    paths: list[tuple[re.Pattern[str], list[str]]] | None = getattr(app.state, "paths", None)
+    if paths is None:
+        paths = app.state.paths = [
+            (
+                re.compile("^" + re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(path)) + "$"),
+                [m.upper() for m in item],
+            )
+            for path, item in app.openapi().get("paths", {}).items()
+        ]
+    return sorted({m for rx, methods in paths if rx.match(request.url.path) for m in methods})
 
 
 def _store_error(_: Request, exc: Exception) -> JSONResponse:

@@ -53,21 +53,25 @@ class Service:
     auth: bool = True
     #: the app's metrics (set by make_app)
     metrics: ApiMetrics | None = None
-    threads: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="fw-api")
-    )
+    #: the threads store calls run on: made when first needed, ended by :meth:`close`
+    #: (the app's shutdown; a test client may start the app again)
+    _threads: ThreadPoolExecutor | None = field(default=None, repr=False)
 
     async def call(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Run a blocking store call on the API's threads, with this request's context
         (who asks: recorded with what it changes)."""
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="fw-api")
         ctx = contextvars.copy_context()
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self.threads, functools.partial(ctx.run, fn, *args, **kwargs)
+            self._threads, functools.partial(ctx.run, fn, *args, **kwargs)
         )
 
     def close(self) -> None:
-        self.threads.shutdown(wait=True)
+        threads, self._threads = self._threads, None
+        if threads is not None:
+            threads.shutdown(wait=True)
 
 
 def service_of(request: Request) -> Service:
