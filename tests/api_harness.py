@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -29,9 +30,11 @@ class Server:
     #: what it printed on stderr so far
     lines: list[str] = field(default_factory=list)
 
-    def client(self, token: str | None = None) -> httpx.Client:
+    def client(
+        self, token: str | None = None, verify: bool | ssl.SSLContext = True
+    ) -> httpx.Client:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        return httpx.Client(base_url=self.base, headers=headers, timeout=30)
+        return httpx.Client(base_url=self.base, headers=headers, timeout=30, verify=verify)
 
     def stop(self) -> int:
         """SIGTERM, as a service manager stops it; its exit status."""
@@ -71,7 +74,7 @@ def serving(db: Path, *options: str, env: dict[str, str] | None = None) -> Itera
         assert proc.stderr is not None
         for line in proc.stderr:
             lines.append(line)
-            m = re.search(r"API on (http://\S+)/v1", line)
+            m = re.search(r"API on (https?://\S+)/v1", line)
             if m and not found:
                 found.append(m.group(1))
                 ready.set()

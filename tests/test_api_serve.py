@@ -4,10 +4,14 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
+import ssl
+import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from sqlalchemy import func, select
 
 from api_harness import new_token, run_fleetwave, serving
@@ -104,3 +108,30 @@ def test_serve_options_that_cannot_work_are_refused(tmp_path: Path) -> None:
         port = taken.getsockname()[1]
         res = run_fleetwave(db, "serve", "--listen", f"127.0.0.1:{port}")
     assert res.returncode == 2 and "--listen: cannot listen on" in res.stderr
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl for a certificate")
+def test_tls_serves_the_api_over_https(tmp_path: Path) -> None:
+    db = _init(tmp_path)
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    made = subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        capture_output=True,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    token = new_token(db, "reader")
+    tls = ("--tls-cert", str(cert), "--tls-key", str(key))
+    with serving(db, "--no-engine", *tls) as server:
+        assert server.base.startswith("https://127.0.0.1:")
+        with server.client(token, verify=ssl.create_default_context(cafile=cert)) as http:
+            assert http.get("/v1/strategies").json() == {"items": [], "next_cursor": None}
+    res = run_fleetwave(db, "serve", "--listen", "127.0.0.1:0", "--tls-cert", str(cert))
+    assert res.returncode == 2 and "give both" in res.stderr
+    res = run_fleetwave(
+        db, "serve", "--listen", "127.0.0.1:0", "--tls-cert", str(key), "--tls-key", str(key)
+    )
+    assert res.returncode == 2 and "not a certificate and its key" in res.stderr
+    res = run_fleetwave(db, "serve", *tls)
+    assert res.returncode == 2 and "only with --listen" in res.stderr

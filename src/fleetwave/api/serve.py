@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import uvicorn
 
@@ -35,11 +37,37 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host or "0.0.0.0", port
 
 
-def bind(listen: str) -> tuple[socket.socket, str]:
+def bind(listen: str, tls: Tls | None = None) -> tuple[socket.socket, str]:
     """The API's listening socket, bound now, and the base URL it is reached at."""
     host, port = parse_listen(listen)
     sock = listen_socket(host, port, ("--listen", "--listen"))
-    return sock, f"http://{url_host(host)}:{sock.getsockname()[1]}"
+    scheme = "https" if tls is not None else "http"
+    return sock, f"{scheme}://{url_host(host)}:{sock.getsockname()[1]}"
+
+
+@dataclass(frozen=True)
+class Tls:
+    """``--tls-cert`` and ``--tls-key``: PEM files, checked when given."""
+
+    cert: str
+    key: str
+
+    @classmethod
+    def given(cls, cert: str | None, key: str | None) -> Tls | None:
+        if cert is None and key is None:
+            return None
+        if cert is None or key is None:
+            raise InputError("--tls-cert and --tls-key: give both (or neither)")
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+        except FileNotFoundError as exc:
+            raise InputError(f"--tls-cert/--tls-key: {exc.filename}: no such file") from None
+        except (ssl.SSLError, OSError) as exc:
+            raise InputError(
+                f"--tls-cert/--tls-key: {cert} and {key} are not a certificate and its key "
+                f"in PEM ({exc})"
+            ) from None
+        return cls(cert, key)
 
 
 class _Server(uvicorn.Server):
@@ -50,11 +78,15 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def serve_api(service: Service, sock: socket.socket, stop: asyncio.Event) -> None:
+async def serve_api(
+    service: Service, sock: socket.socket, stop: asyncio.Event, tls: Tls | None = None
+) -> None:
     """Serve the API on ``sock`` until ``stop`` is set (requests under way finish)."""
     server = _Server(
         uvicorn.Config(
             make_app(service),
+            ssl_certfile=tls.cert if tls is not None else None,
+            ssl_keyfile=tls.key if tls is not None else None,
             log_config=None,  # fleetwave's logging, as every command's
             log_level="warning",
             access_log=False,

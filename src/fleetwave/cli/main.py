@@ -68,6 +68,7 @@ from fleetwave.store.db import (
 from fleetwave.store.postgres import redact
 
 if TYPE_CHECKING:
+    from fleetwave.api.serve import Tls
     from fleetwave.api.service import Service
 
 
@@ -231,6 +232,13 @@ def serve(
         bool,
         typer.Option("--no-engine", help="serve only the API (a conductor runs elsewhere)"),
     ] = False,
+    tls_cert: Annotated[
+        str | None,
+        typer.Option(metavar="FILE", help="serve the API over HTTPS: its certificate (PEM)"),
+    ] = None,
+    tls_key: Annotated[
+        str | None, typer.Option(metavar="FILE", help="... and the certificate's key (PEM)")
+    ] = None,
     lease_ttl: LeaseTtlOpt = None,
     db: DbOpt = None,
 ) -> None:
@@ -240,13 +248,15 @@ def serve(
         raise InputError("--no-engine: only with --listen (it serves the API alone)")
     if no_engine and lease_ttl is not None:
         raise InputError("--lease-ttl: not with --no-engine (no conductor runs here)")
+    if listen is None and (tls_cert is not None or tls_key is not None):
+        raise InputError("--tls-cert and --tls-key: only with --listen (they are the API's)")
     config = engine_config(lease_ttl)
     event_loop.loop_kind()  # refuse a bad FLEETWAVE_LOOP before announcing anything
     load_plugins()  # and a plug-in that cannot be imported, before taking anything on
     # Never a new database: a mistyped --db would be served, empty, for good (a service
     # manager restarting it), while the real fleet's strategies wait for nobody.
     store = existing_store(db)
-    api = _Api.bind(listen, db) if listen is not None else None
+    api = _Api.bind(listen, db, tls_cert, tls_key) if listen is not None else None
     if no_engine:
         assert api is not None
         _serve_api_alone(api)
@@ -315,27 +325,29 @@ class _Api:
     connections to the database (its requests never wait for the engine's), and runs
     its store calls on its own threads (see fleetwave.api.service)."""
 
-    def __init__(self, sock: socket.socket, base: str, service: Service) -> None:
+    def __init__(self, sock: socket.socket, base: str, service: Service, tls: Tls | None) -> None:
         self.sock = sock
         self.service = service
+        self.tls = tls
         self.said = f"API on {base}/v1 (OpenAPI: {base}/openapi.json)"
         self._stop = asyncio.Event()
 
     @classmethod
-    def bind(cls, listen: str, db: str | None) -> _Api:
+    def bind(cls, listen: str, db: str | None, cert: str | None, key: str | None) -> _Api:
         """Bound now: a port in use is bad input before anything starts."""
-        from fleetwave.api.serve import bind
+        from fleetwave.api.serve import Tls, bind
         from fleetwave.api.service import Service
 
-        sock, base = bind(listen)
-        return cls(sock, base, Service(existing_store(db)))
+        tls = Tls.given(cert, key)
+        sock, base = bind(listen, tls)
+        return cls(sock, base, Service(existing_store(db)), tls)
 
     def start(self, stop: asyncio.Event, conductor: Conductor | None) -> asyncio.Task[None]:
         """Serve until :meth:`stop`; if the API fails, ``stop`` is set (all stops)."""
         from fleetwave.api.serve import serve_api
 
         self.service.conductor = conductor
-        task = asyncio.create_task(serve_api(self.service, self.sock, self._stop))
+        task = asyncio.create_task(serve_api(self.service, self.sock, self._stop, self.tls))
         task.add_done_callback(lambda _: stop.set())
         return task
 
