@@ -96,7 +96,13 @@ async def show_workflow(svc: Svc, name: Name) -> dict[str, Any]:
 
 @router.get("/strategies", summary="List strategies (by id)")
 async def list_strategies(
-    svc: Svc, state: Many = None, limit: Limit = PAGE_LIMIT_DEFAULT, cursor: Cursor = None
+    svc: Svc,
+    state: Many = None,
+    limit: Limit = PAGE_LIMIT_DEFAULT,
+    cursor: Cursor = None,
+    brief: Annotated[
+        bool, Query(description="driven_by as the list's table says it, briefly")
+    ] = False,
 ) -> dict[str, Any]:
     after = decode_cursor(cursor, int, 0)
     states = list(state or ())
@@ -109,7 +115,7 @@ async def list_strategies(
                 f"state: '{one}' is not a strategy state ({', '.join(known)})",
                 "state",
             )
-    rows = await svc.call(queries.list_strategies, svc.store, states=states)
+    rows = await svc.call(queries.list_strategies, svc.store, brief=brief, states=states)
     rows = [r for r in rows if int(r["id"]) > after]
     more = len(rows) > limit
     return page_answer(rows[:limit], rows[limit - 1]["id"] if more else None)

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import typer
 from sqlalchemy.exc import DBAPIError
 
+from fleetwave.cli import remote
 from fleetwave.cli.output import Format, console, print_json
 from fleetwave.commands import max_parallel_as_stored as max_parallel_as_stored
 from fleetwave.domain.errors import InputError, NotFound
@@ -114,6 +115,15 @@ def store_for(db: str | None, *, create: bool = True, upgrade: bool = False) -> 
     mistyped ``--db`` or ``FLEETWAVE_DB`` then gets an error, instead of a new empty
     database that shows an empty fleet (and no strategies) as if that were the truth.
     """
+    if remote.given() is not None:
+        from typer._click.globals import get_current_context  # (Typer's own Click)
+
+        ctx = get_current_context(silent=True)
+        what = ctx.command_path if ctx is not None else "this command"
+        raise InputError(
+            f"--url: '{what}' works on a database, not through a server (reads, and "
+            "strategy pause, resume and abort, do)"
+        )
     if db is not None and not db.strip():
         raise InputError("--db: must not be empty")
     target = db or default_db_path()

@@ -23,7 +23,7 @@ import typer
 from sqlalchemy.exc import DBAPIError
 
 import fleetwave
-from fleetwave.cli import output
+from fleetwave.cli import output, remote
 from fleetwave.cli.common import (
     DbOpt,
     LeaseTtlOpt,
@@ -179,8 +179,20 @@ def _root(
         bool,
         typer.Option("--version", callback=_print_version, is_eager=True, help="print the version"),
     ] = False,
+    url: Annotated[
+        str | None,
+        typer.Option(
+            "--url",
+            envvar=remote.URL_ENV,
+            metavar="URL",
+            help="read (and pause, resume, abort) through a server's REST API instead of "
+            "a database (token: $FLEETWAVE_TOKEN)",
+            show_envvar=False,
+        ),
+    ] = None,
 ) -> None:
     """fleetwave: roll one operation across a fleet, exactly once per state."""
+    remote.set_url(url)
 
 
 @app.command()
@@ -398,6 +410,7 @@ def main() -> None:
         # its "Context impl SQLiteImpl" lines at every start said nothing of the rollout
         logging.getLogger("alembic").setLevel(logging.WARNING)
     forget_created()
+    remote.set_url(None)  # (the root command sets it, from --url or FLEETWAVE_URL)
     try:
         # Not standalone: bad usage (an unknown option or value) is reported below as
         # one line, like every other bad input, instead of in a boxed panel.

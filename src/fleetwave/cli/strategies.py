@@ -13,6 +13,7 @@ from sqlalchemy.exc import OperationalError
 
 from fleetwave import commands
 from fleetwave.catalog import resolve_workflow, strategy_workflow_def
+from fleetwave.cli import remote
 from fleetwave.cli.common import (
     DbOpt,
     FormatOpt,
@@ -363,7 +364,12 @@ def strategy_pause(
     strategy_id: StrategyId, fmt: FormatOpt = Format.table, db: DbOpt = None
 ) -> None:
     """Pause: no new step starts; steps in flight go on to their end. Undo with resume."""
-    answer = commands.pause_strategy(existing_store(db), strategy_id)
+    server = remote.server(db)
+    answer = (
+        server.post(f"/v1/strategies/{strategy_id}/pause")
+        if server is not None
+        else commands.pause_strategy(existing_store(db), strategy_id)
+    )
     done(
         fmt,
         f"strategy {strategy_id}: already paused"
@@ -381,8 +387,12 @@ def strategy_resume(
     strategy_id: StrategyId, fmt: FormatOpt = Format.table, db: DbOpt = None
 ) -> None:
     """Resume a paused strategy: its waiting steps start again."""
-    store = existing_store(db)
-    answer = commands.resume_strategy(store, strategy_id)
+    server = remote.server(db)
+    if server is not None:
+        answer = server.post(f"/v1/strategies/{strategy_id}/resume")
+    else:
+        store = existing_store(db)
+        answer = commands.resume_strategy(store, strategy_id)
     done(
         fmt,
         f"strategy {strategy_id}: not paused (applying)"
@@ -390,7 +400,8 @@ def strategy_resume(
         else f"strategy {strategy_id}: resumed",
         answer,
     )
-    _warn_if_undriven(store, strategy_id, "strategy {sid} goes on", "drive")
+    if server is None:  # (a server's conductors are its own to watch)
+        _warn_if_undriven(store, strategy_id, "strategy {sid} goes on", "drive")
 
 
 @strategy_app.command("abort")
@@ -399,8 +410,12 @@ def strategy_abort(
 ) -> None:
     """Abort: nothing new starts; running actions finish their current state, and waits
     on a target (for its callback, between polls) end at once."""
-    store = existing_store(db)
-    answer = commands.abort_strategy(store, strategy_id)
+    server = remote.server(db)
+    if server is not None:
+        answer = server.post(f"/v1/strategies/{strategy_id}/abort")
+    else:
+        store = existing_store(db)
+        answer = commands.abort_strategy(store, strategy_id)
     now = answer["state"]
     # what it was: aborted before, never applied (aborted by this call), asked for now,
     # or an abort asked for before and under way
@@ -419,7 +434,8 @@ def strategy_abort(
     else:
         done(fmt, f"strategy {strategy_id}: abort already requested ({before})", answer)
     # Its abort waits for a conductor (none drives it): said each time it is asked.
-    _warn_if_undriven(store, strategy_id, "the abort of strategy {sid} finishes", "finish")
+    if server is None:
+        _warn_if_undriven(store, strategy_id, "the abort of strategy {sid} finishes", "finish")
 
 
 def _warn_if_undriven(store: Store, sid: int, what: str, verb: str) -> None:
@@ -439,6 +455,10 @@ def _warn_if_undriven(store: Store, sid: int, what: str, verb: str) -> None:
 @strategy_app.command("show")
 def strategy_show(strategy_id: StrategyId, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Show a strategy with its step counts per state."""
+    server = remote.server(db)
+    if server is not None:
+        emit_one(server.get(f"/v1/strategies/{strategy_id}"), fmt)
+        return
     emit_one(queries.get_strategy(existing_store(db), strategy_id), fmt)
 
 
@@ -461,7 +481,12 @@ def strategy_list(
     for one in states:
         if one not in known:
             raise InputError(f"--state: '{one}' is not a strategy state ({', '.join(known)})")
-    rows = queries.list_strategies(existing_store(db), brief=table, states=states)
+    server = remote.server(db)
+    rows = (
+        server.every("/v1/strategies", state=states, brief=table)
+        if server is not None
+        else queries.list_strategies(existing_store(db), brief=table, states=states)
+    )
     if table:
         for row in rows:
             # at a glance: steps ended of all, how many of them did not complete, and who

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import typer
 
 from fleetwave import commands
+from fleetwave.cli import remote
 from fleetwave.cli.common import (
     DbOpt,
     FormatOpt,
@@ -97,11 +99,17 @@ def target_list(
     db: DbOpt = None,
 ) -> None:
     """List targets."""
-    store = existing_store(db)
+    columns = ["name", "group", "driver", "managed", "settings", "labels"]
     labels = parse_pairs(label, "--label", typed=False)
+    server = remote.server(db)
+    if server is not None:
+        pairs = [f"{k}={v}" for k, v in labels.items()]
+        emit_rows(server.every("/v1/targets", group=group, label=pairs), columns, fmt)
+        return
+    store = existing_store(db)
     emit_rows(
         lambda: queries.iter_targets(store, group, labels, as_text=fmt is not Format.json),
-        ["name", "group", "driver", "managed", "settings", "labels"],
+        columns,
         fmt,
     )
 
@@ -109,6 +117,10 @@ def target_list(
 @target_app.command("show")
 def target_show(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Show one target and the strategies it has been in."""
+    server = remote.server(db)
+    if server is not None:
+        emit_one(server.get(f"/v1/targets/{quote(name, safe='')}"), fmt)
+        return
     emit_one(queries.get_target(existing_store(db), name), fmt)
 
 
