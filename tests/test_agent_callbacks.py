@@ -61,7 +61,7 @@ PLAIN = NoteToken()
 WORKFLOW = WorkflowDef(
     "agent-callbacks-test",
     (
-        StateDef("boot", WAIT, timeout_s=60, mode="wait-for-callback"),
+        StateDef("boot", WAIT, timeout_s=600, mode="wait-for-callback"),
         StateDef("finish", PLAIN, timeout_s=60),
     ),
 )
@@ -223,4 +223,58 @@ def test_a_late_report_is_recorded_as_late_and_an_expired_token_is_refused(
         assert "expired" in expired.json()["error"]["message"]
 
     assert _drive_with_api(store, db_url, sid, after_the_end) == "complete"
+    assert check(store, sid).ok
+
+
+@pytest.mark.slow
+def test_two_hundred_agents_at_once_while_the_engine_drives_two_thousand_steps(
+    store: Store, db_url: str
+) -> None:
+    """200 agents report concurrently, each for ten steps, while the engine drives 2,000
+    steps at max parallel 500; each also sends a duplicate, a forged token and another
+    step's token now and then. Every step completes, every callback's outcome is on
+    record, and ``check`` passes."""
+    add_sim_targets(store, 2000)
+    sid = admin.create_strategy(
+        store, WORKFLOW, StrategyOptions(max_parallel=500), all_targets=True
+    )
+    admin.apply_strategy(store, sid)
+    answers: Counter[int] = Counter()
+
+    async def agent(http: httpx.AsyncClient, mine: list[int]) -> None:
+        for step in mine:
+            while step not in WAIT.tokens:
+                await asyncio.sleep(0.01)
+            token = str(WAIT.tokens[step])
+            sent = [
+                _post(http, step, token, f"done-{step}"),
+                _post(http, step, token, f"done-{step}"),  # the same key again
+            ]
+            if step % 10 == 0:
+                other = str(WAIT.tokens.get(step + 1, "fwg_none"))
+                sent += [
+                    _post(http, step, "fwg_forged", f"f-{step}"),
+                    _post(http, step, other, f"o-{step}"),
+                    _post(http, step, token, f"again-{step}"),  # a duplicate report
+                ]
+            for answer in await asyncio.gather(*sent):
+                answers[answer.status_code] += 1
+
+    async def agents(http: httpx.AsyncClient, _: int) -> None:
+        while not WAIT.tokens:
+            await asyncio.sleep(0.01)
+        steps = sorted(range(min(WAIT.tokens), min(WAIT.tokens) + 2000))
+        await asyncio.gather(*(agent(http, steps[i::200]) for i in range(200)))
+
+    assert _drive_with_api(store, db_url, sid, agents) == "complete"
+    assert answers[500] == 0
+    # each step's report: stored once (202), then answered from the record (200) when
+    # sent again with its key; forged and other steps' tokens refused
+    assert answers[202] >= 2000 and answers[401] >= 200 and answers[403] >= 1
+    outcomes = callback_outcomes(store, sid)
+    assert all(o["outcome"] in ("applied", "ignored") for o in outcomes)
+    assert Counter(o["outcome"] for o in outcomes)["applied"] == 2000
+    with store.read() as conn:
+        refused = conn.execute(select(events.c.id).where(events.c.kind == "callback-refused")).all()
+    assert len(refused) == answers[401] + answers[403]
     assert check(store, sid).ok

@@ -82,8 +82,8 @@ def test_an_ignored_callback_is_counted_under_a_few_known_reasons() -> None:
     assert reason_class("duplicate: this state already had its callback") == "duplicate"
     assert reason_class("late: step already complete") == "late"
     assert reason_class("state final-power-off does not wait for callbacks") == (
-        "state-does-not-wait"
+        "state_does_not_wait"
     )
-    assert reason_class("its step is not under way: not started yet") == "step-not-under-way"
-    assert reason_class("ignored: strategy ended first") == "strategy-ended"
+    assert reason_class("its step is not under way: not started yet") == "step_not_under_way"
+    assert reason_class("ignored: strategy ended first") == "strategy_ended"
     assert reason_class("something new") == "other"

@@ -52,11 +52,11 @@ class Histogram:
 _REASONS = (
     ("duplicate", "duplicate"),
     ("late", "late"),
-    ("its step's state ended first", "state-ended-first"),
-    ("its step ended", "step-ended-first"),
-    ("its step is not under way", "step-not-under-way"),
-    ("strategy aborted before it started", "strategy-ended"),
-    ("strategy ended first", "strategy-ended"),
+    ("its step's state ended first", "state_ended_first"),
+    ("its step ended", "step_ended_first"),
+    ("its step is not under way", "step_not_under_way"),
+    ("strategy aborted before it started", "strategy_ended"),
+    ("strategy ended first", "strategy_ended"),
 )
 _DOES_NOT_WAIT = re.compile(r"state .* does not wait for callbacks")
 
@@ -67,7 +67,7 @@ def reason_class(reason: str) -> str:
         if reason.startswith(start) or reason.startswith(f"ignored: {start}"):
             return label
     if _DOES_NOT_WAIT.search(reason):
-        return "state-does-not-wait"
+        return "state_does_not_wait"
     return "other"
 
 
