@@ -10,7 +10,7 @@ parameter the route does not take.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -46,6 +46,15 @@ def _known_query(request: Request) -> None:
     for key in request.query_params:
         if key not in known:
             raise ApiError(422, "invalid", f"{key}: unknown query parameter", key)
+    _no_nul(request.path_params.items())
+    _no_nul(request.query_params.multi_items())
+
+
+def _no_nul(pairs: Iterable[tuple[str, Any]]) -> None:
+    """A NUL character is in no name, state or cursor (and PostgreSQL cannot hold one)."""
+    for key, value in pairs:
+        if isinstance(value, str) and "\x00" in value:
+            raise ApiError(422, "invalid", f"{key}: must not contain a NUL character", key)
 
 
 class BodyLimit:

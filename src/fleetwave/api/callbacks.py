@@ -18,10 +18,11 @@ from typing import Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from sqlalchemy import insert, select
 
 from fleetwave.api.auth import bearer
+from fleetwave.api.bodies import Body
 from fleetwave.api.errors import ApiError
 from fleetwave.api.reads import StepId, Svc
 from fleetwave.api.service import Service
@@ -40,10 +41,8 @@ CALLBACK_REFUSED = "callback-refused"
 DETAILS_MAX = 4096
 
 
-class CallbackIn(BaseModel):
+class CallbackIn(Body):
     """What an agent reports."""
-
-    model_config = ConfigDict(extra="forbid")
 
     state: str = Field(min_length=1, max_length=64, description="the state it reports on")
     idempotency_key: str = Field(

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DataError, DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fleetwave.domain.errors import Conflict, InputError, NotFound
@@ -129,7 +129,8 @@ def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     elif kind == "missing":
         message = f"{field}: required"
     else:
-        message = f"{field or 'body'}: {first.get('msg', 'invalid')}"
+        said = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+        message = f"{field or 'body'}: {said}"
     if len(problems) > 1:
         message += f" (and {len(problems) - 1} more)"
     return error_response(422, "invalid", message, field)
@@ -183,6 +184,15 @@ def _database_error(_: Request, exc: Exception) -> JSONResponse:
     )
 
 
+def _unstorable(_: Request, exc: Exception) -> JSONResponse:
+    """A value the database refused to hold (PostgreSQL: a NUL character in text, a
+    number out of its range): bad input that got past the checks, not an outage."""
+    assert isinstance(exc, DataError)
+    said = redact(" ".join(str(exc.orig).split()))
+    log.info("api: a value the database cannot hold: %s", said)
+    return error_response(422, "invalid", f"a value the database cannot hold: {said}")
+
+
 def _internal_error(_: Request, exc: Exception) -> JSONResponse:
     log.error("api: internal error", exc_info=exc)
     return error_response(500, "internal", "internal error (logged by the server)")
@@ -197,4 +207,5 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(StoreError, _store_error)
     app.add_exception_handler(DBAPIError, _database_error)
+    app.add_exception_handler(DataError, _unstorable)
     app.add_exception_handler(Exception, _internal_error)

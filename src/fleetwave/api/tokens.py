@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from fleetwave import commands
+from fleetwave.api.bodies import Body
 from fleetwave.api.reads import Name, Svc
 from fleetwave.api.writes import NoBody
 from fleetwave.cli.tokens import EXPIRES_MAX_S
@@ -18,10 +19,8 @@ from fleetwave.store.tokens import Role
 router = APIRouter()
 
 
-class TokenIn(BaseModel):
+class TokenIn(Body):
     """``token create``."""
-
-    model_config = ConfigDict(extra="forbid")
 
     name: str = Field(max_length=1024)
     role: Role

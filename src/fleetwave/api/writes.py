@@ -10,9 +10,10 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from fleetwave import commands
+from fleetwave.api.bodies import Body
 from fleetwave.api.errors import ApiError
 from fleetwave.api.reads import SQL_INT_MAX, Name, StrategyId, Svc
 from fleetwave.api.service import Service
@@ -40,10 +41,6 @@ IgnoreMissing = Annotated[
 ]
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
 Labels = dict[
     Annotated[str, Field(min_length=1, max_length=255)],
     Annotated[str, Field(min_length=1, max_length=4096)],
@@ -51,7 +48,7 @@ Labels = dict[
 Settings = dict[Annotated[str, Field(min_length=1, max_length=255)], Any]
 
 
-class TargetIn(_Body):
+class TargetIn(Body):
     """``target add``."""
 
     name: str = Field(max_length=1024)
@@ -62,7 +59,7 @@ class TargetIn(_Body):
     managed: bool = True
 
 
-class TargetChange(_Body):
+class TargetChange(Body):
     """``target set``: only the fields given change; ``"group": null`` takes the target
     out of its group."""
 
@@ -78,7 +75,7 @@ class TargetChange(_Body):
     )
 
 
-class StrategyIn(_Body):
+class StrategyIn(Body):
     """``strategy create``: the targets by ``targets``, ``group``, ``labels`` or
     ``all``, or ``failed_in`` (a retry of a strategy's failed and aborted steps)."""
 
