@@ -17,7 +17,7 @@ import httpx
 import pytest
 from sqlalchemy import select, update
 
-from conftest import add_sim_targets
+from conftest import add_sim_targets, rollout
 from fleetwave import ActionContext, Advance, Outcome, StateAction
 from fleetwave.api.serve import bind, serve_api
 from fleetwave.api.service import Service
@@ -278,3 +278,49 @@ def test_two_hundred_agents_at_once_while_the_engine_drives_two_thousand_steps(
         refused = conn.execute(select(events.c.id).where(events.c.kind == "callback-refused")).all()
     assert len(refused) == answers[401] + answers[403]
     assert check(store, sid).ok
+
+
+def test_the_tokens_of_states_started_in_one_turn_are_stored_in_one_transaction(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transaction (an fsync) per waiting state would slow a `clean` rollout: the
+    tokens of the states that start in one turn of the loop are written together."""
+    from fleetwave.store import tokens
+
+    writes: list[int] = []
+    store_them = tokens.issue_agent_tokens
+
+    def counted(s: Store, rows: list[tuple[int, int, str, str, float, float]]) -> None:
+        writes.append(len(rows))
+        store_them(s, rows)
+
+    monkeypatch.setattr(tokens, "issue_agent_tokens", counted)
+    add_sim_targets(store, 300)
+    sid, final, _ = rollout(store, "clean", max_parallel=300)
+    assert final == "complete"
+    with store.read() as conn:
+        hashes = conn.execute(select(agent_tokens.c.hash)).scalars().all()
+    assert len(hashes) == len(set(hashes)) == sum(writes) == 600  # two waiting states each
+    assert len(writes) < 60
+    assert check(store, sid).ok
+
+
+def test_a_batch_whose_leader_is_cancelled_before_writing_is_written_by_another() -> None:
+    from fleetwave.engine.agent_tokens import AgentTokenIssuer
+
+    written: list[list[int]] = []
+
+    async def io(_fn: object, _store: object, rows: list[tuple[int, ...]]) -> None:
+        written.append([r[1] for r in rows])
+
+    async def main() -> list[str]:
+        issuer = AgentTokenIssuer(io, None, lambda: 0.0)
+        tasks = [asyncio.create_task(issuer.issue(1, step, "boot", 60)) for step in (1, 2, 3)]
+        await asyncio.sleep(0)  # each has added its row; the first leads, and waits a turn
+        tasks[0].cancel()
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        return [d for d in done if isinstance(d, str)]
+
+    issued = asyncio.run(main())
+    assert len(issued) == 2
+    assert written == [[1, 2, 3]]  # (the cancelled one's row went with them: harmless)

@@ -62,6 +62,7 @@ from fleetwave.domain.models import (
 from fleetwave.domain.rules import Decision, details_text
 from fleetwave.domain.workflow import TargetDriver
 from fleetwave.drivers import make_drivers
+from fleetwave.engine.agent_tokens import AgentTokenIssuer
 from fleetwave.engine.claims import NOT_DRIVABLE_HERE, ClaimsMixin
 from fleetwave.engine.clock import Clock, ServerClock, WallClock
 from fleetwave.engine.config import EngineConfig, EngineStats
@@ -151,6 +152,8 @@ class Conductor(
         self.stats = EngineStats()
         #: counts for /metrics, when something reads them (``serve --listen``)
         self.meters: Meters | None = None
+        #: the tokens of states that wait for callbacks, issued a batch per turn
+        self._agent_tokens = AgentTokenIssuer(self._io, store, self.clock.now)
         self.runs: dict[int, StrategyRun] = {}
         self.finished: dict[int, str] = {}
         self._crash_hook = crash_hook

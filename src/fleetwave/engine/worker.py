@@ -30,6 +30,7 @@ from fleetwave.domain.workflow import (
     TargetDriver,
     TransientError,
 )
+from fleetwave.engine.agent_tokens import AgentTokenIssuer
 from fleetwave.engine.clock import Clock
 from fleetwave.engine.errors import SimulatedCrash
 from fleetwave.engine.messages import (
@@ -45,7 +46,6 @@ from fleetwave.engine.stopping import not_started_reason
 from fleetwave.engine.store_calls import StoreCalls
 from fleetwave.store import callbacks as cbs
 from fleetwave.store import runtime as rt
-from fleetwave.store import tokens
 
 log = logging.getLogger("fleetwave.engine")
 
@@ -84,6 +84,7 @@ class WorkerMixin(StoreCalls):
     post: Callable[[Message], None]
     _first_sight: Callable[[cbs.CallbackRecord], bool]
     meters: Meters | None
+    _agent_tokens: AgentTokenIssuer
     _wake_soon: Callable[[], None]
     _arm_deadline: Callable[[float, int, InFlight], None]
 
@@ -124,26 +125,6 @@ class WorkerMixin(StoreCalls):
             self.post(msg)
             if not await go:
                 return
-
-    async def _issue_agent_token(
-        self, strategy_id: int, step_id: int, state: str, timeout_s: float
-    ) -> str:
-        """A new agent token for a state that waits for its target's callback: only its
-        hash is stored (committed before the action hands the token out); it lasts
-        until a while after the state's timeout (a late report is still recorded)."""
-        token = tokens.new_secret(tokens.AGENT_PREFIX)
-        now = self.clock.now()
-        await self._io(
-            tokens.issue_agent_token,
-            self.store,
-            strategy_id,
-            step_id,
-            state,
-            tokens.token_hash(token),
-            now,
-            now + timeout_s + tokens.AGENT_TOKEN_GRACE_S,
-        )
-        return token
 
     async def _run_state(self, run: StrategyRun, fl: InFlight, recovering: bool) -> ActionFinished:
         """Run one state's action (or its recover hook), with retries; never raises."""
@@ -204,7 +185,7 @@ class WorkerMixin(StoreCalls):
         last_poll: str | None = None
         agent_token = None
         if waiter is not None and not recovering and driver is not None:
-            agent_token = await self._issue_agent_token(run.id, rec.step_id, state, timeout_s)
+            agent_token = await self._agent_tokens.issue(run.id, rec.step_id, state, timeout_s)
         while True:
             attempts += 1
             try:

@@ -11,11 +11,12 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import delete, insert, select, update
+from sqlalchemy import delete, insert, select, tuple_, update
 from sqlalchemy.exc import IntegrityError
 
 from fleetwave.domain.errors import Conflict, InputError, NotFound
@@ -143,32 +144,37 @@ def revoke_token(store: Store, name: str, now: float | None = None) -> bool:
     return True
 
 
-def issue_agent_token(
-    store: Store,
-    strategy_id: int,
-    step_id: int,
-    state: str,
-    digest: str,
-    now: float,
-    expires_at: float | None,
+def issue_agent_tokens(
+    store: Store, rows: Sequence[tuple[int, int, str, str, float, float | None]]
 ) -> None:
-    """Store the hash of the agent token of ``step_id``'s ``state`` (one transaction):
-    it replaces one issued before for them (the state started afresh)."""
+    """Store the hashes of agent tokens, in one transaction: each row is a token's
+    (strategy, step, state, hash, issued at, expires at). Each replaces one issued
+    before for its step and state (the state started afresh)."""
+    if not rows:
+        return
     with store.write() as conn:
-        conn.execute(
-            delete(agent_tokens).where(
-                agent_tokens.c.step_id == step_id, agent_tokens.c.state == state
+        for start in range(0, len(rows), 500):
+            chunk = rows[start : start + 500]
+            conn.execute(
+                delete(agent_tokens).where(
+                    tuple_(agent_tokens.c.step_id, agent_tokens.c.state).in_(
+                        [(step, state) for _, step, state, *_ in chunk]
+                    )
+                )
             )
-        )
         conn.execute(
-            insert(agent_tokens).values(
-                strategy_id=strategy_id,
-                step_id=step_id,
-                state=state,
-                hash=digest,
-                issued_at=now,
-                expires_at=expires_at,
-            )
+            insert(agent_tokens),
+            [
+                {
+                    "strategy_id": sid,
+                    "step_id": step,
+                    "state": state,
+                    "hash": digest,
+                    "issued_at": at,
+                    "expires_at": until,
+                }
+                for sid, step, state, digest, at, until in rows
+            ],
         )
 
 
