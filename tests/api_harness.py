@@ -10,7 +10,6 @@ import re
 import signal
 import ssl
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +19,8 @@ from pathlib import Path
 
 import httpx
 
-FLEETWAVE = [sys.executable, "-m", "fleetwave.cli.main"]
+from test_cli_scripting import FLEETWAVE
+from test_cli_scripting import _run as run_fleetwave
 
 
 @dataclass
@@ -41,18 +41,6 @@ class Server:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=60)
-
-
-def run_fleetwave(
-    db: Path, *args: str, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*FLEETWAVE, *args, "--db", str(db)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **(env or {})},
-    )
 
 
 @contextmanager
