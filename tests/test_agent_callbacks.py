@@ -29,7 +29,7 @@ from fleetwave.engine.conductor import Conductor
 from fleetwave.store import admin
 from fleetwave.store.callbacks import callback_outcomes
 from fleetwave.store.db import Store, open_store
-from fleetwave.store.schema import agent_tokens, callbacks, events
+from fleetwave.store.schema import agent_tokens, callbacks, events, steps
 from fleetwave.testing.invariants import check
 
 
@@ -324,3 +324,35 @@ def test_a_batch_whose_leader_is_cancelled_before_writing_is_written_by_another(
     issued = asyncio.run(main())
     assert len(issued) == 2
     assert written == [[1, 2, 3]]  # (the cancelled one's row went with them: harmless)
+
+
+def test_callbacks_stored_together_are_answered_each_as_alone(store: Store) -> None:
+    """The intake stores what came at once in one transaction: each is still answered
+    as it would be alone (a key twice: stored once; an unknown step: refused; an ended
+    step: late), and nothing of the others is lost to one that is refused."""
+    from fleetwave.domain.errors import NotFound
+    from fleetwave.store.callbacks import Replay, accept_callbacks, report
+
+    add_sim_targets(store, 2)
+    sid = admin.create_strategy(store, WORKFLOW, StrategyOptions(), all_targets=True)
+    with store.write() as conn:
+        conn.execute(update(steps).where(steps.c.id == 2).values(state="complete"))
+    answers = accept_callbacks(
+        store,
+        [
+            report(1, "boot", "done", "first", 1.0, "k1"),
+            report(99, "boot", "done", "", 1.0, "k9"),
+            report(1, "boot", "done", "again", 1.0, "k1"),
+            report(2, "boot", "done", "", 1.0, "k2"),
+        ],
+    )
+    first, unknown, again, late = answers
+    assert not isinstance(first, Exception) and first.outcome is None
+    assert isinstance(unknown, NotFound)
+    assert isinstance(again, Replay) and again.id == first.id and again.details == "first"
+    assert not isinstance(late, Exception) and late.reason == "late: step already complete"
+    outcomes = callback_outcomes(store, sid)
+    assert [(o["step"], o["outcome"]) for o in outcomes] == [(1, None), (2, "ignored")]
+    # sent again later, with its key: the one stored
+    (later,) = accept_callbacks(store, [report(1, "boot", "done", "", 2.0, "k1")])
+    assert isinstance(later, Replay) and later.id == first.id

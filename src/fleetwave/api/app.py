@@ -23,6 +23,7 @@ import fleetwave
 from fleetwave.api import callbacks, errors, reads, tokens, writes
 from fleetwave.api.auth import Admin, Operator, Reader
 from fleetwave.api.errors import ApiError, ErrorAnswer, error_response
+from fleetwave.api.intake import CallbackIntake
 from fleetwave.api.metrics import API_PREFIX, ApiMetrics, CountRequests
 from fleetwave.api.service import MAX_BODY_BYTES, Service, service_of
 from fleetwave.engine.meters import Meters
@@ -141,6 +142,7 @@ def make_app(service: Service) -> FastAPI:
     app.state.service = service
     errors.install(app)
     metrics = service.metrics = ApiMetrics(service)
+    service.intake = CallbackIntake(service)
     if service.conductor is not None and service.conductor.meters is None:
         service.conductor.meters = Meters()
     app.add_middleware(BodyLimit)

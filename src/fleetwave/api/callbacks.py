@@ -124,16 +124,10 @@ async def callback(svc: Svc, step_id: StepId, body: CallbackIn, request: Request
             "Authorization",
             {"WWW-Authenticate": 'Bearer realm="fleetwave agents"'} if status == 401 else None,
         )
-    record = await svc.call(
-        cbs.accept_callback,
-        svc.store,
-        step_id,
-        body.state,
-        body.kind,
-        body.details,
-        time.time(),
-        body.idempotency_key,
+    report = cbs.report(
+        step_id, body.state, body.kind, body.details, time.time(), body.idempotency_key
     )
+    record = await svc.intake.accept(report)
     replay = cbs.is_replay(record)
     _count(svc, "replayed" if replay else "late" if record.outcome is not None else "accepted")
     if not replay and record.outcome is None and svc.conductor is not None:

@@ -25,6 +25,7 @@ from fleetwave.api.errors import ApiError
 from fleetwave.store.db import Store
 
 if TYPE_CHECKING:
+    from fleetwave.api.intake import CallbackIntake
     from fleetwave.api.metrics import ApiMetrics
     from fleetwave.engine.conductor import Conductor
 
@@ -53,25 +54,54 @@ class Service:
     auth: bool = True
     #: the app's metrics (set by make_app)
     metrics: ApiMetrics | None = None
+    #: agents' callbacks, stored a batch at a time (set by make_app)
+    intake: CallbackIntake = field(init=False, repr=False)
     #: the threads store calls run on: made when first needed, ended by :meth:`close`
     #: (the app's shutdown; a test client may start the app again)
     _threads: ThreadPoolExecutor | None = field(default=None, repr=False)
 
+    #: the one thread the API's writes run on, in turn: SQLite has one writer, and
+    #: several threads waiting for its lock poll for it (most of their time asleep)
+    _writer: ThreadPoolExecutor | None = field(default=None, repr=False)
+
     async def call(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
-        """Run a blocking store call on the API's threads, with this request's context
-        (who asks: recorded with what it changes)."""
+        """Run a blocking store call (a read) on the API's threads, with this request's
+        context (who asks: recorded with what it changes)."""
         if self._threads is None:
             self._threads = ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="fw-api")
+        return await self._run(self._threads, fn, *args, **kwargs)
+
+    async def write(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run a blocking store call that writes, on the API's writer thread."""
+        return await self.write_nowait(fn, *args, **kwargs)
+
+    def write_nowait(
+        self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs
+    ) -> asyncio.Future[R]:
+        """Start a store call that writes, on the API's writer thread: it runs to its
+        end whoever waits for it (the app's shutdown waits for the thread)."""
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="fw-api-write")
+        return self._start(self._writer, fn, *args, **kwargs)
+
+    async def _run(
+        self, threads: ThreadPoolExecutor, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs
+    ) -> R:
+        return await self._start(threads, fn, *args, **kwargs)
+
+    @staticmethod
+    def _start(
+        threads: ThreadPoolExecutor, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs
+    ) -> asyncio.Future[R]:
         ctx = contextvars.copy_context()
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._threads, functools.partial(ctx.run, fn, *args, **kwargs)
-        )
+        return loop.run_in_executor(threads, functools.partial(ctx.run, fn, *args, **kwargs))
 
     def close(self) -> None:
-        threads, self._threads = self._threads, None
-        if threads is not None:
-            threads.shutdown(wait=True)
+        for threads in (self._threads, self._writer):
+            if threads is not None:
+                threads.shutdown(wait=True)
+        self._threads = self._writer = None
 
 
 def service_of(request: Request) -> Service:
