@@ -100,7 +100,11 @@ def test_roles_decide_what_a_token_may_do_and_changes_name_their_token(tmp_path:
                 events.c.kind == "change-by", events.c.strategy_id.is_(None)
             )
         ).scalars()
-        assert list(unscoped) == ["1 target added ('a1') by api:ci-bot"]
+        assert list(unscoped) == [
+            "1 target added ('a1') by api:ci-bot",
+            "token late (reader) created by api:ops",
+            "token ci-bot revoked by api:ops",
+        ]
     store.dispose()
 
 

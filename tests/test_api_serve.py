@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from api_harness import new_token, run_fleetwave, serving
+from api_harness import in_process, new_token, run_fleetwave, serving
 from fleetwave.store.db import open_store
 from fleetwave.store.schema import journal
 
@@ -135,3 +135,18 @@ def test_tls_serves_the_api_over_https(tmp_path: Path) -> None:
     assert res.returncode == 2 and "not a certificate and its key" in res.stderr
     res = run_fleetwave(db, "serve", *tls)
     assert res.returncode == 2 and "only with --listen" in res.stderr
+
+
+def test_readyz_says_not_ready_for_a_schema_this_fleetwave_does_not_have(tmp_path: Path) -> None:
+    db = _init(tmp_path)
+    with in_process(db) as http:
+        assert http.get("/readyz").json()["ok"] is True
+        store = open_store(str(db))
+        with store.write() as conn:
+            conn.exec_driver_sql("UPDATE alembic_version SET version_num = '0009'")
+        store.dispose()
+        answer = http.get("/readyz")
+        assert answer.status_code == 503
+        assert answer.json()["error"]["code"] == "not_ready"
+        assert "schema revision 0009" in answer.json()["error"]["message"]
+        assert http.get("/healthz").status_code == 200  # (alive all the same)

@@ -68,8 +68,9 @@ ACTOR: ContextVar[str | None] = ContextVar("fleetwave_actor", default=None)
 CHANGE_BY = "change-by"
 
 
-def _record_actor(conn: Connection, what: str, strategy_id: int | None = None) -> None:
-    """Record who made this change (:data:`ACTOR`), if it is known."""
+def record_actor(conn: Connection, what: str, strategy_id: int | None = None) -> None:
+    """Record who made this change (:data:`ACTOR`), if it is known: in the change's
+    own transaction (``conn``)."""
     actor = ACTOR.get()
     if actor is None:
         return
@@ -364,7 +365,7 @@ def _add_targets(
                 for t in items
             ],
         )
-        _record_actor(
+        record_actor(
             conn, f"{plural(len(items), 'target')} added ({_some([t.name for t in items])})"
         )
     return len(items)
@@ -446,7 +447,7 @@ def set_managed(store: Store, name: str, managed: bool) -> list[dict[str, Any]]:
     with store.write() as conn:
         tid = _target_id(conn, name)
         conn.execute(update(targets).where(targets.c.id == tid).values(managed=managed))
-        _record_actor(conn, f"target {name} {'managed' if managed else 'unmanaged'}")
+        record_actor(conn, f"target {name} {'managed' if managed else 'unmanaged'}")
         if managed:
             return []
         waiting = conn.execute(
@@ -698,7 +699,7 @@ def change_target(
             )
         )
         # (which fields, not their values: a setting may be a secret)
-        _record_actor(conn, f"target {name} changed ({', '.join(changes)})")
+        record_actor(conn, f"target {name} changed ({', '.join(changes)})")
         return changes
 
 
@@ -740,7 +741,7 @@ def delete_target(store: Store, name: str) -> None:
                 "delete those strategies first"
             )
         conn.execute(delete(targets).where(targets.c.id == tid))
-        _record_actor(conn, f"target {name} deleted")
+        record_actor(conn, f"target {name} deleted")
 
 
 # -- workflows ----------------------------------------------------------------
@@ -978,7 +979,7 @@ def create_strategy(
                 stage_of.setdefault(r.group_id, len(stage_of) + 1)
         sid = _take_ids(conn, strategies)
         first_step = _take_ids(conn, steps, len(rows))
-        _record_actor(conn, f"strategy {sid} created ({wf.name}, {plural(len(rows), 'step')})", sid)
+        record_actor(conn, f"strategy {sid} created ({wf.name}, {plural(len(rows), 'step')})", sid)
         conn.execute(
             insert(strategies).values(
                 id=sid,
@@ -1170,7 +1171,7 @@ def apply_strategy(store: Store, sid: int, *, resume: bool = True) -> str:
                 .where(strategies.c.id == sid, strategies.c.state == state)
                 .values(state=StrategyState.APPLYING.value, updated_at=_now())
             )
-            _record_actor(conn, f"strategy {sid} applied (it was {state})", sid)
+            record_actor(conn, f"strategy {sid} applied (it was {state})", sid)
         elif state == StrategyState.DELETING:
             raise Conflict(
                 f"strategy {sid}: is being deleted; 'fleetwave strategy delete {sid}' finishes it"
@@ -1226,7 +1227,7 @@ def _switch_state(
                 .where(strategies.c.id == sid, strategies.c.state == state)
                 .values(state=dst.value, updated_at=_now())
             )
-            _record_actor(conn, f"strategy {sid} {done}", sid)
+            record_actor(conn, f"strategy {sid} {done}", sid)
         elif state != dst:
             raise Conflict(
                 f"strategy {sid}: is {state}; only {which} strategy can be {done}"
@@ -1303,7 +1304,7 @@ def request_abort(store: Store, sid: int) -> str | None:
                     processed_at=now,
                 )
             )
-            _record_actor(conn, f"strategy {sid} aborted (it was never applied)", sid)
+            record_actor(conn, f"strategy {sid} aborted (it was never applied)", sid)
             return StrategyState.INITIAL.value
         if state not in (StrategyState.APPLYING, StrategyState.PAUSED):
             raise Conflict(
@@ -1314,7 +1315,7 @@ def request_abort(store: Store, sid: int) -> str | None:
             .where(strategies.c.id == sid, strategies.c.state == state)
             .values(state=StrategyState.ABORT_REQUESTED.value, updated_at=_now())
         )
-        _record_actor(conn, f"strategy {sid} abort requested", sid)
+        record_actor(conn, f"strategy {sid} abort requested", sid)
         return None
 
 
@@ -1390,4 +1391,4 @@ def delete_strategy(store: Store, sid: int, *, chunk: int | None = None) -> None
             time.sleep(min(DELETE_PAUSE_MAX_S, time.monotonic() - began))
     with store.write() as conn:
         conn.execute(delete(strategies).where(strategies.c.id == sid))
-        _record_actor(conn, f"strategy {sid} deleted")
+        record_actor(conn, f"strategy {sid} deleted")

@@ -21,6 +21,7 @@ from sqlalchemy.exc import IntegrityError
 
 from fleetwave.domain.errors import Conflict, InputError, NotFound
 from fleetwave.domain.models import name_problem, shown
+from fleetwave.store import admin
 from fleetwave.store.db import Store
 from fleetwave.store.schema import agent_tokens, api_tokens
 
@@ -83,6 +84,7 @@ def create_token(
                     expires_at=expires_at,
                 )
             )
+            admin.record_actor(conn, f"token {name} ({role.value}) created")
     except IntegrityError:
         raise Conflict(
             f"--name: a token named {shown(name)} exists already (revoked ones keep their "
@@ -141,6 +143,7 @@ def revoke_token(store: Store, name: str, now: float | None = None) -> bool:
         if row.revoked_at is not None:
             return False
         conn.execute(update(api_tokens).where(api_tokens.c.name == name).values(revoked_at=now))
+        admin.record_actor(conn, f"token {name} revoked")
     return True
 
 
