@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from fleetwave.domain.errors import NotFound
 from fleetwave.domain.registry import all_workflows, get_workflow
@@ -33,6 +34,29 @@ def workflow_catalog(store: Store | None) -> tuple[list[WorkflowDef], dict[str, 
             except WorkflowError as exc:
                 broken[name] = str(exc)
     return sorted(found.values(), key=lambda w: w.name), dict(sorted(broken.items()))
+
+
+def workflow_rows(store: Store | None) -> list[dict[str, Any]]:
+    """``workflow list --format json``: each workflow's name, version, source and states,
+    by name; a stored one this process cannot load has no version, no states, and a
+    ``problem`` (which every row then has, None where there is none)."""
+    usable, broken = workflow_catalog(store)
+    rows: list[dict[str, Any]] = [
+        {
+            "name": wf.name,
+            "version": wf.version,
+            "source": wf.source,
+            "states": list(wf.state_names),
+        }
+        for wf in usable
+    ]
+    for name, why in broken.items():
+        rows.append({"name": name, "version": None, "source": "yaml", "states": [], "problem": why})
+    if broken:
+        for row in rows:
+            row.setdefault("problem", None)
+    rows.sort(key=lambda r: str(r["name"]))
+    return rows
 
 
 def resolve_workflow(store: Store | None, name: str, what: str = "--workflow") -> WorkflowDef:

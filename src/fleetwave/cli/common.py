@@ -13,13 +13,13 @@ from typing import Annotated, Any
 import typer
 from sqlalchemy.exc import DBAPIError
 
+from fleetwave.cli import remote
 from fleetwave.cli.output import Format, console, print_json
+from fleetwave.commands import max_parallel_as_stored as max_parallel_as_stored
 from fleetwave.domain.errors import InputError, NotFound
-from fleetwave.domain.models import ApplyType, name_problem
+from fleetwave.domain.models import name_problem
 from fleetwave.domain.rollout import parse_amount
 from fleetwave.engine.config import LEASE_TTL_MAX_S, LEASE_TTL_MIN_S, EngineConfig
-from fleetwave.store import admin
-from fleetwave.store.admin import DEFAULT_MAX_PARALLEL
 from fleetwave.store.db import (
     WRITTEN_BY_COMMANDS,
     NoSchema,
@@ -129,6 +129,15 @@ def store_for(db: str | None, *, create: bool = True, upgrade: bool = False) -> 
     mistyped ``--db`` or ``FLEETWAVE_DB`` then gets an error, instead of a new empty
     database that shows an empty fleet (and no strategies) as if that were the truth.
     """
+    if remote.given() is not None:
+        from typer._click.globals import get_current_context  # (Typer's own Click)
+
+        ctx = get_current_context(silent=True)
+        what = ctx.command_path if ctx is not None else "this command"
+        raise InputError(
+            f"--url: '{what}' works on a database, not through a server (reads, and "
+            "strategy pause, resume and abort, do)"
+        )
     if db is not None and not db.strip():
         raise InputError("--db: must not be empty")
     target = db or default_db_path()
@@ -324,17 +333,6 @@ def delete_named(
 def missing(fmt: Format, what: str, key: dict[str, Any]) -> None:
     """``delete --ignore-missing`` of one that is not there: said, not an error."""
     done(fmt, f"{what}: not there, nothing deleted", {**key, "deleted": False})
-
-
-def max_parallel_as_stored(given: int | None, apply_type: ApplyType, what: str) -> int:
-    """--max-parallel as stored: serial means one at a time, so a serial group or
-    strategy given another number is refused rather than silently run one by one."""
-    if apply_type is not ApplyType.SERIAL:
-        return DEFAULT_MAX_PARALLEL if given is None else given
-    if given is not None and given < 1:
-        return given  # refused as every max parallel below 1 is, by the store
-    admin.check_serial(given, what)
-    return 1
 
 
 LeaseTtlOpt = Annotated[

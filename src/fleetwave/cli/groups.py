@@ -4,9 +4,11 @@ and delete."""
 from __future__ import annotations
 
 from typing import Annotated
+from urllib.parse import quote
 
 import typer
 
+from fleetwave.cli import remote
 from fleetwave.cli.common import (
     DbOpt,
     FormatOpt,
@@ -60,8 +62,9 @@ def group_add(
 @group_app.command("list")
 def group_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """List groups."""
+    server = remote.server(db)
     emit_rows(
-        queries.list_groups(existing_store(db)),
+        server.get("/v1/groups")["items"] if server else queries.list_groups(existing_store(db)),
         ["name", "max_parallel", "apply_type", "order", "targets"],
         fmt,
     )
@@ -70,6 +73,10 @@ def group_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
 @group_app.command("show")
 def group_show(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Show one group: its settings, its targets and the strategies it has been in."""
+    server = remote.server(db)
+    if server is not None:
+        emit_one(server.get(f"/v1/groups/{quote(name, safe='')}"), fmt)
+        return
     emit_one(queries.get_group(existing_store(db), name), fmt)
 
 

@@ -3,19 +3,18 @@ say happened, and whether the guarantees held."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
 
+from fleetwave import commands
+from fleetwave.cli import remote
 from fleetwave.cli.common import DbOpt, FormatOpt, count_from_1, existing_store, whole_number
 from fleetwave.cli.output import Format, console, emit_rows, first_then, print_json
 from fleetwave.cli.parsing import several
-from fleetwave.domain.errors import Conflict
-from fleetwave.domain.models import StrategyState, plural
+from fleetwave.domain.models import plural
 from fleetwave.store import queries
-from fleetwave.store.db import Store
-from fleetwave.testing.invariants import check as check_invariants
 
 
 def history(
@@ -34,14 +33,25 @@ def history(
     db: DbOpt = None,
 ) -> None:
     """The journal: every transition with time, conductor, from, to and details."""
-    store = existing_store(db)
+    columns = ["at", "conductor", "target", "from", "to", "details"]
     names = several("--target", target)
+    server = remote.server(db)
+    if server is not None:
+        path = f"/v1/strategies/{strategy}/history"
+        emit_rows(_last(server.every(path, target=names), last), columns, fmt)
+        return
+    store = existing_store(db)
     rows = queries.iter_history(store, strategy, names, last=last)  # refuses bad names now
     emit_rows(
         first_then(rows, lambda: queries.iter_history(store, strategy, names, last=last)),
-        ["at", "conductor", "target", "from", "to", "details"],
+        columns,
         fmt,
     )
+
+
+def _last(rows: list[dict[str, Any]], last: int | None) -> list[dict[str, Any]]:
+    """``--last N`` of a list read whole (through a server, which pages from the start)."""
+    return rows if last is None else rows[-last:]
 
 
 def events(
@@ -70,35 +80,20 @@ def events(
 ) -> None:
     """What happened besides transitions: claims, takeovers, failed attempts, pauses and
     aborts seen (the journal is `history`)."""
-    store = existing_store(db)
+    columns = ["at", "conductor", "target", "kind", "details"]
     names, kinds = several("--target", target), several("--kind", kind)
+    server = remote.server(db)
+    if server is not None:
+        path = f"/v1/strategies/{strategy}/events"
+        emit_rows(_last(server.every(path, target=names, kind=kinds), last), columns, fmt)
+        return
+    store = existing_store(db)
     rows = queries.iter_events(store, strategy, names, kinds, last)  # refuses bad input now
     emit_rows(
         first_then(rows, lambda: queries.iter_events(store, strategy, names, kinds, last)),
-        ["at", "conductor", "target", "kind", "details"],
+        columns,
         fmt,
     )
-
-
-def _undriven_notes(store: Store, only: int | None) -> list[str]:
-    """Strategies that should be moving and that no conductor drives nor will claim (a
-    conductor killed, none serving): not a violation, but work left waiting."""
-    notes = []
-    for row in queries.list_strategies(store, brief=True):
-        sid = int(row["id"])
-        if (only is not None and sid != only) or row["state"] not in (
-            StrategyState.APPLYING,
-            StrategyState.ABORT_REQUESTED,
-            StrategyState.ABORTING,
-        ):
-            continue
-        who = queries.driving(store, sid)
-        if who.nobody:
-            notes.append(
-                f"strategy {sid} is {row['state']} and no conductor drives it: it goes on "
-                f"once 'fleetwave serve' runs (or 'fleetwave strategy apply {sid} --wait')"
-            )
-    return notes
 
 
 def check(
@@ -109,37 +104,33 @@ def check(
     db: DbOpt = None,
 ) -> None:
     """Verify G1, G3, G7 and G8 from the journal; exit 1 listing violations."""
-    store = existing_store(db)
-    if strategy is not None:
-        queries.strategy_exists(store, strategy)
-    result = check_invariants(store, strategy)
-    if strategy is not None and result.deleting:
-        raise Conflict(
-            f"strategy {strategy}: is being deleted (part of its journal is gone already); "
-            f"'fleetwave strategy delete {strategy}' finishes it"
-        )
-    notes = _undriven_notes(store, strategy)
+    server = remote.server(db)
+    if server is not None:
+        answer = server.get("/v1/check", strategy=strategy)
+    else:
+        answer = commands.check(existing_store(db), strategy)[1]
+    notes, ok = answer["notes"], bool(answer["ok"])
     if fmt is Format.json:
-        print_json(result.to_json() | {"notes": notes})
+        print_json(answer)
     else:
         console.print(
-            f"checked {plural(result.strategies, 'strategy', 'strategies')}, "
-            f"{plural(result.steps, 'step')}, {plural(result.transitions, 'transition')}"
+            f"checked {plural(answer['strategies'], 'strategy', 'strategies')}, "
+            f"{plural(answer['steps'], 'step')}, {plural(answer['transitions'], 'transition')}"
         )
-        for sid in result.deleting:
+        for sid in answer["not_checked_being_deleted"]:
             console.print(
                 f"not checked: strategy {sid} is being deleted "
                 f"('fleetwave strategy delete {sid}' finishes it)"
             )
         for note in notes:
             console.print(f"note: {note}", highlight=False)
-        for v in result.violations:
+        for v in answer["violations"]:
             console.print(f"[red]violation[/red] {escape(v)}", markup=True)
-        if result.truncated:
-            console.print(f"... and {result.truncated} more violations")
+        if answer["violations_not_shown"]:
+            console.print(f"... and {answer['violations_not_shown']} more violations")
         console.print(
-            "[green]ok: G1 G3 G7 G8 hold[/green]" if result.ok else "[red]FAILED[/red]",
+            "[green]ok: G1 G3 G7 G8 hold[/green]" if ok else "[red]FAILED[/red]",
             markup=True,
         )
-    if not result.ok:
+    if not ok:
         raise typer.Exit(1)

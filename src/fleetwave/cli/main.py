@@ -15,14 +15,15 @@ import asyncio
 import logging
 import os
 import re
+import socket
 import sys
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from sqlalchemy.exc import DBAPIError
 
 import fleetwave
-from fleetwave.cli import output
+from fleetwave.cli import output, remote
 from fleetwave.cli.common import (
     DbOpt,
     LeaseTtlOpt,
@@ -46,6 +47,7 @@ from fleetwave.cli.site_emulator import site_emulator_command
 from fleetwave.cli.steps import step_app
 from fleetwave.cli.strategies import strategy_app
 from fleetwave.cli.targets import target_app
+from fleetwave.cli.tokens import token_app
 from fleetwave.cli.workflows import workflow_app
 from fleetwave.domain.errors import InputError
 from fleetwave.domain.models import plural
@@ -65,6 +67,10 @@ from fleetwave.store.db import (
     open_store,
 )
 from fleetwave.store.postgres import redact
+
+if TYPE_CHECKING:
+    from fleetwave.api.serve import Tls
+    from fleetwave.api.service import Service
 
 
 class _Interrupted(BaseException):
@@ -157,6 +163,7 @@ app.add_typer(strategy_app, name="strategy", cls=_Commands)
 app.add_typer(step_app, name="step", cls=_Commands)
 app.add_typer(conductor_app, name="conductor", cls=_Commands)
 app.add_typer(driver_app, name="driver", cls=_Commands)
+app.add_typer(token_app, name="token", cls=_Commands)
 app.command("demo")(demo_command)
 app.command("sim")(sim_command)
 app.command("site-emulator")(site_emulator_command)
@@ -174,8 +181,20 @@ def _root(
         bool,
         typer.Option("--version", callback=_print_version, is_eager=True, help="print the version"),
     ] = False,
+    url: Annotated[
+        str | None,
+        typer.Option(
+            "--url",
+            envvar=remote.URL_ENV,
+            metavar="URL",
+            help="read (and pause, resume, abort) through a server's REST API instead of "
+            "a database (token: $FLEETWAVE_TOKEN)",
+            show_envvar=False,
+        ),
+    ] = None,
 ) -> None:
     """fleetwave: roll one operation across a fleet, exactly once per state."""
+    remote.set_url(url)
 
 
 @app.command()
@@ -215,14 +234,47 @@ app.command()(check)
 
 
 @app.command()
-def serve(lease_ttl: LeaseTtlOpt = None, db: DbOpt = None) -> None:
-    """Run a conductor: drive every applying strategy until interrupted (Ctrl-C)."""
+def serve(
+    listen: Annotated[
+        str | None,
+        typer.Option(
+            metavar="HOST:PORT",
+            help="also serve the REST API here (127.0.0.1:8080; see docs/api.md)",
+        ),
+    ] = None,
+    no_engine: Annotated[
+        bool,
+        typer.Option("--no-engine", help="serve only the API (a conductor runs elsewhere)"),
+    ] = False,
+    tls_cert: Annotated[
+        str | None,
+        typer.Option(metavar="FILE", help="serve the API over HTTPS: its certificate (PEM)"),
+    ] = None,
+    tls_key: Annotated[
+        str | None, typer.Option(metavar="FILE", help="... and the certificate's key (PEM)")
+    ] = None,
+    lease_ttl: LeaseTtlOpt = None,
+    db: DbOpt = None,
+) -> None:
+    """Run a conductor: drive every applying strategy until interrupted (Ctrl-C); with
+    --listen, serve the REST API beside it."""
+    if no_engine and listen is None:
+        raise InputError("--no-engine: only with --listen (it serves the API alone)")
+    if no_engine and lease_ttl is not None:
+        raise InputError("--lease-ttl: not with --no-engine (no conductor runs here)")
+    if listen is None and (tls_cert is not None or tls_key is not None):
+        raise InputError("--tls-cert and --tls-key: only with --listen (they are the API's)")
     config = engine_config(lease_ttl)
     event_loop.loop_kind()  # refuse a bad FLEETWAVE_LOOP before announcing anything
     load_plugins()  # and a plug-in that cannot be imported, before taking anything on
     # Never a new database: a mistyped --db would be served, empty, for good (a service
     # manager restarting it), while the real fleet's strategies wait for nobody.
     store = existing_store(db)
+    api = _Api.bind(listen, db, tls_cert, tls_key) if listen is not None else None
+    if no_engine:
+        assert api is not None
+        _serve_api_alone(api)
+        return
     others = [queries.conductor_named(c) for c in queries.serving_conductors(store)]
     if others:
         # Allowed (each strategy is driven by one conductor at a time, by claim and
@@ -247,10 +299,15 @@ def serve(lease_ttl: LeaseTtlOpt = None, db: DbOpt = None) -> None:
         stop_on_signals(stop, conductor.config.shutdown_grace_s, at_once=stopped_now)
         report = ServeReport(store, conductor)
         reporter: list[asyncio.Task[None]] = []
+        serving = api.start(stop, conductor) if api is not None else None
 
         def ready() -> None:
             # Said once registered: a database locked at start is waited for (logged) first.
-            err_console.print(f"conductor {conductor.id} serving {store.url}; Ctrl-C to stop")
+            also = f", and the {api.said}" if api is not None else ""
+            err_console.print(
+                f"conductor {conductor.id} serving {store.url}{also}; Ctrl-C to stop",
+                highlight=False,
+            )
             reporter.append(asyncio.create_task(report.run()))
 
         try:
@@ -259,6 +316,9 @@ def serve(lease_ttl: LeaseTtlOpt = None, db: DbOpt = None) -> None:
             for task in reporter:
                 task.cancel()
             await asyncio.gather(*reporter, return_exceptions=True)
+            if api is not None and serving is not None:
+                # after the conductor: callbacks sent while it stopped are still stored
+                await api.stop(serving)
         if reporter:
             report.tick(stopped=True)  # what ended meanwhile, and what was handed back
         err_console.print(f"conductor {conductor.id} stopped; leases handed back")
@@ -269,6 +329,67 @@ def serve(lease_ttl: LeaseTtlOpt = None, db: DbOpt = None) -> None:
         # The second Ctrl-C (or SIGTERM): stopped at once, nothing handed back.
         err_console.print(stopped_now(), highlight=False)
         raise typer.Exit(130) from None
+    finally:
+        if api is not None:
+            api.sock.close()
+
+
+class _Api:
+    """``serve --listen``: the REST API served on the command's loop. It has its own
+    connections to the database (its requests never wait for the engine's), and runs
+    its store calls on its own threads (see fleetwave.api.service)."""
+
+    def __init__(self, sock: socket.socket, base: str, service: Service, tls: Tls | None) -> None:
+        self.sock = sock
+        self.service = service
+        self.tls = tls
+        self.said = f"API on {base}/v1 (OpenAPI: {base}/openapi.json)"
+        self._stop = asyncio.Event()
+
+    @classmethod
+    def bind(cls, listen: str, db: str | None, cert: str | None, key: str | None) -> _Api:
+        """Bound now: a port in use is bad input before anything starts."""
+        from fleetwave.api.serve import Tls, bind
+        from fleetwave.api.service import Service
+
+        tls = Tls.given(cert, key)
+        sock, base = bind(listen, tls)
+        return cls(sock, base, Service(existing_store(db)), tls)
+
+    def start(self, stop: asyncio.Event, conductor: Conductor | None) -> asyncio.Task[None]:
+        """Serve until :meth:`stop`; if the API fails, ``stop`` is set (all stops)."""
+        from fleetwave.api.serve import serve_api
+
+        self.service.conductor = conductor
+        task = asyncio.create_task(serve_api(self.service, self.sock, self._stop, self.tls))
+        task.add_done_callback(lambda _: stop.set())
+        return task
+
+    async def stop(self, task: asyncio.Task[None]) -> None:
+        self._stop.set()
+        await task
+        err_console.print("API stopped", highlight=False)
+
+
+def _serve_api_alone(api: _Api) -> None:
+    """``serve --listen --no-engine``: the API until Ctrl-C or SIGTERM."""
+
+    async def _alone() -> None:
+        stop = asyncio.Event()
+        stop_on_signals(stop, 0, said=lambda: "stopping: requests under way finish")
+        serving = api.start(stop, None)
+        err_console.print(f"serving the {api.said}; Ctrl-C to stop", highlight=False)
+        try:
+            await stop.wait()
+        finally:
+            await api.stop(serving)
+
+    try:
+        event_loop.run(_alone())
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    finally:
+        api.sock.close()
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -291,6 +412,7 @@ def main() -> None:
         # its "Context impl SQLiteImpl" lines at every start said nothing of the rollout
         logging.getLogger("alembic").setLevel(logging.WARNING)
     forget_created()
+    remote.set_url(None)  # (the root command sets it, from --url or FLEETWAVE_URL)
     try:
         # Not standalone: bad usage (an unknown option or value) is reported below as
         # one line, like every other bad input, instead of in a boxed panel.

@@ -96,9 +96,9 @@ def site_emulator_command(
         fleet = Fleet(sites, seed=seed, time_scale=time_scale, defaults=defaults, config=loaded)
     except ConfigError as exc:
         raise InputError(f"{config}: {exc}" if config is not None else str(exc)) from None
-    sock = _listen(host, port)
+    sock = listen_socket(host, port)
     bound = sock.getsockname()[1]
-    base = f"http://{_url_host(host)}:{bound}"
+    base = f"http://{url_host(host)}:{bound}"
     try:
         if targets_csv is not None:
             write_targets_csv(targets_csv, base, list(fleet.sites))
@@ -119,7 +119,7 @@ def write_targets_csv(path: Path, base: str, names: list[str]) -> None:
         raise InputError(f"--targets-csv: cannot write {path}: {exc.strerror or exc}") from None
 
 
-def _url_host(host: str) -> str:
+def url_host(host: str) -> str:
     """The host as a URL names it: a wildcard address as loopback, IPv6 in brackets."""
     if host in {"", "0.0.0.0"}:
         return "127.0.0.1"
@@ -131,13 +131,16 @@ def _url_host(host: str) -> str:
         return host  # a name
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listen_socket(
+    host: str, port: int, named: tuple[str, str] = ("--host", "--port")
+) -> socket.socket:
     """A listening socket, bound here so that --port 0's port is known before serving
-    (and written in the CSV); connections wait in its backlog until the app runs."""
+    (and written in the CSV); connections wait in its backlog until the app runs.
+    ``named``: the options that gave the host and the port, for the errors."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except (socket.gaierror, UnicodeError) as exc:
-        raise InputError(f"--host: cannot resolve {host!r}: {exc}") from None
+        raise InputError(f"{named[0]}: cannot resolve {host!r}: {exc}") from None
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -145,7 +148,9 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.listen(BACKLOG)
     except OSError as exc:
         sock.close()
-        raise InputError(f"--port: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        raise InputError(
+            f"{named[1]}: cannot listen on {host}:{port}: {exc.strerror or exc}"
+        ) from None
     sock.setblocking(False)
     return sock
 

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from fleetwave.catalog import strategy_workflow_def
+from fleetwave.cli import remote
 from fleetwave.cli.common import DbOpt, FormatOpt, StepId, done, existing_store, whole_number
 from fleetwave.cli.output import Format, emit_one, emit_rows, err_console, first_then
 from fleetwave.cli.parsing import several
@@ -22,6 +23,10 @@ from fleetwave.store.db import Store
 
 # put under the root command by main.py, which gives it its command class (_Commands)
 step_app = typer.Typer(help="Steps: one target inside one strategy.", no_args_is_help=True)
+
+
+#: the step id last: what `step show` takes
+STEP_COLUMNS = ["target", "stage", "state", "details", "started_at", "finished_at", "step"]
 
 
 @step_app.command("list")
@@ -44,14 +49,18 @@ def step_list(
     db: DbOpt = None,
 ) -> None:
     """List the steps of a strategy."""
-    store = existing_store(db)
     states, names = several("--state", state), several("--target", target)
+    server = remote.server(db)
+    if server is not None:
+        path = f"/v1/strategies/{strategy}/steps"
+        emit_rows(server.every(path, state=states, target=names), STEP_COLUMNS, fmt)
+        return
+    store = existing_store(db)
     # refuses an unknown strategy (or target) now
     rows = queries.iter_steps(store, strategy, states, target=names)
     emit_rows(
         first_then(rows, lambda: queries.iter_steps(store, strategy, states, target=names)),
-        # the step id last: what `step show` takes
-        ["target", "stage", "state", "details", "started_at", "finished_at", "step"],
+        STEP_COLUMNS,
         fmt,
     )
 
@@ -59,6 +68,10 @@ def step_list(
 @step_app.command("show")
 def step_show(step_id: StepId, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Show one step with its journal and events."""
+    server = remote.server(db)
+    if server is not None:
+        emit_one(server.get(f"/v1/steps/{step_id}"), fmt)
+        return
     emit_one(queries.get_step(existing_store(db), step_id), fmt)
 
 
@@ -90,15 +103,7 @@ def step_callback(
         )
     record = accept_callback(store, step_id, state, kind, details, time.time())
     outcome, reason = record.outcome, record.reason  # a late one is answered at once
-    answer: dict[str, Any] = {
-        "id": record.id,
-        "step": step_id,
-        "strategy": record.strategy_id,
-        "state": state,
-        "kind": kind,
-        "outcome": outcome,
-        "reason": reason,
-    }
+    answer = record.answer()
     late = outcome is not None
     ahead = None if late else _ahead_of(store, step, states, state)
     if late:

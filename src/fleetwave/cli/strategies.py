@@ -12,7 +12,9 @@ from typing import Annotated, Any
 import typer
 from sqlalchemy.exc import OperationalError
 
+from fleetwave import commands
 from fleetwave.catalog import resolve_workflow, strategy_workflow_def
+from fleetwave.cli import remote
 from fleetwave.cli.common import (
     DbOpt,
     FormatOpt,
@@ -40,7 +42,6 @@ from fleetwave.domain.models import (
     plural,
     shown,
 )
-from fleetwave.domain.registry import get_workflow
 from fleetwave.domain.rollout import (
     RolloutSpec,
     parse_amount,
@@ -230,23 +231,14 @@ def strategy_create(
             raise InputError(f"--{flag} and --no-{flag}: give one of them")
     store = existing_store(db)
     names = _target_names(targets) if targets is not None else None
+    labels = parse_pairs(label, "--label", typed=False)
     if failed_in is not None:
-        if names is not None or group is not None or all_ or label:
-            raise InputError(
-                "--failed-in: picks the targets itself; not with --targets, --group, --all "
-                "or --label"
-            )
-        names = queries.ended_badly_in(store, failed_in)
-        if not names:
-            raise InputError(f"--failed-in: strategy {failed_in} has no failed or aborted step")
+        names = commands.failed_targets(
+            store, failed_in, target_names=names, group=group, all_targets=all_, labels=labels
+        )
     wf = resolve_workflow(store, workflow)
     timeouts = _timeouts(timeout)
-    unknown = [state for state in timeouts if state not in wf.state_names]
-    if unknown:
-        raise InputError(
-            f"--timeout: {', '.join(unknown)}: workflow {wf.name} has no such state "
-            f"(its states: {', '.join(wf.state_names)})"
-        )
+    commands.check_timeouts(wf, timeouts)
     percent = max_failures is not None and max_failures.endswith("%")
     opts = StrategyOptions(
         max_parallel=max_parallel_as_stored(max_parallel, apply_type, "strategy"),
@@ -279,20 +271,18 @@ def strategy_create(
         )
         _print_plan(plan, fmt)
         return
-    sid = admin.create_strategy(
+    made = commands.create_strategy(
         store,
         wf,
         opts,
         target_names=names,
         group=group,
         all_targets=all_,
-        labels=parse_pairs(label, "--label", typed=False),
+        labels=labels,
         failed_in=failed_in,
-        # (a built-in or plug-in workflow of that name comes first: then not the store's)
-        workflow_from_store=get_workflow(wf.name) is None,
         spec=spec,
     )
-    made = queries.get_strategy(store, sid)
+    sid = made["id"]
     if fmt is Format.json:
         print_json(made)
     else:
@@ -477,14 +467,11 @@ def strategy_apply(
         # Driving it here needs its workflow here (a Python one, or a YAML one naming a
         # Python action: its plug-in imported).
         strategy_workflow_def(store, strategy_id)
-    before = (
-        _apply_patiently(store, strategy_id, ended["state"])
-        if wait
-        else admin.apply_strategy(store, strategy_id)
-    )
     if not wait:
+        answer = commands.apply_strategy(store, strategy_id)
+        before = str(answer["was"])
         who = queries.driving(store, strategy_id)
-        now = "applying" if before in ("initial", "paused", "applying") else before
+        now = str(answer["state"])
         if before == StrategyState.WAITING_APPROVAL:
             now += f" ('fleetwave strategy approve {strategy_id}' lets its next stage start)"
         elif now != "applying":
@@ -499,14 +486,7 @@ def strategy_apply(
             said = "nothing drives it yet"
         if fmt is Format.json:
             # driven_by as `strategy show --format json` says it, word for word
-            print_json(
-                {
-                    "id": strategy_id,
-                    "state": now.split(" ")[0],
-                    "was": before,
-                    "driven_by": who.text,
-                }
-            )
+            print_json(answer)
         else:
             console.print(f"strategy {strategy_id} {now}; {said}")
             later = _not_before(store, strategy_id)
@@ -520,6 +500,7 @@ def strategy_apply(
                 highlight=False,
             )
         return
+    before = _apply_patiently(store, strategy_id, ended["state"])
     if before == StrategyState.PAUSED.value:
         # Not resumed: this may be a job driving the rollout again after a crash, and the
         # pause an operator's, made meanwhile (an incident). Plain apply, or resume, ends it.
@@ -660,16 +641,21 @@ def strategy_pause(
     strategy_id: StrategyId, fmt: FormatOpt = Format.table, db: DbOpt = None
 ) -> None:
     """Pause: no new step starts; steps in flight go on to their end. Undo with resume."""
-    before = admin.pause_strategy(existing_store(db), strategy_id)
+    server = remote.server(db)
+    answer = (
+        server.post(f"/v1/strategies/{strategy_id}/pause")
+        if server is not None
+        else commands.pause_strategy(existing_store(db), strategy_id)
+    )
     done(
         fmt,
         f"strategy {strategy_id}: already paused"
-        if before == "paused"
+        if answer["was"] == "paused"
         else (
             f"strategy {strategy_id}: paused; no new step starts, steps in flight go on to "
             f"their end ('fleetwave strategy resume {strategy_id}' to go on)"
         ),
-        {"id": strategy_id, "state": "paused", "was": str(before)},
+        answer,
     )
 
 
@@ -678,16 +664,21 @@ def strategy_resume(
     strategy_id: StrategyId, fmt: FormatOpt = Format.table, db: DbOpt = None
 ) -> None:
     """Resume a paused strategy: its waiting steps start again."""
-    store = existing_store(db)
-    before = admin.resume_strategy(store, strategy_id)
+    server = remote.server(db)
+    if server is not None:
+        answer = server.post(f"/v1/strategies/{strategy_id}/resume")
+    else:
+        store = existing_store(db)
+        answer = commands.resume_strategy(store, strategy_id)
     done(
         fmt,
         f"strategy {strategy_id}: not paused (applying)"
-        if before == "applying"
+        if answer["was"] == "applying"
         else f"strategy {strategy_id}: resumed",
-        {"id": strategy_id, "state": "applying", "was": str(before)},
+        answer,
     )
-    _warn_if_undriven(store, strategy_id, "strategy {sid} goes on", "drive")
+    if server is None:  # (a server's conductors are its own to watch)
+        _warn_if_undriven(store, strategy_id, "strategy {sid} goes on", "drive")
 
 
 @strategy_app.command("abort")
@@ -696,20 +687,18 @@ def strategy_abort(
 ) -> None:
     """Abort: nothing new starts; running actions finish their current state, and waits
     on a target (for its callback, between polls) end at once."""
-    store = existing_store(db)
-    before = admin.request_abort(store, strategy_id)
-    # its state now (a never-applied one is aborted by this very call), and whether
-    # this call asked for the abort
-    after: dict[str | None, str] = {
-        None: StrategyState.ABORT_REQUESTED.value,
-        StrategyState.INITIAL.value: StrategyState.ABORTED.value,
-    }
-    now = after.get(before, str(before))
-    answer = {
-        "id": strategy_id,
-        "state": now,
-        "asked_now": before is None or before == StrategyState.INITIAL,
-    }
+    server = remote.server(db)
+    if server is not None:
+        answer = server.post(f"/v1/strategies/{strategy_id}/abort")
+    else:
+        store = existing_store(db)
+        answer = commands.abort_strategy(store, strategy_id)
+    now = answer["state"]
+    # what it was: aborted before, never applied (aborted by this call), asked for now,
+    # or an abort asked for before and under way
+    before = (
+        now if not answer["asked_now"] else (StrategyState.INITIAL if now == "aborted" else None)
+    )
     if before == StrategyState.ABORTED:
         done(fmt, f"strategy {strategy_id}: already aborted", answer)
         return
@@ -722,7 +711,8 @@ def strategy_abort(
     else:
         done(fmt, f"strategy {strategy_id}: abort already requested ({before})", answer)
     # Its abort waits for a conductor (none drives it): said each time it is asked.
-    _warn_if_undriven(store, strategy_id, "the abort of strategy {sid} finishes", "finish")
+    if server is None:
+        _warn_if_undriven(store, strategy_id, "the abort of strategy {sid} finishes", "finish")
 
 
 def _warn_if_undriven(store: Store, sid: int, what: str, verb: str) -> None:
@@ -742,6 +732,10 @@ def _warn_if_undriven(store: Store, sid: int, what: str, verb: str) -> None:
 @strategy_app.command("show")
 def strategy_show(strategy_id: StrategyId, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Show a strategy with its step counts per state."""
+    server = remote.server(db)
+    if server is not None:
+        emit_one(server.get(f"/v1/strategies/{strategy_id}"), fmt)
+        return
     emit_one(queries.get_strategy(existing_store(db), strategy_id), fmt)
 
 
@@ -764,7 +758,12 @@ def strategy_list(
     for one in states:
         if one not in known:
             raise InputError(f"--state: '{one}' is not a strategy state ({', '.join(known)})")
-    rows = queries.list_strategies(existing_store(db), brief=table, states=states)
+    server = remote.server(db)
+    rows = (
+        server.every("/v1/strategies", state=states, brief=table)
+        if server is not None
+        else queries.list_strategies(existing_store(db), brief=table, states=states)
+    )
     if table:
         for row in rows:
             # at a glance: steps ended of all, how many of them did not complete, and who

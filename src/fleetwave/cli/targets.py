@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import typer
 
+from fleetwave import commands
+from fleetwave.cli import remote
 from fleetwave.cli.common import (
     DbOpt,
     FormatOpt,
@@ -19,7 +22,7 @@ from fleetwave.cli.common import (
     store_for,
 )
 from fleetwave.cli.output import Format, emit_one, emit_rows, err_console
-from fleetwave.cli.parsing import check_target, parse_pairs, targets_from_file
+from fleetwave.cli.parsing import parse_pairs, targets_from_file
 from fleetwave.domain.errors import InputError
 from fleetwave.domain.models import Target, plural
 from fleetwave.store import admin, queries
@@ -55,12 +58,11 @@ def target_add(
         labels=parse_pairs(label, "--label", typed=False),
         managed=not unmanaged,
     )
-    t = check_target(t, f"target {name}")
-    added = bool(admin.ensure_targets(store_for(db), [t]))
+    answer = commands.add_target(store_for(db), t)
     done(
         fmt,
-        f"target {name} added" if added else f"target {name} already exists, unchanged",
-        {"name": name, "added": added},
+        f"target {name} added" if answer["added"] else f"target {name} already exists, unchanged",
+        answer,
     )
 
 
@@ -99,11 +101,17 @@ def target_list(
     db: DbOpt = None,
 ) -> None:
     """List targets."""
-    store = existing_store(db)
+    columns = ["name", "group", "driver", "managed", "settings", "labels"]
     labels = parse_pairs(label, "--label", typed=False)
+    server = remote.server(db)
+    if server is not None:
+        pairs = [f"{k}={v}" for k, v in labels.items()]
+        emit_rows(server.every("/v1/targets", group=group, label=pairs), columns, fmt)
+        return
+    store = existing_store(db)
     emit_rows(
         lambda: queries.iter_targets(store, group, labels, as_text=fmt is not Format.json),
-        ["name", "group", "driver", "managed", "settings", "labels"],
+        columns,
         fmt,
     )
 
@@ -111,26 +119,25 @@ def target_list(
 @target_app.command("show")
 def target_show(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Show one target and the strategies it has been in."""
+    server = remote.server(db)
+    if server is not None:
+        emit_one(server.get(f"/v1/targets/{quote(name, safe='')}"), fmt)
+        return
     emit_one(queries.get_target(existing_store(db), name), fmt)
 
 
 @target_app.command("manage")
 def target_manage(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Mark a target managed: rollouts may touch it."""
-    admin.set_managed(existing_store(db), name, True)
-    done(fmt, f"target {name} is managed", {"name": name, "managed": True})
+    done(fmt, f"target {name} is managed", commands.set_managed(existing_store(db), name, True))
 
 
 @target_app.command("unmanage")
 def target_unmanage(name: str, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Mark a target unmanaged: its step fails when its turn comes, nothing touches it."""
-    waiting = admin.set_managed(existing_store(db), name, False)
-    done(
-        fmt,
-        f"target {name} is unmanaged",
-        {"name": name, "managed": False, "steps_to_fail": waiting},
-    )
-    for w in waiting if fmt is Format.table else ():
+    answer = commands.set_managed(existing_store(db), name, False)
+    done(fmt, f"target {name} is unmanaged", answer)
+    for w in answer["steps_to_fail"] if fmt is Format.table else ():
         # A failed step makes the strategy end failed (apply --wait exits 1, alerts fire),
         # and may stop it: said now, not found at the end.
         stops = (
@@ -185,7 +192,7 @@ def target_set(
             "nothing to change: give --group, --no-group, --driver, --set, --unset, --label "
             "or --unlabel"
         )
-    changes = admin.change_target(
+    answer = commands.change_target(
         existing_store(db),
         name,
         group=None if no_group else (group if group is not None else admin.KEEP),
@@ -194,13 +201,13 @@ def target_set(
         unset=[k.strip() for k in unset or []],
         labels=parse_pairs(label, "--label", typed=False),
         unlabel=[k.strip() for k in unlabel or []],
-        check=lambda t: check_target(t, f"target {name}"),
     )
+    changes = answer["changes"]
     said = "; ".join(_said_change(field, c["before"], c["after"]) for field, c in changes.items())
     done(
         fmt,
         f"target {name}: {said}" if changes else f"target {name}: unchanged (it is so already)",
-        {"name": name, "changed": bool(changes), "changes": changes},
+        answer,
     )
 
 

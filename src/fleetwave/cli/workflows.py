@@ -7,10 +7,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
+from urllib.parse import quote
 
 import typer
 
-from fleetwave.catalog import resolve_workflow, workflow_catalog
+from fleetwave.catalog import resolve_workflow, workflow_rows
+from fleetwave.cli import remote
 from fleetwave.cli.common import (
     DbOpt,
     FormatOpt,
@@ -35,6 +37,9 @@ workflow_app = typer.Typer(help="Workflows: built-in, Python and YAML.", no_args
 
 
 def _workflow_dict(name: str, db: str | None) -> dict[str, object]:
+    server = remote.server(db)
+    if server is not None:
+        return cast(dict[str, object], server.get(f"/v1/workflows/{quote(name, safe='')}"))
     return describe_workflow(resolve_workflow(store_if_any(db), name, what="NAME"))
 
 
@@ -88,32 +93,14 @@ def _states_table(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
 @workflow_app.command("list")
 def workflow_list(fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """List workflows."""
-    usable, broken = workflow_catalog(store_if_any(db))
-    rows: list[dict[str, Any]] = [
-        {
-            "name": wf.name,
-            "version": wf.version,
-            "source": wf.source,
-            # JSON: the states as a list; a table: in order, with arrows
-            "states": list(wf.state_names) if fmt is Format.json else " -> ".join(wf.state_names),
-        }
-        for wf in usable
-    ]
-    for name, why in broken.items():
-        # Listed, with why it cannot be used here (the others stay usable).
-        rows.append(
-            {
-                "name": name,
-                "version": None,
-                "source": "yaml",
-                "states": [] if fmt is Format.json else "UNUSABLE HERE (see 'problem')",
-                "problem": why,
-            }
+    server = remote.server(db)
+    rows = server.get("/v1/workflows")["items"] if server else workflow_rows(store_if_any(db))
+    broken = [row for row in rows if row.get("problem")]
+    for row in rows if fmt is Format.table else ():
+        # a table: the states in order, with arrows
+        row["states"] = (
+            "UNUSABLE HERE (see 'problem')" if row.get("problem") else " -> ".join(row["states"])
         )
-    if broken:
-        for row in rows:
-            row.setdefault("problem", None)
-    rows.sort(key=lambda r: str(r["name"]))
     columns = ["name", "version", "source", "states"] + (["problem"] if broken else [])
     emit_rows(rows, columns, fmt)
     if broken and fmt is Format.table:

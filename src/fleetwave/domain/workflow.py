@@ -127,6 +127,11 @@ class ActionContext:
     poll: int = 0
     #: set by the engine for a recover hook: whether the strategy is stopping now
     is_stopping: Callable[[], bool] | None = None
+    #: a state that waits for a callback: the token its target's agent sends with it
+    #: (``Authorization: Bearer ...`` on ``POST /v1/steps/{step}/callbacks``); it
+    #: answers for this step and state alone. None otherwise, and in a recover hook
+    #: (the agent keeps the token it was given)
+    agent_token: str | None = None
 
     @property
     def stopping(self) -> bool:

@@ -64,6 +64,7 @@ from fleetwave.domain.models import (
 from fleetwave.domain.rules import Decision, details_text
 from fleetwave.domain.workflow import TargetDriver
 from fleetwave.drivers import make_drivers
+from fleetwave.engine.agent_tokens import AgentTokenIssuer
 from fleetwave.engine.claims import NOT_DRIVABLE_HERE, ClaimsMixin
 from fleetwave.engine.clock import Clock, ServerClock, WallClock
 from fleetwave.engine.config import EngineConfig, EngineStats
@@ -82,6 +83,7 @@ from fleetwave.engine.messages import (
     StopRequested,
     StrategyClaimed,
 )
+from fleetwave.engine.meters import Meters
 from fleetwave.engine.outcome_log import OutcomeLogMixin, outcomes
 from fleetwave.engine.periodic import PeriodicMixin
 from fleetwave.engine.run import InFlight, StrategyRun
@@ -153,6 +155,10 @@ class Conductor(
         self.drivers = drivers if drivers is not None else make_drivers(self.config.seed)
         self.id = conductor_id or f"c-{uuid.uuid4().hex[:12]}"
         self.stats = EngineStats()
+        #: counts for /metrics, when something reads them (``serve --listen``)
+        self.meters: Meters | None = None
+        #: the tokens of states that wait for callbacks, issued a batch per turn
+        self._agent_tokens = AgentTokenIssuer(self._io, store, self.clock.now)
         self.runs: dict[int, StrategyRun] = {}
         self.finished: dict[int, str] = {}
         self._crash_hook = crash_hook
@@ -239,9 +245,34 @@ class Conductor(
         The dispatcher applies it (or records why it was ignored) on its next turn.
         """
         record = cbs.accept_callback(self.store, step_id, state, kind, details, self.clock.now())
+        self.callback_stored(record)
+        return record
+
+    def _meter_commit(
+        self,
+        batch: list[rt.Transition],
+        result: rt.CommitResult,
+        marks: list[rt.CallbackMark],
+        events: int,
+        began: float,
+    ) -> None:
+        """Count a commit for /metrics (only with meters: ``serve --listen``)."""
+        assert self.meters is not None
+        unwritten = {id(t) for t in (*result.rejected, *result.deferred)}
+        self.meters.committed(
+            {sid: run.workflow.name for sid, run in self.runs.items()},
+            ((t.strategy_id, t.to_state) for t in batch if id(t) not in unwritten),
+            ((m.outcome, m.reason) for m in marks),
+            len(batch) + len(marks) + events,
+            self._committed_at - began,
+        )
+
+    def callback_stored(self, record: cbs.CallbackRecord) -> None:
+        """A callback stored by someone else in this process (the REST API, from its own
+        thread and connection): applied on the dispatcher's next turn, as one it
+        received, rather than found on its next pass. Never blocks; call it on the loop."""
         self._first_sight(record)
         self.post(CallbackArrived(record))
-        return record
 
     def _first_sight(self, record: cbs.CallbackRecord) -> bool:
         """Whether this conductor has not posted this callback yet (and now has)."""
@@ -548,6 +579,7 @@ class Conductor(
                 deadlines = [d for d in deadlines if d.strategy_id in runs]
                 touched &= runs.keys()
             fences = {sid: runs[sid].record.fence for sid in touched}
+            began = time.perf_counter()
             result = await self._io(
                 self._writer.commit,
                 batch,
@@ -562,6 +594,8 @@ class Conductor(
             self._committed_at = time.perf_counter()
             self.stats.batches += 1
             self.stats.transitions += len(batch) - len(result.rejected) - len(result.deferred)
+            if self.meters is not None:
+                self._meter_commit(batch, result, marks, len(events), began)
             self._crash_point("after-commit")
             # First: entries the commit turned into failed (an unmanaged target) or, after
             # that crossed the failure threshold, aborted, leave the window (_apply then

@@ -30,6 +30,7 @@ from fleetwave.domain.workflow import (
     TargetDriver,
     TransientError,
 )
+from fleetwave.engine.agent_tokens import AgentTokenIssuer
 from fleetwave.engine.clock import Clock
 from fleetwave.engine.errors import SimulatedCrash
 from fleetwave.engine.messages import (
@@ -39,6 +40,7 @@ from fleetwave.engine.messages import (
     RetryAnswer,
     RetryScheduled,
 )
+from fleetwave.engine.meters import Meters
 from fleetwave.engine.run import InFlight, StrategyRun
 from fleetwave.engine.stopping import not_started_reason
 from fleetwave.engine.store_calls import StoreCalls
@@ -81,6 +83,8 @@ class WorkerMixin(StoreCalls):
     _ending_waits: list[InFlight]
     post: Callable[[Message], None]
     _first_sight: Callable[[cbs.CallbackRecord], bool]
+    meters: Meters | None
+    _agent_tokens: AgentTokenIssuer
     _wake_soon: Callable[[], None]
     _arm_deadline: Callable[[float, int, InFlight], None]
 
@@ -93,9 +97,12 @@ class WorkerMixin(StoreCalls):
         recovering = fl.recovering
         loop = self._loop
         measure = self.config.measure_latency
+        meters = self.meters
         while True:
             if measure and not recovering:
                 self.stats.dispatch_latency_s.append(time.perf_counter() - self._committed_at)
+            if meters is not None and not recovering:
+                meters.dispatch_s.observe(time.perf_counter() - self._committed_at)
             try:
                 msg = await self._run_state(run, fl, recovering)
             except _RetryRefused:
@@ -176,6 +183,9 @@ class WorkerMixin(StoreCalls):
         decision: Decision
         #: a poll state's last "not yet" (its details): said when the state times out
         last_poll: str | None = None
+        agent_token = None
+        if waiter is not None and not recovering and driver is not None:
+            agent_token = await self._agent_tokens.issue(run.id, rec.step_id, state, timeout_s)
         while True:
             attempts += 1
             try:
@@ -195,6 +205,7 @@ class WorkerMixin(StoreCalls):
                     st.mode == "poll",  # polling
                     0,  # poll
                     (lambda: fl.stopped) if recovering else None,  # is_stopping
+                    agent_token,
                 )
                 self._attempts += 1
                 attempt = fl.running = self._attempts

@@ -49,6 +49,7 @@ from fleetwave.store import slots
 from fleetwave.store.db import DialectHooks, Store
 from fleetwave.store.notify import notify
 from fleetwave.store.schema import (
+    agent_tokens,
     callbacks,
     events,
     groups,
@@ -74,6 +75,33 @@ UNCAPPED_GROUP = 1 << 30
 
 def _now() -> float:
     return ADMIN_CLOCK.get(time.time)()
+
+
+#: Who makes this context's changes when it is not the operator at the command line:
+#: ``api:NAME`` (a REST API request, by its token's name). Each change is then recorded
+#: with it, in the change's own transaction (an event of kind ``change-by``).
+ACTOR: ContextVar[str | None] = ContextVar("fleetwave_actor", default=None)
+
+#: the kind of event that records who made a change through the API
+CHANGE_BY = "change-by"
+
+
+def record_actor(conn: Connection, what: str, strategy_id: int | None = None) -> None:
+    """Record who made this change (:data:`ACTOR`), if it is known: in the change's
+    own transaction (``conn``)."""
+    actor = ACTOR.get()
+    if actor is None:
+        return
+    conn.execute(
+        insert(events).values(
+            at=_now(),
+            conductor=None,
+            strategy_id=strategy_id,
+            step_id=None,
+            kind=CHANGE_BY,
+            details=f"{what} by {actor}",
+        )
+    )
 
 
 # -- groups -----------------------------------------------------------------
@@ -368,6 +396,9 @@ def _add_targets(
                 for t in items
             ],
         )
+        record_actor(
+            conn, f"{plural(len(items), 'target')} added ({_some([t.name for t in items])})"
+        )
     return len(items)
 
 
@@ -466,6 +497,7 @@ def set_managed(store: Store, name: str, managed: bool) -> list[dict[str, Any]]:
     with store.write() as conn:
         tid = _target_id(conn, name)
         conn.execute(update(targets).where(targets.c.id == tid).values(managed=managed))
+        record_actor(conn, f"target {name} {'managed' if managed else 'unmanaged'}")
         if managed:
             return []
         waiting = conn.execute(
@@ -732,6 +764,8 @@ def change_target(
                 labels=json.dumps(new_labels, sort_keys=True),
             )
         )
+        # (which fields, not their values: a setting may be a secret)
+        record_actor(conn, f"target {name} changed ({', '.join(changes)})")
         return changes
 
 
@@ -773,6 +807,7 @@ def delete_target(store: Store, name: str) -> None:
                 "delete those strategies first"
             )
         conn.execute(delete(targets).where(targets.c.id == tid))
+        record_actor(conn, f"target {name} deleted")
 
 
 # -- workflows ----------------------------------------------------------------
@@ -976,6 +1011,9 @@ def create_strategy(
         sid = _take_ids(conn, strategies)
         first_step = _take_ids(conn, steps, len(plan.order))
         gcaps = _group_caps(conn)
+        record_actor(
+            conn, f"strategy {sid} created ({wf.name}, {plural(len(plan.order), 'step')})", sid
+        )
         conn.execute(
             insert(strategies).values(
                 id=sid,
@@ -1372,6 +1410,7 @@ def apply_strategy(store: Store, sid: int, *, resume: bool = True) -> str:
                 .values(state=StrategyState.APPLYING.value, updated_at=_now())
             )
             notify(conn, "strategy", sid)
+            record_actor(conn, f"strategy {sid} applied (it was {state})", sid)
         elif state == StrategyState.DELETING:
             raise Conflict(
                 f"strategy {sid}: is being deleted; 'fleetwave strategy delete {sid}' finishes it"
@@ -1482,6 +1521,7 @@ def _switch_state(
                 .values(state=dst.value, updated_at=_now())
             )
             notify(conn, "strategy", sid)
+            record_actor(conn, f"strategy {sid} {done}", sid)
         elif state != dst:
             raise Conflict(
                 f"strategy {sid}: is {state}; only {which} strategy can be {done}"
@@ -1558,6 +1598,7 @@ def request_abort(store: Store, sid: int) -> str | None:
                     processed_at=now,
                 )
             )
+            record_actor(conn, f"strategy {sid} aborted (it was never applied)", sid)
             return StrategyState.INITIAL.value
         if state not in (
             StrategyState.APPLYING,
@@ -1573,6 +1614,7 @@ def request_abort(store: Store, sid: int) -> str | None:
             .values(state=StrategyState.ABORT_REQUESTED.value, updated_at=_now())
         )
         notify(conn, "strategy", sid)
+        record_actor(conn, f"strategy {sid} abort requested", sid)
         return None
 
 
@@ -1633,7 +1675,7 @@ def delete_strategy(store: Store, sid: int, *, chunk: int | None = None) -> None
         )
     # Steps first: once a step is gone no callback can be stored for it (one stored
     # for a step still there is deleted with the callbacks after it).
-    for table in (steps, callbacks, journal, events):
+    for table in (steps, callbacks, journal, events, agent_tokens):
         while True:
             began = time.monotonic()
             with store.write() as conn:
@@ -1649,3 +1691,4 @@ def delete_strategy(store: Store, sid: int, *, chunk: int | None = None) -> None
     with store.write() as conn:
         slots.delete_slots(conn, store.hooks, [sid])
         conn.execute(delete(strategies).where(strategies.c.id == sid))
+        record_actor(conn, f"strategy {sid} deleted")

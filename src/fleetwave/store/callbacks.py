@@ -8,9 +8,11 @@ this process, else on its next periodic pass) and records it ``applied`` or
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import insert, select
+from sqlalchemy import insert, select, tuple_
+from sqlalchemy.exc import IntegrityError
 
 from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.models import STEP_TERMINAL
@@ -34,44 +36,187 @@ class CallbackRecord:
     outcome: str | None = None
     reason: str | None = None
 
+    def answer(self) -> dict[str, object]:
+        """What ``step callback --format json`` and the API answer for it."""
+        return {
+            "id": self.id,
+            "step": self.step_id,
+            "strategy": self.strategy_id,
+            "state": self.state,
+            "kind": self.kind,
+            "outcome": self.outcome,
+            "reason": self.reason,
+        }
 
-def accept_callback(
-    store: Store, step_id: int, state: str, kind: str, details: str, now: float
-) -> CallbackRecord:
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """A callback to store, checked (:func:`report`)."""
+
+    step_id: int
+    state: str
+    kind: str
+    details: str
+    now: float
+    #: the sender's key: the same key for the same step is stored once
+    idempotency_key: str | None = None
+
+
+def report(
+    step_id: int,
+    state: str,
+    kind: str,
+    details: str,
+    now: float,
+    idempotency_key: str | None = None,
+) -> Report:
+    """A callback checked, as it will be stored; bad input is refused."""
     if kind not in KINDS:
         raise InputError(f"kind: must be one of {', '.join(KINDS)}, got '{kind}'")
     if not state:
         raise InputError("state: must name the state the callback reports on")
     # A target's words: on one line, printable, bounded (a byte that was not UTF-8 in a
     # shell's argument made the insert fail with a traceback)
-    details = details_text(details)
+    return Report(step_id, state, kind, details_text(details), now, idempotency_key)
+
+
+def accept_callback(
+    store: Store,
+    step_id: int,
+    state: str,
+    kind: str,
+    details: str,
+    now: float,
+    idempotency_key: str | None = None,
+) -> CallbackRecord:
+    """Store a callback (one INSERT). With an ``idempotency_key`` already stored for
+    this step, nothing is stored: the callback stored with it is returned (its sender
+    sent it again, not knowing it had arrived); :func:`is_replay` tells."""
+    (answer,) = accept_callbacks(
+        store, [report(step_id, state, kind, details, now, idempotency_key)]
+    )
+    if isinstance(answer, InputError):
+        raise answer
+    return answer
+
+
+def accept_callbacks(store: Store, reports: Sequence[Report]) -> list[CallbackRecord | InputError]:
+    """Store callbacks in one transaction (the API's intake: one fsync for all those
+    that came at once), each answered as :func:`accept_callback` answers one: its
+    record, a :class:`Replay` of the one stored with its key, or the error that
+    refused it (an unknown step). Another process storing the same key meanwhile
+    makes this one store them one by one."""
+    try:
+        return _insert(store, reports)
+    except IntegrityError:
+        if len(reports) == 1:
+            again = _keyed(store, reports[0].step_id, reports[0].idempotency_key)
+            if again is None:
+                raise
+            return [again]
+        return [answer for one in reports for answer in accept_callbacks(store, [one])]
+
+
+def _insert(store: Store, reports: Sequence[Report]) -> list[CallbackRecord | InputError]:
+    out: list[CallbackRecord | InputError] = []
     with store.write() as conn:
-        row = conn.execute(
-            select(steps.c.strategy_id, steps.c.state).where(steps.c.id == step_id)
-        ).first()
-        if row is None:
-            raise NotFound(f"step {step_id} not found")
-        outcome = reason = None
-        final: dict[str, object] = {}
-        if row.state in STEP_TERMINAL:
-            # Nobody will wait for it again: answer it for good right here.
-            outcome, reason = "ignored", f"late: step already {row.state}"
-            final = {"outcome": outcome, "reason": reason, "processed_at": now}
-        res = conn.execute(
-            insert(callbacks).values(
-                strategy_id=row.strategy_id,
-                step_id=step_id,
-                state=state,
-                kind=kind,
-                details=details,
-                received_at=now,
-                **final,
+        ids = sorted({r.step_id for r in reports})
+        found = {
+            int(row.id): row
+            for start in range(0, len(ids), 500)
+            for row in conn.execute(
+                select(steps.c.id, steps.c.strategy_id, steps.c.state).where(
+                    steps.c.id.in_(ids[start : start + 500])
+                )
             )
-        )
-        cid = int(res.inserted_primary_key[0])  # type: ignore[index]
-        if outcome is None:
-            notify(conn, "callback", int(row.strategy_id))  # (its conductor: at once)
-    return CallbackRecord(cid, int(row.strategy_id), step_id, state, kind, details, outcome, reason)
+        }
+        keyed = [(r.step_id, r.idempotency_key) for r in reports if r.idempotency_key]
+        stored: dict[tuple[int, str], CallbackRecord] = {}
+        woken: set[int] = set()
+        for start in range(0, len(keyed), 500):
+            for row in conn.execute(
+                select(callbacks).where(
+                    tuple_(callbacks.c.step_id, callbacks.c.idempotency_key).in_(
+                        keyed[start : start + 500]
+                    )
+                )
+            ):
+                stored[(int(row.step_id), str(row.idempotency_key))] = Replay(
+                    int(row.id),
+                    int(row.strategy_id),
+                    int(row.step_id),
+                    row.state,
+                    row.kind,
+                    row.details,
+                    row.outcome,
+                    row.reason,
+                )
+        for r in reports:
+            key = (r.step_id, r.idempotency_key) if r.idempotency_key else None
+            if key is not None and key in stored:
+                out.append(stored[key])
+                continue
+            step = found.get(r.step_id)
+            if step is None:
+                out.append(NotFound(f"step {r.step_id} not found"))
+                continue
+            outcome = reason = None
+            final: dict[str, object] = {}
+            if step.state in STEP_TERMINAL:
+                # Nobody will wait for it again: answer it for good right here.
+                outcome, reason = "ignored", f"late: step already {step.state}"
+                final = {"outcome": outcome, "reason": reason, "processed_at": r.now}
+            res = conn.execute(
+                insert(callbacks).values(
+                    strategy_id=step.strategy_id,
+                    step_id=r.step_id,
+                    state=r.state,
+                    kind=r.kind,
+                    details=r.details,
+                    received_at=r.now,
+                    idempotency_key=r.idempotency_key,
+                    **final,
+                )
+            )
+            cid = int(res.inserted_primary_key[0])  # type: ignore[index]
+            record = CallbackRecord(
+                cid, int(step.strategy_id), r.step_id, r.state, r.kind, r.details, outcome, reason
+            )
+            out.append(record)
+            if outcome is None:
+                woken.add(int(step.strategy_id))
+            if key is not None:
+                # the same key again in this batch: the one just stored
+                stored[key] = Replay(*(getattr(record, f) for f in _FIELDS))
+        for sid in sorted(woken):
+            notify(conn, "callback", sid)  # (its conductor: at once, once this commits)
+    return out
+
+
+_FIELDS = ("id", "strategy_id", "step_id", "state", "kind", "details", "outcome", "reason")
+
+
+@dataclass(frozen=True, slots=True)
+class Replay(CallbackRecord):
+    """A callback stored before with the same idempotency key (nothing stored now)."""
+
+
+def is_replay(record: CallbackRecord) -> bool:
+    return isinstance(record, Replay)
+
+
+def _keyed(store: Store, step_id: int, key: str | None) -> CallbackRecord | None:
+    with store.read() as conn:
+        r = conn.execute(
+            select(callbacks).where(
+                callbacks.c.step_id == step_id, callbacks.c.idempotency_key == key
+            )
+        ).first()
+    if r is None:
+        return None
+    return Replay(
+        int(r.id), int(r.strategy_id), step_id, r.state, r.kind, r.details, r.outcome, r.reason
+    )
 
 
 def open_callbacks(store: Store, strategy_ids: list[int], after_id: int) -> list[CallbackRecord]:

@@ -146,15 +146,32 @@ def list_targets(store: Store, group: str | None = None) -> list[dict[str, Any]]
 PAGE_ROWS = 5000
 
 
-def _pages(store: Store, q: Any, key: Any, after: Any) -> Iterator[Any]:
-    """Rows of ``q`` in ``key`` order (unique), a page per read transaction."""
+def _pages(store: Store, q: Any, key: Any, after: Any, rows: int = PAGE_ROWS) -> Iterator[Any]:
+    """Rows of ``q`` in ``key`` order (unique), ``rows`` per read transaction."""
     while True:
         with store.read() as conn:
-            page = conn.execute(q.where(key > after).order_by(key).limit(PAGE_ROWS)).all()
+            page = conn.execute(q.where(key > after).order_by(key).limit(rows)).all()
         yield from page
-        if len(page) < PAGE_ROWS:
+        if len(page) < rows:
             return
         after = getattr(page[-1], key.key)
+
+
+@dataclass(frozen=True)
+class Page:
+    """One page of a long list (the API's cursor pagination): its rows, and the key to
+    ask for the next page after (None: this was the last)."""
+
+    rows: list[dict[str, Any]]
+    next_after: Any
+
+
+def _page(keyed: Iterator[tuple[Any, dict[str, Any]]], limit: int) -> Page:
+    """The first ``limit`` of rows given with their keys (one more is read, to know
+    whether there is a next page)."""
+    got = list(islice(keyed, limit + 1))
+    more = len(got) > limit
+    return Page([row for _, row in got[:limit]], got[limit - 1][0] if more else None)
 
 
 def iter_targets(
@@ -163,6 +180,8 @@ def iter_targets(
     labels: dict[str, str] | None = None,
     *,
     as_text: bool = False,
+    after: str = "",
+    rows: int = PAGE_ROWS,
 ) -> Iterator[dict[str, Any]]:
     """The targets (of a group; with every one of ``labels``) a page at a time, as read
     (a fleet of 100,000 is not held in memory). ``as_text``: settings and labels as
@@ -174,10 +193,22 @@ def iter_targets(
             if conn.execute(select(groups.c.id).where(groups.c.name == group)).first() is None:
                 raise NotFound(f"--group: no group named {shown(group)}")
         q = q.where(groups.c.name == group)
-    for r in _pages(store, q, targets.c.name, ""):
+    for r in _pages(store, q, targets.c.name, after, rows):
         t = _target_dict(r, str if as_text else json.loads)
         if not labels or has_labels(json.loads(t["labels"]) if as_text else t["labels"], labels):
             yield t
+
+
+def targets_page(
+    store: Store,
+    limit: int,
+    after: str = "",
+    group: str | None = None,
+    labels: dict[str, str] | None = None,
+) -> Page:
+    """Up to ``limit`` targets after the name ``after``, by name (as :func:`iter_targets`)."""
+    found = iter_targets(store, group, labels, after=after, rows=limit + 1)
+    return _page(((t["name"], t) for t in found), limit)
 
 
 def get_target(store: Store, name: str) -> dict[str, Any]:
@@ -761,7 +792,24 @@ def iter_steps(
                 )
     for name in names:
         _target_in(store, sid, name)
-    return _iter_steps(store, sid, states, limit, names)
+    return (row for _, row in _iter_steps(store, sid, states, limit, names))
+
+
+def steps_page(
+    store: Store,
+    sid: int,
+    limit: int,
+    after: int = -1,
+    state: Sequence[str] = (),
+    target: Sequence[str] = (),
+) -> Page:
+    """Up to ``limit`` of a strategy's steps in its order, after the step at position
+    ``after`` (as :func:`iter_steps` checks and shows them)."""
+    iter_steps(store, sid, state, target=target)  # (its checks: unknown states, names)
+    return _page(
+        _iter_steps(store, sid, list(state), None, list(target), after=after, rows=limit + 1),
+        limit,
+    )
 
 
 def _target_in(store: Store, sid: int, target: str) -> int:
@@ -780,8 +828,16 @@ def _target_in(store: Store, sid: int, target: str) -> int:
 
 
 def _iter_steps(
-    store: Store, sid: int, states: list[str], limit: int | None, names: list[str]
-) -> Iterator[dict[str, Any]]:
+    store: Store,
+    sid: int,
+    states: list[str],
+    limit: int | None,
+    names: list[str],
+    *,
+    after: int = -1,
+    rows: int = PAGE_ROWS,
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """The steps with their positions (``ordinal``), after ``after``."""
     q = (
         select(
             steps.c.id,
@@ -803,23 +859,26 @@ def _iter_steps(
         q = q.where(steps.c.state.in_(states))
     if names:
         q = q.where(targets.c.name.in_(names))
-    rows = _pages(store, q, steps.c.ordinal, -1)
+    found = _pages(store, q, steps.c.ordinal, after, rows)
     now = time.time()
     lease = _step_lease(store, sid, now)
-    for r in rows if limit is None else islice(rows, limit):
+    for r in found if limit is None else islice(found, limit):
         details = _shown_details(r, lease)
-        yield {
-            "step": r.id,
-            "strategy": sid,
-            "target": r.name,
-            "stage": r.stage,
-            "state": r.state,
-            "details": details,
-            "started_at": r.started_at,
-            "finished_at": r.finished_at,
-            "attempt": r.attempt,
-            "owner": r.owner,
-        }
+        yield (
+            r.ordinal,
+            {
+                "step": r.id,
+                "strategy": sid,
+                "target": r.name,
+                "stage": r.stage,
+                "state": r.state,
+                "details": details,
+                "started_at": r.started_at,
+                "finished_at": r.finished_at,
+                "attempt": r.attempt,
+                "owner": r.owner,
+            },
+        )
 
 
 @dataclass(frozen=True)
@@ -982,7 +1041,35 @@ def iter_history(
     unknown names are refused before the first row."""
     _check_last(last)
     strategy_exists(store, sid)
-    q = (
+    q = _history_query()
+    names = [target] if isinstance(target, str) else list(target or ())
+    step_ids = _steps_of(store, sid, names)
+    if step_id is not None:
+        step_ids = [s for s in step_ids if s == step_id] if names else [step_id]
+    # Some steps' rows are found through the journal's (step, state) key; by strategy,
+    # only the strategy's whole journal (600,000 rows at 100,000 targets) would do.
+    if names or step_id is not None:
+        # (+ 0: still only this strategy's rows, checked row by row, not by its index)
+        q = q.where(journal.c.step_id.in_(step_ids), journal.c.strategy_id + 0 == sid)
+    else:
+        q = q.where(journal.c.strategy_id == sid)
+    return (row for _, row in _iter_history(store, sid, _only_last(store, q, journal.c.id, last)))
+
+
+def history_page(
+    store: Store, sid: int, limit: int, after: int = 0, target: Sequence[str] = ()
+) -> Page:
+    """Up to ``limit`` transitions of a strategy's journal after the one ``after`` (its
+    journal id), oldest first (as :func:`iter_history` has them)."""
+    iter_history(store, sid, list(target))  # (its checks: the strategy, the names)
+    q = _history_query().where(journal.c.strategy_id == sid)
+    if target:
+        q = q.where(journal.c.step_id.in_(_steps_of(store, sid, list(target))))
+    return _page(_iter_history(store, sid, q, after, limit + 1), limit)
+
+
+def _history_query() -> Any:
+    return (
         select(
             journal.c.id,
             journal.c.at,
@@ -997,18 +1084,6 @@ def iter_history(
         .join(steps, steps.c.id == journal.c.step_id)
         .join(targets, targets.c.id == steps.c.target_id)
     )
-    names = [target] if isinstance(target, str) else list(target or ())
-    step_ids = _steps_of(store, sid, names)
-    if step_id is not None:
-        step_ids = [s for s in step_ids if s == step_id] if names else [step_id]
-    # Some steps' rows are found through the journal's (step, state) key; by strategy,
-    # only the strategy's whole journal (600,000 rows at 100,000 targets) would do.
-    if names or step_id is not None:
-        # (+ 0: still only this strategy's rows, checked row by row, not by its index)
-        q = q.where(journal.c.step_id.in_(step_ids), journal.c.strategy_id + 0 == sid)
-    else:
-        q = q.where(journal.c.strategy_id == sid)
-    return _iter_history(store, sid, _only_last(store, q, journal.c.id, last))
 
 
 def _check_last(last: int | None) -> None:
@@ -1033,22 +1108,28 @@ def _only_last(store: Store, q: Any, key: Any, last: int | None) -> Any:
     return q if start is None else q.where(key >= start)
 
 
-def _iter_history(store: Store, sid: int, q: Any) -> Iterator[dict[str, Any]]:
+def _iter_history(
+    store: Store, sid: int, q: Any, after: int = 0, rows: int = PAGE_ROWS
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """The journal's rows with their ids, after ``after``."""
     # by position: a history of 600,000 rows spent a sixth of its time naming columns
-    for _id, at, conductor, target, step, frm, to, fence, details in _pages(
-        store, q, journal.c.id, 0
+    for id_, at, conductor, target, step, frm, to, fence, details in _pages(
+        store, q, journal.c.id, after, rows
     ):
-        yield {
-            "at": at,
-            "strategy": sid,
-            "conductor": conductor,
-            "target": target,
-            "step": step,
-            "from": frm,
-            "to": to,
-            "fence": fence,
-            "details": details,
-        }
+        yield (
+            id_,
+            {
+                "at": at,
+                "strategy": sid,
+                "conductor": conductor,
+                "target": target,
+                "step": step,
+                "from": frm,
+                "to": to,
+                "fence": fence,
+                "details": details,
+            },
+        )
 
 
 def step_attempts(store: Store, step_id: int) -> list[dict[str, Any]]:
@@ -1114,6 +1195,8 @@ EVENT_KINDS = {
     "takeover-incomplete": "steps moved on while a takeover read them",
     "strategy-undrivable": "the strategy cannot be driven (why)",
     APPROVED_EVENT: "an operator approved the next stage (which, by whom)",
+    "change-by": "a change made through the REST API, and by which token",
+    "callback-refused": "an agent's callback refused for its token (from which address, why)",
 }
 
 
@@ -1132,6 +1215,11 @@ def iter_events(
         if k not in EVENT_KINDS:
             raise InputError(f"--kind: '{k}' is not a kind of event ({', '.join(EVENT_KINDS)})")
     strategy_exists(store, sid)
+    q = _events_query(store, sid, target, kind)
+    return (row for _, row in _iter_events(store, sid, _only_last(store, q, events.c.id, last)))
+
+
+def _events_query(store: Store, sid: int, target: Sequence[str], kind: Sequence[str]) -> Any:
     q = (
         select(events, targets.c.name.label("target"))
         .select_from(
@@ -1145,20 +1233,40 @@ def iter_events(
         q = q.where(events.c.step_id.in_(_steps_of(store, sid, list(target))))
     if kind:
         q = q.where(events.c.kind.in_(list(kind)))
-    return _iter_events(store, sid, _only_last(store, q, events.c.id, last))
+    return q
 
 
-def _iter_events(store: Store, sid: int, q: Any) -> Iterator[dict[str, Any]]:
-    for r in _pages(store, q, events.c.id, 0):
-        yield {
-            "at": r.at,
-            "strategy": sid,
-            "conductor": r.conductor,
-            "target": r.target,
-            "step": r.step_id,
-            "kind": r.kind,
-            "details": r.details,
-        }
+def events_page(
+    store: Store,
+    sid: int,
+    limit: int,
+    after: int = 0,
+    target: Sequence[str] = (),
+    kind: Sequence[str] = (),
+) -> Page:
+    """Up to ``limit`` of a strategy's events after the one ``after`` (its id), oldest
+    first (as :func:`iter_events` has them)."""
+    iter_events(store, sid, target, kind)  # (its checks)
+    q = _events_query(store, sid, target, kind)
+    return _page(_iter_events(store, sid, q, after, limit + 1), limit)
+
+
+def _iter_events(
+    store: Store, sid: int, q: Any, after: int = 0, rows: int = PAGE_ROWS
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    for r in _pages(store, q, events.c.id, after, rows):
+        yield (
+            r.id,
+            {
+                "at": r.at,
+                "strategy": sid,
+                "conductor": r.conductor,
+                "target": r.target,
+                "step": r.step_id,
+                "kind": r.kind,
+                "details": r.details,
+            },
+        )
 
 
 def _events(store: Store, q: Any) -> list[dict[str, Any]]:

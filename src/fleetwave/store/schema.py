@@ -202,7 +202,11 @@ callbacks = Table(
     Column("outcome", String(16)),  # NULL until processed: applied | ignored
     Column("reason", Text),
     Column("processed_at", Float),
+    #: the sender's key (an agent over HTTP): a callback sent again with it is not
+    #: stored again
+    Column("idempotency_key", String(200)),
     Index("ix_callbacks_open", "strategy_id", "outcome", "id"),
+    Index("uq_callbacks_step_key", "step_id", "idempotency_key", unique=True),
 )
 
 #: the last id handed out per table whose ids must never come back (SQLite gives a new
@@ -214,4 +218,36 @@ id_counters = Table(
     metadata,
     Column("name", String(64), primary_key=True),
     Column("last_id", Integer, nullable=False),
+)
+
+#: bearer tokens of the REST API (``fleetwave token create``): a name, a role, and only
+#: the SHA-256 of the token (it is shown once, when created); kept when revoked (the
+#: changes made with it name it)
+api_tokens = Table(
+    "api_tokens",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("name", String(255), nullable=False, unique=True),
+    Column("role", String(16), nullable=False),
+    Column("hash", String(64), nullable=False, unique=True),
+    Column("created_at", Float, nullable=False),
+    Column("expires_at", Float),
+    Column("revoked_at", Float),
+)
+
+#: the token a step's wait-for-callback state gives its target's agent (one per step
+#: and state, issued when the state is entered): only its SHA-256; it answers for that
+#: step and state alone, and no longer once the state has ended
+agent_tokens = Table(
+    "agent_tokens",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("strategy_id", Integer, nullable=False),
+    Column("step_id", Integer, nullable=False),
+    Column("state", String(64), nullable=False),
+    Column("hash", String(64), nullable=False, unique=True),
+    Column("issued_at", Float, nullable=False),
+    Column("expires_at", Float),
+    UniqueConstraint("step_id", "state", name="uq_agent_tokens_step_state"),
+    Index("ix_agent_tokens_strategy", "strategy_id"),
 )

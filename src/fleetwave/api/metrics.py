@@ -1,0 +1,159 @@
+"""``GET /metrics``: Prometheus's text format, through prometheus-client, on the app's
+own registry.
+
+The engine's numbers are read when scraped, from the plain counts its conductor keeps
+(:class:`fleetwave.engine.meters.Meters`), by a custom collector: nothing of the
+metrics library runs on its hot path. The API's own (requests by route and status,
+agents' callbacks by answer) are prometheus-client counters: a request costs far more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from fleetwave.engine.meters import Histogram, Meters
+
+#: the API's routes are under it (fleetwave.api.app)
+API_PREFIX = "/v1"
+
+if TYPE_CHECKING:
+    from fleetwave.api.service import Service
+
+
+class EngineCollector(Collector):
+    """The conductor's counts, read when scraped (on the loop it runs on)."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        conductor = self.service.conductor
+        if conductor is None or conductor.meters is None:
+            return
+        meters: Meters = conductor.meters
+        transitions = CounterMetricFamily(
+            "fleetwave_transitions",
+            "Transitions written, by workflow and the state entered",
+            labels=["workflow", "state"],
+        )
+        for (workflow, entered), n in sorted(meters.transitions.items()):
+            transitions.add_metric([workflow, entered], n)
+        yield transitions
+        in_flight = waiting = 0
+        for run in list(conductor.runs.values()):
+            for fl in list(run.inflight.values()):
+                in_flight += 1
+                st = run.defs.get(fl.state)
+                if st is not None and st.mode == "wait-for-callback":
+                    waiting += 1
+        yield GaugeMetricFamily(
+            "fleetwave_steps_in_flight", "Steps in one of their states here", value=in_flight
+        )
+        yield GaugeMetricFamily(
+            "fleetwave_steps_waiting_for_callback",
+            "Steps in flight whose state waits for its target's callback",
+            value=waiting,
+        )
+        yield _histogram(
+            "fleetwave_dispatch_latency_seconds",
+            "From a commit to the next action's start",
+            meters.dispatch_s,
+        )
+        yield _histogram(
+            "fleetwave_commit_seconds", "How long one group commit took", meters.commit_s
+        )
+        yield _histogram(
+            "fleetwave_commit_batch_size",
+            "Rows of one group commit (transitions, events, callback answers)",
+            meters.batch_size,
+        )
+        answered = CounterMetricFamily(
+            "fleetwave_callbacks_answered",
+            "Callbacks the engine applied or ignored (reason: why it ignored one)",
+            labels=["outcome", "reason"],
+        )
+        for (outcome, reason), n in sorted(meters.callbacks.items()):
+            answered.add_metric([outcome, reason], n)
+        yield answered
+        yield CounterMetricFamily(
+            "fleetwave_store_retries",
+            "Store calls that failed and were tried again (outages included)",
+            value=conductor.stats.store_retries,
+        )
+
+
+def _histogram(name: str, doc: str, h: Histogram) -> HistogramMetricFamily:
+    return HistogramMetricFamily(name, doc, buckets=h.cumulative(), sum_value=h.total)
+
+
+class ApiMetrics:
+    """The app's registry: the engine's collector and the API's own counters."""
+
+    def __init__(self, service: Service) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(EngineCollector(service))
+        self.requests = Counter(
+            "fleetwave_api_requests",
+            "API requests, by route (its template), method and status",
+            ["route", "method", "status"],
+            registry=self.registry,
+        )
+        self.callbacks = Counter(
+            "fleetwave_api_callbacks",
+            "Agents' callbacks by answer: accepted (stored), replayed (same key: not "
+            "stored again), late (stored and ignored at once), refused (401, 403)",
+            ["answer"],
+            registry=self.registry,
+        )
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class CountRequests:
+    """Count each request by its route's template (bounded: never the raw path)."""
+
+    def __init__(self, app: ASGIApp, metrics: ApiMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]
+
+        async def sent(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sent)
+        finally:
+            self.metrics.requests.labels(
+                route_of(scope), scope.get("method", ""), str(status[0])
+            ).inc()
+
+
+def route_of(scope: Scope) -> str:
+    """The template of the route that answered (``/v1/steps/{step_id}``). FastAPI names
+    a route of an included router by its own path, without the prefix it was
+    included under (in its recent versions)."""
+    path = getattr(scope.get("route"), "path", None)
+    if not isinstance(path, str):
+        return "(unmatched)"
+    if scope.get("path", "").startswith(API_PREFIX + "/") and not path.startswith(API_PREFIX):
+        return API_PREFIX + path
+    return path

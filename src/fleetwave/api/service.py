@@ -1,0 +1,138 @@
+"""What every route of the API shares: the store, the engine beside it (if any), the
+threads that run blocking store calls, and the cursors of paged lists.
+
+Store calls block (one or a few transactions; SQLite waits for a writer's lock inside
+the call): they run on the API's own small pool of threads, never on the event loop,
+which also runs the engine when ``fleetwave serve`` serves both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextvars
+import functools
+import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+
+from fastapi import Request
+
+from fleetwave.api.errors import ApiError
+from fleetwave.store.db import Store
+
+if TYPE_CHECKING:
+    from fleetwave.api.intake import CallbackIntake
+    from fleetwave.api.metrics import ApiMetrics
+    from fleetwave.engine.conductor import Conductor
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+#: threads for the API's store calls: enough for reads to overlap a write waiting for
+#: SQLite's lock, few enough that a burst of requests cannot starve the engine's writes
+STORE_THREADS = 8
+#: the most rows one page of a list holds (``limit``), and how many it holds by default
+PAGE_LIMIT_MAX = 1000
+PAGE_LIMIT_DEFAULT = 100
+#: the largest request body read (bytes): a bigger one is refused (413) unread
+MAX_BODY_BYTES = 1_048_576
+
+
+@dataclass
+class Service:
+    """The API's state: one per app (``app.state.service``)."""
+
+    store: Store
+    #: the engine in this process (``fleetwave serve`` without ``--no-engine``): told of
+    #: each callback stored, so that it applies it at once rather than at its next pass
+    conductor: Conductor | None = None
+    #: require a bearer token (False only for tests and ``--no-auth`` on loopback)
+    auth: bool = True
+    #: the app's metrics (set by make_app)
+    metrics: ApiMetrics | None = None
+    #: agents' callbacks, stored a batch at a time (set by make_app)
+    intake: CallbackIntake = field(init=False, repr=False)
+    #: the threads store calls run on: made when first needed, ended by :meth:`close`
+    #: (the app's shutdown; a test client may start the app again)
+    _threads: ThreadPoolExecutor | None = field(default=None, repr=False)
+
+    #: the one thread the API's writes run on, in turn: SQLite has one writer, and
+    #: several threads waiting for its lock poll for it (most of their time asleep)
+    _writer: ThreadPoolExecutor | None = field(default=None, repr=False)
+
+    async def call(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run a blocking store call (a read) on the API's threads, with this request's
+        context (who asks: recorded with what it changes)."""
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="fw-api")
+        return await self._run(self._threads, fn, *args, **kwargs)
+
+    async def write(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run a blocking store call that writes, on the API's writer thread."""
+        return await self.write_nowait(fn, *args, **kwargs)
+
+    def write_nowait(
+        self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs
+    ) -> asyncio.Future[R]:
+        """Start a store call that writes, on the API's writer thread: it runs to its
+        end whoever waits for it (the app's shutdown waits for the thread)."""
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="fw-api-write")
+        return self._start(self._writer, fn, *args, **kwargs)
+
+    async def _run(
+        self, threads: ThreadPoolExecutor, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs
+    ) -> R:
+        return await self._start(threads, fn, *args, **kwargs)
+
+    @staticmethod
+    def _start(
+        threads: ThreadPoolExecutor, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs
+    ) -> asyncio.Future[R]:
+        ctx = contextvars.copy_context()
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(threads, functools.partial(ctx.run, fn, *args, **kwargs))
+
+    def close(self) -> None:
+        for threads in (self._threads, self._writer):
+            if threads is not None:
+                threads.shutdown(wait=True)
+        self._threads = self._writer = None
+
+
+def service_of(request: Request) -> Service:
+    service: Service = request.app.state.service
+    return service
+
+
+def encode_cursor(key: Any) -> str | None:
+    """An opaque cursor for the key of a page's last row (None: no next page)."""
+    if key is None:
+        return None
+    raw = json.dumps([key], separators=(",", ":")).encode("utf-8")
+    return base64.urlsafe_b64encode(raw).decode("ascii").rstrip("=")
+
+
+def decode_cursor(cursor: str | None, kind: type, default: Any) -> Any:
+    """The key a cursor holds (``default`` without one); one this server did not give
+    is bad input naming ``cursor``."""
+    if cursor is None or cursor == "":
+        return default
+    try:
+        padded = cursor + "=" * (-len(cursor) % 4)
+        (key,) = json.loads(base64.urlsafe_b64decode(padded.encode("ascii")))
+    except (ValueError, binascii.Error, UnicodeError, TypeError):
+        key = None
+    if type(key) is not kind:
+        raise ApiError(422, "invalid", "cursor: not a cursor this list gave", "cursor")
+    return key
+
+
+def page_answer(rows: list[dict[str, Any]], next_key: Any) -> dict[str, Any]:
+    """A page of a list: its rows (each as ``--format json`` has it) and the cursor of
+    the next page (null after the last)."""
+    return {"items": rows, "next_cursor": encode_cursor(next_key)}

@@ -1,0 +1,205 @@
+"""Bearer tokens of the REST API, with roles (``fleetwave token create|list|revoke``),
+and the agent tokens the engine issues to a step's wait-for-callback state.
+
+A token is shown once, when created; only its SHA-256 is stored (a token is 256
+random bits: a slow hash would add nothing but time to every request). A request's
+token is found by its hash: unknown, revoked and expired ones are all "not valid".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import delete, insert, select, tuple_, update
+from sqlalchemy.exc import IntegrityError
+
+from fleetwave.domain.errors import Conflict, InputError, NotFound
+from fleetwave.domain.models import name_problem, shown
+from fleetwave.store import admin
+from fleetwave.store.db import Store
+from fleetwave.store.schema import agent_tokens, api_tokens
+
+#: what every token starts with (a secret scanner, or a person, can tell one)
+API_PREFIX = "fwa_"
+#: ... and every agent token
+AGENT_PREFIX = "fwg_"
+#: how long an agent token lasts after its state's timeout: a late report is still
+#: taken (and recorded as late) for this long
+AGENT_TOKEN_GRACE_S = 3600.0
+
+
+class Role(StrEnum):
+    """What a token may do: each role may also do what the ones before it may."""
+
+    READER = "reader"
+    OPERATOR = "operator"
+    ADMIN = "admin"
+
+    def allows(self, needed: Role) -> bool:
+        order = list(Role)
+        return order.index(self) >= order.index(needed)
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who a valid token says is asking."""
+
+    name: str
+    role: Role
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def new_secret(prefix: str) -> str:
+    return prefix + secrets.token_urlsafe(32)
+
+
+def create_token(
+    store: Store, name: str, role: Role, expires_at: float | None, now: float | None = None
+) -> str:
+    """A new token called ``name``: returns it (the one time it is known)."""
+    problem = name_problem(name)
+    if problem:
+        raise InputError(f"--name: {problem}")
+    now = time.time() if now is None else now
+    if expires_at is not None and expires_at <= now:
+        raise InputError("--expires: must be in the future")
+    token = new_secret(API_PREFIX)
+    try:
+        with store.write() as conn:
+            conn.execute(
+                insert(api_tokens).values(
+                    name=name,
+                    role=role.value,
+                    hash=token_hash(token),
+                    created_at=now,
+                    expires_at=expires_at,
+                )
+            )
+            admin.record_actor(conn, f"token {name} ({role.value}) created")
+    except IntegrityError:
+        raise Conflict(
+            f"--name: a token named {shown(name)} exists already (revoked ones keep their "
+            "name: choose another)"
+        ) from None
+    return token
+
+
+def find_token(store: Store, token: str, now: float) -> Caller | None:
+    """Who ``token`` stands for, if it is valid now (known, not revoked, not expired)."""
+    if not token.startswith(API_PREFIX) or len(token) > 200:
+        return None
+    with store.read() as conn:
+        row = conn.execute(
+            select(api_tokens.c.name, api_tokens.c.role, api_tokens.c.expires_at).where(
+                api_tokens.c.hash == token_hash(token), api_tokens.c.revoked_at.is_(None)
+            )
+        ).first()
+    if row is None or (row.expires_at is not None and row.expires_at <= now):
+        return None
+    return Caller(str(row.name), Role(row.role))
+
+
+def list_tokens(store: Store, now: float | None = None) -> list[dict[str, Any]]:
+    """Every token, oldest first: its name, role, times and state (active, expired,
+    revoked); never the token itself."""
+    now = time.time() if now is None else now
+    with store.read() as conn:
+        rows = conn.execute(select(api_tokens).order_by(api_tokens.c.id)).all()
+    return [
+        {
+            "name": r.name,
+            "role": r.role,
+            "state": (
+                "revoked"
+                if r.revoked_at is not None
+                else "expired"
+                if r.expires_at is not None and r.expires_at <= now
+                else "active"
+            ),
+            "created_at": r.created_at,
+            "expires_at": r.expires_at,
+            "revoked_at": r.revoked_at,
+        }
+        for r in rows
+    ]
+
+
+def revoke_token(store: Store, name: str, now: float | None = None) -> bool:
+    """Revoke the token called ``name``: True if this call did (False: it was already)."""
+    now = time.time() if now is None else now
+    with store.write() as conn:
+        row = conn.execute(select(api_tokens.c.revoked_at).where(api_tokens.c.name == name)).first()
+        if row is None:
+            raise NotFound(f"NAME: no token named {shown(name)}")
+        if row.revoked_at is not None:
+            return False
+        conn.execute(update(api_tokens).where(api_tokens.c.name == name).values(revoked_at=now))
+        admin.record_actor(conn, f"token {name} revoked")
+    return True
+
+
+def issue_agent_tokens(
+    store: Store, rows: Sequence[tuple[int, int, str, str, float, float | None]]
+) -> None:
+    """Store the hashes of agent tokens, in one transaction: each row is a token's
+    (strategy, step, state, hash, issued at, expires at). Each replaces one issued
+    before for its step and state (the state started afresh)."""
+    if not rows:
+        return
+    with store.write() as conn:
+        for start in range(0, len(rows), 500):
+            chunk = rows[start : start + 500]
+            conn.execute(
+                delete(agent_tokens).where(
+                    tuple_(agent_tokens.c.step_id, agent_tokens.c.state).in_(
+                        [(step, state) for _, step, state, *_ in chunk]
+                    )
+                )
+            )
+        conn.execute(
+            insert(agent_tokens),
+            [
+                {
+                    "strategy_id": sid,
+                    "step_id": step,
+                    "state": state,
+                    "hash": digest,
+                    "issued_at": at,
+                    "expires_at": until,
+                }
+                for sid, step, state, digest, at, until in rows
+            ],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AgentGrant:
+    """What an agent token answers for: one step's one state."""
+
+    strategy_id: int
+    step_id: int
+    state: str
+    expired: bool
+
+
+def find_agent_token(store: Store, token: str, now: float) -> AgentGrant | None:
+    """The step and state ``token`` was issued for (None: no such token)."""
+    if not token.startswith(AGENT_PREFIX) or len(token) > 200:
+        return None
+    with store.read() as conn:
+        r = conn.execute(
+            select(agent_tokens).where(agent_tokens.c.hash == token_hash(token))
+        ).first()
+    if r is None:
+        return None
+    expired = r.expires_at is not None and r.expires_at <= now
+    return AgentGrant(int(r.strategy_id), int(r.step_id), str(r.state), expired)

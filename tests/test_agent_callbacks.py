@@ -1,0 +1,358 @@
+"""Agents call back over HTTP (G6): each waiting state is issued its own agent token
+(only its hash stored), handed to the action; ``POST /v1/steps/{step}/callbacks`` with
+it is stored and answered at once, and the conductor beside the API applies it. Wrong,
+missing, expired and other steps' tokens are refused and recorded with the caller's
+address; a key sent again stores nothing; duplicates and late ones are recorded and
+ignored with the reason. Through a real uvicorn server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import select, update
+
+from conftest import add_sim_targets, rollout
+from fleetwave import ActionContext, Advance, Outcome, StateAction
+from fleetwave.api.serve import bind, serve_api
+from fleetwave.api.service import Service
+from fleetwave.domain import registry
+from fleetwave.domain.models import StrategyOptions
+from fleetwave.domain.registry import register_workflow
+from fleetwave.domain.workflow import StateDef, WorkflowDef
+from fleetwave.engine.conductor import Conductor
+from fleetwave.store import admin
+from fleetwave.store.callbacks import callback_outcomes
+from fleetwave.store.db import Store, open_store
+from fleetwave.store.schema import agent_tokens, callbacks, events, steps
+from fleetwave.testing.invariants import check
+
+
+class HandsOutItsToken(StateAction):
+    """What a driver does with a waiting state's token: gives it to the target's agent
+    (here: keeps it where the test's agents find it)."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[int, str | None] = {}
+        self.seen = asyncio.Event()
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        self.tokens[ctx.step_id] = ctx.agent_token
+        self.seen.set()
+        return Advance()
+
+
+class NoteToken(StateAction):
+    def __init__(self) -> None:
+        self.tokens: list[str | None] = []
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        self.tokens.append(ctx.agent_token)
+        return Advance()
+
+
+WAIT = HandsOutItsToken()
+PLAIN = NoteToken()
+WORKFLOW = WorkflowDef(
+    "agent-callbacks-test",
+    (
+        StateDef("boot", WAIT, timeout_s=600, mode="wait-for-callback"),
+        StateDef("finish", PLAIN, timeout_s=60),
+    ),
+)
+
+
+@pytest.fixture(autouse=True)
+def _registered() -> Iterator[None]:
+    """The workflow, known while a test runs (other tests list the known ones)."""
+    register_workflow(WORKFLOW, replace=True)
+    WAIT.tokens.clear()
+    PLAIN.tokens.clear()
+    try:
+        yield
+    finally:
+        registry._workflows.pop(WORKFLOW.name, None)
+
+
+Agents = Callable[[httpx.AsyncClient, int], Awaitable[None]]
+
+
+def _drive_with_api(store: Store, db: str, sid: int, agents: Agents) -> str:
+    """Drive strategy ``sid`` with a conductor and the API on one loop (as ``serve
+    --listen`` does); ``agents`` call back meanwhile. The strategy's end state."""
+
+    async def main() -> str:
+        conductor = Conductor(store)
+        service = Service(open_store(db), conductor=conductor)
+        sock, base = bind("127.0.0.1:0")
+        api_stop = asyncio.Event()
+        api = asyncio.create_task(serve_api(service, sock, api_stop))
+        driving = asyncio.create_task(conductor.run(strategy_ids=[sid]))
+        try:
+            async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+                while True:  # the server is up once it answers
+                    try:
+                        if (await http.get("/healthz")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        await asyncio.sleep(0.02)
+                await agents(http, sid)
+            return (await asyncio.wait_for(driving, 60))[sid]
+        finally:
+            api_stop.set()
+            await api
+            sock.close()
+
+    return asyncio.run(main())
+
+
+def _post(
+    http: httpx.AsyncClient,
+    step: int,
+    token: str | None,
+    key: str,
+    kind: str = "done",
+    state: str = "boot",
+) -> Awaitable[httpx.Response]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    body = {"state": state, "idempotency_key": key, "kind": kind, "details": f"agent {key}"}
+    return http.post(f"/v1/steps/{step}/callbacks", json=body, headers=headers)
+
+
+async def _tokens_of(steps: int) -> dict[int, str]:
+    while len(WAIT.tokens) < steps:
+        WAIT.seen.clear()
+        await asyncio.wait_for(WAIT.seen.wait(), 30)
+    return {step: str(token) for step, token in WAIT.tokens.items()}
+
+
+def test_agents_call_back_with_their_tokens_and_the_wrong_ones_are_refused(
+    store: Store, db_url: str
+) -> None:
+    add_sim_targets(store, 40)
+    sid = admin.create_strategy(store, WORKFLOW, StrategyOptions(max_parallel=40), all_targets=True)
+    admin.apply_strategy(store, sid)
+    answers: Counter[int] = Counter()
+
+    async def agents(http: httpx.AsyncClient, _: int) -> None:
+        tokens = await _tokens_of(40)
+        steps = sorted(tokens)
+        first, second = steps[0], steps[1]
+        # refused, nothing stored: no token, a forged one, another step's
+        for refused in await asyncio.gather(
+            _post(http, first, None, "k-none"),
+            _post(http, first, "fwg_forged", "k-forged"),
+            _post(http, first, tokens[second], "k-other"),
+            _post(http, first, tokens[first], "k-state", state="finish"),
+        ):
+            answers[refused.status_code] += 1
+            assert refused.json()["error"]["field"] == "Authorization"
+        # a heartbeat, then each agent's report, 40 at once; one sent twice with its key
+        assert (await _post(http, first, tokens[first], "hb-1", "heartbeat")).status_code == 202
+        sent = await asyncio.gather(*(_post(http, s, tokens[s], f"done-{s}") for s in steps))
+        for answer in sent:
+            answers[answer.status_code] += 1
+            assert answer.json()["state"] == "boot" and answer.json()["outcome"] is None
+        again = await _post(http, first, tokens[first], f"done-{first}")
+        # (the one stored first, as it is now: perhaps applied already)
+        assert again.status_code == 200 and again.json()["id"] == sent[0].json()["id"]
+        # another report for the same state, with another key: stored, then ignored
+        assert (await _post(http, second, tokens[second], "done-twice")).status_code == 202
+
+    assert _drive_with_api(store, db_url, sid, agents) == "complete"
+    assert answers == {401: 2, 403: 2, 202: 40}
+    # only a waiting state's action gets a token
+    assert PLAIN.tokens == [None] * 40
+
+    outcomes = callback_outcomes(store, sid)
+    assert Counter((o["kind"], o["outcome"]) for o in outcomes) == {
+        ("done", "applied"): 40,
+        ("heartbeat", "applied"): 1,
+        ("done", "ignored"): 1,
+    }
+    ignored = [o for o in outcomes if o["outcome"] == "ignored"]
+    # (a duplicate while the step waits on; late once it has moved on)
+    assert ignored[0]["reason"].startswith(("duplicate", "late: step already"))
+    with store.read() as conn:
+        keys = conn.execute(select(callbacks.c.idempotency_key)).scalars().all()
+        assert len(keys) == len(set(keys)) == 42  # the key sent twice: stored once
+        refusals = conn.execute(
+            select(events.c.strategy_id, events.c.details).where(
+                events.c.kind == "callback-refused"
+            )
+        ).all()
+        stored = set(conn.execute(select(agent_tokens.c.hash)).scalars())
+    assert len(refusals) == 4 and {r.strategy_id for r in refusals} == {sid}
+    assert all("from 127.0.0.1 refused" in r.details for r in refusals)
+    # only hashes are kept
+    assert stored == {hashlib.sha256(str(t).encode()).hexdigest() for t in WAIT.tokens.values()}
+    assert check(store, sid).ok
+
+
+def test_a_late_report_is_recorded_as_late_and_an_expired_token_is_refused(
+    store: Store, db_url: str, tmp_path: Path
+) -> None:
+    add_sim_targets(store, 2)
+    sid = admin.create_strategy(store, WORKFLOW, StrategyOptions(), all_targets=True)
+    admin.apply_strategy(store, sid)
+
+    async def agents(http: httpx.AsyncClient, _: int) -> None:
+        tokens = await _tokens_of(2)
+        for step, token in tokens.items():
+            assert (await _post(http, step, token, f"done-{step}")).status_code == 202
+
+    assert _drive_with_api(store, db_url, sid, agents) == "complete"
+    (late_step, late_token), (old_step, old_token) = sorted(WAIT.tokens.items())
+    with store.write() as conn:
+        conn.execute(
+            update(agent_tokens).where(agent_tokens.c.step_id == old_step).values(expires_at=1.0)
+        )
+
+    async def after_the_end(http: httpx.AsyncClient, _: int) -> None:
+        late = await _post(http, late_step, late_token, "late-1")
+        assert late.status_code == 202
+        assert late.json()["outcome"] == "ignored"
+        assert late.json()["reason"] == "late: step already complete"
+        expired = await _post(http, old_step, old_token, "late-2")
+        assert expired.status_code == 401
+        assert "expired" in expired.json()["error"]["message"]
+
+    assert _drive_with_api(store, db_url, sid, after_the_end) == "complete"
+    assert check(store, sid).ok
+
+
+@pytest.mark.slow
+def test_two_hundred_agents_at_once_while_the_engine_drives_two_thousand_steps(
+    store: Store, db_url: str
+) -> None:
+    """200 agents report concurrently, each for ten steps, while the engine drives 2,000
+    steps at max parallel 500; each also sends a duplicate, a forged token and another
+    step's token now and then. Every step completes, every callback's outcome is on
+    record, and ``check`` passes."""
+    add_sim_targets(store, 2000)
+    sid = admin.create_strategy(
+        store, WORKFLOW, StrategyOptions(max_parallel=500), all_targets=True
+    )
+    admin.apply_strategy(store, sid)
+    answers: Counter[int] = Counter()
+
+    async def agent(http: httpx.AsyncClient, mine: list[int]) -> None:
+        for step in mine:
+            while step not in WAIT.tokens:
+                await asyncio.sleep(0.01)
+            token = str(WAIT.tokens[step])
+            sent = [
+                _post(http, step, token, f"done-{step}"),
+                _post(http, step, token, f"done-{step}"),  # the same key again
+            ]
+            if step % 10 == 0:
+                other = str(WAIT.tokens.get(step + 1, "fwg_none"))
+                sent += [
+                    _post(http, step, "fwg_forged", f"f-{step}"),
+                    _post(http, step, other, f"o-{step}"),
+                    _post(http, step, token, f"again-{step}"),  # a duplicate report
+                ]
+            for answer in await asyncio.gather(*sent):
+                answers[answer.status_code] += 1
+
+    async def agents(http: httpx.AsyncClient, _: int) -> None:
+        while not WAIT.tokens:
+            await asyncio.sleep(0.01)
+        steps = sorted(range(min(WAIT.tokens), min(WAIT.tokens) + 2000))
+        await asyncio.gather(*(agent(http, steps[i::200]) for i in range(200)))
+
+    assert _drive_with_api(store, db_url, sid, agents) == "complete"
+    assert answers[500] == 0
+    # each step's report: stored once (202), then answered from the record (200) when
+    # sent again with its key; forged and other steps' tokens refused
+    assert answers[202] >= 2000 and answers[401] >= 200 and answers[403] >= 1
+    outcomes = callback_outcomes(store, sid)
+    assert all(o["outcome"] in ("applied", "ignored") for o in outcomes)
+    assert Counter(o["outcome"] for o in outcomes)["applied"] == 2000
+    with store.read() as conn:
+        refused = conn.execute(select(events.c.id).where(events.c.kind == "callback-refused")).all()
+    assert len(refused) == answers[401] + answers[403]
+    assert check(store, sid).ok
+
+
+def test_the_tokens_of_states_started_in_one_turn_are_stored_in_one_transaction(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transaction (an fsync) per waiting state would slow a `clean` rollout: the
+    tokens of the states that start in one turn of the loop are written together."""
+    from fleetwave.store import tokens
+
+    writes: list[int] = []
+    store_them = tokens.issue_agent_tokens
+
+    def counted(s: Store, rows: list[tuple[int, int, str, str, float, float]]) -> None:
+        writes.append(len(rows))
+        store_them(s, rows)
+
+    monkeypatch.setattr(tokens, "issue_agent_tokens", counted)
+    add_sim_targets(store, 300)
+    sid, final, _ = rollout(store, "clean", max_parallel=300)
+    assert final == "complete"
+    with store.read() as conn:
+        hashes = conn.execute(select(agent_tokens.c.hash)).scalars().all()
+    assert len(hashes) == len(set(hashes)) == sum(writes) == 600  # two waiting states each
+    assert len(writes) < 60
+    assert check(store, sid).ok
+
+
+def test_a_batch_whose_leader_is_cancelled_before_writing_is_written_by_another() -> None:
+    from fleetwave.engine.agent_tokens import AgentTokenIssuer
+
+    written: list[list[int]] = []
+
+    async def io(_fn: object, _store: object, rows: list[tuple[int, ...]]) -> None:
+        written.append([r[1] for r in rows])
+
+    async def main() -> list[str]:
+        issuer = AgentTokenIssuer(io, None, lambda: 0.0)
+        tasks = [asyncio.create_task(issuer.issue(1, step, "boot", 60)) for step in (1, 2, 3)]
+        await asyncio.sleep(0)  # each has added its row; the first leads, and waits a turn
+        tasks[0].cancel()
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        return [d for d in done if isinstance(d, str)]
+
+    issued = asyncio.run(main())
+    assert len(issued) == 2
+    assert written == [[1, 2, 3]]  # (the cancelled one's row went with them: harmless)
+
+
+def test_callbacks_stored_together_are_answered_each_as_alone(store: Store) -> None:
+    """The intake stores what came at once in one transaction: each is still answered
+    as it would be alone (a key twice: stored once; an unknown step: refused; an ended
+    step: late), and nothing of the others is lost to one that is refused."""
+    from fleetwave.domain.errors import NotFound
+    from fleetwave.store.callbacks import Replay, accept_callbacks, report
+
+    add_sim_targets(store, 2)
+    sid = admin.create_strategy(store, WORKFLOW, StrategyOptions(), all_targets=True)
+    with store.write() as conn:
+        conn.execute(update(steps).where(steps.c.id == 2).values(state="complete"))
+    answers = accept_callbacks(
+        store,
+        [
+            report(1, "boot", "done", "first", 1.0, "k1"),
+            report(99, "boot", "done", "", 1.0, "k9"),
+            report(1, "boot", "done", "again", 1.0, "k1"),
+            report(2, "boot", "done", "", 1.0, "k2"),
+        ],
+    )
+    first, unknown, again, late = answers
+    assert not isinstance(first, Exception) and first.outcome is None
+    assert isinstance(unknown, NotFound)
+    assert isinstance(again, Replay) and again.id == first.id and again.details == "first"
+    assert not isinstance(late, Exception) and late.reason == "late: step already complete"
+    outcomes = callback_outcomes(store, sid)
+    assert [(o["step"], o["outcome"]) for o in outcomes] == [(1, None), (2, "ignored")]
+    # sent again later, with its key: the one stored
+    (later,) = accept_callbacks(store, [report(1, "boot", "done", "", 2.0, "k1")])
+    assert isinstance(later, Replay) and later.id == first.id
