@@ -3,7 +3,8 @@ say happened, and whether the guarantees held."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Callable, Iterator
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -37,11 +38,26 @@ def history(
     store = existing_store(db)
     names = several("--target", target)
     rows = queries.iter_history(store, strategy, names, last=last)  # refuses bad names now
+    note = queries.deleted_note(store, strategy)
     emit_rows(
-        first_then(rows, lambda: queries.iter_history(store, strategy, names, last=last)),
+        _marked(
+            first_then(rows, lambda: queries.iter_history(store, strategy, names, last=last)),
+            note,
+        ),
         ["at", "conductor", "target", "from", "to", "details"],
         fmt,
+        title=note,
     )
+
+
+def _marked(
+    read: Callable[[], Iterator[dict[str, Any]]], note: str | None
+) -> Callable[[], Iterator[dict[str, Any]]]:
+    """Rows of a deleted strategy's history or events, each marked so (``--format
+    json``: ``strategy_deleted``; a table says it once, in its title)."""
+    if note is None:
+        return read
+    return lambda: ({**row, "strategy_deleted": True} for row in read())
 
 
 def events(
@@ -73,10 +89,15 @@ def events(
     store = existing_store(db)
     names, kinds = several("--target", target), several("--kind", kind)
     rows = queries.iter_events(store, strategy, names, kinds, last)  # refuses bad input now
+    note = queries.deleted_note(store, strategy)
     emit_rows(
-        first_then(rows, lambda: queries.iter_events(store, strategy, names, kinds, last)),
+        _marked(
+            first_then(rows, lambda: queries.iter_events(store, strategy, names, kinds, last)),
+            note,
+        ),
         ["at", "conductor", "target", "kind", "details"],
         fmt,
+        title=note,
     )
 
 

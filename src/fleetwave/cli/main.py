@@ -40,6 +40,7 @@ from fleetwave.cli.drive import ServeReport, stop_on_signals
 from fleetwave.cli.groups import group_app
 from fleetwave.cli.journal import check, events, history
 from fleetwave.cli.output import console, err_console
+from fleetwave.cli.prune import prune
 from fleetwave.cli.simcmd import sim_command
 from fleetwave.cli.site_emulator import site_emulator_command
 from fleetwave.cli.steps import step_app
@@ -210,6 +211,7 @@ def init(db: DbOpt = None) -> None:
 app.command()(history)
 app.command()(events)
 app.command()(check)
+app.command()(prune)
 
 
 @app.command()

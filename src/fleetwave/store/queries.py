@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
-from sqlalchemy import Connection, and_, case, func, select
+from sqlalchemy import Connection, Table, and_, case, false, func, null, select
 
 from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.models import (
@@ -32,6 +32,7 @@ from fleetwave.store.schema import (
     attempts,
     callbacks,
     conductors,
+    deleted_steps,
     events,
     groups,
     journal,
@@ -212,14 +213,52 @@ def step_counts(store: Store, sid: int) -> dict[str, int]:
 
 
 def _step_counts(conn: Any, sid: int) -> dict[str, int]:
-    return {
-        str(state): int(n)
+    counts: dict[str, int] = {}
+    for table in _step_tables(conn, sid):
         for state, n in conn.execute(
-            select(steps.c.state, func.count())
-            .where(steps.c.strategy_id == sid)
-            .group_by(steps.c.state)
+            select(table.c.state, func.count())
+            .where(table.c.strategy_id == sid)
+            .group_by(table.c.state)
+        ):
+            counts[str(state)] = counts.get(str(state), 0) + int(n)
+    return counts
+
+
+#: strategies whose steps left the working tables (``strategy delete``), all of them or
+#: some (being deleted): their steps as they ended are in ``deleted_steps``
+KEPT_STATES = frozenset({StrategyState.DELETING, StrategyState.DELETED, StrategyState.PRUNING})
+
+
+def _kept(conn: Any, sid: int) -> bool:
+    """Whether strategy ``sid`` was deleted (or is being deleted): its steps, some or
+    all, are kept in ``deleted_steps``, its history where it was."""
+    state = conn.execute(select(strategies.c.state).where(strategies.c.id == sid)).scalar()
+    return state in KEPT_STATES
+
+
+def _step_tables(conn: Any, sid: int) -> tuple[Table, ...]:
+    """Where strategy ``sid``'s steps are: the working table, and for one deleted (or
+    being deleted) the kept steps too."""
+    return (steps, deleted_steps) if _kept(conn, sid) else (steps,)
+
+
+def _journal_named(conn: Any, sid: int, table: Table) -> tuple[Any, Any]:
+    """What to read ``table`` (journal, events) of strategy ``sid`` from, and its rows'
+    target name: through the step and its target, and for a deleted strategy through
+    the kept step (the target may be deleted since: the name it had then)."""
+    if not _kept(conn, sid):
+        return (
+            table.outerjoin(steps, steps.c.id == table.c.step_id).outerjoin(
+                targets, targets.c.id == steps.c.target_id
+            ),
+            targets.c.name,
         )
-    }
+    return (
+        table.outerjoin(steps, steps.c.id == table.c.step_id)
+        .outerjoin(targets, targets.c.id == steps.c.target_id)
+        .outerjoin(deleted_steps, deleted_steps.c.id == table.c.step_id),
+        func.coalesce(targets.c.name, deleted_steps.c.target),
+    )
 
 
 def steps_ended(counts: dict[str, int]) -> int:
@@ -264,6 +303,9 @@ def _strategy_dict(r: Any) -> dict[str, Any]:
         "created_at": r.created_at,
         "updated_at": r.updated_at,
         "owner": r.owner,
+        # when ``strategy delete`` began (its history kept until ``fleetwave prune``)
+        "deleted_at": r.deleted_at,
+        "deleted_from": r.deleted_from,
     }
 
 
@@ -283,6 +325,8 @@ def list_strategies(
         q = select(strategies).order_by(strategies.c.id)
         if states:
             q = q.where(strategies.c.state.in_(list(states)))
+        else:  # deleted ones only when asked for (``--state deleted``)
+            q = q.where(strategies.c.state.not_in([StrategyState.DELETED, StrategyState.PRUNING]))
         rows = conn.execute(q).all()
         counts: dict[int, dict[str, int]] = {}
         retrying: dict[int, int] = {}
@@ -296,6 +340,18 @@ def list_strategies(
             mine[str(state)] = mine.get(str(state), 0) + int(n)
             if waits and state != STEP_INITIAL and state not in STEP_TERMINAL:
                 retrying[int(sid)] = retrying.get(int(sid), 0) + int(n)
+        kept = [int(r.id) for r in rows if r.state in KEPT_STATES]
+        for sid, state, n in (
+            conn.execute(
+                select(deleted_steps.c.strategy_id, deleted_steps.c.state, func.count())
+                .where(deleted_steps.c.strategy_id.in_(kept))
+                .group_by(deleted_steps.c.strategy_id, deleted_steps.c.state)
+            )
+            if kept
+            else ()
+        ):
+            mine = counts.setdefault(int(sid), {})
+            mine[str(state)] = mine.get(str(state), 0) + int(n)
         known = _Conductors.read(conn, now)
     out = []
     for r in rows:
@@ -570,10 +626,21 @@ def ended_badly_in(store: Store, sid: int) -> list[str]:
         ).scalar_one_or_none()
         if state is None:
             raise NotFound(f"--failed-in: strategy {sid} not found")
-        if state == StrategyState.DELETING.value:
+        if state in (StrategyState.DELETING.value, StrategyState.PRUNING.value):
             raise InputError(
                 f"--failed-in: strategy {sid} is being deleted, its steps partly gone "
                 f"('fleetwave strategy delete {sid}' finishes it)"
+            )
+        if state == StrategyState.DELETED.value:  # its steps as they ended, kept
+            return list(
+                conn.execute(
+                    select(deleted_steps.c.target)
+                    .where(
+                        deleted_steps.c.strategy_id == sid,
+                        deleted_steps.c.state.in_([STEP_FAILED, STEP_ABORTED]),
+                    )
+                    .order_by(deleted_steps.c.id)
+                ).scalars()
             )
         return list(
             conn.execute(
@@ -632,8 +699,10 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
             .limit(1)
         ).scalar_one_or_none()
         plan = _plan_of(r.options)
+        kept = r.state in KEPT_STATES
+        done_steps = deleted_steps if kept else steps
         if plan:
-            ended = _ended_by_stage(conn, sid)
+            ended = _ended_by_stage(conn, sid, done_steps)
             approvals = [
                 {"at": e.at, "details": e.details}
                 for e in conn.execute(
@@ -643,10 +712,10 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
                 )
             ]
         took = conn.execute(
-            select(func.avg(steps.c.finished_at - steps.c.started_at)).where(
-                steps.c.strategy_id == sid,
-                steps.c.state == STEP_COMPLETE,
-                steps.c.started_at.is_not(None),
+            select(func.avg(done_steps.c.finished_at - done_steps.c.started_at)).where(
+                done_steps.c.strategy_id == sid,
+                done_steps.c.state == STEP_COMPLETE,
+                done_steps.c.started_at.is_not(None),
             )
         ).scalar()
         first_at = conn.execute(
@@ -655,7 +724,7 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
     out["done"] = steps_ended(counts)  # as strategy list has it
     total = int(r.step_count)
     out["percent_done"] = round(100 * out["done"] / total, 1) if total else 100.0
-    if first_at is not None and r.state not in STRATEGY_TERMINAL:
+    if first_at is not None and r.state not in STRATEGY_TERMINAL | KEPT_STATES:
         out["elapsed_s"] = round(max(0.0, now - float(first_at)), 1)
         left = time_left_s(
             total,
@@ -684,17 +753,20 @@ def _plan_of(options: str) -> list[PlannedStage]:
         return []
 
 
-def _ended_by_stage(conn: Connection, sid: int) -> dict[int, tuple[int, int, int]]:
+def _ended_by_stage(
+    conn: Connection, sid: int, table: Table = steps
+) -> dict[int, tuple[int, int, int]]:
     """By stage column (phase): its steps, how many of them have ended, and how many
-    have started (left ``initial``: ended ones too)."""
-    ended = case((steps.c.state.in_(sorted(STEP_TERMINAL)), 1), else_=0)
-    begun = case((steps.c.started_at.is_not(None), 1), else_=0)
+    have started (left ``initial``: ended ones too); ``table``: where its steps are
+    (``deleted_steps`` once it is deleted)."""
+    ended = case((table.c.state.in_(sorted(STEP_TERMINAL)), 1), else_=0)
+    begun = case((table.c.started_at.is_not(None), 1), else_=0)
     return {
         int(stage): (int(n), int(done or 0), int(started or 0))
         for stage, n, done, started in conn.execute(
-            select(steps.c.stage, func.count(), func.sum(ended), func.sum(begun))
-            .where(steps.c.strategy_id == sid)
-            .group_by(steps.c.stage)
+            select(table.c.stage, func.count(), func.sum(ended), func.sum(begun))
+            .where(table.c.strategy_id == sid)
+            .group_by(table.c.stage)
         )
     }
 
@@ -709,6 +781,27 @@ def strategy_workflow(store: Store, sid: int) -> tuple[str, str | None]:
     if r is None:
         raise NotFound(f"strategy {sid} not found")
     return str(r.workflow), None if r.workflow_yaml is None else str(r.workflow_yaml)
+
+
+def deleted_note(store: Store, sid: int) -> str | None:
+    """For a deleted strategy (or one being deleted or pruned), what a reader of its
+    history is told first: that it was deleted, when, and what keeps its history."""
+    with store.read() as conn:
+        r = conn.execute(
+            select(strategies.c.state, strategies.c.deleted_at).where(strategies.c.id == sid)
+        ).first()
+    if r is None or r.state not in KEPT_STATES:
+        return None
+    at = (
+        ""
+        if r.deleted_at is None
+        else " " + time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(float(r.deleted_at)))
+    )
+    if r.state == StrategyState.PRUNING:
+        return f"strategy {sid}: deleted{at}, its history being pruned (partly gone)"
+    if r.state == StrategyState.DELETING:
+        return f"strategy {sid}: being deleted (since{at}); its history is kept"
+    return f"strategy {sid}: deleted{at}; its history is kept until 'fleetwave prune'"
 
 
 def strategy_exists(store: Store, sid: int) -> None:
@@ -762,12 +855,19 @@ def _target_in(store: Store, sid: int, target: str) -> int:
     one the strategy has no step for."""
     with store.read() as conn:
         tid = conn.execute(select(targets.c.id).where(targets.c.name == target)).scalar()
-        if tid is None:
-            raise NotFound(f"--target: no target named {shown(target)}")
         in_it = conn.execute(
             select(steps.c.id).where(steps.c.strategy_id == sid, steps.c.target_id == tid)
         ).first()
+        if in_it is None and _kept(conn, sid):
+            # a deleted strategy's step, by the name its target had (deleted since, maybe)
+            in_it = conn.execute(
+                select(deleted_steps.c.id).where(
+                    deleted_steps.c.strategy_id == sid, deleted_steps.c.target == target
+                )
+            ).first()
         if in_it is None:
+            if tid is None:
+                raise NotFound(f"--target: no target named {shown(target)}")
             raise NotFound(f"--target: target {shown(target)} is not in strategy {sid}")
         return int(in_it[0])
 
@@ -797,6 +897,29 @@ def _iter_steps(
     if names:
         q = q.where(targets.c.name.in_(names))
     rows = _pages(store, q, steps.c.ordinal, -1)
+    with store.read() as conn:
+        deleted = conn.execute(
+            select(strategies.c.state).where(strategies.c.id == sid)
+        ).scalar() in (StrategyState.DELETED, StrategyState.PRUNING)
+    if deleted:  # its steps as they ended (their targets as they were named then)
+        kept = select(
+            deleted_steps.c.id,
+            deleted_steps.c.target.label("name"),
+            deleted_steps.c.stage,
+            deleted_steps.c.state,
+            deleted_steps.c.details,
+            deleted_steps.c.started_at,
+            deleted_steps.c.finished_at,
+            deleted_steps.c.attempt,
+            null().label("owner"),
+            deleted_steps.c.ordinal,
+            false().label("not_started"),
+        ).where(deleted_steps.c.strategy_id == sid)
+        if states:
+            kept = kept.where(deleted_steps.c.state.in_(states))
+        if names:
+            kept = kept.where(deleted_steps.c.target.in_(names))
+        rows = _pages(store, kept, deleted_steps.c.ordinal, -1)
     now = time.time()
     lease = _step_lease(store, sid, now)
     for r in rows if limit is None else islice(rows, limit):
@@ -907,7 +1030,7 @@ def get_step(store: Store, step_id: int) -> dict[str, Any]:
             .where(steps.c.id == step_id)
         ).first()
         if r is None:
-            raise NotFound(f"step {step_id} not found")
+            return _kept_step(store, step_id)
         out = {
             "step": r.id,
             "strategy": r.strategy_id,
@@ -932,6 +1055,31 @@ def get_step(store: Store, step_id: int) -> dict[str, Any]:
             "not_started": bool(r.not_started),
         }
     out["history"] = history(store, int(out["strategy"]), step_id=step_id)
+    out["events"] = step_events(store, step_id)
+    out["callbacks"] = step_callbacks(store, step_id)
+    out["attempts"] = step_attempts(store, step_id)
+    return out
+
+
+def _kept_step(store: Store, step_id: int) -> dict[str, Any]:
+    """A step of a deleted strategy, as it ended, with its history (``step show``)."""
+    with store.read() as conn:
+        r = conn.execute(select(deleted_steps).where(deleted_steps.c.id == step_id)).first()
+    if r is None:
+        raise NotFound(f"step {step_id} not found")
+    out: dict[str, Any] = {
+        "step": r.id,
+        "strategy": r.strategy_id,
+        "strategy_deleted": True,
+        "target": r.target,
+        "stage": r.stage,
+        "state": r.state,
+        "details": r.details,
+        "started_at": r.started_at,
+        "finished_at": r.finished_at,
+        "attempt": r.attempt,
+    }
+    out["history"] = history(store, int(r.strategy_id), step_id=step_id)
     out["events"] = step_events(store, step_id)
     out["callbacks"] = step_callbacks(store, step_id)
     out["attempts"] = step_attempts(store, step_id)
@@ -975,21 +1123,28 @@ def iter_history(
     unknown names are refused before the first row."""
     _check_last(last)
     strategy_exists(store, sid)
-    q = (
-        select(
-            journal.c.id,
-            journal.c.at,
-            journal.c.conductor,
-            targets.c.name,
-            journal.c.step_id,
-            journal.c.from_state,
-            journal.c.to_state,
-            journal.c.fence,
-            journal.c.details,
-        )
-        .join(steps, steps.c.id == journal.c.step_id)
-        .join(targets, targets.c.id == steps.c.target_id)
+    with store.read() as conn:
+        kept = _kept(conn, sid)
+        source, name = _journal_named(conn, sid, journal)
+    columns = (
+        journal.c.id,
+        journal.c.at,
+        journal.c.conductor,
+        name,
+        journal.c.step_id,
+        journal.c.from_state,
+        journal.c.to_state,
+        journal.c.fence,
+        journal.c.details,
     )
+    if kept:
+        q = select(*columns).select_from(source)
+    else:  # every transition's step is there: joined, not outer-joined
+        q = (
+            select(*columns)
+            .join(steps, steps.c.id == journal.c.step_id)
+            .join(targets, targets.c.id == steps.c.target_id)
+        )
     names = [target] if isinstance(target, str) else list(target or ())
     step_ids = _steps_of(store, sid, names)
     if step_id is not None:
@@ -1125,15 +1280,9 @@ def iter_events(
         if k not in EVENT_KINDS:
             raise InputError(f"--kind: '{k}' is not a kind of event ({', '.join(EVENT_KINDS)})")
     strategy_exists(store, sid)
-    q = (
-        select(events, targets.c.name.label("target"))
-        .select_from(
-            events.outerjoin(steps, steps.c.id == events.c.step_id).outerjoin(
-                targets, targets.c.id == steps.c.target_id
-            )
-        )
-        .where(events.c.strategy_id == sid)
-    )
+    with store.read() as conn:
+        source, name = _journal_named(conn, sid, events)
+    q = select(events, name.label("target")).select_from(source).where(events.c.strategy_id == sid)
     if target:
         q = q.where(events.c.step_id.in_(_steps_of(store, sid, list(target))))
     if kind:
