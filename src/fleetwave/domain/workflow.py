@@ -43,6 +43,14 @@ class NotStarted(Exception):
     ends ``aborted``."""
 
 
+class NotOnTarget(Exception):
+    """Raised by a recover hook that found the target never got its state's operation
+    (lost between the entry's commit and the send, with the conductor that entered it):
+    the engine records the next attempt (``attempts``, how ``resent``: "attempt 2:
+    re-sent after takeover"), then runs the state's action as that attempt. A hook that
+    sends the operation again itself is not on the record: raise this instead."""
+
+
 class WorkflowError(ValueError):
     """A workflow definition is invalid; the message names the state and field."""
 
@@ -205,13 +213,15 @@ class DriverOperation(StateAction):
         result = await ctx.driver.observe(ctx.target, self.operation, ctx)
         if result is RemoteResult.NOT_STARTED and ctx.stopping:
             raise NotStarted(f"the target reports {self.operation} not started")
+        if result is RemoteResult.NOT_STARTED:
+            # Never reached the target (lost between commit and dispatch): the engine
+            # sends it again as the next attempt, on the record first.
+            raise NotOnTarget(f"the target reports {self.operation} not started")
         if ctx.polling and result is RemoteResult.IN_PROGRESS:
             return NotYet(f"{self.operation} in progress")
-        if ctx.polling and result is RemoteResult.NOT_STARTED:
-            return await self._poll(ctx)  # poll 0: starts it
-        if result in (RemoteResult.NOT_STARTED, RemoteResult.IN_PROGRESS):
-            # Never reached the target (lost between commit and dispatch), or still running:
-            # the operation is idempotent, so perform it: it starts, or waits for, the one run.
+        if result is RemoteResult.IN_PROGRESS:
+            # still running: the operation is idempotent, so perform it: it waits for the
+            # one run
             result = await ctx.driver.perform(ctx.target, self.operation, ctx)
         return self._outcome(result, ctx)
 

@@ -22,6 +22,7 @@ from fleetwave.domain.workflow import (
     ActionContext,
     Advance,
     NoRecoverHook,
+    NotOnTarget,
     NotStarted,
     NotYet,
     Outcome,
@@ -268,6 +269,30 @@ class WorkerMixin(StoreCalls):
                 )
             except NoRecoverHook:
                 decision = failure(state, f"conductor lost during {state}")
+            except NotOnTarget as exc:
+                # The recover hook found the target never got the state's operation: it
+                # is sent again as the next attempt, on the record first (G1 at the
+                # target: its attempts row is unique), then run as any attempt.
+                recovering = False
+                attempts = max(attempts, rec.attempt)
+                why = details_text(exc) or "the target did not have it"
+                resent = RetryScheduled(
+                    run.id,
+                    rec.step_id,
+                    state,
+                    fence,
+                    rec.deadline_at or self.clock.now() + timeout_s,
+                    attempts + 1,
+                    f"{state}: attempt {attempts + 1} re-sent after takeover "
+                    f"{_utc(self.clock.now())} ({why})",
+                    how="resent",
+                )
+                answer = await self._record(resent, started=True)
+                if answer is RetryAnswer.HELD:
+                    return _retry_not_started(run, rec, state, fence)
+                if answer is RetryAnswer.REFUSED:
+                    raise (_HandedOver if self._draining else _RetryRefused) from None
+                continue
             except StepFailed as exc:
                 decision = failure(state, details_text(exc) or "failed")
             except (TransientError, TimeoutError) as exc:

@@ -23,7 +23,10 @@ from fleetwave.domain.models import (
     has_labels,
     shown,
 )
+from fleetwave.domain.registry import get_workflow
 from fleetwave.domain.rollout import APPROVED_EVENT, PlannedStage, stage_progress, time_left_s
+from fleetwave.domain.workflow import WorkflowError
+from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.store import leases
 from fleetwave.store.admin import options_from_json
 from fleetwave.store.db import Store
@@ -691,6 +694,19 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
                     out["in_flight_until"] = max(out["in_flight_until"] or until, until)
             else:
                 out["waiting_to_retry" if retry else "not_started"] += int(n)
+        # of those in flight, the ones in a state waiting for the target's callback (not
+        # running anything here), and the latest of their deadlines
+        waits = callback_states(conn, sid)
+        out["waiting_for_callback"], out["waiting_for_callback_until"] = 0, None
+        if waits:
+            n, until = conn.execute(
+                select(func.count(), func.max(steps.c.deadline_at)).where(
+                    steps.c.strategy_id == sid,
+                    steps.c.state.in_(sorted(waits)),
+                    steps.c.not_started == false(),
+                )
+            ).one()
+            out["waiting_for_callback"], out["waiting_for_callback_until"] = int(n), until
         # when the rollout last moved (the row's updated_at is its own state's change)
         out["last_transition_at"] = conn.execute(
             select(journal.c.at)
@@ -888,6 +904,7 @@ def _iter_steps(
             steps.c.owner,
             steps.c.ordinal,
             steps.c.not_started,
+            steps.c.deadline_at,
         )
         .join(targets, targets.c.id == steps.c.target_id)
         .where(steps.c.strategy_id == sid)
@@ -949,6 +966,8 @@ class _StepLease:
     left: float | None
     #: when it ran out (wall time, for an operator), if it has
     ran_out_at: float | None
+    #: the strategy's workflow states that wait for the target's callback
+    waits: frozenset[str] = frozenset()
 
 
 def _step_lease(store: Store, sid: int, now: float) -> _StepLease:
@@ -957,6 +976,7 @@ def _step_lease(store: Store, sid: int, now: float) -> _StepLease:
             select(strategies.c.owner, strategies.c.lease_expires_at).where(strategies.c.id == sid)
         ).first()
         known = _Conductors.read(conn, now)
+        waits = callback_states(conn, sid)
     owner = r.owner if r is not None else None
     until = r.lease_expires_at if r is not None else None
     left = known.lease_left(owner, until)
@@ -965,7 +985,30 @@ def _step_lease(store: Store, sid: int, now: float) -> _StepLease:
         owner,
         left,
         now + left if left is not None and left <= 0 else None,
+        waits,
     )
+
+
+def callback_states(conn: Any, sid: int) -> frozenset[str]:
+    """The states of strategy ``sid``'s workflow that wait for the target's callback
+    (``mode: wait-for-callback``): from its own YAML copy, or the registered workflow
+    of its name; none when this process cannot have it (a plug-in not loaded here)."""
+    r = conn.execute(
+        select(strategies.c.workflow, strategies.c.workflow_yaml).where(strategies.c.id == sid)
+    ).first()
+    if r is None:
+        return frozenset()
+    try:
+        wf = (
+            get_workflow(r.workflow)
+            if r.workflow_yaml is None
+            else parse_workflow_yaml(r.workflow_yaml, source=f"strategy {sid}")
+        )
+    except WorkflowError:
+        return frozenset()
+    if wf is None:
+        return frozenset()
+    return frozenset(st.name for st in wf.states if st.mode == "wait-for-callback")
 
 
 #: what a takeover does with a state whose conductor was lost: its workflow says (a
@@ -974,6 +1017,10 @@ _RECOVERS = (
     "its state's recover setting decides what became of the action (look at the target, "
     "or fail the step: 'fleetwave workflow show' says which)"
 )
+
+
+def _utc_shown(at: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(at))
 
 
 def _shown_details(r: Any, lease: _StepLease) -> str:
@@ -999,6 +1046,12 @@ def _shown_details(r: Any, lease: _StepLease) -> str:
         said = f"entered, its action not started: it starts {resumes}"
         if live:
             said = f"entered while conductor {owner} was stopping; its action starts {resumes}"
+    elif live and state in lease.waits:
+        # its action sent the work; the target's agent reports when it is done
+        deadline = getattr(r, "deadline_at", None)
+        until = "" if deadline is None else f" until {_utc_shown(float(deadline))}"
+        said = f"waiting for callback{until} (on conductor {owner})"
+        return f"{said}: {details}" if details else said
     elif live:
         # what it last said (a retry's reason, its last state's end) while it runs
         return details or f"running on conductor {owner}"
@@ -1156,7 +1209,80 @@ def iter_history(
         q = q.where(journal.c.step_id.in_(step_ids), journal.c.strategy_id + 0 == sid)
     else:
         q = q.where(journal.c.strategy_id == sid)
-    return _iter_history(store, sid, _only_last(store, q, journal.c.id, last))
+    sends = _attempt_rows(store, sid, step_ids if names or step_id is not None else None)
+    return _with_attempts(
+        _iter_history(store, sid, _only_last(store, q, journal.c.id, last)), sends, last
+    )
+
+
+#: what ``history`` says of each attempt of a state beyond its entry (``attempts``)
+ATTEMPT_WORDS = {
+    "retry": "retried",
+    "resent": "re-sent after takeover (the target did not have it)",
+    "afresh": "started by the next owner (its conductor stopped before sending it)",
+}
+
+
+def _attempt_rows(store: Store, sid: int, step_ids: list[int] | None) -> list[dict[str, Any]]:
+    """The strategy's attempts recorded beyond their states' entries (retries, re-sends
+    after a takeover, starts by the next owner), as ``history`` rows, oldest first: few
+    (one per retry or takeover), read whole."""
+    with store.read() as conn:
+        source, name = _journal_named(conn, sid, attempts)
+        q = (
+            select(
+                attempts.c.at,
+                attempts.c.conductor,
+                name,
+                attempts.c.step_id,
+                attempts.c.state,
+                attempts.c.attempt,
+                attempts.c.fence,
+                attempts.c.how,
+            )
+            .select_from(source)
+            .where(attempts.c.strategy_id == sid)
+            .order_by(attempts.c.id)
+        )
+        if step_ids is not None:
+            q = q.where(attempts.c.step_id.in_(step_ids))
+        rows = conn.execute(q).all()
+    return [
+        {
+            "at": at,
+            "strategy": sid,
+            "conductor": conductor,
+            "target": target,
+            "step": step,
+            "from": state,
+            "to": state,
+            "fence": fence,
+            "details": f"attempt {attempt}: {ATTEMPT_WORDS.get(how, how)}",
+            "attempt": attempt,
+        }
+        for at, conductor, target, step, state, attempt, fence, how in rows
+    ]
+
+
+def _with_attempts(
+    moves: Iterator[dict[str, Any]], sends: list[dict[str, Any]], last: int | None
+) -> Iterator[dict[str, Any]]:
+    """The journal's transitions with the attempts between them, by time (an attempt
+    comes after its state's entry). With ``--last``: only attempts from the first
+    transition shown on."""
+    i = 0
+    first = True
+    for move in moves:
+        if first and last is not None:
+            while i < len(sends) and sends[i]["at"] < move["at"]:
+                i += 1  # before the transitions shown
+        first = False
+        while i < len(sends) and sends[i]["at"] < move["at"]:
+            yield sends[i]
+            i += 1
+        yield move
+    if not first or last is None:
+        yield from sends[i:]
 
 
 def _check_last(last: int | None) -> None:
