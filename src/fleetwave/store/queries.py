@@ -1215,18 +1215,18 @@ def iter_history(
     )
 
 
-#: what ``history`` says of each attempt of a state beyond its entry (``attempts``)
+#: what ``history`` says of an attempt a takeover made (``attempts``): a retry is not
+#: shown there (its failed attempt is an ``attempt-failed`` event, the move on says
+#: "done at attempt 3"); ``step show`` lists every attempt
 ATTEMPT_WORDS = {
-    "retry": "retried",
     "resent": "re-sent after takeover (the target did not have it)",
     "afresh": "started by the next owner (its conductor stopped before sending it)",
 }
 
 
 def _attempt_rows(store: Store, sid: int, step_ids: list[int] | None) -> list[dict[str, Any]]:
-    """The strategy's attempts recorded beyond their states' entries (retries, re-sends
-    after a takeover, starts by the next owner), as ``history`` rows, oldest first: few
-    (one per retry or takeover), read whole."""
+    """The strategy's attempts a takeover made (re-sends, starts by the next owner), as
+    ``history`` rows, oldest first: few (one per step taken over), read whole."""
     with store.read() as conn:
         source, name = _journal_named(conn, sid, attempts)
         q = (
@@ -1241,7 +1241,7 @@ def _attempt_rows(store: Store, sid: int, step_ids: list[int] | None) -> list[di
                 attempts.c.how,
             )
             .select_from(source)
-            .where(attempts.c.strategy_id == sid)
+            .where(attempts.c.strategy_id == sid, attempts.c.how.in_(sorted(ATTEMPT_WORDS)))
             .order_by(attempts.c.id)
         )
         if step_ids is not None:
