@@ -678,7 +678,8 @@ class SimDriver:
             return RemoteResult.IN_PROGRESS
         last = self._finished.get(ctx.strategy_id, {}).get(ctx.step_id)
         if last is None or last[:2] != (ctx.state, operation):
-            return RemoteResult.NOT_STARTED
+            # a target already up to date says so when asked (``skip_if``), sent or not
+            return RemoteResult.ALREADY_DONE if prof.already_done else RemoteResult.NOT_STARTED
         if last[2] is not None:
             # in the words the operation failed with, as a run state's failure reads
             message, transient = last[2]

@@ -17,7 +17,7 @@ from dataclasses import replace
 from typing import TypeVar
 
 from fleetwave.domain.models import STEP_ABORTED
-from fleetwave.domain.rules import Decision, decide, details_text, failure
+from fleetwave.domain.rules import Decision, decide, details_text, failure, on_failed
 from fleetwave.domain.workflow import (
     ActionContext,
     Advance,
@@ -258,7 +258,9 @@ class WorkerMixin(StoreCalls):
                 ):
                     decision = run.advance[state]  # (decide's answer, made once)
                 else:
-                    decision = decide(run.workflow.state_names, state, outcome)
+                    decision = decide(
+                        run.workflow.state_names, state, outcome, run.workflow.done_next
+                    )
             except _WaitEnded as exc:
                 decision = Decision(STEP_ABORTED, f"{state}: {exc}")
             except NotStarted as exc:
@@ -305,7 +307,10 @@ class WorkerMixin(StoreCalls):
                         callback_id = came.id
                         try:
                             decision = decide(
-                                run.workflow.state_names, state, _callback_outcome(came, chosen)
+                                run.workflow.state_names,
+                                state,
+                                _callback_outcome(came, chosen),
+                                run.workflow.done_next,
                             )
                         except StepFailed as reported:
                             decision = failure(state, details_text(reported) or "failed")
@@ -421,6 +426,7 @@ class WorkerMixin(StoreCalls):
                     state, f"{type(exc).__name__}: {said}" if said else type(exc).__name__
                 )
             break
+        decision = on_failed(st, decision)  # a cleanup state, if it has one
         return ActionFinished(run.id, rec.step_id, state, fence, decision, attempts, callback_id)
 
     async def _record(self, record: RetryScheduled, *, started: bool) -> RetryAnswer:
