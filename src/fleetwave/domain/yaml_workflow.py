@@ -458,8 +458,7 @@ def parse_workflow_yaml(text: str, *, source: str = "<yaml>", strict: bool = Fal
             )
         if st.skip_if and spec.startswith("python:"):
             raise WorkflowError(
-                f"{where}: skip_if: only for a driver operation (a python: action decides "
-                "itself)"
+                f"{where}: skip_if: only for a driver operation (a python: action decides itself)"
             )
         on = st.on or _Branches()
         later = [s.name for s in model.states[i + 1 :] if st.cleanup or not s.cleanup]
