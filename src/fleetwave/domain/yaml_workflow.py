@@ -13,6 +13,13 @@
         action: apply
         timeout_s: 7200
         recover: observe           # observe (default for driver operations) or none
+        on: {failed: rollback}     # a failure goes to a later (cleanup) state
+      - name: rollback
+        cleanup: true              # entered only by a branch; after it the step ends failed
+
+``on: {done: X}`` jumps forward (a later state, ``next``, ``complete``, ``failed``);
+``skip_if: already-done`` skips a state on the driver's report. Branches go forward
+only (each state entered at most once per step); cycles and ``max_visits`` are refused.
 
 Errors name the state and the field: ``states[1] (apply): timeout_s: must be > 0``.
 """

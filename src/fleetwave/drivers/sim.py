@@ -15,7 +15,8 @@ Per-target settings (``fleetwave target add NAME --set key=value``):
 ``error_rate``       chance the driver itself raises an unexpected exception (a bug)
 ``fail_at``          a state name: the operation of that state always fails
 ``hang_at``          a state name: the operation of that state never returns
-``already_done``     ``true``: the target reports it is already done (pre-check skips)
+``already_done``     ``true``: the target reports it is already done (pre-check skips;
+                     ``observe`` says so too, for ``skip_if``)
 ``remote_state``     a state the target reports at ``unexpected_at`` (default: the
                      first operation) that no workflow knows: a clear failure
 ``callback_fail_rate``  states that wait for a callback: chance it reports failure
