@@ -16,7 +16,7 @@ Anything else an action raises fails the step with ``"<state>: <message>"``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Literal, Protocol
@@ -383,15 +383,29 @@ def describe_workflow(wf: WorkflowDef) -> dict[str, Any]:
 BRANCH_ENDS = ("complete", "failed")
 
 
+class _InOrder(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def cleanup(self) -> bool: ...
+
+
+def next_in_order(states: Sequence[_InOrder], i: int) -> str:
+    """Where state ``i`` goes once done without a branch: the next state in the list
+    that is not a cleanup (after a cleanup: the next one), else ``complete`` (after a
+    cleanup: ``failed``: the failure it cleaned up after stands)."""
+    here = states[i]
+    for later in states[i + 1 :]:
+        if here.cleanup or not later.cleanup:
+            return later.name
+    return "failed" if here.cleanup else "complete"
+
+
 def _done_next(states: tuple[StateDef, ...]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for i, s in enumerate(states):
-        if s.on_done is not None:
-            out[s.name] = s.on_done
-            continue
-        later = [t.name for t in states[i + 1 :] if s.cleanup or not t.cleanup]
-        out[s.name] = later[0] if later else ("failed" if s.cleanup else "complete")
-    return out
+    return {
+        s.name: s.on_done if s.on_done is not None else next_in_order(states, i)
+        for i, s in enumerate(states)
+    }
 
 
 def _check_branches(wf: WorkflowDef) -> None:

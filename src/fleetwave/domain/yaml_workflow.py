@@ -61,6 +61,7 @@ from fleetwave.domain.workflow import (
     StateDef,
     WorkflowDef,
     WorkflowError,
+    next_in_order,
 )
 
 #: the longest timeout, backoff or poll interval a new workflow may give: 30 days
@@ -468,8 +469,7 @@ def parse_workflow_yaml(text: str, *, source: str = "<yaml>", strict: bool = Fal
                 f"{where}: skip_if: only for a driver operation (a python: action decides itself)"
             )
         on = st.on or _Branches()
-        later = [s.name for s in model.states[i + 1 :] if st.cleanup or not s.cleanup]
-        ahead = later[0] if later else ("failed" if st.cleanup else "complete")
+        ahead = next_in_order(model.states, i)
         states.append(
             StateDef(
                 name=st.name,
