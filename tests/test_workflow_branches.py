@@ -162,3 +162,25 @@ def test_bad_branches_are_one_error_line_and_nothing_is_stored(
     assert_rejected(cli("workflow", "add", str(f)), said)
     with sqlite3.connect(db_path) as conn:
         assert conn.execute("SELECT count(*) FROM workflows").fetchone()[0] == 0
+
+
+def test_the_rules_route_done_and_failed_and_leave_an_abort_alone() -> None:
+    from fleetwave.domain.rules import Decision, decide, failure, on_failed
+    from fleetwave.domain.workflow import Advance, Skip
+    from fleetwave.domain.yaml_workflow import parse_workflow_yaml
+
+    wf = parse_workflow_yaml(ROLLBACK, strict=True)
+    names, nexts = wf.state_names, wf.done_next
+    assert decide(names, "finish", Advance(), nexts) == Decision("complete", "")
+    assert decide(names, "rollback", Advance(), nexts).to_state == "notify"
+    assert decide(names, "notify", Advance(), nexts) == Decision(
+        "failed", "notify: cleanup done; the step ends failed"
+    )
+    assert decide(names, "apply", Skip("up to date"), nexts).to_state == "complete"
+    apply = wf.state("apply")
+    assert on_failed(apply, failure("apply", "boom")) == Decision(
+        "rollback", "apply: boom; on failed: rollback"
+    )
+    aborted = Decision("aborted", "apply: not started now")
+    assert on_failed(apply, aborted) is aborted
+    assert on_failed(wf.state("verify"), failure("verify", "x")).to_state == "failed"
