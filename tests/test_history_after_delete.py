@@ -117,6 +117,10 @@ def test_history_and_events_of_a_deleted_strategy_say_so_and_name_deleted_target
     assert apply_wait(cli, sid).code == 1  # b failed
     res = cli("strategy", "delete", str(sid))
     assert res.code == 0, res.text
+    shown_a = cli("target", "show", "a", "--format", "json").json()["strategies"]
+    assert [(s["strategy"], s["strategy_state"], s["step_state"]) for s in shown_a] == [
+        (sid, "deleted", "complete")
+    ]
     assert cli("target", "delete", "b").code == 0  # its history names it still
 
     table = cli("history", "--strategy", str(sid))

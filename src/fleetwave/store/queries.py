@@ -207,6 +207,32 @@ def get_target(store: Store, name: str) -> dict[str, Any]:
                 .order_by(steps.c.strategy_id)
             )
         ]
+        # and its steps in deleted strategies, as they ended (their history is kept)
+        kept = [
+            {
+                "strategy": s.strategy_id,
+                "strategy_state": s.strategy_state,
+                "step": s.id,
+                "step_state": s.state,
+                "details": s.details,
+            }
+            for s in conn.execute(
+                select(
+                    deleted_steps.c.strategy_id,
+                    strategies.c.state.label("strategy_state"),
+                    deleted_steps.c.id,
+                    deleted_steps.c.state,
+                    deleted_steps.c.details,
+                )
+                .join(strategies, strategies.c.id == deleted_steps.c.strategy_id)
+                .where(
+                    deleted_steps.c.target_id
+                    == select(targets.c.id).where(targets.c.name == name).scalar_subquery()
+                )
+            )
+        ]
+        if kept:
+            out["strategies"] = sorted(out["strategies"] + kept, key=lambda s: s["strategy"])
         return out
 
 
