@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from fleetwave.cli.common import discard_created, forget_created, store_for
 from fleetwave.domain.errors import Conflict
 from fleetwave.domain.models import StrategyOptions, StrategyState
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
-from fleetwave.store import admin, queries
+from fleetwave.store import admin, prune, queries
 from fleetwave.store.db import Store
 from fleetwave.store.schema import steps, strategies
 from test_cli_workflow import GOOD
@@ -84,15 +85,19 @@ def test_failed_in_reads_every_failed_step_and_refuses_a_strategy_being_deleted(
         queries.ended_badly_in(store, sid)
 
 
-def test_failed_in_of_a_strategy_deleted_before_the_write_lock_is_refused(
+def test_failed_in_of_a_strategy_pruned_before_the_write_lock_is_refused(
     store: Store,
 ) -> None:
+    """A deleted strategy keeps its steps as they ended (``--failed-in`` reads them);
+    one pruned between the read and the write lock is refused."""
     add_sim_targets(store, 4)
     wf = resolve_workflow(store, "patch")
     sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
     admin.request_abort(store, sid)
+    admin.delete_strategy(store, sid)
     names = queries.ended_badly_in(store, sid)  # read as strategy create reads them
-    admin.delete_strategy(store, sid)  # another operator, in between
+    assert len(names) == 4
+    prune.prune(store, time.time() + 60)  # another operator, in between
     with pytest.raises(Conflict, match=f"--failed-in: strategy {sid} was deleted while"):
         admin.create_strategy(store, wf, StrategyOptions(), target_names=names, failed_in=sid)
     with store.read() as conn:

@@ -699,34 +699,39 @@ def test_abort_of_unknown_strategy_is_rejected(cli: Cli) -> None:
     assert_rejected(cli("strategy", "abort", "42"), "strategy 42", "not found")
 
 
-def test_delete_strategy_removes_it_with_its_steps_and_journal(cli: Cli, db_path: Path) -> None:
+def test_delete_strategy_moves_its_steps_out_and_keeps_its_history(cli: Cli, db_path: Path) -> None:
     add(cli, "a", "b")
     keep = create(cli, "--targets", "a")
     gone = create(cli, "--targets", "b")
     assert apply_wait(cli, gone).code == 0
-    # a target with history cannot be deleted while that history exists
+    # a target with steps cannot be deleted while its strategy has them
     assert_rejected(cli("target", "delete", "b"), "target b", "history")
 
     res = cli("strategy", "delete", str(gone))
     assert res.code == 0, res.text
-    assert [s["id"] for s in strategies(cli)] == [keep]
-    assert_rejected(cli("strategy", "show", str(gone)), "not found")
-    assert_rejected(cli("step", "list", "--strategy", str(gone)), "not found")
-    assert_rejected(cli("history", "--strategy", str(gone)), "not found")
+    assert "history is kept" in res.out
+    assert [s["id"] for s in strategies(cli)] == [keep]  # a list leaves deleted ones out
+    shown = cli("strategy", "show", str(gone), "--format", "json").json()
+    assert shown["state"] == "deleted" and shown["deleted_from"] == "complete"
+    assert shown["step_states"] == {"complete": 1}
+    assert [
+        s["target"] for s in cli("step", "list", "--strategy", str(gone), "--format", "json").json()
+    ] == ["b"]
+    assert len(cli("history", "--strategy", str(gone), "--format", "json").json()) == 6
     with sqlite3.connect(db_path) as conn:
-        assert (
-            conn.execute("SELECT count(*) FROM journal WHERE strategy_id=?", (gone,)).fetchone()[0]
-            == 0
-        )
         assert (
             conn.execute("SELECT count(*) FROM steps WHERE strategy_id=?", (gone,)).fetchone()[0]
             == 0
         )
-    assert cli("target", "delete", "b").code == 0
+    assert cli("target", "delete", "b").code == 0  # its history names it still
+    assert {
+        r["target"] for r in cli("history", "--strategy", str(gone), "--format", "json").json()
+    } == {"b"}
     # an initial strategy can be deleted too, which frees its targets
     assert cli("strategy", "delete", str(keep)).code == 0
     assert strategies(cli) == []
     create(cli, "--targets", "a")
+    assert cli("check").code == 0
 
 
 def _rows_of(db_path: Path, sid: int) -> dict[str, int]:
@@ -735,15 +740,15 @@ def _rows_of(db_path: Path, sid: int) -> dict[str, int]:
             table: conn.execute(
                 f"SELECT count(*) FROM {table} WHERE strategy_id = ?", (sid,)
             ).fetchone()[0]
-            for table in ("journal", "events", "callbacks", "steps")
+            for table in ("journal", "events", "callbacks", "steps", "deleted_steps")
         }
 
 
-def test_delete_goes_in_chunks_and_takes_the_callbacks_too(
+def test_delete_goes_in_chunks_and_keeps_the_callbacks(
     cli: Cli, db_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A big strategy's rows go a chunk per transaction (the write lock is held for
-    milliseconds at a time, not seconds), callbacks included (they were left behind)."""
+    """A big strategy's steps move a chunk per transaction (the write lock is held for
+    milliseconds at a time, not seconds); its journal, events and callbacks stay."""
     add(cli, *(f"t{i}" for i in range(12)))
     gone = create(cli, "--all")
     assert apply_wait(cli, gone).code == 0
@@ -758,7 +763,7 @@ def test_delete_goes_in_chunks_and_takes_the_callbacks_too(
     assert before["journal"] == 12 * 6 and before["steps"] == 12 and before["callbacks"] == 1
     from fleetwave.store import admin
 
-    monkeypatch.setattr(admin, "DELETE_CHUNK", 10)
+    monkeypatch.setattr(admin, "DELETE_CHUNK", 5)
     writes = {"n": 0}
     real_write = admin.Store.write
 
@@ -769,38 +774,43 @@ def test_delete_goes_in_chunks_and_takes_the_callbacks_too(
     monkeypatch.setattr(admin.Store, "write", counting_write)
     res = cli("strategy", "delete", str(gone))
     assert res.code == 0, res.text
-    assert _rows_of(db_path, gone) == dict.fromkeys(before, 0)
-    # mark, 8 chunks of the journal (72 rows), events, 1 callback chunk, 2 of steps, the row
-    assert writes["n"] >= 1 + 8 + 2 + 1
+    assert _rows_of(db_path, gone) == before | {"steps": 0, "deleted_steps": 12}
+    # mark, 3 chunks of steps (5, 5, 2), the slots and the deleted mark
+    assert writes["n"] == 1 + 3 + 1
 
 
 def test_an_interrupted_delete_is_finished_by_deleting_again(
     cli: Cli, db_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Ctrl-C (or a crash) half-way: the strategy stays 'deleting', check does not judge
-    its half-gone journal, apply and abort refuse it, and delete finishes it."""
-    add(cli, "a", "b", "c")
+    its half-moved steps, apply and abort refuse it, and delete finishes it."""
+    add(cli, *(f"t{i}" for i in range(8)))
     sid = create(cli, "--all")
     assert apply_wait(cli, sid).code == 0
     from fleetwave.store import admin
 
     monkeypatch.setattr(admin, "DELETE_CHUNK", 5)
-    real_delete = admin.delete
+    real_archive = admin._archive_steps
+    chunks = {"n": 0}
 
-    def interrupted(table: Any) -> Any:
-        if table.name == "journal":
-            raise KeyboardInterrupt  # after the steps' and callbacks' chunks were committed
-        return real_delete(table)
+    def interrupted(conn: Any, sid: int, chunk: int) -> int:
+        chunks["n"] += 1
+        if chunks["n"] == 2:
+            raise KeyboardInterrupt  # after the first chunk was committed
+        return real_archive(conn, sid, chunk)
 
-    monkeypatch.setattr(admin, "delete", interrupted)
+    monkeypatch.setattr(admin, "_archive_steps", interrupted)
     res = cli("strategy", "delete", str(sid))
     assert res.code == 130, res.text  # interrupted
     monkeypatch.undo()
     assert [s["state"] for s in strategies(cli)] == ["deleting"]
-    assert _rows_of(db_path, sid)["steps"] == 0 and _rows_of(db_path, sid)["journal"] == 18
+    assert _rows_of(db_path, sid)["steps"] == 3 and _rows_of(db_path, sid)["journal"] == 48
+    # its history answers whole meanwhile, by the working and the kept steps
+    names = {r["target"] for r in cli("history", "--strategy", str(sid), "--format", "json").json()}
+    assert names == {f"t{i}" for i in range(8)}
 
     res = cli("check")
-    assert res.code == 0, res.text  # the half-gone journal is not judged
+    assert res.code == 0, res.text  # the half-moved steps are not judged
     assert f"not checked: strategy {sid} is being deleted" in res.text
     assert cli("check", "--format", "json").json()["not_checked_being_deleted"] == [sid]
     assert_rejected(cli("check", "--strategy", str(sid)), f"strategy {sid}", "being deleted")
@@ -809,7 +819,10 @@ def test_an_interrupted_delete_is_finished_by_deleting_again(
 
     assert cli("strategy", "delete", str(sid)).code == 0
     assert strategies(cli) == []
-    assert _rows_of(db_path, sid) == {"journal": 0, "events": 0, "callbacks": 0, "steps": 0}
+    assert _rows_of(db_path, sid) | {"events": 0} == {
+        "journal": 48, "events": 0, "callbacks": 0, "steps": 0, "deleted_steps": 8
+    }  # fmt: skip
+    assert cli("check", "--strategy", str(sid)).code == 0
 
 
 def test_delete_of_applying_strategy_is_rejected(cli: Cli) -> None:
@@ -1190,12 +1203,12 @@ def test_apply_after_an_abort_says_it_does_not_undo_it(cli: Cli) -> None:
     )
 
 
-def test_a_callback_stored_while_its_strategy_is_deleted_goes_with_it(
+def test_a_callback_stored_while_its_strategy_is_deleted_is_kept_closed(
     cli: Cli, db_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Found by a review: an agent's callback stored between the callbacks' chunks and
-    the steps' stayed behind for good. Steps go first now: after that no callback can
-    be stored for them, and one stored before goes with the callbacks."""
+    """An agent's callback stored while its strategy is being deleted: once its step
+    has moved out none can be stored, and one stored before is kept with the history,
+    closed as ignored ("strategy deleted"): no conductor handles it any more."""
     import time as _time
 
     from fleetwave.domain.errors import NotFound
@@ -1225,7 +1238,9 @@ def test_a_callback_stored_while_its_strategy_is_deleted_goes_with_it(
     assert cli("strategy", "delete", str(sid)).code == 0
     monkeypatch.undo()
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("SELECT count(*) FROM callbacks").fetchone()[0] == 0
+        assert conn.execute("SELECT outcome, reason FROM callbacks").fetchall() == [
+            ("ignored", "strategy deleted")
+        ]
 
 
 def test_many_unknown_or_repeated_targets_are_named_a_few_at_a_time(cli: Cli) -> None:

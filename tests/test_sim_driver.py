@@ -15,6 +15,7 @@ from fleetwave.domain.workflow import (
     ActionContext,
     Advance,
     DriverOperation,
+    NotOnTarget,
     NotStarted,
     RemoteResult,
     StepFailed,
@@ -272,7 +273,8 @@ def test_a_bad_setting_value_is_quoted_short_and_on_one_line() -> None:
 def test_a_recover_hook_does_not_start_an_operation_once_the_strategy_is_stopping() -> None:
     """After a takeover, the recover hook of a driver operation that never reached the
     target started it: an attempt begun after the operator's abort had been seen.
-    Stopping, it says so instead (the step ends aborted); otherwise it starts it."""
+    Stopping, it says so instead (the step ends aborted); otherwise it says the target
+    never got it (NotOnTarget): the engine records the next attempt, then sends it."""
     driver = SimDriver()
     driver.count_starts = True
     t = Target(name="t1", settings={"latency_ms": 1})
@@ -285,8 +287,9 @@ def test_a_recover_hook_does_not_start_an_operation_once_the_strategy_is_stoppin
         with pytest.raises(NotStarted, match="the target reports apply not started"):
             await op.recover(ctx(True))
         assert driver.starts == {}
-        assert isinstance(await op.recover(ctx(False)), Advance)
-        assert driver.starts == {("t1", "apply", 1): 1}
+        with pytest.raises(NotOnTarget, match="the target reports apply not started"):
+            await op.recover(ctx(False))
+        assert driver.starts == {}  # sent by the engine, as the next attempt
 
     asyncio.run(main())
 

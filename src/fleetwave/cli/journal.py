@@ -3,6 +3,7 @@ say happened, and whether the guarantees held."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any
 
 import typer
@@ -42,16 +43,31 @@ def history(
         return
     store = existing_store(db)
     rows = queries.iter_history(store, strategy, names, last=last)  # refuses bad names now
+    note = queries.deleted_note(store, strategy)
     emit_rows(
-        first_then(rows, lambda: queries.iter_history(store, strategy, names, last=last)),
+        _marked(
+            first_then(rows, lambda: queries.iter_history(store, strategy, names, last=last)),
+            note,
+        ),
         columns,
         fmt,
+        title=note,
     )
 
 
 def _last(rows: list[dict[str, Any]], last: int | None) -> list[dict[str, Any]]:
     """``--last N`` of a list read whole (through a server, which pages from the start)."""
     return rows if last is None else rows[-last:]
+
+
+def _marked(
+    read: Callable[[], Iterator[dict[str, Any]]], note: str | None
+) -> Callable[[], Iterator[dict[str, Any]]]:
+    """Rows of a deleted strategy's history or events, each marked so (``--format
+    json``: ``strategy_deleted``; a table says it once, in its title)."""
+    if note is None:
+        return read
+    return lambda: ({**row, "strategy_deleted": True} for row in read())
 
 
 def events(
@@ -89,10 +105,15 @@ def events(
         return
     store = existing_store(db)
     rows = queries.iter_events(store, strategy, names, kinds, last)  # refuses bad input now
+    note = queries.deleted_note(store, strategy)
     emit_rows(
-        first_then(rows, lambda: queries.iter_events(store, strategy, names, kinds, last)),
+        _marked(
+            first_then(rows, lambda: queries.iter_events(store, strategy, names, kinds, last)),
+            note,
+        ),
         columns,
         fmt,
+        title=note,
     )
 
 

@@ -42,6 +42,7 @@ from fleetwave.cli.drivers import driver_app
 from fleetwave.cli.groups import group_app
 from fleetwave.cli.journal import check, events, history
 from fleetwave.cli.output import console, err_console
+from fleetwave.cli.prune import prune
 from fleetwave.cli.simcmd import sim_command
 from fleetwave.cli.site_emulator import site_emulator_command
 from fleetwave.cli.steps import step_app
@@ -231,6 +232,7 @@ def init(db: DbOpt = None) -> None:
 app.command()(history)
 app.command()(events)
 app.command()(check)
+app.command()(prune)
 
 
 @app.command()

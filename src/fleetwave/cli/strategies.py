@@ -783,7 +783,8 @@ def strategy_delete(
     fmt: FormatOpt = Format.table,
     db: DbOpt = None,
 ) -> None:
-    """Delete a strategy that is not running, with its steps and journal."""
+    """Delete a strategy that is not running: its steps leave the working tables, its
+    history (journal, attempts, events, callbacks) is kept until `fleetwave prune`."""
     store = existing_store(db)
     try:
         admin.delete_strategy(store, strategy_id)
@@ -793,7 +794,7 @@ def strategy_delete(
         missing(fmt, f"strategy {strategy_id}", {"id": strategy_id})
         return
     except KeyboardInterrupt:
-        # Each chunk is its own transaction: what was removed stays removed, the rest
+        # Each chunk is its own transaction: what was moved stays moved, the rest
         # stays until the command runs again (the strategy shows `deleting`). Ctrl-C
         # may also come before the first commit (waiting for the write lock) or after
         # the last: the database says which.
@@ -801,8 +802,8 @@ def strategy_delete(
             now: str | None = queries.get_strategy(store, strategy_id)["state"]
         except NotFound:
             now = None
-        if now is None:
-            done(fmt, f"strategy {strategy_id} deleted", {"id": strategy_id, "deleted": True})
+        if now is None or now == StrategyState.DELETED:
+            _deleted(fmt, strategy_id)
             return
         if now == StrategyState.DELETING:
             said = (
@@ -813,4 +814,13 @@ def strategy_delete(
             said = f"stopped: nothing deleted; strategy {strategy_id} is still {now}"
         err_console.print(said, highlight=False)
         raise typer.Exit(130) from None
-    done(fmt, f"strategy {strategy_id} deleted", {"id": strategy_id, "deleted": True})
+    _deleted(fmt, strategy_id)
+
+
+def _deleted(fmt: Format, sid: int) -> None:
+    done(
+        fmt,
+        f"strategy {sid} deleted; its history is kept ('fleetwave history --strategy {sid}') "
+        "until 'fleetwave prune' drops it",
+        {"id": sid, "deleted": True},
+    )

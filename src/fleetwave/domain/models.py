@@ -24,6 +24,12 @@ class StrategyState(StrEnum):
     FAILED = "failed"
     ABORTED = "aborted"
     DELETING = "deleting"
+    #: deleted: its steps are gone from the working tables, its history is kept (its
+    #: journal, attempts, events, callbacks and its steps as they ended) until
+    #: ``fleetwave prune``; its id is never given again
+    DELETED = "deleted"
+    #: ``fleetwave prune`` is dropping its history (partly gone); prune again finishes
+    PRUNING = "pruning"
 
 
 STRATEGY_TERMINAL = frozenset({StrategyState.COMPLETE, StrategyState.FAILED, StrategyState.ABORTED})

@@ -540,9 +540,9 @@ _DURATION = re.compile(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s)?"
 MAX_WAIT_S = 30 * 24 * 3600
 
 
-def parse_duration(text: str, option: str) -> float:
+def parse_duration(text: str, option: str, max_days: int = MAX_WAIT_S // 86400) -> float:
     """``10m``, ``1h30m``, ``45s``, ``2d`` or plain seconds (``600``): seconds, above 0
-    and at most 30 days."""
+    and at most ``max_days`` days (30: the longest wait)."""
     given = text.strip()
     found = _DURATION.fullmatch(given)
     if _COUNT.fullmatch(given):
@@ -554,8 +554,8 @@ def parse_duration(text: str, option: str) -> float:
         raise InputError(f"{option}: expected a duration (10m, 1h30m, 45s), got {shown(text)}")
     if seconds <= 0:
         raise InputError(f"{option}: must be more than 0, got {given}")
-    if seconds > MAX_WAIT_S:
-        raise InputError(f"{option}: at most 30 days, got {given}")
+    if seconds > max_days * 86400:
+        raise InputError(f"{option}: at most {max_days} days, got {given}")
     return seconds
 
 

@@ -6,6 +6,7 @@ them whether a journalled move was allowed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 from fleetwave.domain.models import (
@@ -15,7 +16,7 @@ from fleetwave.domain.models import (
     STEP_INITIAL,
     STEP_TERMINAL,
 )
-from fleetwave.domain.workflow import Advance, NotYet, Outcome, Skip
+from fleetwave.domain.workflow import Advance, NotYet, Outcome, Skip, StateDef
 
 
 class Decision(NamedTuple):
@@ -25,12 +26,24 @@ class Decision(NamedTuple):
     details: str
 
 
-def decide(states: tuple[str, ...], current: str, outcome: Outcome) -> Decision:
-    """The next state of a step at ``current`` given its action's outcome."""
+def decide(
+    states: tuple[str, ...],
+    current: str,
+    outcome: Outcome,
+    done_next: Mapping[str, str] | None = None,
+) -> Decision:
+    """The next state of a step at ``current`` given its action's outcome;
+    ``done_next``: where each state goes once done (a workflow's branches:
+    :attr:`WorkflowDef.done_next`), else the next state in order."""
     if type(outcome) is Advance and outcome.to is None:  # the usual answer: asked first
         idx = states.index(current)
         nxt = states[idx + 1] if idx + 1 < len(states) else STEP_COMPLETE
+        if done_next is not None:
+            nxt = done_next[current]
         details = outcome.details
+        if nxt == STEP_FAILED and type(details) is str and not details:
+            # the end of a cleanup (after a failure): the failure stands
+            return Decision(nxt, f"{current}: cleanup done; the step ends failed")
         # (any text but "" goes through details_text: so does anything not a str, whose
         # comparison with "" may even raise)
         return Decision(nxt, "" if type(details) is str and not details else details_text(details))
@@ -41,6 +54,8 @@ def decide(states: tuple[str, ...], current: str, outcome: Outcome) -> Decision:
     idx = states.index(current)
     if outcome.to is None:
         nxt = states[idx + 1] if idx + 1 < len(states) else STEP_COMPLETE
+        if done_next is not None:
+            nxt = done_next[current]
         return Decision(nxt, details_text(outcome.details))
     if outcome.to in STEP_TERMINAL:
         return Decision(outcome.to, details_text(outcome.details))
@@ -115,6 +130,16 @@ def _escaped(c: str) -> str:
 
 def failure(current: str, message: object) -> Decision:
     return Decision(STEP_FAILED, f"{current}: {details_text(message)}")
+
+
+def on_failed(state: StateDef, decision: Decision) -> Decision:
+    """A state's failure, sent on to its cleanup state when it has one (``on: {failed:
+    rollback}``): the step goes there instead of ending failed; the failure's details
+    are kept in that move (the journal), with where it went."""
+    if decision.to_state != STEP_FAILED or state.on_failed in (None, STEP_FAILED):
+        return decision
+    assert state.on_failed is not None
+    return Decision(state.on_failed, f"{decision.details}; on failed: {state.on_failed}")
 
 
 def is_allowed_move(states: tuple[str, ...], from_state: str, to_state: str) -> bool:

@@ -16,7 +16,7 @@ Anything else an action raises fails the step with ``"<state>: <message>"``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Literal, Protocol
@@ -41,6 +41,14 @@ class NotStarted(Exception):
     while the strategy is stopping (:attr:`ActionContext.stopping`): it is not started
     now (nothing new starts once an abort or a failure limit is seen), and the step
     ends ``aborted``."""
+
+
+class NotOnTarget(Exception):
+    """Raised by a recover hook that found the target never got its state's operation
+    (lost between the entry's commit and the send, with the conductor that entered it):
+    the engine records the next attempt (``attempts``, how ``resent``: "attempt 2:
+    re-sent after takeover"), then runs the state's action as that attempt. A hook that
+    sends the operation again itself is not on the record: raise this instead."""
 
 
 class WorkflowError(ValueError):
@@ -173,14 +181,29 @@ class DriverOperation(StateAction):
     """Run the driver operation named like the state; the built-in workflows use this.
 
     ``skip_when_done``: a target that reports the operation already done finishes
-    the step with :class:`Skip` (a pre-check on an up-to-date target).
+    the step with :class:`Skip` (a pre-check on an up-to-date target). ``skip_if``: the
+    driver's reports (``observe``, before anything is sent) on which this state is
+    skipped: the step moves on as if it were done, saying so.
     """
 
-    def __init__(self, operation: str, *, skip_when_done: bool = False) -> None:
+    def __init__(
+        self,
+        operation: str,
+        *,
+        skip_when_done: bool = False,
+        skip_if: frozenset[RemoteResult] = frozenset(),
+    ) -> None:
         self.operation = operation
         self.skip_when_done = skip_when_done
+        self.skip_if = skip_if
 
     async def run(self, ctx: ActionContext) -> Outcome:
+        if self.skip_if and ctx.poll == 0:
+            seen = await ctx.driver.observe(ctx.target, self.operation, ctx)
+            if seen in self.skip_if:
+                return Advance(
+                    details=f"{ctx.state}: skipped: the target reports {self.operation} {seen}"
+                )
         if ctx.polling:
             return await self._poll(ctx)
         result = await ctx.driver.perform(ctx.target, self.operation, ctx)
@@ -210,13 +233,15 @@ class DriverOperation(StateAction):
         result = await ctx.driver.observe(ctx.target, self.operation, ctx)
         if result is RemoteResult.NOT_STARTED and ctx.stopping:
             raise NotStarted(f"the target reports {self.operation} not started")
+        if result is RemoteResult.NOT_STARTED:
+            # Never reached the target (lost between commit and dispatch): the engine
+            # sends it again as the next attempt, on the record first.
+            raise NotOnTarget(f"the target reports {self.operation} not started")
         if ctx.polling and result is RemoteResult.IN_PROGRESS:
             return NotYet(f"{self.operation} in progress")
-        if ctx.polling and result is RemoteResult.NOT_STARTED:
-            return await self._poll(ctx)  # poll 0: starts it
-        if result in (RemoteResult.NOT_STARTED, RemoteResult.IN_PROGRESS):
-            # Never reached the target (lost between commit and dispatch), or still running:
-            # the operation is idempotent, so perform it: it starts, or waits for, the one run.
+        if result is RemoteResult.IN_PROGRESS:
+            # still running: the operation is idempotent, so perform it: it waits for the
+            # one run
             result = await ctx.driver.perform(ctx.target, self.operation, ctx)
         return self._outcome(result, ctx)
 
@@ -229,6 +254,8 @@ class DriverOperation(StateAction):
 
     def describe(self) -> str:
         suffix = " (skip when done)" if self.skip_when_done else ""
+        if self.skip_if:
+            suffix += f" (skip if {', '.join(sorted(self.skip_if))})"
         return f"driver:{self.operation}{suffix}"
 
     def describe_recover(self) -> str:
@@ -251,6 +278,15 @@ class StateDef:
     #: a ``poll`` state: seconds between two calls of its action while it answers
     #: :class:`NotYet`
     poll_interval_s: float = 10.0
+    #: where the step goes when the state is done (a later state, ``complete`` or
+    #: ``failed``); None: the next state in order (``on: {done: ...}``)
+    on_done: str | None = None
+    #: where the step goes when the state fails for good (a later state: a cleanup);
+    #: None: it ends failed (``on: {failed: ...}``)
+    on_failed: str | None = None
+    #: entered only by a branch (``on``), never in order: the state before it goes on
+    #: past it; at the end of a cleanup chain the step ends failed
+    cleanup: bool = False
 
     def backoff_for(self, failed_attempt: int) -> float:
         """Delay before the attempt after ``failed_attempt`` (1-based): exponential, capped."""
@@ -275,11 +311,20 @@ class WorkflowDef:
         # asked for on every action: computed once (the dataclass is frozen)
         object.__setattr__(self, "_names", tuple(s.name for s in self.states))
         object.__setattr__(self, "_by_name", {s.name: s for s in self.states})
+        object.__setattr__(self, "_done_next", _done_next(self.states))
 
     @property
     def state_names(self) -> tuple[str, ...]:
         names: tuple[str, ...] = self.__dict__["_names"]
         return names
+
+    @property
+    def done_next(self) -> dict[str, str]:
+        """By state, where a step goes once it is done: its ``on: done`` branch, else
+        the next state in order that is not a cleanup (after a cleanup: the next one in
+        the list), else ``complete`` (after a cleanup: ``failed``)."""
+        nexts: dict[str, str] = self.__dict__["_done_next"]
+        return nexts
 
     @property
     def first_state(self) -> str:
@@ -329,10 +374,85 @@ def describe_workflow(wf: WorkflowDef) -> dict[str, Any]:
                 # after a takeover: observe the target, the action's own hook, or none
                 # (the step fails)
                 "recover": s.action.describe_recover(),
+                # branches: where done and failed go (only when not the plain order)
+                **({"on_done": s.on_done} if s.on_done is not None else {}),
+                **({"on_failed": s.on_failed} if s.on_failed is not None else {}),
+                **({"cleanup": True} if s.cleanup else {}),
             }
             for s in wf.states
         ],
     }
+
+
+#: where a branch may end a step instead of naming a state
+BRANCH_ENDS = ("complete", "failed")
+
+
+class _InOrder(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def cleanup(self) -> bool: ...
+
+
+def next_in_order(states: Sequence[_InOrder], i: int) -> str:
+    """Where state ``i`` goes once done without a branch: the next state in the list
+    that is not a cleanup (after a cleanup: the next one), else ``complete`` (after a
+    cleanup: ``failed``: the failure it cleaned up after stands)."""
+    here = states[i]
+    for later in states[i + 1 :]:
+        if here.cleanup or not later.cleanup:
+            return later.name
+    return "failed" if here.cleanup else "complete"
+
+
+def _done_next(states: tuple[StateDef, ...]) -> dict[str, str]:
+    return {
+        s.name: s.on_done if s.on_done is not None else next_in_order(states, i)
+        for i, s in enumerate(states)
+    }
+
+
+def _check_branches(wf: WorkflowDef) -> None:
+    """Branches go forward to a state of the workflow (or end the step); a cleanup
+    state is reached by some branch. Cycles are refused: each state is entered at most
+    once per step (G1: the journal is unique on step and state)."""
+    names = [s.name for s in wf.states]
+    reached: set[str] = set()
+    for i, s in enumerate(wf.states):
+        where = f"workflow {wf.name}: states[{i}] ({s.name})"
+        for outcome, to in (("done", s.on_done), ("failed", s.on_failed)):
+            if to is None:
+                continue
+            if outcome == "failed" and to == "failed":
+                continue  # as without a branch
+            if to in BRANCH_ENDS and outcome == "done":
+                continue
+            if to not in names:
+                ends = " or complete/failed" if outcome == "done" else ""
+                raise WorkflowError(
+                    f"{where}: on: {outcome}: '{to}' is not a state of this workflow (its "
+                    f"states: {', '.join(names)}){ends}"
+                )
+            if names.index(to) <= i:
+                raise WorkflowError(
+                    f"{where}: on: {outcome}: '{to}' "
+                    + ("is this state" if to == s.name else f"comes before '{s.name}'")
+                    + ": a branch goes forward (a cycle would enter a state twice; "
+                    "max_visits is not supported)"
+                )
+            reached.add(to)
+    if wf.states[0].cleanup:
+        raise WorkflowError(
+            f"workflow {wf.name}: states[0] ({wf.states[0].name}): cleanup: the first state "
+            "is entered in order; a cleanup state is entered only by a branch"
+        )
+    for i, s in enumerate(wf.states):
+        if s.cleanup and s.name not in reached and not wf.states[i - 1].cleanup:
+            raise WorkflowError(
+                f"workflow {wf.name}: states[{i}] ({s.name}): cleanup: no branch goes "
+                "to it (on: {failed: " + s.name + "})"
+            )
 
 
 def validate_workflow(wf: WorkflowDef) -> None:
@@ -372,3 +492,4 @@ def validate_workflow(wf: WorkflowDef) -> None:
             raise WorkflowError(
                 f"{where}: poll_interval_s: must be a positive, finite number of seconds"
             )
+    _check_branches(wf)

@@ -13,6 +13,13 @@
         action: apply
         timeout_s: 7200
         recover: observe           # observe (default for driver operations) or none
+        on: {failed: rollback}     # a failure goes to a later (cleanup) state
+      - name: rollback
+        cleanup: true              # entered only by a branch; after it the step ends failed
+
+``on: {done: X}`` jumps forward (a later state, ``next``, ``complete``, ``failed``);
+``skip_if: already-done`` skips a state on the driver's report. Branches go forward
+only (each state entered at most once per step); cycles and ``max_visits`` are refused.
 
 Errors name the state and the field: ``states[1] (apply): timeout_s: must be > 0``.
 """
@@ -49,10 +56,12 @@ from fleetwave.domain.workflow import (
     DriverOperation,
     NoRecoverHook,
     Outcome,
+    RemoteResult,
     StateAction,
     StateDef,
     WorkflowDef,
     WorkflowError,
+    next_in_order,
 )
 
 #: the longest timeout, backoff or poll interval a new workflow may give: 30 days
@@ -246,6 +255,12 @@ def _workflow_name(value: str, info: ValidationInfo) -> str:
     return value
 
 
+def _branch_target(value: str) -> str:
+    if value != "next" and not STATE_NAME.fullmatch(value):
+        raise ValueError(f"{shown(value)} is not a state name, next, complete or failed")
+    return value
+
+
 _Seconds = Annotated[float, BeforeValidator(_not_bool), AfterValidator(_seconds_cap)]
 _Count = Annotated[int, BeforeValidator(_whole)]
 
@@ -267,6 +282,12 @@ class _Retry(BaseModel):
         return self
 
 
+class _Branches(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    done: Annotated[str, AfterValidator(_branch_target)] | None = None
+    failed: Annotated[str, AfterValidator(_branch_target)] | None = None
+
+
 class _State(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: Annotated[str, AfterValidator(_state_name)] = Field(min_length=1)
@@ -278,6 +299,15 @@ class _State(BaseModel):
     mode: Literal["run", "wait-for-callback", "poll"] = "run"
     #: seconds between two looks at the target in a ``poll`` state
     poll_interval_s: _Seconds | None = Field(default=None, gt=0, allow_inf_nan=False)
+    #: branches: where ``done`` and ``failed`` go (a later state; ``next``; for done
+    #: also ``complete`` or ``failed``)
+    on: _Branches | None = None
+    #: entered only by a branch (a cleanup after a failure), never in order
+    cleanup: Annotated[bool, BeforeValidator(_only_bool)] = False
+    #: the driver's reports (before anything is sent) on which the state is skipped
+    skip_if: list[Literal["done", "already-done"]] | Literal["done", "already-done"] | None = None
+    #: refused: a state entered more than once per step (cycles) is not supported
+    max_visits: Any = None
 
 
 class _Workflow(BaseModel):
@@ -421,9 +451,25 @@ def parse_workflow_yaml(text: str, *, source: str = "<yaml>", strict: bool = Fal
                 # the same kind: an action missing here (ActionNotFound) is not a bad file
                 raise type(exc)(f"{source}: states[{i}] ({st.name}): action: {exc}") from exc
         else:
-            action = DriverOperation(spec, skip_when_done=st.skip_when_done)
+            skips = [st.skip_if] if isinstance(st.skip_if, str) else list(st.skip_if or ())
+            action = DriverOperation(
+                spec,
+                skip_when_done=st.skip_when_done,
+                skip_if=frozenset(RemoteResult(x) for x in skips),
+            )
             if st.recover == "none":
                 action = _NoRecover(action)
+        if st.max_visits is not None:
+            raise WorkflowError(
+                f"{where}: max_visits: not supported: a state is entered at most once per "
+                "step (branches go forward; no cycles)"
+            )
+        if st.skip_if and spec.startswith("python:"):
+            raise WorkflowError(
+                f"{where}: skip_if: only for a driver operation (a python: action decides itself)"
+            )
+        on = st.on or _Branches()
+        ahead = next_in_order(model.states, i)
         states.append(
             StateDef(
                 name=st.name,
@@ -433,7 +479,10 @@ def parse_workflow_yaml(text: str, *, source: str = "<yaml>", strict: bool = Fal
                 backoff_s=st.retry.backoff_s,
                 backoff_max_s=st.retry.backoff_max_s,
                 mode=st.mode,
-                **({} if st.poll_interval_s is None else {"poll_interval_s": st.poll_interval_s}),
+                poll_interval_s=10.0 if st.poll_interval_s is None else st.poll_interval_s,
+                on_done=ahead if on.done == "next" else on.done,
+                on_failed=ahead if on.failed == "next" else on.failed,
+                cleanup=st.cleanup,
             )
         )
     try:

@@ -15,7 +15,8 @@ Per-target settings (``fleetwave target add NAME --set key=value``):
 ``error_rate``       chance the driver itself raises an unexpected exception (a bug)
 ``fail_at``          a state name: the operation of that state always fails
 ``hang_at``          a state name: the operation of that state never returns
-``already_done``     ``true``: the target reports it is already done (pre-check skips)
+``already_done``     ``true``: the target reports it is already done (pre-check skips;
+                     ``observe`` says so too, for ``skip_if``)
 ``remote_state``     a state the target reports at ``unexpected_at`` (default: the
                      first operation) that no workflow knows: a clear failure
 ``callback_fail_rate``  states that wait for a callback: chance it reports failure
@@ -725,7 +726,8 @@ class SimDriver:
             return RemoteResult.IN_PROGRESS
         last = self._finished.get(ctx.strategy_id, {}).get(ctx.step_id)
         if last is None or last[:2] != (ctx.state, operation):
-            return RemoteResult.NOT_STARTED
+            # a target already up to date says so when asked (``skip_if``), sent or not
+            return RemoteResult.ALREADY_DONE if prof.already_done else RemoteResult.NOT_STARTED
         if last[2] is not None:
             # in the words the operation failed with, as a run state's failure reads
             message, transient = last[2]

@@ -523,6 +523,7 @@ class Conductor(
                         msg.attempt,
                         msg.details,
                         0 if msg.started else 1,
+                        msg.how,
                     )
                 )
             elif isinstance(msg, CallbackArrived):

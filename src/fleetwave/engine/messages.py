@@ -70,6 +70,9 @@ class RetryScheduled:
     #: mark cleared, the fence checked again just before). A clean stop refuses the
     #: latter: the retry is left to the next owner.
     started: bool = False
+    #: its attempt row's ``how``: ``retry``, or ``resent`` (a recover hook found the
+    #: target never got the state's operation: sent again after a takeover)
+    how: str = "retry"
 
 
 @dataclass(slots=True)

@@ -160,7 +160,8 @@ class StrategyRun:
         self.id = self.record.id
         self.defs = {st.name: st for st in self.workflow.states}
         names = self.workflow.state_names
-        self.advance = {name: decide(names, name, _PLAIN_ADVANCE) for name in names}
+        nexts = self.workflow.done_next
+        self.advance = {name: decide(names, name, _PLAIN_ADVANCE, nexts) for name in names}
         self.staged = self.options.staged
         self.phase_stage = phase_stages(self.options.plan)
         self.limits_failures = self.options.failure_limit is not None or any(

@@ -17,11 +17,12 @@ from dataclasses import replace
 from typing import TypeVar
 
 from fleetwave.domain.models import STEP_ABORTED
-from fleetwave.domain.rules import Decision, decide, details_text, failure
+from fleetwave.domain.rules import Decision, decide, details_text, failure, on_failed
 from fleetwave.domain.workflow import (
     ActionContext,
     Advance,
     NoRecoverHook,
+    NotOnTarget,
     NotStarted,
     NotYet,
     Outcome,
@@ -268,7 +269,9 @@ class WorkerMixin(StoreCalls):
                 ):
                     decision = run.advance[state]  # (decide's answer, made once)
                 else:
-                    decision = decide(run.workflow.state_names, state, outcome)
+                    decision = decide(
+                        run.workflow.state_names, state, outcome, run.workflow.done_next
+                    )
             except _WaitEnded as exc:
                 decision = Decision(STEP_ABORTED, f"{state}: {exc}")
             except NotStarted as exc:
@@ -279,6 +282,30 @@ class WorkerMixin(StoreCalls):
                 )
             except NoRecoverHook:
                 decision = failure(state, f"conductor lost during {state}")
+            except NotOnTarget as exc:
+                # The recover hook found the target never got the state's operation: it
+                # is sent again as the next attempt, on the record first (G1 at the
+                # target: its attempts row is unique), then run as any attempt.
+                recovering = False
+                attempts = max(attempts, rec.attempt)
+                why = details_text(exc) or "the target did not have it"
+                resent = RetryScheduled(
+                    run.id,
+                    rec.step_id,
+                    state,
+                    fence,
+                    rec.deadline_at or self.clock.now() + timeout_s,
+                    attempts + 1,
+                    f"{state}: attempt {attempts + 1} re-sent after takeover "
+                    f"{_utc(self.clock.now())} ({why})",
+                    how="resent",
+                )
+                answer = await self._record(resent, started=True)
+                if answer is RetryAnswer.HELD:
+                    return _retry_not_started(run, rec, state, fence)
+                if answer is RetryAnswer.REFUSED:
+                    raise (_HandedOver if self._draining else _RetryRefused) from None
+                continue
             except StepFailed as exc:
                 decision = failure(state, details_text(exc) or "failed")
             except (TransientError, TimeoutError) as exc:
@@ -291,7 +318,10 @@ class WorkerMixin(StoreCalls):
                         callback_id = came.id
                         try:
                             decision = decide(
-                                run.workflow.state_names, state, _callback_outcome(came, chosen)
+                                run.workflow.state_names,
+                                state,
+                                _callback_outcome(came, chosen),
+                                run.workflow.done_next,
                             )
                         except StepFailed as reported:
                             decision = failure(state, details_text(reported) or "failed")
@@ -407,6 +437,7 @@ class WorkerMixin(StoreCalls):
                     state, f"{type(exc).__name__}: {said}" if said else type(exc).__name__
                 )
             break
+        decision = on_failed(st, decision)  # a cleanup state, if it has one
         return ActionFinished(run.id, rec.step_id, state, fence, decision, attempts, callback_id)
 
     async def _record(self, record: RetryScheduled, *, started: bool) -> RetryAnswer:

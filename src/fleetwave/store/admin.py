@@ -51,6 +51,7 @@ from fleetwave.store.notify import notify
 from fleetwave.store.schema import (
     agent_tokens,
     callbacks,
+    deleted_steps,
     events,
     groups,
     id_counters,
@@ -992,7 +993,10 @@ def create_strategy(
             # Its failed and aborted steps never change (G8), but a delete of it may have
             # begun since they were read: not created from a strategy going away.
             try:
-                going = _strategy_state(conn, failed_in) == StrategyState.DELETING
+                going = _strategy_state(conn, failed_in) in (
+                    StrategyState.DELETING,
+                    StrategyState.PRUNING,
+                )
             except NotFound:
                 going = True
             if going:
@@ -1639,25 +1643,88 @@ def _take_ids(conn: Connection, table: Table, count: int = 1) -> int:
     return first
 
 
-#: rows removed per transaction when a strategy is deleted: each holds the write lock
-#: for some milliseconds, so running rollouts on the same database barely notice
+#: rows moved or removed per transaction when a strategy is deleted or pruned: each
+#: holds the write lock for some milliseconds, so running rollouts barely notice
 DELETE_CHUNK = 5000
 #: the longest pause between two chunks (each as long as its chunk took)
 DELETE_PAUSE_MAX_S = 0.05
 
 
-def delete_strategy(store: Store, sid: int, *, chunk: int | None = None) -> None:
-    """Delete an ended (or never applied) strategy with its steps, journal, events and
-    callbacks.
+def in_chunks(store: Store, one_chunk: Callable[[Connection, int], int], chunk: int) -> None:
+    """Run ``one_chunk(conn, chunk)`` a transaction at a time until it does fewer than
+    ``chunk`` rows: one transaction for a strategy of 100,000 targets (600,000 journal
+    rows) would hold the database's write lock for seconds, and every running rollout's
+    commits with it."""
+    while True:
+        began = time.monotonic()
+        with store.write() as conn:
+            done = one_chunk(conn, chunk)
+        if done < chunk:
+            return
+        # SQLite's lock is not fair: taken again at once, a conductor waiting to commit
+        # (polling every few ms) found it held until the whole delete was done (a
+        # rollout stood still for 1.3 s). As long a pause as the chunk took lets it in.
+        time.sleep(min(DELETE_PAUSE_MAX_S, time.monotonic() - began))
 
-    The strategy is marked ``deleting`` first, then its rows go a chunk per transaction:
-    one transaction for a strategy of 100,000 targets (600,000 journal rows) would hold
-    the database's write lock for seconds, and every running rollout's commits with it.
-    Interrupted (Ctrl-C, a crash), it stays ``deleting``; deleting it again finishes.
+
+#: what a deleted strategy's step keeps (``deleted_steps``): the step as it ended
+_KEPT_STEP_COLUMNS = (
+    "id", "strategy_id", "target_id", "ordinal", "stage", "group_id", "state", "details",
+    "started_at", "finished_at", "attempt",
+)  # fmt: skip
+
+
+def _archive_steps(conn: Connection, sid: int, chunk: int) -> int:
+    """Move up to ``chunk`` of the strategy's steps to ``deleted_steps`` (with their
+    target's name), in one transaction; how many moved."""
+    some = (
+        select(
+            *(steps.c[name] for name in _KEPT_STEP_COLUMNS),
+            targets.c.name,
+        )
+        .join(targets, targets.c.id == steps.c.target_id)
+        .where(steps.c.strategy_id == sid)
+        .order_by(steps.c.id)
+        .limit(chunk)
+    )
+    rows = conn.execute(some).all()
+    if not rows:
+        return 0
+    conn.execute(
+        insert(deleted_steps),
+        [dict(zip((*_KEPT_STEP_COLUMNS, "target"), r, strict=True)) for r in rows],
+    )
+    conn.execute(delete(steps).where(steps.c.id.in_([r.id for r in rows])))
+    return len(rows)
+
+
+#: why the callbacks of a deleted strategy that no conductor had handled are ignored
+DELETED_REASON = "strategy deleted"
+
+
+def delete_strategy(store: Store, sid: int, *, chunk: int | None = None) -> None:
+    """Delete an ended (or never applied) strategy: its steps leave the working tables,
+    its history stays for audit.
+
+    The strategy is marked ``deleting`` first, then its steps move to ``deleted_steps``
+    a chunk per transaction (:func:`in_chunks`), then its slots go and it is marked
+    ``deleted``. Its journal, attempts, events and callbacks stay (``history`` and
+    ``events`` still answer) until ``fleetwave prune`` drops them; its row stays too, so
+    its id names this rollout for good. Interrupted (Ctrl-C, a crash), it stays
+    ``deleting``; deleting it again finishes. Deleted already: NotFound.
     """
     chunk = chunk or DELETE_CHUNK
     with store.write() as conn:
         state = _strategy_state(conn, sid)
+        if state == StrategyState.DELETED:
+            raise NotFound(
+                f"strategy {sid}: deleted already (its history is kept until 'fleetwave prune')"
+            )
+        if state == StrategyState.PRUNING:
+            raise NotFound(
+                f"strategy {sid}: deleted already, its history partly pruned "
+                "('fleetwave prune' again finishes it)"
+            )
         if state not in (
             StrategyState.INITIAL,
             StrategyState.COMPLETE,
@@ -1668,27 +1735,29 @@ def delete_strategy(store: Store, sid: int, *, chunk: int | None = None) -> None
             raise Conflict(
                 f"strategy {sid}: is {state}; " + _how_it_ends(sid, state, "it can be deleted")
             )
+        if state != StrategyState.DELETING:
+            # updated_at stays when it ended: ``prune --before`` goes by that
+            conn.execute(
+                update(strategies)
+                .where(strategies.c.id == sid)
+                .values(state=StrategyState.DELETING.value, deleted_at=_now(), deleted_from=state)
+            )
+    # Once a step is gone no callback can be stored for it; one stored before and not
+    # handled is closed as ignored below.
+    in_chunks(store, lambda conn, n: _archive_steps(conn, sid, n), chunk)
+    with store.write() as conn:
+        slots.delete_slots(conn, store.hooks, [sid])
+        now = _now()
+        conn.execute(
+            update(callbacks)
+            .where(callbacks.c.strategy_id == sid, callbacks.c.outcome.is_(None))
+            .values(outcome="ignored", reason=DELETED_REASON, processed_at=now)
+        )
+        # its steps' agent tokens are of no use any more (working rows, not history)
+        conn.execute(delete(agent_tokens).where(agent_tokens.c.strategy_id == sid))
         conn.execute(
             update(strategies)
             .where(strategies.c.id == sid)
-            .values(state=StrategyState.DELETING.value, updated_at=_now())
+            .values(state=StrategyState.DELETED.value)
         )
-    # Steps first: once a step is gone no callback can be stored for it (one stored
-    # for a step still there is deleted with the callbacks after it).
-    for table in (steps, callbacks, journal, events, agent_tokens):
-        while True:
-            began = time.monotonic()
-            with store.write() as conn:
-                some = select(table.c.id).where(table.c.strategy_id == sid).limit(chunk)
-                gone = conn.execute(delete(table).where(table.c.id.in_(some))).rowcount
-            if gone < chunk:
-                break
-            # SQLite's lock is not fair: taken again at once, a conductor waiting to
-            # commit (polling every few ms) found it held until the whole delete was
-            # done (a rollout stood still for 1.3 s). As long a pause as the chunk took
-            # lets it in.
-            time.sleep(min(DELETE_PAUSE_MAX_S, time.monotonic() - began))
-    with store.write() as conn:
-        slots.delete_slots(conn, store.hooks, [sid])
-        conn.execute(delete(strategies).where(strategies.c.id == sid))
-        record_actor(conn, f"strategy {sid} deleted")
+        record_actor(conn, f"strategy {sid} deleted", sid)

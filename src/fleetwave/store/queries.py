@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
-from sqlalchemy import Connection, and_, case, func, select
+from sqlalchemy import Connection, Table, and_, case, false, func, null, select
 
 from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.models import (
@@ -23,7 +23,10 @@ from fleetwave.domain.models import (
     has_labels,
     shown,
 )
+from fleetwave.domain.registry import get_workflow
 from fleetwave.domain.rollout import APPROVED_EVENT, PlannedStage, stage_progress, time_left_s
+from fleetwave.domain.workflow import WorkflowError
+from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.store import leases
 from fleetwave.store.admin import options_from_json
 from fleetwave.store.db import Store
@@ -32,6 +35,7 @@ from fleetwave.store.schema import (
     attempts,
     callbacks,
     conductors,
+    deleted_steps,
     events,
     groups,
     journal,
@@ -241,6 +245,32 @@ def get_target(store: Store, name: str) -> dict[str, Any]:
                 .order_by(steps.c.strategy_id)
             )
         ]
+        # and its steps in deleted strategies, as they ended (their history is kept)
+        kept = [
+            {
+                "strategy": s.strategy_id,
+                "strategy_state": s.strategy_state,
+                "step": s.id,
+                "step_state": s.state,
+                "details": s.details,
+            }
+            for s in conn.execute(
+                select(
+                    deleted_steps.c.strategy_id,
+                    strategies.c.state.label("strategy_state"),
+                    deleted_steps.c.id,
+                    deleted_steps.c.state,
+                    deleted_steps.c.details,
+                )
+                .join(strategies, strategies.c.id == deleted_steps.c.strategy_id)
+                .where(
+                    deleted_steps.c.target_id
+                    == select(targets.c.id).where(targets.c.name == name).scalar_subquery()
+                )
+            )
+        ]
+        if kept:
+            out["strategies"] = sorted(out["strategies"] + kept, key=lambda s: s["strategy"])
         return out
 
 
@@ -250,14 +280,52 @@ def step_counts(store: Store, sid: int) -> dict[str, int]:
 
 
 def _step_counts(conn: Any, sid: int) -> dict[str, int]:
-    return {
-        str(state): int(n)
+    counts: dict[str, int] = {}
+    for table in _step_tables(conn, sid):
         for state, n in conn.execute(
-            select(steps.c.state, func.count())
-            .where(steps.c.strategy_id == sid)
-            .group_by(steps.c.state)
+            select(table.c.state, func.count())
+            .where(table.c.strategy_id == sid)
+            .group_by(table.c.state)
+        ):
+            counts[str(state)] = counts.get(str(state), 0) + int(n)
+    return counts
+
+
+#: strategies whose steps left the working tables (``strategy delete``), all of them or
+#: some (being deleted): their steps as they ended are in ``deleted_steps``
+KEPT_STATES = frozenset({StrategyState.DELETING, StrategyState.DELETED, StrategyState.PRUNING})
+
+
+def _kept(conn: Any, sid: int) -> bool:
+    """Whether strategy ``sid`` was deleted (or is being deleted): its steps, some or
+    all, are kept in ``deleted_steps``, its history where it was."""
+    state = conn.execute(select(strategies.c.state).where(strategies.c.id == sid)).scalar()
+    return state in KEPT_STATES
+
+
+def _step_tables(conn: Any, sid: int) -> tuple[Table, ...]:
+    """Where strategy ``sid``'s steps are: the working table, and for one deleted (or
+    being deleted) the kept steps too."""
+    return (steps, deleted_steps) if _kept(conn, sid) else (steps,)
+
+
+def _journal_named(conn: Any, sid: int, table: Table) -> tuple[Any, Any]:
+    """What to read ``table`` (journal, events) of strategy ``sid`` from, and its rows'
+    target name: through the step and its target, and for a deleted strategy through
+    the kept step (the target may be deleted since: the name it had then)."""
+    if not _kept(conn, sid):
+        return (
+            table.outerjoin(steps, steps.c.id == table.c.step_id).outerjoin(
+                targets, targets.c.id == steps.c.target_id
+            ),
+            targets.c.name,
         )
-    }
+    return (
+        table.outerjoin(steps, steps.c.id == table.c.step_id)
+        .outerjoin(targets, targets.c.id == steps.c.target_id)
+        .outerjoin(deleted_steps, deleted_steps.c.id == table.c.step_id),
+        func.coalesce(targets.c.name, deleted_steps.c.target),
+    )
 
 
 def steps_ended(counts: dict[str, int]) -> int:
@@ -302,6 +370,9 @@ def _strategy_dict(r: Any) -> dict[str, Any]:
         "created_at": r.created_at,
         "updated_at": r.updated_at,
         "owner": r.owner,
+        # when ``strategy delete`` began (its history kept until ``fleetwave prune``)
+        "deleted_at": r.deleted_at,
+        "deleted_from": r.deleted_from,
     }
 
 
@@ -321,6 +392,8 @@ def list_strategies(
         q = select(strategies).order_by(strategies.c.id)
         if states:
             q = q.where(strategies.c.state.in_(list(states)))
+        else:  # deleted ones only when asked for (``--state deleted``)
+            q = q.where(strategies.c.state.not_in([StrategyState.DELETED, StrategyState.PRUNING]))
         rows = conn.execute(q).all()
         counts: dict[int, dict[str, int]] = {}
         retrying: dict[int, int] = {}
@@ -334,6 +407,18 @@ def list_strategies(
             mine[str(state)] = mine.get(str(state), 0) + int(n)
             if waits and state != STEP_INITIAL and state not in STEP_TERMINAL:
                 retrying[int(sid)] = retrying.get(int(sid), 0) + int(n)
+        kept = [int(r.id) for r in rows if r.state in KEPT_STATES]
+        for sid, state, n in (
+            conn.execute(
+                select(deleted_steps.c.strategy_id, deleted_steps.c.state, func.count())
+                .where(deleted_steps.c.strategy_id.in_(kept))
+                .group_by(deleted_steps.c.strategy_id, deleted_steps.c.state)
+            )
+            if kept
+            else ()
+        ):
+            mine = counts.setdefault(int(sid), {})
+            mine[str(state)] = mine.get(str(state), 0) + int(n)
         known = _Conductors.read(conn, now)
     out = []
     for r in rows:
@@ -608,10 +693,21 @@ def ended_badly_in(store: Store, sid: int) -> list[str]:
         ).scalar_one_or_none()
         if state is None:
             raise NotFound(f"--failed-in: strategy {sid} not found")
-        if state == StrategyState.DELETING.value:
+        if state in (StrategyState.DELETING.value, StrategyState.PRUNING.value):
             raise InputError(
                 f"--failed-in: strategy {sid} is being deleted, its steps partly gone "
                 f"('fleetwave strategy delete {sid}' finishes it)"
+            )
+        if state == StrategyState.DELETED.value:  # its steps as they ended, kept
+            return list(
+                conn.execute(
+                    select(deleted_steps.c.target)
+                    .where(
+                        deleted_steps.c.strategy_id == sid,
+                        deleted_steps.c.state.in_([STEP_FAILED, STEP_ABORTED]),
+                    )
+                    .order_by(deleted_steps.c.id)
+                ).scalars()
             )
         return list(
             conn.execute(
@@ -662,6 +758,19 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
                     out["in_flight_until"] = max(out["in_flight_until"] or until, until)
             else:
                 out["waiting_to_retry" if retry else "not_started"] += int(n)
+        # of those in flight, the ones in a state waiting for the target's callback (not
+        # running anything here), and the latest of their deadlines
+        waits = callback_states(conn, sid)
+        out["waiting_for_callback"], out["waiting_for_callback_until"] = 0, None
+        if waits:
+            n, until = conn.execute(
+                select(func.count(), func.max(steps.c.deadline_at)).where(
+                    steps.c.strategy_id == sid,
+                    steps.c.state.in_(sorted(waits)),
+                    steps.c.not_started == false(),
+                )
+            ).one()
+            out["waiting_for_callback"], out["waiting_for_callback_until"] = int(n), until
         # when the rollout last moved (the row's updated_at is its own state's change)
         out["last_transition_at"] = conn.execute(
             select(journal.c.at)
@@ -670,8 +779,10 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
             .limit(1)
         ).scalar_one_or_none()
         plan = _plan_of(r.options)
+        kept = r.state in KEPT_STATES
+        done_steps = deleted_steps if kept else steps
         if plan:
-            ended = _ended_by_stage(conn, sid)
+            ended = _ended_by_stage(conn, sid, done_steps)
             approvals = [
                 {"at": e.at, "details": e.details}
                 for e in conn.execute(
@@ -681,10 +792,10 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
                 )
             ]
         took = conn.execute(
-            select(func.avg(steps.c.finished_at - steps.c.started_at)).where(
-                steps.c.strategy_id == sid,
-                steps.c.state == STEP_COMPLETE,
-                steps.c.started_at.is_not(None),
+            select(func.avg(done_steps.c.finished_at - done_steps.c.started_at)).where(
+                done_steps.c.strategy_id == sid,
+                done_steps.c.state == STEP_COMPLETE,
+                done_steps.c.started_at.is_not(None),
             )
         ).scalar()
         first_at = conn.execute(
@@ -693,7 +804,7 @@ def get_strategy(store: Store, sid: int) -> dict[str, Any]:
     out["done"] = steps_ended(counts)  # as strategy list has it
     total = int(r.step_count)
     out["percent_done"] = round(100 * out["done"] / total, 1) if total else 100.0
-    if first_at is not None and r.state not in STRATEGY_TERMINAL:
+    if first_at is not None and r.state not in STRATEGY_TERMINAL | KEPT_STATES:
         out["elapsed_s"] = round(max(0.0, now - float(first_at)), 1)
         left = time_left_s(
             total,
@@ -722,17 +833,20 @@ def _plan_of(options: str) -> list[PlannedStage]:
         return []
 
 
-def _ended_by_stage(conn: Connection, sid: int) -> dict[int, tuple[int, int, int]]:
+def _ended_by_stage(
+    conn: Connection, sid: int, table: Table = steps
+) -> dict[int, tuple[int, int, int]]:
     """By stage column (phase): its steps, how many of them have ended, and how many
-    have started (left ``initial``: ended ones too)."""
-    ended = case((steps.c.state.in_(sorted(STEP_TERMINAL)), 1), else_=0)
-    begun = case((steps.c.started_at.is_not(None), 1), else_=0)
+    have started (left ``initial``: ended ones too); ``table``: where its steps are
+    (``deleted_steps`` once it is deleted)."""
+    ended = case((table.c.state.in_(sorted(STEP_TERMINAL)), 1), else_=0)
+    begun = case((table.c.started_at.is_not(None), 1), else_=0)
     return {
         int(stage): (int(n), int(done or 0), int(started or 0))
         for stage, n, done, started in conn.execute(
-            select(steps.c.stage, func.count(), func.sum(ended), func.sum(begun))
-            .where(steps.c.strategy_id == sid)
-            .group_by(steps.c.stage)
+            select(table.c.stage, func.count(), func.sum(ended), func.sum(begun))
+            .where(table.c.strategy_id == sid)
+            .group_by(table.c.stage)
         )
     }
 
@@ -747,6 +861,27 @@ def strategy_workflow(store: Store, sid: int) -> tuple[str, str | None]:
     if r is None:
         raise NotFound(f"strategy {sid} not found")
     return str(r.workflow), None if r.workflow_yaml is None else str(r.workflow_yaml)
+
+
+def deleted_note(store: Store, sid: int) -> str | None:
+    """For a deleted strategy (or one being deleted or pruned), what a reader of its
+    history is told first: that it was deleted, when, and what keeps its history."""
+    with store.read() as conn:
+        r = conn.execute(
+            select(strategies.c.state, strategies.c.deleted_at).where(strategies.c.id == sid)
+        ).first()
+    if r is None or r.state not in KEPT_STATES:
+        return None
+    at = (
+        ""
+        if r.deleted_at is None
+        else " " + time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(float(r.deleted_at)))
+    )
+    if r.state == StrategyState.PRUNING:
+        return f"strategy {sid}: deleted{at}, its history being pruned (partly gone)"
+    if r.state == StrategyState.DELETING:
+        return f"strategy {sid}: being deleted (since{at}); its history is kept"
+    return f"strategy {sid}: deleted{at}; its history is kept until 'fleetwave prune'"
 
 
 def strategy_exists(store: Store, sid: int) -> None:
@@ -817,12 +952,19 @@ def _target_in(store: Store, sid: int, target: str) -> int:
     one the strategy has no step for."""
     with store.read() as conn:
         tid = conn.execute(select(targets.c.id).where(targets.c.name == target)).scalar()
-        if tid is None:
-            raise NotFound(f"--target: no target named {shown(target)}")
         in_it = conn.execute(
             select(steps.c.id).where(steps.c.strategy_id == sid, steps.c.target_id == tid)
         ).first()
+        if in_it is None and _kept(conn, sid):
+            # a deleted strategy's step, by the name its target had (deleted since, maybe)
+            in_it = conn.execute(
+                select(deleted_steps.c.id).where(
+                    deleted_steps.c.strategy_id == sid, deleted_steps.c.target == target
+                )
+            ).first()
         if in_it is None:
+            if tid is None:
+                raise NotFound(f"--target: no target named {shown(target)}")
             raise NotFound(f"--target: target {shown(target)} is not in strategy {sid}")
         return int(in_it[0])
 
@@ -851,6 +993,7 @@ def _iter_steps(
             steps.c.owner,
             steps.c.ordinal,
             steps.c.not_started,
+            steps.c.deadline_at,
         )
         .join(targets, targets.c.id == steps.c.target_id)
         .where(steps.c.strategy_id == sid)
@@ -860,6 +1003,30 @@ def _iter_steps(
     if names:
         q = q.where(targets.c.name.in_(names))
     found = _pages(store, q, steps.c.ordinal, after, rows)
+    with store.read() as conn:
+        deleted = conn.execute(
+            select(strategies.c.state).where(strategies.c.id == sid)
+        ).scalar() in (StrategyState.DELETED, StrategyState.PRUNING)
+    if deleted:  # its steps as they ended (their targets as they were named then)
+        kept = select(
+            deleted_steps.c.id,
+            deleted_steps.c.target.label("name"),
+            deleted_steps.c.stage,
+            deleted_steps.c.state,
+            deleted_steps.c.details,
+            deleted_steps.c.started_at,
+            deleted_steps.c.finished_at,
+            deleted_steps.c.attempt,
+            null().label("owner"),
+            deleted_steps.c.ordinal,
+            false().label("not_started"),
+            null().label("deadline_at"),
+        ).where(deleted_steps.c.strategy_id == sid)
+        if states:
+            kept = kept.where(deleted_steps.c.state.in_(states))
+        if names:
+            kept = kept.where(deleted_steps.c.target.in_(names))
+        found = _pages(store, kept, deleted_steps.c.ordinal, after, rows)
     now = time.time()
     lease = _step_lease(store, sid, now)
     for r in found if limit is None else islice(found, limit):
@@ -892,6 +1059,8 @@ class _StepLease:
     left: float | None
     #: when it ran out (wall time, for an operator), if it has
     ran_out_at: float | None
+    #: the strategy's workflow states that wait for the target's callback
+    waits: frozenset[str] = frozenset()
 
 
 def _step_lease(store: Store, sid: int, now: float) -> _StepLease:
@@ -900,6 +1069,7 @@ def _step_lease(store: Store, sid: int, now: float) -> _StepLease:
             select(strategies.c.owner, strategies.c.lease_expires_at).where(strategies.c.id == sid)
         ).first()
         known = _Conductors.read(conn, now)
+        waits = callback_states(conn, sid)
     owner = r.owner if r is not None else None
     until = r.lease_expires_at if r is not None else None
     left = known.lease_left(owner, until)
@@ -908,7 +1078,30 @@ def _step_lease(store: Store, sid: int, now: float) -> _StepLease:
         owner,
         left,
         now + left if left is not None and left <= 0 else None,
+        waits,
     )
+
+
+def callback_states(conn: Any, sid: int) -> frozenset[str]:
+    """The states of strategy ``sid``'s workflow that wait for the target's callback
+    (``mode: wait-for-callback``): from its own YAML copy, or the registered workflow
+    of its name; none when this process cannot have it (a plug-in not loaded here)."""
+    r = conn.execute(
+        select(strategies.c.workflow, strategies.c.workflow_yaml).where(strategies.c.id == sid)
+    ).first()
+    if r is None:
+        return frozenset()
+    try:
+        wf = (
+            get_workflow(r.workflow)
+            if r.workflow_yaml is None
+            else parse_workflow_yaml(r.workflow_yaml, source=f"strategy {sid}")
+        )
+    except WorkflowError:
+        return frozenset()
+    if wf is None:
+        return frozenset()
+    return frozenset(st.name for st in wf.states if st.mode == "wait-for-callback")
 
 
 #: what a takeover does with a state whose conductor was lost: its workflow says (a
@@ -917,6 +1110,10 @@ _RECOVERS = (
     "its state's recover setting decides what became of the action (look at the target, "
     "or fail the step: 'fleetwave workflow show' says which)"
 )
+
+
+def _utc_shown(at: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(at))
 
 
 def _shown_details(r: Any, lease: _StepLease) -> str:
@@ -942,6 +1139,12 @@ def _shown_details(r: Any, lease: _StepLease) -> str:
         said = f"entered, its action not started: it starts {resumes}"
         if live:
             said = f"entered while conductor {owner} was stopping; its action starts {resumes}"
+    elif live and state in lease.waits:
+        # its action sent the work; the target's agent reports when it is done
+        deadline = getattr(r, "deadline_at", None)
+        until = "" if deadline is None else f" until {_utc_shown(float(deadline))}"
+        said = f"waiting for callback{until} (on conductor {owner})"
+        return f"{said}: {details}" if details else said
     elif live:
         # what it last said (a retry's reason, its last state's end) while it runs
         return details or f"running on conductor {owner}"
@@ -973,7 +1176,7 @@ def get_step(store: Store, step_id: int) -> dict[str, Any]:
             .where(steps.c.id == step_id)
         ).first()
         if r is None:
-            raise NotFound(f"step {step_id} not found")
+            return _kept_step(store, step_id)
         out = {
             "step": r.id,
             "strategy": r.strategy_id,
@@ -998,6 +1201,31 @@ def get_step(store: Store, step_id: int) -> dict[str, Any]:
             "not_started": bool(r.not_started),
         }
     out["history"] = history(store, int(out["strategy"]), step_id=step_id)
+    out["events"] = step_events(store, step_id)
+    out["callbacks"] = step_callbacks(store, step_id)
+    out["attempts"] = step_attempts(store, step_id)
+    return out
+
+
+def _kept_step(store: Store, step_id: int) -> dict[str, Any]:
+    """A step of a deleted strategy, as it ended, with its history (``step show``)."""
+    with store.read() as conn:
+        r = conn.execute(select(deleted_steps).where(deleted_steps.c.id == step_id)).first()
+    if r is None:
+        raise NotFound(f"step {step_id} not found")
+    out: dict[str, Any] = {
+        "step": r.id,
+        "strategy": r.strategy_id,
+        "strategy_deleted": True,
+        "target": r.target,
+        "stage": r.stage,
+        "state": r.state,
+        "details": r.details,
+        "started_at": r.started_at,
+        "finished_at": r.finished_at,
+        "attempt": r.attempt,
+    }
+    out["history"] = history(store, int(r.strategy_id), step_id=step_id)
     out["events"] = step_events(store, step_id)
     out["callbacks"] = step_callbacks(store, step_id)
     out["attempts"] = step_attempts(store, step_id)
@@ -1041,7 +1269,7 @@ def iter_history(
     unknown names are refused before the first row."""
     _check_last(last)
     strategy_exists(store, sid)
-    q = _history_query()
+    q = _history_query(store, sid)
     names = [target] if isinstance(target, str) else list(target or ())
     step_ids = _steps_of(store, sid, names)
     if step_id is not None:
@@ -1053,37 +1281,119 @@ def iter_history(
         q = q.where(journal.c.step_id.in_(step_ids), journal.c.strategy_id + 0 == sid)
     else:
         q = q.where(journal.c.strategy_id == sid)
-    return (row for _, row in _iter_history(store, sid, _only_last(store, q, journal.c.id, last)))
+    sends = _attempt_rows(store, sid, step_ids if names or step_id is not None else None)
+    moves = _iter_history(store, sid, _only_last(store, q, journal.c.id, last))
+    return _with_attempts((row for _, row in moves), sends, last)
 
 
 def history_page(
     store: Store, sid: int, limit: int, after: int = 0, target: Sequence[str] = ()
 ) -> Page:
     """Up to ``limit`` transitions of a strategy's journal after the one ``after`` (its
-    journal id), oldest first (as :func:`iter_history` has them)."""
+    journal id), oldest first (as :func:`iter_history` has them, without the attempts
+    a takeover made between them)."""
     iter_history(store, sid, list(target))  # (its checks: the strategy, the names)
-    q = _history_query().where(journal.c.strategy_id == sid)
+    q = _history_query(store, sid).where(journal.c.strategy_id == sid)
     if target:
         q = q.where(journal.c.step_id.in_(_steps_of(store, sid, list(target))))
     return _page(_iter_history(store, sid, q, after, limit + 1), limit)
 
 
-def _history_query() -> Any:
+def _history_query(store: Store, sid: int) -> Any:
+    """The journal's rows with their targets' names (a deleted strategy's: as its kept
+    steps name them)."""
+    with store.read() as conn:
+        kept = _kept(conn, sid)
+        source, name = _journal_named(conn, sid, journal)
+    columns = (
+        journal.c.id,
+        journal.c.at,
+        journal.c.conductor,
+        name,
+        journal.c.step_id,
+        journal.c.from_state,
+        journal.c.to_state,
+        journal.c.fence,
+        journal.c.details,
+    )
+    if kept:
+        return select(*columns).select_from(source)
+    # every transition's step is there: joined, not outer-joined
     return (
-        select(
-            journal.c.id,
-            journal.c.at,
-            journal.c.conductor,
-            targets.c.name,
-            journal.c.step_id,
-            journal.c.from_state,
-            journal.c.to_state,
-            journal.c.fence,
-            journal.c.details,
-        )
+        select(*columns)
         .join(steps, steps.c.id == journal.c.step_id)
         .join(targets, targets.c.id == steps.c.target_id)
     )
+
+
+#: what ``history`` says of an attempt a takeover made (``attempts``): a retry is not
+#: shown there (its failed attempt is an ``attempt-failed`` event, the move on says
+#: "done at attempt 3"); ``step show`` lists every attempt
+ATTEMPT_WORDS = {
+    "resent": "re-sent after takeover (the target did not have it)",
+    "afresh": "started by the next owner (its conductor stopped before sending it)",
+}
+
+
+def _attempt_rows(store: Store, sid: int, step_ids: list[int] | None) -> list[dict[str, Any]]:
+    """The strategy's attempts a takeover made (re-sends, starts by the next owner), as
+    ``history`` rows, oldest first: few (one per step taken over), read whole."""
+    with store.read() as conn:
+        source, name = _journal_named(conn, sid, attempts)
+        q = (
+            select(
+                attempts.c.at,
+                attempts.c.conductor,
+                name,
+                attempts.c.step_id,
+                attempts.c.state,
+                attempts.c.attempt,
+                attempts.c.fence,
+                attempts.c.how,
+            )
+            .select_from(source)
+            .where(attempts.c.strategy_id == sid, attempts.c.how.in_(sorted(ATTEMPT_WORDS)))
+            .order_by(attempts.c.id)
+        )
+        if step_ids is not None:
+            q = q.where(attempts.c.step_id.in_(step_ids))
+        rows = conn.execute(q).all()
+    return [
+        {
+            "at": at,
+            "strategy": sid,
+            "conductor": conductor,
+            "target": target,
+            "step": step,
+            "from": state,
+            "to": state,
+            "fence": fence,
+            "details": f"attempt {attempt}: {ATTEMPT_WORDS.get(how, how)}",
+            "attempt": attempt,
+        }
+        for at, conductor, target, step, state, attempt, fence, how in rows
+    ]
+
+
+def _with_attempts(
+    moves: Iterator[dict[str, Any]], sends: list[dict[str, Any]], last: int | None
+) -> Iterator[dict[str, Any]]:
+    """The journal's transitions with the attempts between them, by time (an attempt
+    comes after its state's entry). With ``--last``: only attempts from the first
+    transition shown on."""
+    i = 0
+    first = True
+    for move in moves:
+        if first and last is not None:
+            while i < len(sends) and sends[i]["at"] < move["at"]:
+                i += 1  # before the transitions shown
+        first = False
+        while i < len(sends) and sends[i]["at"] < move["at"]:
+            yield sends[i]
+            i += 1
+        yield move
+    if not first or last is None:
+        yield from sends[i:]
 
 
 def _check_last(last: int | None) -> None:
@@ -1221,15 +1531,9 @@ def iter_events(
 
 
 def _events_query(store: Store, sid: int, target: Sequence[str], kind: Sequence[str]) -> Any:
-    q = (
-        select(events, targets.c.name.label("target"))
-        .select_from(
-            events.outerjoin(steps, steps.c.id == events.c.step_id).outerjoin(
-                targets, targets.c.id == steps.c.target_id
-            )
-        )
-        .where(events.c.strategy_id == sid)
-    )
+    with store.read() as conn:
+        source, name = _journal_named(conn, sid, events)
+    q = select(events, name.label("target")).select_from(source).where(events.c.strategy_id == sid)
     if target:
         q = q.where(events.c.step_id.in_(_steps_of(store, sid, list(target))))
     if kind:

@@ -93,6 +93,12 @@ strategies = Table(
     Column("owner", String(64)),
     Column("fence", Integer, nullable=False, default=0),
     Column("lease_expires_at", Float),
+    #: when ``strategy delete`` began (its state ``deleting``, then ``deleted``): its
+    #: steps move to ``deleted_steps``, its journal, attempts, events and callbacks stay
+    #: for audit until ``fleetwave prune``; ``updated_at`` keeps when it ended
+    Column("deleted_at", Float),
+    #: a deleted strategy's state when it was deleted (initial, complete, failed, aborted)
+    Column("deleted_from", String(32)),
 )
 
 steps = Table(
@@ -119,6 +125,27 @@ steps = Table(
     Column("deadline_at", Float),
     Index("ix_steps_strategy_ordinal", "strategy_id", "ordinal"),
     Index("ix_steps_target", "target_id"),
+)
+
+#: the steps of deleted strategies, as they ended (no working columns: owner, fence,
+#: deadline), with their target's name as it was: the target may be deleted later, and
+#: the history of a deleted strategy still names it. Dropped by ``fleetwave prune``
+deleted_steps = Table(
+    "deleted_steps",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=False),
+    Column("strategy_id", Integer, nullable=False),
+    Column("target_id", Integer, nullable=False),
+    Column("target", String(255), nullable=False),
+    Column("ordinal", Integer, nullable=False),
+    Column("stage", Integer, nullable=False),
+    Column("group_id", Integer),
+    Column("state", String(64), nullable=False),
+    Column("details", Text, nullable=False, default=""),
+    Column("started_at", Float),
+    Column("finished_at", Float),
+    Column("attempt", Integer, nullable=False, default=0),
+    Index("ix_deleted_steps_strategy_ordinal", "strategy_id", "ordinal"),
 )
 
 #: a strategy's slots (G7): a row for the whole strategy (``group_id`` 0) and one for

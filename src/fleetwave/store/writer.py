@@ -137,6 +137,8 @@ class AttemptDeadline:
     #: 1 while the retry waits to start (a takeover then runs it as this attempt, once
     #: due), 0 once it starts
     not_started: int = 0
+    #: its attempt row's ``how`` (retry, resent)
+    how: str = "retry"
 
 
 @dataclass(slots=True)
@@ -680,8 +682,8 @@ class TransitionWriter:
         return {(int(r[0]), int(r[1])): [int(r[2]), int(r[3])] for r in cur.fetchall()}
 
     def _attempt_row(self, d: AttemptDeadline) -> tuple[Any, ...]:
-        """A retry's start (its attempt row)."""
-        return (d.strategy_id, d.step_id, d.state, d.attempt, self._at, self.cid, d.fence, "retry")
+        """A retry's (or a re-send's) start: its attempt row."""
+        return (d.strategy_id, d.step_id, d.state, d.attempt, self._at, self.cid, d.fence, d.how)
 
     def _rollback(self, raw: Any) -> None:
         """After an error in the hot path's transaction: roll it back, and let go of the

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Row, select
+from sqlalchemy import Row, null, select
 
 from fleetwave.domain.models import (
     STEP_FAILED,
@@ -50,7 +50,15 @@ from fleetwave.store import slots
 from fleetwave.store.admin import options_from_json
 from fleetwave.store.db import Store
 from fleetwave.store.runtime import strategy_layout
-from fleetwave.store.schema import attempts, events, journal, steps, strategies, targets
+from fleetwave.store.schema import (
+    attempts,
+    deleted_steps,
+    events,
+    journal,
+    steps,
+    strategies,
+    targets,
+)
 
 MAX_REPORTED = 200
 
@@ -62,7 +70,8 @@ class CheckResult:
     transitions: int = 0
     violations: list[str] = field(default_factory=list)
     truncated: int = 0
-    #: strategies being deleted (their journal partly gone): not checked
+    #: strategies being deleted or pruned (their steps or history partly moved or
+    #: gone): not checked (a deleted one is, from its kept steps)
     deleting: list[int] = field(default_factory=list)
 
     @property
@@ -95,22 +104,35 @@ def check(store: Store, strategy_id: int | None = None) -> CheckResult:
             q = q.where(strategies.c.id == strategy_id)
         strats = conn.execute(q.order_by(strategies.c.id)).all()
         for strat in strats:
-            if strat.state == StrategyState.DELETING:
+            if strat.state in (StrategyState.DELETING, StrategyState.PRUNING):
                 result.deleting.append(int(strat.id))
                 continue
             result.strategies += 1
-            step_rows = conn.execute(
-                select(
-                    steps.c.id,
-                    steps.c.state,
-                    steps.c.group_id,
-                    steps.c.stage,
-                    steps.c.owner,
-                    targets.c.name,
-                )
-                .join(targets, targets.c.id == steps.c.target_id)
-                .where(steps.c.strategy_id == strat.id)
-            ).all()
+            deleted = strat.state == StrategyState.DELETED
+            if deleted:  # its steps as they ended, owned by nobody
+                step_rows = conn.execute(
+                    select(
+                        deleted_steps.c.id,
+                        deleted_steps.c.state,
+                        deleted_steps.c.group_id,
+                        deleted_steps.c.stage,
+                        null().label("owner"),
+                        deleted_steps.c.target.label("name"),
+                    ).where(deleted_steps.c.strategy_id == strat.id)
+                ).all()
+            else:
+                step_rows = conn.execute(
+                    select(
+                        steps.c.id,
+                        steps.c.state,
+                        steps.c.group_id,
+                        steps.c.stage,
+                        steps.c.owner,
+                        targets.c.name,
+                    )
+                    .join(targets, targets.c.id == steps.c.target_id)
+                    .where(steps.c.strategy_id == strat.id)
+                ).all()
             jrows = conn.execute(
                 select(
                     journal.c.step_id,
@@ -137,7 +159,7 @@ def check(store: Store, strategy_id: int | None = None) -> CheckResult:
                 .order_by(events.c.id)
             ).all()
             _check_takeovers(result, int(strat.id), owners)
-            for problem in slots.drift(conn, store.hooks, int(strat.id)):
+            for problem in () if deleted else slots.drift(conn, store.hooks, int(strat.id)):
                 result.add(f"G7: strategy {strat.id}: slots do not match its steps: {problem}")
     return result
 
@@ -150,6 +172,10 @@ def _check_strategy(
     arows: Sequence[Row[Any]] = (),
 ) -> None:
     sid = strat.id
+    # a deleted strategy is judged as it was when deleted (its steps as they ended)
+    ended_as = strat.state
+    if ended_as == StrategyState.DELETED:
+        ended_as = getattr(strat, "deleted_from", None) or ended_as
     try:
         # as the conductor reads them (one reading of what a strategy's row holds)
         listed, group_caps = strategy_layout(strat.states, strat.group_caps)
@@ -262,7 +288,7 @@ def _check_strategy(
     if (
         (limit is not None or stage_limited)
         and stopped_at is None
-        and strat.state != "aborted"
+        and ended_as != "aborted"
         and stopped_for_threshold is not None
     ):
         # The threshold was never exceeded, so nothing may have been stopped for it.
@@ -273,13 +299,13 @@ def _check_strategy(
 
     _check_attempts(result, arows, bit, entered, who)
 
-    terminal_strategy = strat.state in STRATEGY_TERMINAL
+    terminal_strategy = ended_as in STRATEGY_TERMINAL
     for r in step_rows:
         journalled = last.get(r.id, STEP_INITIAL)
         if r.state != journalled:
             result.add(f"record: {who(r.id)} row says '{r.state}' but journal says '{journalled}'")
         if terminal_strategy and r.state not in STEP_TERMINAL:
-            result.add(f"terminal: strategy {sid} is {strat.state} but {who(r.id)} is '{r.state}'")
+            result.add(f"terminal: strategy {sid} is {ended_as} but {who(r.id)} is '{r.state}'")
         if r.state in STEP_TERMINAL and r.owner is not None:
             result.add(f"lease: {who(r.id)} is terminal but still owned by {r.owner}")
     if terminal_strategy and strat.owner is not None:
