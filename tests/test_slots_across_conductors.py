@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from conftest import add_sim_targets
@@ -165,6 +165,14 @@ _OPS = st.lists(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(ops=_OPS, caps=st.tuples(st.integers(1, 4), st.integers(1, 3)))
+# (always tried: two conductors each starting as many as the strategy's cap, then the
+# group's cap binding, then a slot freed and taken by the other)
+@example(ops=[(0, "claim", 3), (1, "claim", 3), (0, "enter", 3), (1, "enter", 3)], caps=(2, 3))
+@example(ops=[(0, "claim", 3), (1, "claim", 3), (0, "enter", 2), (1, "enter", 2)], caps=(4, 1))
+@example(
+    ops=[(0, "claim", 2), (1, "claim", 2), (0, "enter", 2), (0, "fail", 1), (1, "enter", 2)],
+    caps=(2, 3),
+)
 def test_no_interleaving_exceeds_a_cap_or_shares_a_step(
     db_url: str, ops: list[tuple[int, str, int]], caps: tuple[int, int]
 ) -> None:
