@@ -162,6 +162,12 @@ class StateAction:
     def describe(self) -> str:
         return type(self).__name__
 
+    def describe_params(self) -> dict[str, Any] | None:
+        """The parameters a YAML state gave the action (a driver's ``action: DRIVER.NAME``
+        with ``command:`` and the like), as ``workflow show`` lists them; None: it takes
+        none."""
+        return None
+
     def describe_recover(self) -> str:
         """What a takeover does in this state, as ``workflow show`` says it: ``hook``
         (the action's own recover code), ``observe`` (look at the target) or ``none``
@@ -329,10 +335,17 @@ def describe_workflow(wf: WorkflowDef) -> dict[str, Any]:
                 # after a takeover: observe the target, the action's own hook, or none
                 # (the step fails)
                 "recover": s.action.describe_recover(),
+                # (two states that differ only in their command must not describe alike)
+                **_params(s.action),
             }
             for s in wf.states
         ],
     }
+
+
+def _params(action: StateAction) -> dict[str, Any]:
+    params = action.describe_params()
+    return {} if params is None else {"params": params}
 
 
 def validate_workflow(wf: WorkflowDef) -> None:

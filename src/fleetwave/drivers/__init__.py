@@ -1,7 +1,7 @@
 """Drivers: the code that talks to targets of one kind, found by entry point.
 
 A driver is a class registered under the ``fleetwave.drivers`` entry-point group (the
-built-in ``sim``, ``http`` and ``redfish`` too, in fleetwave's own ``pyproject.toml``). The class
+built-in ``sim``, ``http``, ``redfish`` and ``ssh`` too, in fleetwave's own ``pyproject.toml``). The class
 implements :class:`fleetwave.domain.workflow.TargetDriver` and names its per-target
 settings with a pydantic model in ``settings_model`` (a ``SecretStr`` field is a
 secret: see :mod:`fleetwave.drivers.secrets`). It is made with no arguments, or with
@@ -28,6 +28,7 @@ _BUILTIN = {
     "sim": "fleetwave.drivers.sim:SimDriver",
     "http": "fleetwave.drivers.http:HttpDriver",
     "redfish": "fleetwave.drivers.redfish:RedfishDriver",
+    "ssh": "fleetwave.drivers.ssh:SshDriver",
 }
 
 
