@@ -376,7 +376,9 @@ def _driver_action(
     try:
         checked = model.model_validate(params, context={"strict": strict})
     except ValidationError as exc:
-        err = exc.errors()[0]
+        errors = exc.errors()
+        # a key misspelt is said as such, not as the key it was meant for missing
+        err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
         loc = ": ".join(str(p) for p in err["loc"])
         fields = [*_State.model_fields, *model.model_fields]
         raise WorkflowError(f"{where}: {loc or 'action'}: {_message(err, fields)}") from exc
