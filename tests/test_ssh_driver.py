@@ -338,3 +338,29 @@ states:
     ]
     check = cli("check")
     assert check.code == 0 and "ok:" in check.text, check.text
+
+
+def test_a_missing_key_or_a_target_of_another_driver_fails_with_the_reason(
+    cli: Cli, sshd: Sshd, tmp_path: Path
+) -> None:
+    add_host(cli, "nokey", sshd, None, ssh_key_file=tmp_path / "gone")
+    assert cli("target", "add", "simmy").code == 0  # a sim target
+    workflow(cli, tmp_path, "name: w\nstates:\n  - {name: s, action: ssh.run, command: 'true'}\n")
+    sid, code = rollout(cli, "w")
+    assert code == 1
+    by = steps(cli, sid)
+    assert by["nokey"]["details"] == (
+        f"s: ssh: ssh_key_file: cannot read {tmp_path / 'gone'}: No such file or directory"
+    )
+    assert by["simmy"]["details"] == (
+        "s: ssh.run: target simmy uses the sim driver; ssh.run runs on ssh targets"
+    )
+    # a plain operation is none of the ssh driver's
+    workflow(cli, tmp_path, "name: plain\nstates:\n  - {name: pre-check}\n")
+    res = cli("strategy", "create", "--workflow", "plain", "--targets", "nokey", "--format", "json")
+    sid = int(res.json()["id"])
+    assert cli("strategy", "apply", str(sid), "--wait").code == 1
+    assert steps(cli, sid)["nokey"]["details"] == (
+        "pre-check: ssh: no operation 'pre-check': a state of an ssh target runs ssh.run "
+        "(command: ...) or ssh.upload (source: ..., dest: ...)"
+    )

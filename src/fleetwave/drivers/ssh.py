@@ -330,6 +330,13 @@ class SshDriver:
                 # (also when the state's deadline cancels us: the channel's close is what
                 # stops the command on the host)
                 chan.close()
+        if session.exit_status is None and not session.signal:
+            # the connection went before the command said how it ended (sshd or the
+            # host going down): it may have run, wholly or in part
+            raise TransientError(
+                f"ssh: {end.name}: the connection to {end.where} was lost before the "
+                f"command ended; {CommandResult(None, session.tail.text(), 0).output_text()}"
+            )
         return CommandResult(
             session.exit_status, session.tail.text(), loop.time() - started, session.signal
         )
