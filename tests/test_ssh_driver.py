@@ -131,7 +131,7 @@ states:
 
 
 def test_a_host_key_not_the_known_one_is_refused_naming_it(
-    cli: Cli, sshd: Sshd, tmp_path: Path
+    cli: Cli, sshd: Sshd, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     other = write_keypair(tmp_path / "other_host_key")
     known = tmp_path / "known_hosts"
@@ -162,11 +162,14 @@ def test_a_host_key_not_the_known_one_is_refused_naming_it(
         f"{served}, which is not in {tmp_path / 'empty_known_hosts'}"
     )
     assert not marker.exists()  # nothing ran
+    refused = [r for r in caplog.records if r.msg.startswith("ssh host key refused")]
+    assert sorted(r.args[0] for r in refused) == ["h1", "h2"]  # type: ignore[index]
 
 
 def test_a_command_hanging_past_its_timeout_is_stopped_on_the_host_too(
-    cli: Cli, sshd: Sshd, tmp_path: Path
+    cli: Cli, sshd: Sshd, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level("INFO", logger="fleetwave.drivers.ssh")
     add_host(cli, "h1", sshd, tmp_path, ssh_command_timeout_s=2)
     workflow(
         cli,
@@ -185,6 +188,7 @@ states:
         "wait: ssh: h1: the command ran past its 2s (ssh_command_timeout_s) and was "
         "stopped; output: waiting (attempt 1 of 1)"
     )
+    assert any(r.msg.startswith("ssh command stopped past its timeout") for r in caplog.records)
     pid = int((tmp_path / "pid").read_text())
     deadline = time.monotonic() + 5  # its session is killed once the channel closes
     while Path(f"/proc/{pid}").exists():

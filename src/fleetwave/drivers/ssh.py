@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import getpass
+import logging
 import os
 import shlex
 import warnings
@@ -45,10 +46,12 @@ from fleetwave.domain.models import Target
 from fleetwave.domain.rules import one_line
 from fleetwave.domain.workflow import ActionContext, RemoteResult, StepFailed, TransientError
 from fleetwave.drivers.secrets import SecretError, reveal
-from fleetwave.drivers.settings import SettingsError, parsed_settings
+from fleetwave.drivers.settings import PerTarget
 
 if TYPE_CHECKING:
     import asyncssh
+
+log = logging.getLogger("fleetwave.drivers.ssh")
 
 #: the characters of a command's output (stdout and stderr together, the last ones, on
 #: one line) a step's details keep: they hold at most 4,000 characters, and the exit
@@ -268,7 +271,7 @@ class SshDriver:
     settings_model = SshSettings
 
     def __init__(self) -> None:
-        self._endpoints: dict[str, tuple[dict[str, Any], _Endpoint]] = {}
+        self._endpoints = PerTarget("ssh", SshSettings, _Endpoint)
         self._client: type[Any] | None = None
         self._session: type[Any] | None = None
 
@@ -303,7 +306,7 @@ class SshDriver:
         ``ssh_command_timeout_s``; raise :class:`TransientError` when it runs past it (it
         is killed) or the host cannot be reached, :class:`StepFailed` when it refuses
         the key or the login."""
-        end = self._endpoint(target)
+        end = self._endpoints.get(target)
         script = _script(end.cfg.ssh_workdir, command, ctx)
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -321,6 +324,11 @@ class SshDriver:
                 async with asyncio.timeout(end.cfg.ssh_command_timeout_s):
                     await session.closed
             except TimeoutError:
+                log.info(
+                    "ssh command stopped past its timeout on target %s (%gs)",
+                    end.name,
+                    end.cfg.ssh_command_timeout_s,
+                )
                 raise TransientError(
                     f"ssh: {end.name}: the command ran past its "
                     f"{end.cfg.ssh_command_timeout_s:g}s (ssh_command_timeout_s) and was "
@@ -345,7 +353,7 @@ class SshDriver:
         """Copy the conductor's file ``source`` to ``dest`` on the target (relative:
         under ``ssh_workdir``), through a temporary name renamed into place; the bytes
         copied and the path written."""
-        end = self._endpoint(target)
+        end = self._endpoints.get(target)
         path = end.remote_path(dest)
         try:
             size = Path(source).stat().st_size
@@ -374,17 +382,6 @@ class SshDriver:
         return size, path
 
     # -- connections -------------------------------------------------------------------
-
-    def _endpoint(self, target: Target) -> _Endpoint:
-        kept = self._endpoints.get(target.name)
-        if kept is None or kept[0] is not target.settings:
-            try:
-                cfg = parsed_settings(SshSettings, target.settings)
-            except SettingsError as exc:
-                raise StepFailed(f"ssh: target {target.name}: {exc}") from None
-            assert isinstance(cfg, SshSettings)
-            kept = self._endpoints[target.name] = (target.settings, _Endpoint(target, cfg))
-        return kept[1]
 
     def _connection(self, end: _Endpoint) -> _Connection:
         if self._client is None:
@@ -434,7 +431,11 @@ class _Connection:
                     lambda: client, cfg.ssh_host, cfg.ssh_port, **options
                 )
         except asyncssh.HostKeyNotVerifiable:
-            raise StepFailed(_refused_key(end, client.refused_key)) from None
+            said = _refused_key(end, client.refused_key)
+            # (someone may be in between: said on the conductor's log too, not only in
+            # the step's details)
+            log.warning("ssh host key refused for target %s: %s", end.name, said)
+            raise StepFailed(said) from None
         except asyncssh.PermissionDenied:
             raise StepFailed(
                 f"ssh: {options['username']}@{end.where} refused the login (check "
