@@ -5,7 +5,7 @@ sshd, each with its own working directory.
 
 A command's exit status and output tail in the step's details; an upload; a host key
 that is not the one known, refused naming it; a command hanging past its timeout,
-stopped on the host too; a port nobody listens on; a conductor killed mid-command and
+stopped on the host too; a port nobody listens on, and one that never answers; a conductor killed mid-command and
 what the next one's recover hook does (with a ``check:``, and without); a YAML
 rollout of ssh.run and ssh.upload states over a few hosts, ``fleetwave check`` passing.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -41,6 +42,10 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
         yield server
     finally:
         server.stop()
+
+
+#: a workflow of one state that runs `true`
+TRUE = "name: w\nstates:\n  - {name: s, action: ssh.run, command: 'true'}\n"
 
 
 def add_host(cli: Cli, name: str, sshd: Sshd, workdir: Path | None, **extra: object) -> None:
@@ -201,12 +206,30 @@ def test_a_port_nobody_listens_on_fails_with_the_reason_at_once(
 ) -> None:
     port = free_port()
     add_host(cli, "h1", sshd, None, ssh_port=port, ssh_connect_timeout_s=3)
-    workflow(cli, tmp_path, "name: w\nstates:\n  - {name: s, action: ssh.run, command: 'true'}\n")
+    workflow(cli, tmp_path, TRUE)
     started = time.monotonic()
     sid, code = rollout(cli, "w")
     assert code == 1 and time.monotonic() - started < 10
     assert steps(cli, sid)["h1"]["details"] == (
         f"s: ssh: connection refused at 127.0.0.1:{port} (attempt 1 of 1)"
+    )
+
+
+def test_a_port_that_never_answers_fails_within_the_connect_timeout(
+    cli: Cli, sshd: Sshd, tmp_path: Path
+) -> None:
+    with socket.socket() as silent:  # accepts connections (the backlog), says nothing
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        add_host(cli, "h1", sshd, None, ssh_port=port, ssh_connect_timeout_s=2)
+        workflow(cli, tmp_path, TRUE)
+        started = time.monotonic()
+        sid, code = rollout(cli, "w")
+        took = time.monotonic() - started
+    assert code == 1 and 2 <= took < 8, took
+    assert steps(cli, sid)["h1"]["details"] == (
+        f"s: ssh: no answer within 2s at 127.0.0.1:{port} (ssh_connect_timeout_s) (attempt 1 of 1)"
     )
 
 
@@ -349,7 +372,7 @@ def test_a_missing_key_or_a_target_of_another_driver_fails_with_the_reason(
 ) -> None:
     add_host(cli, "nokey", sshd, None, ssh_key_file=tmp_path / "gone")
     assert cli("target", "add", "simmy").code == 0  # a sim target
-    workflow(cli, tmp_path, "name: w\nstates:\n  - {name: s, action: ssh.run, command: 'true'}\n")
+    workflow(cli, tmp_path, TRUE)
     sid, code = rollout(cli, "w")
     assert code == 1
     by = steps(cli, sid)
