@@ -5,9 +5,10 @@ sshd, each with its own working directory.
 
 A command's exit status and output tail in the step's details; an upload; a host key
 that is not the one known, refused naming it; a command hanging past its timeout,
-stopped on the host too; a port nobody listens on, and one that never answers; a conductor killed mid-command and
-what the next one's recover hook does (with a ``check:``, and without); a YAML
-rollout of ssh.run and ssh.upload states over a few hosts, ``fleetwave check`` passing.
+stopped on the host too; a port nobody listens on, and one that never answers; a
+missing key file, a target of another driver; a conductor killed mid-command and what
+the next one's recover hook does (with a ``check:``, and without); a YAML rollout of
+ssh.run and ssh.upload states over a few hosts, ``fleetwave check`` passing.
 """
 
 from __future__ import annotations
