@@ -183,18 +183,23 @@ def test_a_command_hanging_past_its_timeout_is_stopped_on_the_host_too(
         """\
 name: hang
 states:
+  # ended, with something left running that holds its output: the exit status counts
+  - {name: leave, action: ssh.run, command: 'echo left; sleep 30 &'}
   - {name: wait, action: ssh.run, command: 'echo $$ > pid; echo waiting; sleep 300 | cat'}
 """,
     )
     started = time.monotonic()
     sid, code = rollout(cli, "hang")
     took = time.monotonic() - started
-    assert code == 1 and took < 10, took
+    assert code == 1 and took < 12, took
     assert steps(cli, sid)["h1"]["details"] == (
         "wait: ssh: h1: the command ran past its 2s (ssh_command_timeout_s) and was "
         "stopped; output: waiting (attempt 1 of 1)"
     )
     assert any(r.msg.startswith("ssh command stopped past its timeout") for r in caplog.records)
+    history = cli("history", "--strategy", str(sid), "--format", "json").json()
+    left = next(t["details"] for t in history if t["from"] == "leave")
+    assert left.startswith("ssh.run: exit 0 in ") and left.endswith("; output: left"), left
     pid = int((tmp_path / "pid").read_text())
     deadline = time.monotonic() + 5  # its session is killed once the channel closes
     while Path(f"/proc/{pid}").exists():

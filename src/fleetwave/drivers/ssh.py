@@ -59,6 +59,8 @@ log = logging.getLogger("fleetwave.drivers.ssh")
 OUTPUT_TAIL_CHARS = 2000
 #: bytes of output kept while a command runs (the tail is cut from these)
 _KEEP_BYTES = 4 * OUTPUT_TAIL_CHARS
+#: how long a command's output is read after its exit status came
+_OUTPUT_GRACE_S = 2.0
 #: how long a closing connection is waited for (it is closed anyway)
 _CLOSE_WAIT_S = 2.0
 
@@ -199,20 +201,31 @@ class _Session:
         self.tail = _Tail()
         self.exit_status: int | None = None
         self.signal = ""
-        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        #: the command said how it ended (or the channel closed without a word)
+        self.ended: asyncio.Future[None] = loop.create_future()
+        #: the channel closed: all of its output is in
+        self.closed: asyncio.Future[None] = loop.create_future()
 
     def data_received(self, data: bytes, datatype: Any) -> None:
         self.tail.add(data)
 
     def exit_status_received(self, status: int) -> None:
         self.exit_status = status
+        self._set(self.ended)
 
     def exit_signal_received(self, signal: str, core_dumped: bool, msg: str, lang: str) -> None:
         self.signal = signal
+        self._set(self.ended)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if not self.closed.done():
-            self.closed.set_result(None)
+        self._set(self.ended)
+        self._set(self.closed)
+
+    @staticmethod
+    def _set(future: asyncio.Future[None]) -> None:
+        if not future.done():
+            future.set_result(None)
 
 
 class _Endpoint:
@@ -322,7 +335,10 @@ class SshDriver:
                 raise TransientError(f"ssh: {end.where}: cannot start the command: {exc}") from None
             try:
                 async with asyncio.timeout(end.cfg.ssh_command_timeout_s):
-                    await session.closed
+                    await session.ended
+                # the rest of its output; something it left running may hold the channel
+                # open (`daemon &` without redirections): its exit status counts all the same
+                await asyncio.wait([session.closed], timeout=_OUTPUT_GRACE_S)
             except TimeoutError:
                 log.info(
                     "ssh command stopped past its timeout on target %s (%gs)",
