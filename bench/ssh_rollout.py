@@ -18,7 +18,9 @@ What it reports:
 - the conductor's CPU per transition, and per SSH operation; the sshd's CPU (its
   connections' processes: the key exchange and login of each operation, and the
   commands), and the floor the CPU of both puts under the wall time on this machine
-  (on two cores the server's side of 100 logins is most of it).
+  (on two cores the server's side of 100 logins is most of it; on this machine each
+  command also starts root's bash, whose ``~/.bashrc`` runs ``pyenv init``: about
+  130 ms of each operation).
 
 Run it from the repository root (``--quick``: 5 hosts)::
 
