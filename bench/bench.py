@@ -76,6 +76,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -711,6 +712,23 @@ def write_results(path: Path, reports: list[ScenarioReport], env: list[tuple[str
 
 
 # -- main --------------------------------------------------------------------------
+
+
+def scenario_main(
+    run: Callable[[bool], ScenarioReport], doc: str | None, quick: str, argv: list[str] | None
+) -> int:
+    """``main`` of a script that runs one scenario (``--quick``: ``quick`` says what it
+    runs then): prints the figures, writes its section; 1 when a goal is missed."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0] if doc else None)
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="markdown to update")
+    args = parser.parse_args(argv)
+    env = environment()
+    report = run(args.quick)
+    print_report(report)
+    write_results(args.results, [report], env)
+    print(f"\nwrote {args.results}")
+    return 0 if all(c.passed for c in report.checks) else 1
 
 
 def print_report(report: ScenarioReport) -> None:

@@ -35,7 +35,6 @@ the command and machine. Exit status 1 when a target is missed.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
@@ -51,16 +50,13 @@ from pathlib import Path
 import httpx
 
 from bench import (
-    DEFAULT_RESULTS,
     Check,
     RunResult,
     RunSpec,
     ScenarioReport,
     _spawn,
-    environment,
     measure,
-    print_report,
-    write_results,
+    scenario_main,
 )
 from fleetwave.domain.models import StrategyOptions, Target
 from fleetwave.domain.registry import get_workflow
@@ -233,16 +229,7 @@ def run(quick: bool) -> ScenarioReport:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="200 sites at max parallel 100")
-    parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="markdown to update")
-    args = parser.parse_args(argv)
-    env = environment()
-    report = run(args.quick)
-    print_report(report)
-    write_results(args.results, [report], env)
-    print(f"\nwrote {args.results}")
-    return 0 if all(c.passed for c in report.checks) else 1
+    return scenario_main(run, __doc__, "200 sites at max parallel 100", argv)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,28 @@ if [ -z "${FLEETWAVE_TEST_PG_URL:-}" ]; then
     echo "no PostgreSQL server: its tests are skipped (and fail in CI)"
   fi
 fi
+# OpenSSH's sshd for the ssh driver's tests (each test starts its own, unprivileged on a
+# loopback port): Debian's openssh-server, installed when missing, its system service
+# never started (policy-rc.d refuses it while apt-get runs)
+if [ ! -x /usr/sbin/sshd ] && ! command -v sshd >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "== installing openssh-server (Debian package; its service is not started)"
+    policy=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+      policy=/usr/sbin/policy-rc.d
+      printf '#!/bin/sh\nexit 101\n' >"$policy"
+      chmod 755 "$policy"
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq openssh-server >/dev/null
+    if [ -n "$policy" ]; then
+      rm -f "$policy"
+    fi
+  else
+    echo "no sshd, and cannot install openssh-server: the ssh driver's tests are skipped (and fail in CI)"
+  fi
+fi
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 rc=$?

@@ -74,6 +74,32 @@ def action_class(name: str) -> type[StateAction]:
     raise ActionNotFound(f"action python:{name}: no action registered under that name{hint}")
 
 
+def driver_action(spec: str) -> type[StateAction] | None:
+    """The action a driver offers as ``DRIVER.NAME`` (``ssh.run``), which takes
+    parameters from its YAML state (its class's ``params_model``, a pydantic model).
+    None when ``spec`` is not of that form or names no driver that offers actions (it
+    is then a plain operation's name, as before); :class:`WorkflowError` when the
+    driver offers actions, none of them ``NAME``."""
+    driver, dot, name = spec.partition(".")
+    if not dot or not driver:
+        return None
+    # (imported here: the drivers import the domain; a driver offers its actions through
+    # a static ``actions()``, which imports them when asked)
+    from fleetwave.drivers import driver_class
+
+    cls = driver_class(driver)
+    offered = getattr(cls, "actions", None) if cls is not None else None
+    if offered is None:
+        return None
+    actions: dict[str, type[StateAction]] = offered()
+    if name not in actions:
+        raise WorkflowError(
+            f"the {driver} driver has no action {name!r} (its actions: "
+            f"{', '.join(f'{driver}.{a}' for a in sorted(actions))})"
+        )
+    return actions[name]
+
+
 def get_workflow(name: str) -> WorkflowDef | None:
     _ensure_loaded()
     return _workflows.get(name)

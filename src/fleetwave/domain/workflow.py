@@ -170,6 +170,12 @@ class StateAction:
     def describe(self) -> str:
         return type(self).__name__
 
+    def describe_params(self) -> dict[str, Any] | None:
+        """The parameters a YAML state gave the action (a driver's ``action: DRIVER.NAME``
+        with ``command:`` and the like), as ``workflow show`` lists them; None: it takes
+        none."""
+        return None
+
     def describe_recover(self) -> str:
         """What a takeover does in this state, as ``workflow show`` says it: ``hook``
         (the action's own recover code), ``observe`` (look at the target) or ``none``
@@ -378,6 +384,8 @@ def describe_workflow(wf: WorkflowDef) -> dict[str, Any]:
                 **({"on_done": s.on_done} if s.on_done is not None else {}),
                 **({"on_failed": s.on_failed} if s.on_failed is not None else {}),
                 **({"cleanup": True} if s.cleanup else {}),
+                # (two states that differ only in their command must not describe alike)
+                **_params(s.action),
             }
             for s in wf.states
         ],
@@ -453,6 +461,11 @@ def _check_branches(wf: WorkflowDef) -> None:
                 f"workflow {wf.name}: states[{i}] ({s.name}): cleanup: no branch goes "
                 "to it (on: {failed: " + s.name + "})"
             )
+
+
+def _params(action: StateAction) -> dict[str, Any]:
+    params = action.describe_params()
+    return {} if params is None else {"params": params}
 
 
 def validate_workflow(wf: WorkflowDef) -> None:

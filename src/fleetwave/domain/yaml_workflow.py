@@ -50,7 +50,7 @@ from fleetwave.domain.models import (
     shown,
     typed_as_number,
 )
-from fleetwave.domain.registry import action_class
+from fleetwave.domain.registry import action_class, driver_action
 from fleetwave.domain.workflow import (
     ActionContext,
     DriverOperation,
@@ -339,6 +339,9 @@ class _NoRecover(StateAction):
     def describe(self) -> str:
         return f"{self.inner.describe()} (no recover)"
 
+    def describe_params(self) -> dict[str, Any] | None:
+        return self.inner.describe_params()
+
 
 def _where(loc: tuple[int | str, ...], data: Any) -> str:
     parts: list[str] = []
@@ -371,6 +374,90 @@ def _fields_at(loc: tuple[Any, ...]) -> list[str]:
     return list(model.model_fields)
 
 
+def _driver_action_params(data: dict[Any, Any], source: str) -> dict[int, dict[str, Any]]:
+    """The states whose action a driver offers (``action: ssh.run``), by index: their keys
+    that are not a state's own (``command:``, ``expect_exit:``), the action's parameters."""
+    states = data.get("states")
+    out: dict[int, dict[str, Any]] = {}
+    if not isinstance(states, list):
+        return out
+    for i, raw in enumerate(states):
+        spec = raw.get("action") if isinstance(raw, dict) else None
+        if not isinstance(spec, str):
+            continue
+        try:
+            cls = driver_action(spec)
+        except WorkflowError as exc:
+            where = _where(("states", i, "action"), data)
+            raise WorkflowError(f"{source}: {where}: {exc}") from None
+        if cls is not None:
+            out[i] = {str(k): v for k, v in raw.items() if k not in _State.model_fields}
+    return out
+
+
+def _driver_action(
+    spec: str, params: dict[str, Any], where: str, strict: bool, skip_when_done: bool
+) -> StateAction:
+    """The driver's action ``spec`` made with the state's ``params``, checked against its
+    ``params_model`` (errors worded as the rest of the file's)."""
+    cls = driver_action(spec)
+    assert cls is not None  # (found before)
+    model: type[BaseModel] = getattr(cls, "params_model")  # noqa: B009
+    try:
+        checked = model.model_validate(params, context={"strict": strict})
+    except ValidationError as exc:
+        errors = exc.errors()
+        # a key misspelt is said as such, not as the key it was meant for missing
+        err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+        loc = ": ".join(str(p) for p in err["loc"])
+        fields = [*_State.model_fields, *model.model_fields]
+        raise WorkflowError(f"{where}: {loc or 'action'}: {_message(err, fields)}") from exc
+    action: StateAction = cls(checked)  # type: ignore[call-arg]
+    if skip_when_done:
+        if not hasattr(action, "skip_when_done"):
+            raise WorkflowError(f"{where}: skip_when_done: {spec} never reports done already")
+        setattr(action, "skip_when_done", True)  # noqa: B010
+    return action
+
+
+def _message(err: Any, fields_here: list[str] | None = None) -> str:
+    """One pydantic error in our words (``fields_here``: the fields allowed where an
+    unknown one was found, when pydantic's path does not say)."""
+    msg = err["msg"]
+    if err["type"] == "value_error" and "error" in err.get("ctx", {}):
+        msg = str(err["ctx"]["error"])  # our own message, without "Value error, "
+    elif err["type"] in _NUMBER_ERRORS:
+        # worded as our own checks (true, 2.0), with what was given
+        what = "a whole number" if err["type"].startswith("int") else "a number"
+        msg = f"expected {what}, got {_given(err.get('input'))}"
+    elif err["type"] in _BOUND_ERRORS:
+        ctx = err.get("ctx", {})
+        bound = _BOUND_ERRORS[err["type"]].format(
+            *(f"{v:g}" if isinstance(v, int | float) else v for v in ctx.values())
+        )
+        msg = f"must be {bound}, got {_given(err.get('input'))}"
+    elif err["type"] == "literal_error":
+        expected = err.get("ctx", {}).get("expected", "")
+        msg = f"must be one of {expected}, got {_given(err.get('input'))}"
+    elif err["type"] == "extra_forbidden":
+        fields = ", ".join(fields_here or _fields_at(err["loc"]))
+        msg = f"not a field here (the fields are: {fields})"
+    elif err["type"] in ("model_type", "dict_type"):
+        fields = ", ".join(_fields_at((*err["loc"], "?")))
+        msg = f"expected a mapping (of {fields}), got {_given(err.get('input'))}"
+    elif err["type"] == "list_type":
+        msg = f"expected a list of states, got {_given(err.get('input'))}"
+    elif err["type"] == "string_type":
+        msg = f"expected text, got {_given(err.get('input'))}"
+    elif err["type"] in ("bool_parsing", "bool_type"):
+        msg = f"must be true or false, got {_given(err.get('input'))}"
+    elif err["type"] == "too_short":
+        msg = "a workflow needs at least one state, got none"
+    elif err["type"] == "missing":
+        msg = "missing (it is required)"
+    return str(msg)
+
+
 def parse_workflow_yaml(text: str, *, source: str = "<yaml>", strict: bool = False) -> WorkflowDef:
     """Parse and validate; raise :class:`WorkflowError` naming the state and field.
 
@@ -386,43 +473,21 @@ def parse_workflow_yaml(text: str, *, source: str = "<yaml>", strict: bool = Fal
         raise WorkflowError(f"{source}: {yaml_problem(exc)}") from exc
     if not isinstance(data, dict):
         raise WorkflowError(f"{source}: expected a mapping with name and states")
+    params_at = _driver_action_params(data, source)
+    if params_at:
+        # the state without its action's parameters: checked as any state is
+        data = {
+            **data,
+            "states": [
+                {k: v for k, v in st.items() if k in _State.model_fields} if i in params_at else st
+                for i, st in enumerate(data["states"])
+            ],
+        }
     try:
         model = _Workflow.model_validate(data, context={"strict": strict})
     except ValidationError as exc:
         err = exc.errors()[0]
-        msg = err["msg"]
-        if err["type"] == "value_error" and "error" in err.get("ctx", {}):
-            msg = str(err["ctx"]["error"])  # our own message, without "Value error, "
-        elif err["type"] in _NUMBER_ERRORS:
-            # worded as our own checks (true, 2.0), with what was given
-            what = "a whole number" if err["type"].startswith("int") else "a number"
-            msg = f"expected {what}, got {_given(err.get('input'))}"
-        elif err["type"] in _BOUND_ERRORS:
-            ctx = err.get("ctx", {})
-            bound = _BOUND_ERRORS[err["type"]].format(
-                *(f"{v:g}" if isinstance(v, int | float) else v for v in ctx.values())
-            )
-            msg = f"must be {bound}, got {_given(err.get('input'))}"
-        elif err["type"] == "literal_error":
-            expected = err.get("ctx", {}).get("expected", "")
-            msg = f"must be one of {expected}, got {_given(err.get('input'))}"
-        elif err["type"] == "extra_forbidden":
-            fields = ", ".join(_fields_at(err["loc"]))
-            msg = f"not a field here (the fields are: {fields})"
-        elif err["type"] in ("model_type", "dict_type"):
-            fields = ", ".join(_fields_at((*err["loc"], "?")))
-            msg = f"expected a mapping (of {fields}), got {_given(err.get('input'))}"
-        elif err["type"] == "list_type":
-            msg = f"expected a list of states, got {_given(err.get('input'))}"
-        elif err["type"] == "string_type":
-            msg = f"expected text, got {_given(err.get('input'))}"
-        elif err["type"] in ("bool_parsing", "bool_type"):
-            msg = f"must be true or false, got {_given(err.get('input'))}"
-        elif err["type"] == "too_short":
-            msg = "a workflow needs at least one state, got none"
-        elif err["type"] == "missing":
-            msg = "missing (it is required)"
-        raise WorkflowError(f"{source}: {_where(err['loc'], data)}: {msg}") from exc
+        raise WorkflowError(f"{source}: {_where(err['loc'], data)}: {_message(err)}") from exc
     states: list[StateDef] = []
     for i, st in enumerate(model.states):
         if st.poll_interval_s is not None and st.mode != "poll":
@@ -444,7 +509,11 @@ def parse_workflow_yaml(text: str, *, source: str = "<yaml>", strict: bool = Fal
             )
         action: StateAction
         spec = st.action or st.name
-        if spec.startswith("python:"):
+        if i in params_at:
+            action = _driver_action(spec, params_at[i], where, strict, st.skip_when_done)
+            if st.recover == "none":
+                action = _NoRecover(action)
+        elif spec.startswith("python:"):
             try:
                 action = action_class(spec.removeprefix("python:"))()
             except WorkflowError as exc:

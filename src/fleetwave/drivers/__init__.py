@@ -1,11 +1,16 @@
 """Drivers: the code that talks to targets of one kind, found by entry point.
 
 A driver is a class registered under the ``fleetwave.drivers`` entry-point group (the
-built-in ``sim``, ``http`` and ``redfish`` too, in fleetwave's own ``pyproject.toml``). The class
-implements :class:`fleetwave.domain.workflow.TargetDriver` and names its per-target
-settings with a pydantic model in ``settings_model`` (a ``SecretStr`` field is a
-secret: see :mod:`fleetwave.drivers.secrets`). It is made with no arguments, or with
-``seed=`` when its ``__init__`` takes one (the conductor's seed, for simulations).
+built-in ``sim``, ``http``, ``redfish`` and ``ssh`` too, in fleetwave's own
+``pyproject.toml``). The class implements
+:class:`fleetwave.domain.workflow.TargetDriver` and names its per-target settings with
+a pydantic model in ``settings_model`` (a ``SecretStr`` field is a secret: see
+:mod:`fleetwave.drivers.secrets`). It is made with no arguments, or with ``seed=``
+when its ``__init__`` takes one (the conductor's seed, for simulations). A driver may
+offer state actions that take parameters from a YAML state (``action: ssh.run`` with
+``command: ...``): a static ``actions()`` returning them by name, each a
+:class:`~fleetwave.domain.workflow.StateAction` class made with an instance of its
+``params_model`` (pydantic).
 
 Use :func:`known_drivers`, :func:`driver_class` and :func:`make_drivers`; the
 settings' checks and masks are in :mod:`fleetwave.drivers.settings`.
@@ -28,6 +33,7 @@ _BUILTIN = {
     "sim": "fleetwave.drivers.sim:SimDriver",
     "http": "fleetwave.drivers.http:HttpDriver",
     "redfish": "fleetwave.drivers.redfish:RedfishDriver",
+    "ssh": "fleetwave.drivers.ssh:SshDriver",
 }
 
 

@@ -41,7 +41,7 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr
 from fleetwave.domain.models import Target
 from fleetwave.domain.workflow import ActionContext, RemoteResult, StepFailed, TransientError
 from fleetwave.drivers.secrets import SecretError, reveal
-from fleetwave.drivers.settings import SettingsError, parsed_settings
+from fleetwave.drivers.settings import PerTarget
 
 StrategyType = Literal["sw-patch", "sw-deploy", "fw-update", "kube-upgrade"]
 ReleaseKind = Literal["software", "patch", "firmware", "kubernetes"]
@@ -299,7 +299,7 @@ class HttpDriver:
         self._clients: dict[tuple[int, bool, int], httpx.AsyncClient] = {}
         self._tls: ssl.SSLContext | None = None
         #: each target's settings, parsed once per settings object
-        self._parsed: dict[str, tuple[dict[str, Any], HttpSettings]] = {}
+        self._parsed = PerTarget("http", HttpSettings, lambda _target, cfg: cfg)
 
     # -- the driver interface ----------------------------------------------------------
 
@@ -386,16 +386,7 @@ class HttpDriver:
         return op, _Site(self._client(target.name, cfg.verify_tls), target, cfg)
 
     def _settings(self, target: Target) -> HttpSettings:
-        kept = self._parsed.get(target.name)
-        if kept is not None and kept[0] is target.settings:
-            return kept[1]
-        try:
-            cfg = parsed_settings(HttpSettings, target.settings)
-        except SettingsError as exc:
-            raise StepFailed(f"http: target {target.name}: {exc}") from None
-        assert isinstance(cfg, HttpSettings)
-        self._parsed[target.name] = (target.settings, cfg)
-        return cfg
+        return self._parsed.get(target)
 
     def _client(self, target: str, verify: bool) -> httpx.AsyncClient:
         """The target's pool: one of :data:`POOL_SHARDS` per event loop and TLS

@@ -32,7 +32,7 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr
 from fleetwave.domain.models import Target
 from fleetwave.domain.workflow import ActionContext, RemoteResult, StepFailed, TransientError
 from fleetwave.drivers.secrets import SecretError, reveal
-from fleetwave.drivers.settings import SettingsError, parsed_settings
+from fleetwave.drivers.settings import PerTarget
 
 Kind = Literal["power", "boot", "none"]
 #: after a takeover, how long a power state may take to land (the lost conductor may
@@ -147,7 +147,9 @@ class RedfishDriver:
     settings_model = RedfishSettings
 
     def __init__(self) -> None:
-        self._bmcs: dict[str, tuple[dict[str, Any], _Bmc]] = {}
+        self._bmcs = PerTarget(
+            "redfish", RedfishSettings, lambda target, cfg: _Bmc(target.name, cfg)
+        )
 
     async def perform(self, target: Target, operation: str, ctx: ActionContext) -> RemoteResult:
         op, bmc = self._begin(target, operation)
@@ -202,15 +204,7 @@ class RedfishDriver:
                 f"redfish: no operation {operation!r} (it runs {', '.join(OPERATIONS)}: the "
                 "clean workflow's states)"
             )
-        kept = self._bmcs.get(target.name)
-        if kept is None or kept[0] is not target.settings:
-            try:
-                cfg = parsed_settings(RedfishSettings, target.settings)
-            except SettingsError as exc:
-                raise StepFailed(f"redfish: target {target.name}: {exc}") from None
-            assert isinstance(cfg, RedfishSettings)
-            kept = self._bmcs[target.name] = (target.settings, _Bmc(target.name, cfg))
-        return op, kept[1]
+        return op, self._bmcs.get(target)
 
     async def _call(self, bmc: _Bmc, call: Any) -> Any:
         """One blocking BMC call in a worker thread; sushy's errors in a few words."""

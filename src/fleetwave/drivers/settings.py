@@ -11,7 +11,8 @@ Every driver class names its per-target settings with a pydantic model
   are secret, and the settings as any output shows them (the REST API masks with
   these too);
 * :func:`describe_driver`: each setting's type, default and secrecy (``driver show``);
-* :func:`parsed_settings`: the model a driver reads at run time.
+* :func:`parsed_settings`: the model a driver reads at run time, and
+  :class:`PerTarget`: what a driver keeps per target, made from that model.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ import functools
 import json
 import types
 import typing
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 
-from fleetwave.domain.models import shown
+from fleetwave.domain.models import Target, shown
+from fleetwave.domain.workflow import StepFailed
 from fleetwave.drivers import driver_class, drivers_found
 from fleetwave.drivers.secrets import (
     MASK,
@@ -188,6 +191,37 @@ def parsed_settings(model: type[BaseModel], settings: dict[str, Any]) -> BaseMod
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first.get("loc", ())) or "settings"
         raise SettingsError(f"{loc}: {_problem(first, True)}") from None
+
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+
+class PerTarget(Generic[M, T]):
+    """What a driver keeps for each target (its settings read, a client), made by
+    ``make`` from the target's settings as the driver's ``model`` reads them, and made
+    again when they change (a new ``settings`` dict: the conductor reads targets afresh
+    for each strategy). Settings a database edited by hand got wrong fail the step,
+    naming the target and the setting."""
+
+    def __init__(self, driver: str, model: type[M], make: Callable[[Target, M], T]) -> None:
+        self._driver = driver
+        self._model = model
+        self._make = make
+        self._kept: dict[str, tuple[dict[str, Any], T]] = {}
+
+    def get(self, target: Target) -> T:
+        kept = self._kept.get(target.name)
+        if kept is not None and kept[0] is target.settings:
+            return kept[1]
+        try:
+            cfg = parsed_settings(self._model, target.settings)
+        except SettingsError as exc:
+            raise StepFailed(f"{self._driver}: target {target.name}: {exc}") from None
+        assert isinstance(cfg, self._model)
+        made = self._make(target, cfg)
+        self._kept[target.name] = (target.settings, made)
+        return made
 
 
 # -- describing ---------------------------------------------------------------------------
