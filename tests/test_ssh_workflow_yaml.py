@@ -30,8 +30,8 @@ def parse(state: str) -> str:
         (
             "action: ssh.run\ncomand: ls",
             "w.yaml: states[0] (s): comand: not a field here (the fields are: name, action, "
-            "timeout_s, retry, skip_when_done, recover, mode, poll_interval_s, command, "
-            "expect_exit, check)",
+            "timeout_s, retry, skip_when_done, recover, mode, poll_interval_s, on, cleanup, "
+            "skip_if, max_visits, command, expect_exit, check)",
         ),
         ("action: ssh.run", "w.yaml: states[0] (s): command: missing (it is required)"),
         (
@@ -75,7 +75,8 @@ def parse(state: str) -> str:
         (
             "action: pre-check\ncommand: ls",
             "w.yaml: states[0] (s): command: not a field here (the fields are: name, action, "
-            "timeout_s, retry, skip_when_done, recover, mode, poll_interval_s)",
+            "timeout_s, retry, skip_when_done, recover, mode, poll_interval_s, on, cleanup, "
+            "skip_if, max_visits)",
         ),
         (
             "action: ssh.run\ncommand: ls\ntimeout_s: -1",
