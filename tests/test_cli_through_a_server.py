@@ -48,7 +48,19 @@ def test_targets_and_groups(cli: Cli, server: Server) -> None:
     _alike(cli, server, "group", "show", "east")
 
 
-def test_workflows(cli: Cli, server: Server) -> None:
+def test_workflows(cli: Cli, server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Only the built-in workflows here, as in the server's process: other tests of this
+    # run register Python workflows in this one (the CLI runs in it).
+    from fleetwave.domain import registry
+    from fleetwave.domain.builtin import builtin_workflows
+
+    built_in = {wf.name for wf in builtin_workflows()}
+
+    monkeypatch.setattr(
+        registry,
+        "_workflows",
+        {n: w for n, w in registry._workflows.items() if n in built_in},
+    )
     _alike(cli, server, "workflow", "list")
     _alike(cli, server, "workflow", "show", "clean")
 

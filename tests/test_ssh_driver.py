@@ -181,7 +181,7 @@ def test_a_command_hanging_past_its_timeout_is_stopped_on_the_host_too(
         cli,
         tmp_path,
         """\
-name: hang
+name: ssh-hang
 states:
   # ended, with something left running that holds its output: the exit status counts
   - {name: leave, action: ssh.run, command: 'echo left; sleep 30 &'}
@@ -189,7 +189,7 @@ states:
 """,
     )
     started = time.monotonic()
-    sid, code = rollout(cli, "hang")
+    sid, code = rollout(cli, "ssh-hang")
     took = time.monotonic() - started
     assert code == 1 and took < 12, took
     assert steps(cli, sid)["h1"]["details"] == (

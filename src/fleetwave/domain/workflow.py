@@ -140,6 +140,10 @@ class ActionContext:
     #: answers for this step and state alone. None otherwise, and in a recover hook
     #: (the agent keeps the token it was given)
     agent_token: str | None = None
+    #: this attempt re-sends the state's operation after a takeover: the recover hook
+    #: found the target without it (:class:`NotOnTarget`); a target that says nothing of
+    #: an operation under way (a BMC's power action) may still get the lost one's
+    resent: bool = False
 
     @property
     def stopping(self) -> bool:

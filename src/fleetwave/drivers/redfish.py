@@ -162,7 +162,7 @@ class RedfishDriver:
             return RemoteResult.DONE
         if await self._call(bmc, bmc.power_state) == op.power:
             return RemoteResult.ALREADY_DONE
-        if ctx.recovering:
+        if ctx.recovering or ctx.resent:
             # The conductor that was lost may have asked already, and a BMC says nothing
             # of a power action under way: give it time to land before asking again.
             grace_s = min(bmc.cfg.power_timeout_s, RECOVER_GRACE_S)

@@ -135,6 +135,8 @@ class WorkerMixin(StoreCalls):
         #: the attempt the row names (a takeover goes on from there, not from 1 again)
         resume = recovering
         start_retry = False
+        #: the attempt running re-sends after a takeover (see ActionContext.resent)
+        resending = False
         if fl.retry_due is not None:
             # A retry recorded and never started (its row says so), taken over: it runs
             # as that attempt once due (a takeover does not cut its backoff short, or a
@@ -207,6 +209,7 @@ class WorkerMixin(StoreCalls):
                     0,  # poll
                     (lambda: fl.stopped) if recovering else None,  # is_stopping
                     agent_token,
+                    resending,
                 )
                 self._attempts += 1
                 attempt = fl.running = self._attempts
@@ -287,6 +290,7 @@ class WorkerMixin(StoreCalls):
                 # is sent again as the next attempt, on the record first (G1 at the
                 # target: its attempts row is unique), then run as any attempt.
                 recovering = False
+                resending = True
                 attempts = max(attempts, rec.attempt)
                 why = details_text(exc) or "the target did not have it"
                 resent = RetryScheduled(
