@@ -31,9 +31,9 @@ from fleetwave.store.db import HEAD_REVISION, current_revision
 from fleetwave.store.postgres import redact
 
 
-def _known_query(request: Request) -> None:
+async def _known_query(request: Request) -> None:
     """A query parameter the route does not take is refused, naming it (a misspelt
-    filter would otherwise list everything)."""
+    filter would otherwise list everything). (``async``: on the loop, not a thread.)"""
     route = request.scope.get("route")
     dependant = getattr(route, "dependant", None)
     if dependant is None:
