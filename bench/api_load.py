@@ -156,9 +156,7 @@ def rollout_figures(db: str, sid: int) -> tuple[str, int, float]:
     """The strategy's state, its transitions, and the span of its journal (s)."""
     store = open_store(db)
     with store.read() as conn:
-        state = conn.execute(
-            select(strategies.c.state).where(strategies.c.id == sid)
-        ).scalar_one()
+        state = conn.execute(select(strategies.c.state).where(strategies.c.id == sid)).scalar_one()
         n, first, last = conn.execute(
             select(func.count(), func.min(journal.c.at), func.max(journal.c.at)).where(
                 journal.c.strategy_id == sid
@@ -412,8 +410,10 @@ def scenario_intake(quick: bool, connections: int, seconds: float) -> ScenarioRe
         ),
         ("answers by status", ", ".join(f"{k}: {v:,}" for k, v in sorted(tally.statuses.items()))),
         ("accepted per second", f"{per_s:,.0f}"),
-        ("latency p50 / p99 / max", f"{_ms(tally.pct(50))} / {_ms(tally.pct(99))} / "
-         f"{_ms(tally.pct(100))}"),
+        (
+            "latency p50 / p99 / max",
+            f"{_ms(tally.pct(50))} / {_ms(tally.pct(99))} / {_ms(tally.pct(100))}",
+        ),
         ("server CPU per callback", f"{cpu / max(1, accepted) * 1e6:.0f} us"),
         ("server CPU / wall", f"{cpu:.2f} s / {wall:.2f} s"),
         ("other load: 1-min load average after", f"{os.getloadavg()[0]:.2f}"),
@@ -475,7 +475,9 @@ def scenario_mixed(quick: bool) -> ScenarioReport:
     share = loaded.per_s / alone.per_s
     post99, get99 = loaded.posts.pct(99), loaded.gets.pct(99)
     checks = [
-        Check("callback POST p99", f"< {_ms(MAX_POST_P99_S)}", _ms(post99), post99 < MAX_POST_P99_S),
+        Check(
+            "callback POST p99", f"< {_ms(MAX_POST_P99_S)}", _ms(post99), post99 < MAX_POST_P99_S
+        ),
         Check("GET p99", f"< {_ms(MAX_GET_P99_S)}", _ms(get99), get99 < MAX_GET_P99_S),
         Check(
             "rollout throughput with the load / alone",
