@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
 import re
 import secrets
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -356,12 +358,17 @@ async def steady_mix(
 
 
 async def wait_rollout(db: str, sid: int, stop: asyncio.Event, timeout_s: float) -> None:
+    """Until the strategy ends: looked at with the standard library's sqlite3 (opening
+    the store each time held the client's loop long enough to send its load in
+    bursts)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state, _, _ = await asyncio.to_thread(rollout_figures, db, sid)
-        if state in ("complete", "failed", "aborted"):
-            break
-        await asyncio.sleep(0.2)
+    with contextlib.closing(sqlite3.connect(db, timeout=30)) as conn:
+        while time.monotonic() < deadline:
+            (state,) = conn.execute("SELECT state FROM strategies WHERE id = ?", (sid,)).fetchone()
+            conn.commit()  # (a fresh snapshot next time)
+            if state in ("complete", "failed", "aborted"):
+                break
+            await asyncio.sleep(0.2)
     stop.set()
 
 
