@@ -70,6 +70,8 @@ ROLLOUT_PARALLEL = 1_000
 MIX_CALLBACKS_PER_S = 500
 MIX_READS_PER_S = 100
 STEP_PAGE = 100
+#: connections of each kind (callbacks, reads) the mix is sent on
+MIX_CONNECTIONS = 16
 MIN_INTAKE_PER_S = 3_000.0
 MAX_POST_P99_S = 0.020
 MAX_GET_P99_S = 0.050
@@ -311,49 +313,57 @@ async def flood(world: World, server: Server, connections: int, seconds: float) 
 async def steady_mix(
     world: World, server: Server, stop: asyncio.Event, callbacks_per_s: int, reads_per_s: int
 ) -> tuple[Tally, Tally]:
-    """An open-loop mix: each request sent at its time, on a connection of its own
-    kind that is free (a new one when none is), until ``stop``."""
+    """An open-loop mix until ``stop``: each request is due at its time and sent on the
+    next free connection of its kind (``MIX_CONNECTIONS`` each, as agents and a
+    dashboard behind a proxy would hold them); its latency counts from when it was
+    due, so time queued for a connection counts too."""
     posts, gets = Tally(), Tally()
     run = secrets.token_hex(4)
-    free: dict[str, list[Connection]] = {"post": [], "get": []}
-    under_way: set[asyncio.Task[None]] = set()
     assert world.rollout_sid is not None
     sid = world.rollout_sid
+    queues: dict[str, asyncio.Queue[tuple[float, bytes] | None]] = {
+        "post": asyncio.Queue(),
+        "get": asyncio.Queue(),
+    }
 
-    async def send(kind: str, raw: bytes, tally: Tally) -> None:
-        pool = free[kind]
-        conn = pool.pop() if pool else await Connection.open(server.host, server.port)
-        t0 = time.perf_counter()
-        status, _ = await conn.request(raw)
-        tally.add(status, time.perf_counter() - t0)
-        pool.append(conn)
+    async def sender(kind: str, tally: Tally) -> None:
+        conn = await Connection.open(server.host, server.port)
+        queue = queues[kind]
+        try:
+            while (item := await queue.get()) is not None:
+                due, raw = item
+                status, _ = await conn.request(raw)
+                tally.add(status, time.perf_counter() - due)
+        finally:
+            conn.close()
 
-    def start(kind: str, raw: bytes, tally: Tally) -> None:
-        task = asyncio.create_task(send(kind, raw, tally))
-        under_way.add(task)
-        task.add_done_callback(under_way.discard)
-
+    senders = [
+        asyncio.create_task(sender(kind, tally))
+        for kind, tally in (("post", posts), ("get", gets))
+        for _ in range(MIX_CONNECTIONS)
+    ]
     t0 = time.perf_counter()
     sent_posts = sent_gets = 0
     while not stop.is_set():
         elapsed = time.perf_counter() - t0
         while sent_posts < elapsed * callbacks_per_s:
             step, token = world.agents[sent_posts % len(world.agents)]
-            start("post", callback_request(step, token, f"{run}-{sent_posts}"), posts)
+            due = t0 + sent_posts / callbacks_per_s
+            queues["post"].put_nowait((due, callback_request(step, token, f"{run}-{sent_posts}")))
             sent_posts += 1
         while sent_gets < elapsed * reads_per_s:
             if sent_gets % 2 == 0:
                 path = f"/v1/strategies/{sid}"
             else:
                 path = f"/v1/strategies/{sid}/steps?limit={STEP_PAGE}"
-            start("get", get_request(path, world.reader), gets)
+            due = t0 + sent_gets / reads_per_s
+            queues["get"].put_nowait((due, get_request(path, world.reader)))
             sent_gets += 1
         await asyncio.sleep(0.002)
-    if under_way:
-        await asyncio.wait(under_way)
-    for pool in free.values():
-        for conn in pool:
-            conn.close()
+    for queue in queues.values():
+        for _ in range(MIX_CONNECTIONS):
+            queue.put_nowait(None)
+    await asyncio.gather(*senders)
     return posts, gets
 
 
@@ -513,7 +523,8 @@ def scenario_mixed(quick: bool) -> ScenarioReport:
             "load",
             f"{MIX_CALLBACKS_PER_S}/s callbacks (heartbeats, unique keys) and "
             f"{MIX_READS_PER_S}/s reads (strategy show, step list pages of {STEP_PAGE}), "
-            "open loop, from the apply to the rollout's end",
+            f"open loop on {MIX_CONNECTIONS} connections of each kind (latency from when a "
+            "request was due), from the apply to the rollout's end",
         ),
         (
             "rollout alone: transitions, journal span, per second",
