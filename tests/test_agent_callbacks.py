@@ -356,3 +356,104 @@ def test_callbacks_stored_together_are_answered_each_as_alone(store: Store) -> N
     # sent again later, with its key: the one stored
     (later,) = accept_callbacks(store, [report(1, "boot", "done", "", 2.0, "k1")])
     assert isinstance(later, Replay) and later.id == first.id
+
+
+def test_a_batch_checks_its_tokens_where_it_stores_refusing_some_and_storing_the_rest(
+    store: Store,
+) -> None:
+    """The intake checks a batch's agent tokens in the transaction that stores it: a
+    refused one (none, forged, expired, another step's) stores nothing and is recorded
+    with the caller's address; the ones let in are stored as alone."""
+    from fleetwave.api.intake import Arrival, Refused, store_arrivals
+    from fleetwave.store import tokens
+    from fleetwave.store.callbacks import CallbackRecord, report
+
+    add_sim_targets(store, 2)
+    sid = admin.create_strategy(store, WORKFLOW, StrategyOptions(), all_targets=True)
+    good, old = (tokens.new_secret(tokens.AGENT_PREFIX) for _ in range(2))
+    tokens.issue_agent_tokens(
+        store,
+        [
+            (sid, 1, "boot", tokens.token_hash(good), 0.0, 100.0),
+            (sid, 2, "boot", tokens.token_hash(old), 0.0, 5.0),
+        ],
+    )
+
+    def arrival(step: int, token: str | None, key: str) -> Arrival:
+        return Arrival(report(step, "boot", "done", "", 10.0, key), token, "10.0.0.9")
+
+    answers = store_arrivals(
+        store,
+        [
+            arrival(1, good, "a"),
+            arrival(1, None, "b"),
+            arrival(1, "fwg_forged", "c"),
+            arrival(2, old, "d"),
+            arrival(2, good, "e"),
+            arrival(1, good, "a"),
+        ],
+    )
+    stored, missing, forged, expired, elsewhere, again = answers
+    assert isinstance(stored, CallbackRecord) and isinstance(again, CallbackRecord)
+    assert again.id == stored.id
+    assert [(a.status, a.problem.split(" (")[0]) for a in (missing, forged, expired)] == [
+        (401, "no agent token"),
+        (401, "the agent token is not valid"),
+        (401, "the agent token expired"),
+    ] and all(isinstance(a, Refused) for a in (missing, forged, expired))
+    assert isinstance(elsewhere, Refused) and elsewhere.status == 403
+    with store.read() as conn:
+        rows = conn.execute(select(callbacks.c.step_id, callbacks.c.idempotency_key)).all()
+        refusals = conn.execute(
+            select(events.c.step_id, events.c.details).where(events.c.kind == "callback-refused")
+        ).all()
+    assert [tuple(r) for r in rows] == [(1, "a")]
+    assert sorted(r.step_id for r in refusals) == [1, 1, 2, 2]
+    assert all("from 10.0.0.9 refused" in r.details for r in refusals)
+
+
+def test_a_callback_answered_ahead_of_fastapi_is_counted_and_bad_ones_still_refused(
+    tmp_path: Path,
+) -> None:
+    """A well-formed callback is answered ahead of FastAPI's routing (its busiest
+    route): counted under its route like any request; one that is not (bad JSON, an
+    unknown field, a query string) goes on to the route and gets its usual 4xx."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from api_harness import in_process
+    from fleetwave.store import tokens
+
+    db = tmp_path / "fleet.db"
+    store = open_store(str(db))
+    add_sim_targets(store, 1)
+    sid = admin.create_strategy(store, WORKFLOW, StrategyOptions(), all_targets=True)
+    token = tokens.new_secret(tokens.AGENT_PREFIX)
+    tokens.issue_agent_tokens(store, [(sid, 1, "boot", tokens.token_hash(token), 0.0, None)])
+    store.dispose()
+    agent = {"Authorization": f"Bearer {token}"}
+    body = {"state": "boot", "idempotency_key": "k", "kind": "heartbeat"}
+    with in_process(db) as client:
+        assert client.post("/v1/steps/1/callbacks", json=body, headers=agent).status_code == 202
+        assert client.post("/v1/steps/1/callbacks", json=body, headers=agent).status_code == 200
+        bad_json = client.post(
+            "/v1/steps/1/callbacks",
+            content=b"{",
+            headers={**agent, "Content-Type": "application/json"},
+        )
+        assert bad_json.status_code == 400 and bad_json.json()["error"]["field"] == "body"
+        unknown = client.post("/v1/steps/1/callbacks", json={**body, "extra": 1}, headers=agent)
+        assert unknown.status_code == 422 and unknown.json()["error"]["field"] == "extra"
+        query = client.post("/v1/steps/1/callbacks?x=1", json=body, headers=agent)
+        assert query.status_code == 422 and query.json()["error"]["field"] == "x"
+        nobody = client.post("/v1/steps/1/callbacks", json={**body, "idempotency_key": "n"})
+        assert nobody.status_code == 401
+        assert nobody.json()["error"]["field"] == "Authorization"
+        metrics = client.get("/metrics").text
+    counted = {
+        s.labels["status"]: s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+        if s.name == "fleetwave_api_requests_total"
+        and s.labels["route"] == "/v1/steps/{step_id}/callbacks"
+    }
+    assert counted == {"202": 1, "200": 1, "400": 1, "422": 2, "401": 1}

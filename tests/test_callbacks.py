@@ -524,3 +524,35 @@ def test_a_wait_for_a_callback_says_it_is_not_retried(store: Store) -> None:
         "wait-for-agent: timed out after 5s waiting for the target's callback "
         "(attempt 1 of 3; a wait for a callback is not retried)"
     )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 27 asks it; not done yet: Conductor._on_callback only notes a heartbeat "
+    "('heartbeat noted'), the state's deadline stays where it was armed",
+)
+def test_a_heartbeat_extends_its_waiting_states_deadline(store: Store) -> None:
+    """An agent that sends heartbeats keeps its step's wait alive: each one moves the
+    state's deadline to a full timeout after it (issue 27), so a clean step that takes
+    longer than its timeout, reporting all along, is not failed as lost."""
+    add_sim_targets(store, 1)
+    wf = register_workflow(
+        WorkflowDef(
+            "agent-with-heartbeats",
+            (StateDef("agent", _Kicked(), mode="wait-for-callback", timeout_s=10),),
+        ),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    (step,) = [s["step"] for s in queries.list_steps(store, sid)]
+    c = Conductor(store, clock=LoopClock())
+
+    async def go() -> dict[int, str]:
+        loop = asyncio.get_running_loop()
+        for at in (5.0, 10.0, 15.0):
+            loop.call_at(at, c.receive_callback, step, "agent", "heartbeat", "still going")
+        loop.call_at(22.0, c.receive_callback, step, "agent", "done", "finished")
+        return await asyncio.wait_for(c.run(strategy_ids=[sid]), 120)
+
+    assert on_virtual_time(go())[sid] == "complete"
+    assert [s["state"] for s in queries.list_steps(store, sid)] == ["complete"]

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import fleetwave
 from fleetwave.api import callbacks, errors, reads, tokens, writes
 from fleetwave.api.auth import Admin, Operator, Reader
+from fleetwave.api.callbacks import CallbackFastPath
 from fleetwave.api.errors import ApiError, ErrorAnswer, error_response
 from fleetwave.api.intake import CallbackIntake
 from fleetwave.api.metrics import API_PREFIX, ApiMetrics, CountRequests
@@ -31,9 +32,9 @@ from fleetwave.store.db import HEAD_REVISION, current_revision
 from fleetwave.store.postgres import redact
 
 
-def _known_query(request: Request) -> None:
+async def _known_query(request: Request) -> None:
     """A query parameter the route does not take is refused, naming it (a misspelt
-    filter would otherwise list everything)."""
+    filter would otherwise list everything). (``async``: on the loop, not a thread.)"""
     route = request.scope.get("route")
     dependant = getattr(route, "dependant", None)
     if dependant is None:
@@ -145,8 +146,6 @@ def make_app(service: Service) -> FastAPI:
     service.intake = CallbackIntake(service)
     if service.conductor is not None and service.conductor.meters is None:
         service.conductor.meters = Meters()
-    app.add_middleware(BodyLimit)
-    app.add_middleware(CountRequests, metrics=metrics)
 
     v1 = API_PREFIX
     app.include_router(reads.router, prefix=v1, tags=["reads"], dependencies=[Reader])
@@ -154,6 +153,12 @@ def make_app(service: Service) -> FastAPI:
     app.include_router(tokens.router, prefix=v1, tags=["tokens"], dependencies=[Admin])
     # (agents send their own token, for one step's state: not an API token)
     app.include_router(callbacks.router, prefix=v1, tags=["agents"])
+    # (the last added is the outermost: the fast path within the body limit and the
+    # requests' count)
+    (callback_route,) = callbacks.router.routes
+    app.add_middleware(CallbackFastPath, service=service, route=callback_route)
+    app.add_middleware(BodyLimit)
+    app.add_middleware(CountRequests, metrics=metrics)
 
     @app.get(
         "/metrics",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from sqlalchemy.exc import DataError, DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Scope
 
 from fleetwave.domain.errors import Conflict, InputError, NotFound
 from fleetwave.domain.workflow import WorkflowError
@@ -198,14 +200,27 @@ def _internal_error(_: Request, exc: Exception) -> JSONResponse:
     return error_response(500, "internal", "internal error (logged by the server)")
 
 
+_HANDLERS: dict[type[Exception], Callable[[Request, Exception], JSONResponse]] = {
+    ApiError: _api_error,
+    InputError: _input_error,
+    WorkflowError: _input_error,
+    RequestValidationError: _validation_error,
+    StarletteHTTPException: _http_error,
+    StoreError: _store_error,
+    DBAPIError: _database_error,
+    DataError: _unstorable,
+    Exception: _internal_error,
+}
+
+
 def install(app: FastAPI) -> None:
     """Answer every failure in the one shape."""
-    app.add_exception_handler(ApiError, _api_error)
-    app.add_exception_handler(InputError, _input_error)
-    app.add_exception_handler(WorkflowError, _input_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(StoreError, _store_error)
-    app.add_exception_handler(DBAPIError, _database_error)
-    app.add_exception_handler(DataError, _unstorable)
-    app.add_exception_handler(Exception, _internal_error)
+    for kind, handler in _HANDLERS.items():
+        app.add_exception_handler(kind, handler)
+
+
+def response_for(scope: Scope, exc: Exception) -> JSONResponse:
+    """The answer to ``exc`` raised outside FastAPI's handling (the callbacks' fast
+    path): the handler of its nearest kind, as Starlette picks it."""
+    kind = next(k for k in type(exc).__mro__ if k in _HANDLERS)
+    return _HANDLERS[kind](Request(scope), exc)

@@ -1,5 +1,8 @@
 """Agents' callbacks stored a batch at a time (group commit): one transaction, one
-fsync, for all the callbacks that came while the one before was being written.
+fsync, for all the callbacks that came while the one before was being written. Each
+callback's agent token is checked in that same transaction (one query for the batch,
+not a read of its own per request): a refused one is recorded there, with the
+caller's address, and stores nothing.
 
 A request adds its callback and waits for it to be written; one of the waiting
 requests writes everything added so far, on the API's writer thread. The write goes
@@ -10,13 +13,133 @@ answered. Nothing waits on the engine or on a step's lock (G6).
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import Connection, insert, select
+from sqlalchemy.exc import IntegrityError
 
 from fleetwave.api.service import Service
 from fleetwave.domain.errors import InputError
 from fleetwave.store import callbacks as cbs
+from fleetwave.store import tokens
+from fleetwave.store.db import Store
+from fleetwave.store.schema import events, steps
 
-Answer = cbs.CallbackRecord | InputError
-Waiting = tuple[cbs.Report, "asyncio.Future[Answer]"]
+#: the kind of event that records a callback refused for its token
+CALLBACK_REFUSED = "callback-refused"
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """A callback as it came: what it reports, the agent token it was sent with, and
+    who sent it (the caller's address)."""
+
+    report: cbs.Report
+    token: str | None
+    who: str
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A callback refused for its token (nothing stored; the refusal recorded)."""
+
+    #: 401 (no token, an unknown or expired one) or 403 (another step's or state's)
+    status: int
+    problem: str
+    #: what the refusal's event says
+    said: str
+
+
+Answer = cbs.CallbackRecord | Refused | InputError
+Waiting = tuple[Arrival, "asyncio.Future[Answer]"]
+
+
+def judge(arrival: Arrival, grant: tokens.AgentGrant | None) -> Refused | None:
+    """Whether the token lets the callback in (None), or why not."""
+    r = arrival.report
+    status = 401
+    if arrival.token is None:
+        problem = "no agent token (Authorization: Bearer ...)"
+    elif grant is None:
+        problem = "the agent token is not valid"
+    elif grant.expired:
+        problem = f"the agent token expired (it was for step {grant.step_id} {grant.state})"
+    elif grant.step_id != r.step_id or grant.state != r.state:
+        status = 403
+        problem = (
+            f"the agent token is for step {grant.step_id} in state {grant.state}, "
+            f"not step {r.step_id} in {r.state}"
+        )
+    else:
+        return None
+    said = (
+        f"callback for step {r.step_id} ({r.state}, {r.kind}) from {arrival.who} refused: {problem}"
+    )
+    return Refused(status, problem, said)
+
+
+def _record_refusal(conn: Connection, step_id: int, strategy_id: int | None, said: str) -> None:
+    """Record a refused callback (its step's strategy, if the step is there)."""
+    if strategy_id is None:
+        strategy_id = conn.execute(
+            select(steps.c.strategy_id).where(steps.c.id == step_id)
+        ).scalar_one_or_none()
+    known = strategy_id is not None
+    conn.execute(
+        insert(events).values(
+            at=time.time(),
+            conductor=None,
+            strategy_id=strategy_id,
+            step_id=step_id if known else None,
+            kind=CALLBACK_REFUSED,
+            details=said,
+        )
+    )
+
+
+def store_arrivals(store: Store, arrivals: Sequence[Arrival]) -> list[Answer]:
+    """Check the tokens of ``arrivals`` and store those they let in, in one
+    transaction: each one's answer, in order (its record, a Replay, a Refused, or
+    the error that refused it: an unknown step). Another process storing the same
+    idempotency key meanwhile makes this one store them one by one."""
+    try:
+        with store.write() as conn:
+            return _store_on(conn, arrivals)
+    except IntegrityError:
+        if len(arrivals) > 1:
+            return [answer for one in arrivals for answer in store_arrivals(store, [one])]
+        (arrival,) = arrivals
+        with store.read() as conn:
+            grants = tokens.find_agent_tokens(conn, [arrival.token or ""], arrival.report.now)
+        refused = judge(arrival, grants.get(arrival.token or ""))
+        if refused is not None:  # (not stored: it was let in a moment ago)
+            return [refused]
+        return list(cbs.accept_callbacks(store, [arrival.report]))
+
+
+def _store_on(conn: Connection, arrivals: Sequence[Arrival]) -> list[Answer]:
+    given = [a.token for a in arrivals if a.token is not None]
+    now = max(a.report.now for a in arrivals)
+    grants = tokens.find_agent_tokens(conn, given, now)
+    answers: list[Answer | None] = []
+    let_in: list[int] = []
+    for a in arrivals:
+        grant = grants.get(a.token) if a.token is not None else None
+        refused = judge(a, grant)
+        if refused is None:
+            let_in.append(len(answers))
+            answers.append(None)
+            continue
+        _record_refusal(
+            conn, a.report.step_id, None if grant is None else grant.strategy_id, refused.said
+        )
+        answers.append(refused)
+    stored = cbs.insert_callbacks(conn, [arrivals[i].report for i in let_in])
+    for place, answer in zip(let_in, stored, strict=True):
+        answers[place] = answer
+    return [a for a in answers if a is not None]
 
 
 class CallbackIntake:
@@ -25,16 +148,16 @@ class CallbackIntake:
         self._waiting: list[Waiting] = []
         self._turn = asyncio.Lock()
 
-    async def accept(self, report: cbs.Report) -> cbs.CallbackRecord:
-        """Store ``report`` (with the others waiting now): its record, or a Replay."""
+    async def accept(self, arrival: Arrival) -> cbs.CallbackRecord | Refused:
+        """Check and store ``arrival`` (with the others waiting now): its record, a
+        Replay, or why its token was refused."""
         answered: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
-        self._waiting.append((report, answered))
+        self._waiting.append((arrival, answered))
         async with self._turn:
             if not answered.done():
                 batch, self._waiting = self._waiting, []
-                reports = [r for r, _ in batch]
                 writing = self.service.write_nowait(
-                    cbs.accept_callbacks, self.service.store, reports
+                    store_arrivals, self.service.store, [a for a, _ in batch]
                 )
                 writing.add_done_callback(lambda done: _answer(batch, done))
                 await asyncio.shield(writing)  # (it goes on if this request goes away)

@@ -16,7 +16,7 @@ from fleetwave.api.service import (
     Service,
     decode_cursor,
     page_answer,
-    service_of,
+    the_service,
 )
 from fleetwave.catalog import resolve_workflow, workflow_rows
 from fleetwave.domain.models import StrategyState
@@ -28,7 +28,7 @@ SQL_INT_MAX = 2**63 - 1
 
 router = APIRouter()
 
-Svc = Annotated[Service, Depends(service_of)]
+Svc = Annotated[Service, Depends(the_service)]
 Limit = Annotated[
     int,
     Query(ge=1, le=PAGE_LIMIT_MAX, description=f"rows per page (at most {PAGE_LIMIT_MAX})"),

@@ -109,6 +109,12 @@ def service_of(request: Request) -> Service:
     return service
 
 
+async def the_service(request: Request) -> Service:
+    """:func:`service_of` as a route's dependency. (A dependency that is a plain ``def``
+    is run on a worker thread: a thread hop per request, for a dictionary read.)"""
+    return service_of(request)
+
+
 def encode_cursor(key: Any) -> str | None:
     """An opaque cursor for the key of a page's last row (None: no next page)."""
     if key is None:

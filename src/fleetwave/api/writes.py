@@ -23,7 +23,7 @@ from fleetwave.domain.yaml_workflow import MAX_SECONDS
 from fleetwave.store import admin
 
 
-def _no_body(request: Request) -> None:
+async def _no_body(request: Request) -> None:
     """A change that takes no body refuses one (what it asked for would be ignored)."""
     length = request.headers.get("content-length")
     if (length not in (None, "0")) or "transfer-encoding" in request.headers:

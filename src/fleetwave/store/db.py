@@ -10,6 +10,7 @@ psycopg 3; see :mod:`fleetwave.store.postgres`). Dialect-specific SQL lives in
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -118,6 +119,8 @@ class Store:
         #: how long a write waits for another writer's lock before it fails; a
         #: conductor shortens it to a twentieth of its lease (its loop waits meanwhile)
         self.busy_timeout_ms = DEFAULT_BUSY_TIMEOUT_MS
+        #: SQLite: this process's writers' turns (see :meth:`_in_turn`)
+        self._writers = threading.RLock()
 
     def wait_for_locks(self, dbapi_conn: Any, info: dict[Any, Any]) -> None:
         """Give a connection this store's busy timeout, if it has another one."""
@@ -128,7 +131,7 @@ class Store:
     @contextmanager
     def write(self) -> Iterator[Connection]:
         """One write transaction (SQLite: BEGIN IMMEDIATE, so writers queue, never deadlock)."""
-        with self.engine.connect() as conn:
+        with self._in_turn(), self.engine.connect() as conn:
             # (on the driver's connection: through SQLAlchemy it would begin a transaction)
             self.wait_for_locks(conn.connection.driver_connection, conn.connection.info)
             conn.info["immediate"] = True
@@ -139,6 +142,24 @@ class Store:
                     yield conn
             finally:
                 conn.info.pop("immediate", None)
+
+    @contextmanager
+    def _in_turn(self) -> Iterator[None]:
+        """SQLite: this process's writers (the engine's commits on its loop, the API's
+        on its writer thread) take turns on a lock of their own before SQLite's. Its
+        busy handler sleeps up to 100 ms between tries, and a writer waiting there lost
+        to the engine's back-to-back group commits for a second at a time; a lock
+        hands over at once. Waited for no longer than the busy timeout (then SQLite's
+        wait, and its error, as before); re-entrant, as SQLite's wait was."""
+        if not self.hooks.embedded:
+            yield
+            return
+        took = self._writers.acquire(timeout=self.busy_timeout_ms / 1000)
+        try:
+            yield
+        finally:
+            if took:
+                self._writers.release()
 
     def file_identity(self) -> tuple[int, int] | None:
         """The database file's (device, inode), to notice it removed or replaced while
