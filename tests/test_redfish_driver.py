@@ -267,3 +267,86 @@ def test_the_clean_workflow_end_to_end_with_an_agent_that_boots_from_the_network
         assert steps(cli, int(sid))[name]["state"] == "complete"
     check = cli("check")
     assert check.code == 0 and "ok:" in check.text, check.text
+
+
+class FlakyFront:
+    """A real HTTP server in front of the emulator that answers ``500`` to the first
+    ``fail`` requests for a system (as a busy BMC does) and passes on the rest."""
+
+    def __init__(self, upstream: str, fail: int) -> None:
+        import http.server
+        import threading
+
+        front = self
+        self.failed = 0
+        self.fail = fail
+        self.client = httpx.Client(base_url=upstream, timeout=10)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _pass(self) -> None:
+                size = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(size) if size else None
+                if "/Systems/" in self.path and front.failed < front.fail:
+                    front.failed += 1
+                    self.send_response(500)
+                    self.send_header("Content-Type", "application/json")
+                    out = b'{"error": {"message": "database is locked"}}'
+                    self.send_header("Content-Length", str(len(out)))
+                    self.end_headers()
+                    self.wfile.write(out)
+                    return
+                headers = {
+                    k: v
+                    for k, v in self.headers.items()
+                    if k.lower() not in ("host", "content-length")
+                }
+                r = front.client.request(self.command, self.path, content=body, headers=headers)
+                self.send_response(r.status_code)
+                for k, v in r.headers.items():
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(r.content)))
+                self.end_headers()
+                self.wfile.write(r.content)
+
+            do_GET = do_POST = do_PATCH = do_DELETE = _pass
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.client.close()
+
+
+@pytest.mark.parametrize("retries", [3, 0])
+def test_a_bmc_answering_server_errors_is_asked_again_then_the_attempt_is_transient(
+    cli: Cli, bmc: Bmc, clean_bmc: None, retries: int
+) -> None:
+    front = FlakyFront(bmc.url, fail=3)
+    try:
+        _add_node(
+            cli, "node-1", front.url, 1, "--set", f"redfish_retries={retries}",
+            "--set", "redfish_retry_delay_s=0.1", poll_s=0.2,
+        )  # fmt: skip
+        res = cli("strategy", "create", "--workflow", "clean-bmc", "--all", "--format", "json")
+        sid = int(res.json()["id"])
+        run = cli("strategy", "apply", str(sid), "--wait")
+        details = steps(cli, sid)["node-1"]["details"]
+        if retries:
+            assert run.code == 0, details
+            assert bmc.system(1)["PowerState"] == "Off"
+        else:
+            assert run.code == 1
+            assert details == (
+                f"power-off: redfish: {front.url} answered 500 database is locked, asked 1 time "
+                "(redfish_retries) (attempt 1 of 1)"
+            ), details
+        assert front.failed == 3 if retries else front.failed == 1
+    finally:
+        front.stop()

@@ -66,6 +66,16 @@ class RedfishSettings(BaseModel):
     power_poll_s: float = Field(
         default=2.0, gt=0, le=60, description="seconds between two looks at the power state"
     )
+    redfish_retries: int = Field(
+        default=3,
+        ge=0,
+        le=20,
+        description="how many times a request the BMC answered with a server error (5xx) "
+        "is asked again before the attempt fails as a transient error",
+    )
+    redfish_retry_delay_s: float = Field(
+        default=1.0, ge=0, le=60, description="seconds between two such requests"
+    )
 
 
 @dataclass(frozen=True)
@@ -215,7 +225,18 @@ class RedfishDriver:
                 "redfish: the sushy package is not installed (pip install 'fleetwave[redfish]')"
             ) from None
         try:
-            return await asyncio.to_thread(call)
+            for retries_left in range(bmc.cfg.redfish_retries, -1, -1):
+                try:
+                    return await asyncio.to_thread(call)
+                except sushy_errors.ServerSideError:
+                    # A BMC busy or briefly broken (a 5xx): every call here may be made
+                    # again (a power state already reached, or a boot override already
+                    # set, is the same asked twice).
+                    if retries_left == 0:
+                        raise
+                    bmc._system = None  # read afresh
+                    await asyncio.sleep(bmc.cfg.redfish_retry_delay_s)
+            raise AssertionError("unreachable")
         except SecretError as exc:
             raise StepFailed(f"redfish: {exc}") from None
         except sushy_errors.ConnectionError as exc:
@@ -237,6 +258,12 @@ class RedfishDriver:
         except sushy_errors.ResourceNotFoundError:
             raise StepFailed(
                 f"redfish: {bmc.address} has no system {bmc.cfg.redfish_system_id}"
+            ) from None
+        except sushy_errors.ServerSideError as exc:
+            raise TransientError(
+                f"redfish: {bmc.address} answered {getattr(exc, 'status_code', '?')} "
+                f"{getattr(exc, 'detail', '') or exc}, asked {bmc.cfg.redfish_retries + 1} "
+                f"time{'s' if bmc.cfg.redfish_retries else ''} (redfish_retries)"
             ) from None
         except sushy_errors.HTTPError as exc:
             raise StepFailed(
