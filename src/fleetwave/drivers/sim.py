@@ -23,11 +23,19 @@ Per-target settings (``fleetwave target add NAME --set key=value``):
 ``callback_lost_rate``  chance the callback never comes (the state times out)
 ``callback_dup_rate``   chance the callback is sent twice
 ``callback_late_rate``  chance an extra copy comes long after the state was left
+``callback_url``     the API's base URL (``http://127.0.0.1:8080``): agents call back
+                     over HTTP there (below)
 ===================  =========================================================
 
 For states that wait for a callback, the operation returns at once and the
-simulated target calls ``callback_sink(step_id, state, kind, details)`` after the
-latency, as a real agent would call the callback endpoint.
+simulated target's agent reports after the latency: by calling
+``callback_sink(step_id, state, kind, details)`` (in the conductor's process), or,
+given a ``callback_url``, as a real agent does: ``POST
+{callback_url}/v1/steps/{step}/callbacks`` with the agent token the engine issued to
+the state (``ActionContext.agent_token``; a recover hook gets none, and the agent keeps
+the one it was given), an idempotency key of its own for each report (the same on every
+try of it), retrying while the server is unreachable or answers 5xx, and stopping at a
+4xx (a refused token: counted in ``callbacks_refused``).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import inspect
+import logging
 import math
 import os
 import random
@@ -45,11 +54,14 @@ from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import Any, Literal
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleetwave.domain.models import Target, shown, typed_as_number
 from fleetwave.domain.workflow import ActionContext, RemoteResult, StepFailed, TransientError
 from fleetwave.drivers.wakeup import PreciseTimer, on_monotonic_clock
+
+log = logging.getLogger("fleetwave.drivers.sim")
 
 #: the longest simulated operation: a day
 MAX_LATENCY_MS = 86_400_000
@@ -71,6 +83,7 @@ SETTINGS = (
     "callback_lost_rate",
     "callback_dup_rate",
     "callback_late_rate",
+    "callback_url",
 )
 CALLBACK_RATES = (
     "callback_fail_rate",
@@ -83,6 +96,10 @@ CallbackSink = Callable[[int, str, str, str], object]
 
 #: how long a simulated agent keeps trying to deliver its callback (virtual seconds)
 AGENT_RETRY_S = 3600.0
+#: each HTTP request of an agent that calls back over HTTP (``callback_url``)
+AGENT_HTTP_TIMEOUT_S = 10.0
+#: what an HTTP agent's send answers when the API refused the report (a 4xx: final)
+_REFUSED = object()
 
 
 class SimSettingError(ValueError):
@@ -129,6 +146,21 @@ def _state(settings: dict[str, Any], key: str) -> str | None:
     if not isinstance(raw, str) or not _STATE_NAME.fullmatch(raw):
         raise SimSettingError(f"sim setting {key}: {shown(str(raw))} is not a state name")
     return raw
+
+
+def _url(settings: dict[str, Any], key: str) -> str | None:
+    """An http(s) URL (its trailing ``/`` dropped), or None."""
+    raw = settings.get(key)
+    if raw is None:
+        return None
+    text = str(raw).strip()
+    try:
+        url = httpx.URL(text)
+    except (httpx.InvalidURL, TypeError):
+        url = None
+    if url is None or url.scheme not in ("http", "https") or not url.host or len(text) > 2000:
+        raise SimSettingError(f"sim setting {key}: {shown(str(raw))} is not an http(s) URL")
+    return text.rstrip("/")
 
 
 def _remote_state(settings: dict[str, Any]) -> str | None:
@@ -212,6 +244,11 @@ class SimSettings(BaseModel):
     callback_lost_rate: float = _rate("a callback never comes")
     callback_dup_rate: float = _rate("a callback is sent twice")
     callback_late_rate: float = _rate("an extra callback comes long after")
+    callback_url: str | None = Field(
+        default=None,
+        description="the API's base URL: agents POST /v1/steps/{step}/callbacks there "
+        "with their agent token (else they call the conductor in its process)",
+    )
 
 
 class _Profile:
@@ -220,6 +257,7 @@ class _Profile:
     __slots__ = (
         "already_done",
         "callback_rates",
+        "callback_url",
         "error",
         "fail_at",
         "failure",
@@ -260,6 +298,7 @@ class _Profile:
         self.remote_state = _remote_state(settings)
         self.unexpected_at = _state(settings, "unexpected_at")
         self.callback_rates = {k: _float(settings, k, 0, 0, 1) for k in CALLBACK_RATES}
+        self.callback_url = _url(settings, "callback_url")
         #: what every operation reports when nothing about the state can change it
         #: (no remote_state, no fail_at): asked once here, not at each operation's end
         self.result: RemoteResult | None = None
@@ -438,6 +477,64 @@ class _Run:
             joined.set_result(result)  # type: ignore[arg-type]
 
 
+class _HttpAgent:
+    """One simulated agent that reports over HTTP, as a real one does (see the module)."""
+
+    __slots__ = ("client", "driver", "key", "state", "step", "token", "url")
+
+    def __init__(
+        self,
+        driver: SimDriver,
+        client: httpx.AsyncClient,
+        base: str,
+        token: str | None,
+        step: int,
+        state: str,
+        key: str,
+    ) -> None:
+        self.driver = driver
+        self.client = client
+        self.url = f"{base}/v1/steps/{step}/callbacks"
+        self.token = token
+        self.step = step
+        self.state = state
+        self.key = key
+
+    def sender(self, kind: str, details: str, key: str) -> Callable[[], object]:
+        async def send() -> object:
+            return await self.post(kind, details, key)
+
+        return send
+
+    async def post(self, kind: str, details: str, key: str) -> object:
+        """Send one report: None once stored (2xx), :data:`_REFUSED` for a 4xx (the
+        answer is final: counted and logged); raise for what is worth another try (no
+        answer, a 5xx)."""
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        body = {"state": self.state, "idempotency_key": key, "kind": kind, "details": details}
+        answer = await self.client.post(self.url, json=body, headers=headers)
+        if answer.status_code >= 500:
+            raise TransientError(f"callback answered {answer.status_code}")
+        if answer.status_code >= 400:
+            try:
+                said = str(answer.json()["error"]["message"])
+            except (ValueError, KeyError, TypeError):
+                said = answer.text[:200]
+            self.driver.callbacks_refused.append(
+                (self.step, self.state, kind, answer.status_code, said)
+            )
+            log.warning(
+                "sim agent: callback for step %s (%s, %s) refused: %s %s",
+                self.step,
+                self.state,
+                kind,
+                answer.status_code,
+                said,
+            )
+            return _REFUSED
+        return None
+
+
 class SimDriver:
     """The simulated fleet: targets behave as their settings say (deterministic for a
     seed); the embedded default."""
@@ -473,6 +570,12 @@ class SimDriver:
         #: callbacks whose answer took virtual time (step, state, seconds): none should
         self.callback_waits: list[tuple[int, str, float]] = []
         self._agents: set[asyncio.Task[None]] = set()
+        #: agents that call back over HTTP (``callback_url``): their connections, the
+        #: tokens they were handed (by strategy, then step and state), and the reports
+        #: the API refused, as (step, state, kind, status, what it said)
+        self._http: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
+        self._agent_tokens: dict[int, dict[tuple[int, str], str]] = {}
+        self.callbacks_refused: list[tuple[int, str, str, int, str]] = []
         #: the targets' own view of each operation; remote work outlives a lost conductor:
         #: the operations running now, and per strategy and step the last one finished
         #: and how (None: it succeeded; else its error and whether that was transient; a
@@ -614,6 +717,7 @@ class SimDriver:
     def strategy_ended(self, strategy_id: int) -> None:
         """The conductor ended the strategy: what its targets did is no longer asked."""
         self._finished.pop(strategy_id, None)
+        self._agent_tokens.pop(strategy_id, None)
         self._ended.add(strategy_id)
 
     async def _remote_work(
@@ -653,6 +757,9 @@ class SimDriver:
         """The simulated target works on, then calls back, like a real agent would."""
         rng = random.Random(f"{self.seed}:{target.name}:{operation}:cb")
         rates = prof.callback_rates
+        agent: _HttpAgent | None = None
+        if prof.callback_url is not None:
+            agent = self._http_agent(prof.callback_url, target, ctx)
         if rates["callback_lost_rate"] and rng.random() < rates["callback_lost_rate"]:
             return
         kind = "done"
@@ -672,14 +779,48 @@ class SimDriver:
             sends.append((rng.uniform(0.2, 3.0) * base, again, said + " (again)"))
         if rates["callback_late_rate"] and rng.random() < rates["callback_late_rate"]:
             sends.append((base * 10 + rng.uniform(60, 600), "done", details + " (late)"))
-        for delay, k, d in sends:
-            task = asyncio.create_task(self._call_back(delay, ctx.step_id, ctx.state, k, d))
+        for n, (delay, k, d) in enumerate(sends):
+            send: Callable[[], object] | None = None
+            if agent is not None:
+                send = agent.sender(k, d, f"{agent.key}:{n}")
+            task = asyncio.create_task(self._call_back(delay, ctx.step_id, ctx.state, k, d, send))
             self._agents.add(task)
             task.add_done_callback(self._agents.discard)
 
+    def _http_agent(self, url: str, target: Target, ctx: ActionContext) -> _HttpAgent:
+        """The agent of a target that calls back over HTTP, with the token it was handed
+        (kept: a recover hook hands none, and the agent goes on using the one it has)."""
+        kept = self._agent_tokens.setdefault(ctx.strategy_id, {})
+        token = ctx.agent_token
+        if token is not None:
+            kept[(ctx.step_id, ctx.state)] = token
+        else:
+            token = kept.get((ctx.step_id, ctx.state))
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._http[0] is not loop:  # (a client serves one loop)
+            self._http = (loop, httpx.AsyncClient(timeout=AGENT_HTTP_TIMEOUT_S))
+        return _HttpAgent(
+            self,
+            self._http[1],
+            url,
+            token,
+            ctx.step_id,
+            ctx.state,
+            # the agent's key for each of its reports: the same on every try of one
+            f"sim:{target.name}:{ctx.step_id}:{ctx.state}:{ctx.attempt}",
+        )
+
     async def _call_back(
-        self, delay: float, step_id: int, state: str, kind: str, details: str
+        self,
+        delay: float,
+        step_id: int,
+        state: str,
+        kind: str,
+        details: str,
+        send: Callable[[], object] | None = None,
     ) -> None:
+        """Report after ``delay``: through ``send`` (over HTTP) if given, else to the
+        conductor's callback sink."""
         await asyncio.sleep(delay)
         self.callbacks_sent += 1
         # A real agent retries while the endpoint is unavailable, for as long as its work
@@ -689,21 +830,27 @@ class SimDriver:
         loop = asyncio.get_running_loop()
         give_up = loop.time() + AGENT_RETRY_S
         attempt = 0
-        while self.callback_sink is not None:
+        while send is not None or self.callback_sink is not None:
             asked = loop.time()
             try:
-                answer = self.callback_sink(step_id, state, kind, details)
+                if send is not None:
+                    answer = send()
+                else:
+                    assert self.callback_sink is not None
+                    answer = self.callback_sink(step_id, state, kind, details)
                 if inspect.isawaitable(answer):
-                    await answer
+                    answer = await answer
             except Exception:
                 if loop.time() >= give_up:
                     return
                 await asyncio.sleep(min(60.0, 0.5 * 2**attempt))
                 attempt += 1
                 continue
+            if answer is _REFUSED:
+                return
             self.callbacks_delivered += 1
             waited = loop.time() - asked
-            if waited > 0:
+            if waited > 0 and send is None:
                 # stored and answered at once, always (G6): on virtual time, it takes none
                 self.callback_waits.append((step_id, state, waited))
             return
@@ -714,11 +861,15 @@ class SimDriver:
             await asyncio.gather(*list(self._agents), return_exceptions=True)
 
     async def aclose(self) -> None:
-        """Stop all remote work and agents (they otherwise outlive conductors, as real ones do)."""
+        """Stop all remote work and agents (they otherwise outlive conductors, as real ones
+        do), and close the agents' HTTP connections."""
         tasks = [*self._agents, *self._work]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        http, self._http = self._http, None
+        if http is not None and http[0] is asyncio.get_running_loop():
+            await http[1].aclose()
 
     async def observe(self, target: Target, operation: str, ctx: ActionContext) -> RemoteResult:
         prof = self._profile(target)
