@@ -5,7 +5,9 @@ credentials and one that refuses connections fail the step with the reason, the
 password never in it; a conductor killed while a node powers off, and the next one's
 recover hook reading the BMC instead of powering it off again; and the built-in
 ``clean`` workflow end to end, with a simulated agent that comes up once its node is
-powered on to boot from the network and reports through ``fleetwave step callback``.
+powered on to boot from the network and reports through ``fleetwave step callback``,
+or over HTTP to a real ``fleetwave serve --listen`` with the agent token the driver
+handed over (its handoff file, read as a node's boot configuration would carry it).
 
 The fake BMC applies a power action 1 to 11 s after it is asked (sushy-tools' own
 pacing), so a node's four states take up to about half a minute.
@@ -13,21 +15,24 @@ pacing), so a node's four states take up to about half a minute.
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import bcrypt
 import httpx
 import pytest
 
+from api_harness import serving
 from cli_harness import Cli
+from fleetwave.testing.bmc import FakeBmc as Bmc
+from fleetwave.testing.bmc import node_uuid
 from test_cli_strategy import steps
 
 NODES = ["node-1", "node-2"]
@@ -43,7 +48,7 @@ states:
 
 
 def _uuid(index: int) -> str:
-    return f"0000000{index}-0000-0000-0000-000000000000"
+    return node_uuid(index)
 
 
 def _free_port() -> int:
@@ -52,61 +57,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class Bmc:
-    """A running ``sushy-emulator --fake`` serving one fake system per node."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        auth = tmp / "htpasswd"
-        auth.write_text(f"admin:{bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt()).decode()}\n")
-        systems = [
-            {"uuid": _uuid(i), "name": name, "power_state": "On"}
-            for i, name in enumerate([*NODES, "node-3", "node-4", "node-5"], 1)
-        ]
-        config = tmp / "emulator.conf"
-        config.write_text(
-            f"SUSHY_EMULATOR_FAKE_SYSTEMS = {systems!r}\n"
-            f"SUSHY_EMULATOR_AUTH_FILE = {str(auth)!r}\n"
-            f"SUSHY_EMULATOR_STATE_DIR = {str(tmp / 'state')!r}\n"
-        )
-        exe = Path(sys.executable).parent / "sushy-emulator"
-        self.log = tmp / "emulator.log"
-        with self.log.open("w") as out:
-            self.proc = subprocess.Popen(
-                [
-                    str(exe if exe.exists() else shutil.which("sushy-emulator")),
-                    *("--config", str(config), "-i", "127.0.0.1", "-p", str(self.port), "--fake"),
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        self.http = httpx.Client(base_url=self.url, auth=("admin", PASSWORD), timeout=10)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if self.http.get("/redfish/v1/").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"sushy-emulator did not start: {self.log.read_text()}")
-            time.sleep(0.1)
-
-    def system(self, index: int) -> dict[str, object]:
-        r = self.http.get(f"/redfish/v1/Systems/{_uuid(index)}")
-        assert r.status_code == 200, r.text
-        return dict(r.json())
-
-    def stop(self) -> None:
-        self.http.close()
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def bmc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bmc]:
-    emu = Bmc(tmp_path_factory.mktemp("bmc"))
+    emu = Bmc.start(tmp_path_factory.mktemp("bmc"), nodes=7, password=PASSWORD)
     try:
         yield emu
     finally:
@@ -265,6 +218,110 @@ def test_the_clean_workflow_end_to_end_with_an_agent_that_boots_from_the_network
     for name, index in nodes.items():
         assert bmc.system(index)["PowerState"] == "Off", name
         assert steps(cli, int(sid))[name]["state"] == "complete"
+    check = cli("check")
+    assert check.code == 0 and "ok:" in check.text, check.text
+
+
+class HttpAgents(threading.Thread):
+    """The nodes' agents, calling back over HTTP as a real one (ironic-python-agent)
+    does: a node comes up once its BMC shows it powered on to boot from the network;
+    its agent then reads what its boot configuration carries (here: the handoff file
+    the driver wrote for it) and reports each waiting state, with that state's token."""
+
+    def __init__(self, bmc: Bmc, handoff: Path, nodes: dict[str, int]) -> None:
+        super().__init__(daemon=True)
+        self.bmc, self.handoff, self.nodes = bmc, handoff, nodes
+        self.stop = threading.Event()
+        #: (node, state) -> the answer's status
+        self.reported: dict[tuple[str, str], int] = {}
+        self.forged: list[int] = []
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except Exception as exc:  # said by the test, not lost in a thread
+            self.errors.append(repr(exc))
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=10) as http:
+            while not self.stop.wait(0.2):
+                for name, index in self.nodes.items():
+                    system = self.bmc.system(index)
+                    booted = system["PowerState"] == "On" and (
+                        system["Boot"]["BootSourceOverrideTarget"] == "Pxe"  # type: ignore[index]
+                    )
+                    given = self.handoff / f"{_uuid(index)}.json"
+                    if not booted or not given.exists():
+                        continue
+                    said = json.loads(given.read_text())
+                    state = said["state"]
+                    if (name, state) in self.reported:
+                        continue
+                    url = f"{said['callback_url']}/v1/steps/{said['step']}/callbacks"
+                    body = {
+                        "state": state,
+                        "idempotency_key": f"{name}-{state}",
+                        "kind": "done",
+                        "details": "agent up, booted from the network"
+                        if state == "wait-for-agent"
+                        else "clean steps done: erase_devices_metadata",
+                    }
+                    if not self.forged:  # a token it was not given is refused
+                        wrong = {"Authorization": "Bearer not-the-token"}
+                        self.forged.append(http.post(url, json=body, headers=wrong).status_code)
+                    auth = {"Authorization": f"Bearer {said['token']}"}
+                    self.reported[(name, state)] = http.post(
+                        url, json=body, headers=auth
+                    ).status_code
+
+
+def test_the_clean_workflow_end_to_end_with_agents_that_call_back_over_http(
+    cli: Cli, bmc: Bmc, db_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BMC_PASSWORD", PASSWORD)
+    nodes = {"node-6": 6, "node-7": 7}
+    handoff = tmp_path / "handoff"
+    handoff.mkdir()
+    agents = HttpAgents(bmc, handoff, nodes)
+    with serving(db_path, env={"BMC_PASSWORD": PASSWORD}) as server:
+        for name, index in nodes.items():
+            _add_node(
+                cli, name, bmc.url, index, "--set", f"agent_handoff_dir={handoff}",
+                "--set", f"agent_callback_url={server.base}",
+            )  # fmt: skip
+        res = cli("strategy", "create", "--workflow", "clean", "--all", "--format", "json")
+        sid = int(res.json()["id"])
+        agents.start()
+        try:
+            assert cli("strategy", "apply", str(sid)).code == 0  # serve's conductor drives it
+            deadline = time.monotonic() + 120
+            while cli("strategy", "show", str(sid), "--format", "json").json()["state"] not in (
+                "complete",
+                "failed",
+            ):
+                assert time.monotonic() < deadline, steps(cli, sid)
+                assert not agents.errors, agents.errors
+                time.sleep(0.3)
+        finally:
+            agents.stop.set()
+            agents.join(timeout=10)
+    assert not agents.errors, agents.errors
+    assert agents.reported == {
+        (n, s): 202 for n in nodes for s in ("wait-for-agent", "clean-steps")
+    }
+    assert agents.forged == [401]
+    for name, index in nodes.items():
+        assert bmc.system(index)["PowerState"] == "Off", name
+        assert steps(cli, sid)[name]["state"] == "complete"
+    # the agents' reports, each stored through the API and applied
+    history = cli("history", "--strategy", str(sid), "--format", "json").json()
+    said = {(t["target"], t["from"]): t["details"] for t in history}
+    assert said[("node-6", "clean-steps")] == "clean steps done: erase_devices_metadata"
+    refused = cli("events", "--strategy", str(sid), "--kind", "callback-refused").text
+    assert "from 127.0.0.1 refused" in refused
+    # the tokens handed over are gone once the nodes are powered off
+    assert list(handoff.iterdir()) == []
     check = cli("check")
     assert check.code == 0 and "ok:" in check.text, check.text
 

@@ -11,7 +11,10 @@ as the built-in ``clean`` workflow's states, so a YAML workflow of those states 
 * ``power-on``: the same, on;
 * ``set-boot-network``: boot from the network (PXE) once, read back;
 * ``wait-for-agent``, ``clean-steps``, ``mark-available``: nothing on the BMC (the
-  node's agent calls back; the conductor records the node available).
+  node's agent calls back; the conductor records the node available). With
+  ``agent_handoff_dir``, a state that waits for the agent writes its agent token there
+  for the node (:class:`Handoff`), as its boot configuration would carry it; any other
+  state removes it.
 
 sushy is synchronous: each call runs in a worker thread, bounded by the BMC's
 ``redfish_timeout_s``. A BMC that cannot be reached or refuses fails the operation
@@ -24,7 +27,11 @@ conductor may have asked already) before the action is asked for again.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr
@@ -75,6 +82,18 @@ class RedfishSettings(BaseModel):
     )
     redfish_retry_delay_s: float = Field(
         default=1.0, ge=0, le=60, description="seconds between two such requests"
+    )
+    agent_handoff_dir: str | None = Field(
+        default=None,
+        min_length=1,
+        description="a directory where a state that waits for the node's agent writes "
+        "<system id>.json (the agent's token, step, state and agent_callback_url) for "
+        "the node's boot configuration to carry to its agent",
+    )
+    agent_callback_url: AnyHttpUrl | None = Field(
+        default=None,
+        description="the REST API's base URL the node's agent calls back to (written "
+        "in the handoff file)",
     )
 
 
@@ -150,6 +169,42 @@ class _Bmc:
         return target == "Pxe" and enabled in ("Once", "Continuous")
 
 
+class Handoff:
+    """What a node's agent needs to call back, handed over through a file
+    ``{agent_handoff_dir}/{system uuid}.json``: ``{"target", "strategy", "step",
+    "state", "token", "callback_url"}``, written (0600, atomically) when a state that
+    waits for the agent starts, replaced by the next such state's, removed by any other
+    state. What serves it to the node (a PXE or HTTP boot server's per-node config,
+    a virtual-media image built from it) is the deployment's."""
+
+    def __init__(self, cfg: RedfishSettings) -> None:
+        assert cfg.agent_handoff_dir is not None
+        node = cfg.redfish_system_id.rsplit("/", 1)[-1]
+        self.path = Path(os.path.expanduser(cfg.agent_handoff_dir)) / f"{node}.json"
+        self.url = str(cfg.agent_callback_url).rstrip("/") if cfg.agent_callback_url else None
+
+    def write(self, ctx: ActionContext, token: str) -> None:
+        said = {
+            "target": ctx.target.name,
+            "strategy": ctx.strategy_id,
+            "step": ctx.step_id,
+            "state": ctx.state,
+            "token": token,
+            "callback_url": self.url,
+        }
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+        try:
+            with os.fdopen(fd, "w") as out:  # (mkstemp: 0600)
+                json.dump(said, out)
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
 class RedfishDriver:
     """Bare-metal nodes through their BMC's Redfish API (sushy, as Ironic)."""
 
@@ -163,6 +218,8 @@ class RedfishDriver:
 
     async def perform(self, target: Target, operation: str, ctx: ActionContext) -> RemoteResult:
         op, bmc = self._begin(target, operation)
+        if bmc.cfg.agent_handoff_dir is not None:
+            await self._hand_over(bmc, ctx)
         if op.kind == "none":
             return RemoteResult.DONE
         if op.kind == "boot":
@@ -186,6 +243,23 @@ class RedfishDriver:
             f"redfish: {bmc.name}: still {state} {bmc.cfg.power_timeout_s:g}s after "
             f"powering {op.power} (power_timeout_s)"
         )
+
+    @staticmethod
+    async def _hand_over(bmc: _Bmc, ctx: ActionContext) -> None:
+        """The agent's token to its handoff file (a state that waits for the agent), or
+        the file removed (any other state; a recover hook leaves it: the agent keeps
+        the token it had)."""
+        handoff = Handoff(bmc.cfg)
+        try:
+            if ctx.agent_token is not None:
+                await asyncio.to_thread(handoff.write, ctx, ctx.agent_token)
+            elif not ctx.callback_expected:
+                await asyncio.to_thread(handoff.remove)
+        except OSError as exc:
+            raise StepFailed(
+                f"redfish: {bmc.name}: cannot write the agent's handoff file "
+                f"{handoff.path} (agent_handoff_dir): {exc.strerror or exc}"
+            ) from None
 
     async def _wait_power(self, bmc: _Bmc, power: str, for_s: float) -> str:
         """Until the BMC reports ``power``, for ``for_s`` at most: the state last read."""
