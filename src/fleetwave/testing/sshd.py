@@ -9,10 +9,12 @@ benchmark.
 It runs Debian's ``/usr/sbin/sshd`` in the foreground with a private config: a fresh
 ed25519 host key and user key in ``tmp_dir``, ``authorized_keys`` there (not in anyone's
 home) for the current user only, from 127.0.0.1 only, keys only (no passwords), SFTP
-built in. As an ordinary user sshd runs unprivileged (it can only log that user in);
-as root it needs its privilege-separation directory ``/run/sshd`` (created when
-missing, as Debian's service does) and ``StrictModes no`` (the key files sit in a
-temporary directory under the world-writable /tmp). ``known_hosts`` beside them
+built in; or also a throw-away user of its own (:class:`PasswordUser`, made by root)
+with a password, for password logins from 127.0.0.1. As an ordinary user sshd runs
+unprivileged (it can only log that user in); as root it needs its privilege-separation
+directory ``/run/sshd`` (created when missing, as Debian's service does) and
+``StrictModes no`` (the key files sit in a temporary directory under the
+world-writable /tmp). ``known_hosts`` beside them
 trusts the host key for ``[127.0.0.1]:PORT``.
 """
 
@@ -20,9 +22,11 @@ from __future__ import annotations
 
 import getpass
 import os
+import secrets
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +65,45 @@ def write_keypair(private: Path) -> str:
 
 
 @dataclass
+class PasswordUser:
+    """A throw-away local user with a password (root only: ``useradd``, ``chpasswd``),
+    for password logins; :meth:`remove` deletes it."""
+
+    name: str
+    password: str
+    home: Path
+
+    @classmethod
+    def create(cls) -> PasswordUser:
+        """The user, and its home: a new directory of its own under the temporary
+        directory (a test's own directories are root's alone)."""
+        if os.geteuid() != 0:
+            raise RuntimeError("only root can create a user for password logins")
+        name = f"fwpw{os.getpid()}{secrets.token_hex(3)}"
+        password = secrets.token_urlsafe(18)
+        home = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+        subprocess.run(
+            ["useradd", "--no-create-home", "--home-dir", str(home), "--shell", "/bin/sh", name],
+            check=True,
+            capture_output=True,
+        )
+        user = cls(name, password, home)
+        try:
+            subprocess.run(
+                ["chpasswd"], input=f"{name}:{password}\n".encode(), check=True, capture_output=True
+            )
+            shutil.chown(home, name)
+        except BaseException:
+            user.remove()
+            raise
+        return user
+
+    def remove(self) -> None:
+        subprocess.run(["userdel", self.name], check=False, capture_output=True)
+        shutil.rmtree(self.home, ignore_errors=True)
+
+
+@dataclass
 class Sshd:
     """A running sshd (see the module's docstring)."""
 
@@ -74,7 +117,11 @@ class Sshd:
     log: Path
 
     @classmethod
-    def start(cls, tmp: Path, timeout_s: float = 20.0) -> Sshd:
+    def start(
+        cls, tmp: Path, timeout_s: float = 20.0, password_user: PasswordUser | None = None
+    ) -> Sshd:
+        """Start it; with ``password_user``, that user may also log in, with its password
+        (from 127.0.0.1 only; the other user with its key alone)."""
         exe = find_sshd()
         if exe is None:
             raise RuntimeError("no sshd: install Debian's openssh-server")
@@ -102,12 +149,21 @@ class Sshd:
                     "PasswordAuthentication no",
                     "KbdInteractiveAuthentication no",
                     "PermitRootLogin prohibit-password",
-                    f"AllowUsers {user}@127.0.0.1",
+                    f"AllowUsers {user}@127.0.0.1"
+                    + (f" {password_user.name}@127.0.0.1" if password_user is not None else ""),
                     "Subsystem sftp internal-sftp",
                     # the benchmark's 20 hosts connect at once (the default drops some
                     # unauthenticated connections above 10)
                     "MaxStartups 200",
                     "LogLevel VERBOSE",
+                    *(
+                        [
+                            f"Match User {password_user.name} Address 127.0.0.1",
+                            "    PasswordAuthentication yes",
+                        ]
+                        if password_user is not None
+                        else []
+                    ),
                     "",
                 ]
             )
