@@ -242,8 +242,7 @@ def run(quick: bool) -> ScenarioReport:
     power_delay = sum(sum(d) for d in delays.values())
     actions = sum(len(d) for d in delays.values())
     off_pxe = sum(
-        s["PowerState"] == "Off" and s["Boot"]["BootSourceOverrideTarget"] == "Pxe"
-        for s in systems
+        s["PowerState"] == "Off" and s["Boot"]["BootSourceOverrideTarget"] == "Pxe" for s in systems
     )
     threads = min(32, (os.cpu_count() or 1) + 4)
     checks = [

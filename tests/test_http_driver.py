@@ -333,3 +333,45 @@ def test_a_poll_comes_sooner_when_the_sites_progress_says_the_phase_ends_sooner(
     # another phase (or no progress said) starts afresh at the poll interval
     assert look.next_look_s({"state": "aborting", "progress_percent": 50}, now=107.0) == 2.0
     assert look.next_look_s({"state": "aborting", "progress_percent": None}, now=108.0) == 2.0
+
+
+def test_the_conductor_closes_its_connection_pools_when_it_ends(
+    cli: Cli, emulator: Emulator, tmp_path: Path, db_path: Path
+) -> None:
+    import asyncio
+
+    import psutil
+
+    from fleetwave.engine.conductor import Conductor
+    from fleetwave.store.db import open_store
+
+    port = int(emulator.base.rsplit(":", 1)[1].split("/")[0])
+
+    def open_to_emulator() -> int:
+        return sum(
+            1
+            for c in psutil.Process().net_connections(kind="tcp")
+            if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+        )
+
+    import_sites(cli, emulator, tmp_path, {f"site-002{i}": {} for i in range(4)})
+    res = cli("strategy", "create", "--workflow", "patch", "--all", "--format", "json")
+    sid = int(res.json()["id"])
+    assert cli("strategy", "apply", str(sid)).code == 0
+    store = open_store(str(db_path))
+
+    async def drive() -> tuple[str, int]:
+        # on a loop that goes on after the conductor (as a service's or a library's):
+        # the driver's keep-alive connections would stay open on it
+        conductor = Conductor(store)
+        ended = await conductor.run(strategy_ids=[sid])
+        await asyncio.sleep(0.2)  # (the emulator's side closes too)
+        return ended[sid], open_to_emulator()
+
+    before = open_to_emulator()  # (the test's own client's)
+    try:
+        state, after = asyncio.run(drive())
+    finally:
+        store.dispose()
+    assert state == "complete", steps(cli, sid)
+    assert after == before

@@ -12,6 +12,10 @@ offer state actions that take parameters from a YAML state (``action: ssh.run`` 
 :class:`~fleetwave.domain.workflow.StateAction` class made with an instance of its
 ``params_model`` (pydantic).
 
+A driver that holds connections (pools, sessions) closes them in an optional ``async
+close_connections()``, which a conductor calls, through :func:`close_drivers`, for the
+drivers it made when it ends (the driver may be used again: it opens them anew).
+
 Use :func:`known_drivers`, :func:`driver_class` and :func:`make_drivers`; the
 settings' checks and masks are in :mod:`fleetwave.drivers.settings`.
 """
@@ -19,6 +23,7 @@ settings' checks and masks are in :mod:`fleetwave.drivers.settings`.
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
@@ -126,3 +131,18 @@ def make_drivers(seed: int = 0) -> dict[str, TargetDriver]:
         takes_seed = "seed" in inspect.signature(entry.cls).parameters
         out[name] = entry.cls(seed=seed) if takes_seed else entry.cls()
     return out
+
+
+async def close_drivers(drivers: dict[str, TargetDriver]) -> None:
+    """Call each driver's ``close_connections()``, if it has one; a driver that fails to
+    close is logged, never raised: the others are closed all the same."""
+    for name, driver in drivers.items():
+        close = getattr(driver, "close_connections", None)
+        if close is None:
+            continue
+        try:
+            await close()
+        except Exception as exc:
+            logging.getLogger("fleetwave.drivers").warning(
+                "driver %s did not close: %s: %s", name, type(exc).__name__, exc
+            )

@@ -373,6 +373,9 @@ class HttpDriver:
             with contextlib.suppress(RuntimeError):  # its loop is gone: nothing to close
                 await client.aclose()
 
+    #: what a conductor calls when it ends (fleetwave.drivers.close_drivers)
+    close_connections = aclose
+
     # -- helpers --------------------------------------------------------------------------
 
     def _begin(self, target: Target, operation: str) -> tuple[Operation, _Site]:

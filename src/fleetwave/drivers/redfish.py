@@ -123,10 +123,19 @@ class _Bmc:
         self.cfg = cfg
         self.address = str(cfg.redfish_address).rstrip("/")
         self._system: Any = None
+        self._root: Any = None
+
+    def close(self) -> None:
+        """Close the HTTP session to the BMC (its pooled connections)."""
+        root, self._root, self._system = self._root, None, None
+        if root is not None:
+            root._conn.close()
 
     def system(self) -> Any:
         if self._system is None:
             import sushy
+
+            self.close()  # (a session given up after an error: its connections too)
 
             password = None
             if self.cfg.redfish_password is not None:
@@ -140,6 +149,7 @@ class _Bmc:
                 read_timeout=self.cfg.redfish_timeout_s,
                 connect_timeout=self.cfg.redfish_timeout_s,
             )
+            self._root = root
             self._system = root.get_system(self.cfg.redfish_system_id)
         else:
             self._system.refresh(force=True)
@@ -215,6 +225,11 @@ class RedfishDriver:
         self._bmcs = PerTarget(
             "redfish", RedfishSettings, lambda target, cfg: _Bmc(target.name, cfg)
         )
+
+    async def close_connections(self) -> None:
+        """Close every BMC's session (the conductor ends)."""
+        for bmc in self._bmcs.forget_all():
+            await asyncio.to_thread(bmc.close)
 
     async def perform(self, target: Target, operation: str, ctx: ActionContext) -> RemoteResult:
         op, bmc = self._begin(target, operation)

@@ -223,6 +223,11 @@ class PerTarget(Generic[M, T]):
         self._kept[target.name] = (target.settings, made)
         return made
 
+    def forget_all(self) -> list[T]:
+        """Forget every target's (the driver is closing): what was kept, to close."""
+        kept, self._kept = self._kept, {}
+        return [made for _, made in kept.values()]
+
 
 # -- describing ---------------------------------------------------------------------------
 

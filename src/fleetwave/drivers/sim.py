@@ -480,12 +480,11 @@ class _Run:
 class _HttpAgent:
     """One simulated agent that reports over HTTP, as a real one does (see the module)."""
 
-    __slots__ = ("client", "driver", "key", "state", "step", "token", "url")
+    __slots__ = ("driver", "key", "state", "step", "token", "url")
 
     def __init__(
         self,
         driver: SimDriver,
-        client: httpx.AsyncClient,
         base: str,
         token: str | None,
         step: int,
@@ -493,7 +492,6 @@ class _HttpAgent:
         key: str,
     ) -> None:
         self.driver = driver
-        self.client = client
         self.url = f"{base}/v1/steps/{step}/callbacks"
         self.token = token
         self.step = step
@@ -512,7 +510,7 @@ class _HttpAgent:
         answer, a 5xx)."""
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         body = {"state": self.state, "idempotency_key": key, "kind": kind, "details": details}
-        answer = await self.client.post(self.url, json=body, headers=headers)
+        answer = await self.driver._agent_client().post(self.url, json=body, headers=headers)
         if answer.status_code >= 500:
             raise TransientError(f"callback answered {answer.status_code}")
         if answer.status_code >= 400:
@@ -796,12 +794,8 @@ class SimDriver:
             kept[(ctx.step_id, ctx.state)] = token
         else:
             token = kept.get((ctx.step_id, ctx.state))
-        loop = asyncio.get_running_loop()
-        if self._http is None or self._http[0] is not loop:  # (a client serves one loop)
-            self._http = (loop, httpx.AsyncClient(timeout=AGENT_HTTP_TIMEOUT_S))
         return _HttpAgent(
             self,
-            self._http[1],
             url,
             token,
             ctx.step_id,
@@ -867,6 +861,18 @@ class SimDriver:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.close_connections()
+
+    def _agent_client(self) -> httpx.AsyncClient:
+        """The HTTP agents' connections (made again after :meth:`close_connections`)."""
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._http[0] is not loop:  # (a client serves one loop)
+            self._http = (loop, httpx.AsyncClient(timeout=AGENT_HTTP_TIMEOUT_S))
+        return self._http[1]
+
+    async def close_connections(self) -> None:
+        """Close the HTTP agents' connections (the conductor ends); the targets' work
+        and agents go on, and open new ones if they call back again."""
         http, self._http = self._http, None
         if http is not None and http[0] is asyncio.get_running_loop():
             await http[1].aclose()

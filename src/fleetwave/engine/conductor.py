@@ -63,7 +63,7 @@ from fleetwave.domain.models import (
 )
 from fleetwave.domain.rules import Decision, details_text
 from fleetwave.domain.workflow import TargetDriver
-from fleetwave.drivers import make_drivers
+from fleetwave.drivers import close_drivers, make_drivers
 from fleetwave.engine.agent_tokens import AgentTokenIssuer
 from fleetwave.engine.claims import NOT_DRIVABLE_HERE, ClaimsMixin
 from fleetwave.engine.clock import Clock, ServerClock, WallClock
@@ -153,6 +153,8 @@ class Conductor(
             store.busy_timeout_ms, max(100, int(self.config.lease_ttl_s * 50))
         )
         self.drivers = drivers if drivers is not None else make_drivers(self.config.seed)
+        #: the drivers made here are closed here when run ends (given ones: by their owner)
+        self._closes_drivers = drivers is None
         self.id = conductor_id or f"c-{uuid.uuid4().hex[:12]}"
         self.stats = EngineStats()
         #: counts for /metrics, when something reads them (``serve --listen``)
@@ -384,6 +386,8 @@ class Conductor(
                 held = [i for run in self.runs.values() for i in run.inflight]
                 await self._io(rt.release_conductor, self.store, self.id, self._NOW, held)
             self._writer.close()
+            if self._closes_drivers:
+                await close_drivers(self.drivers)  # their pools and sessions
         return self.finished
 
     async def _stop_workers(self) -> list[InFlight]:
