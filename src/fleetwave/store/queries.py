@@ -1315,6 +1315,7 @@ def _history_query(store: Store, sid: int) -> Any:
         journal.c.to_state,
         journal.c.fence,
         journal.c.details,
+        journal.c.visit,
     )
     if kept:
         return select(*columns).select_from(source)
@@ -1350,6 +1351,7 @@ def _attempt_rows(store: Store, sid: int, step_ids: list[int] | None) -> list[di
                 attempts.c.attempt,
                 attempts.c.fence,
                 attempts.c.how,
+                attempts.c.visit,
             )
             .select_from(source)
             .where(attempts.c.strategy_id == sid, attempts.c.how.in_(sorted(ATTEMPT_WORDS)))
@@ -1367,11 +1369,12 @@ def _attempt_rows(store: Store, sid: int, step_ids: list[int] | None) -> list[di
             "step": step,
             "from": state,
             "to": state,
+            "visit": visit,
             "fence": fence,
             "details": f"attempt {attempt}: {ATTEMPT_WORDS.get(how, how)}",
             "attempt": attempt,
         }
-        for at, conductor, target, step, state, attempt, fence, how in rows
+        for at, conductor, target, step, state, attempt, fence, how, visit in rows
     ]
 
 
@@ -1423,7 +1426,7 @@ def _iter_history(
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """The journal's rows with their ids, after ``after``."""
     # by position: a history of 600,000 rows spent a sixth of its time naming columns
-    for id_, at, conductor, target, step, frm, to, fence, details in _pages(
+    for id_, at, conductor, target, step, frm, to, fence, details, visit in _pages(
         store, q, journal.c.id, after, rows
     ):
         yield (
@@ -1436,6 +1439,8 @@ def _iter_history(
                 "step": step,
                 "from": frm,
                 "to": to,
+                # which visit of ``to`` (1 but for a state on a bounded cycle)
+                "visit": visit,
                 "fence": fence,
                 "details": details,
             },
