@@ -560,20 +560,24 @@ def _check_cycles(wf: WorkflowDef) -> None:
             )
     by_name = {s.name: s for s in wf.states}
     for group in cycles(wf.states):
-        said = ", ".join(group)
+        said = (
+            f"state {group[0]} branches to itself, a cycle"
+            if len(group) == 1
+            else f"states {', '.join(group)} form a cycle of branches"
+        )
         unbounded = [n for n in group if by_name[n].max_visits is None]
         if unbounded:
             raise WorkflowError(
-                f"workflow {wf.name}: states {said} form a cycle of branches; every state "
-                f"on a cycle needs max_visits (1 to {MAX_VISITS}): missing on "
+                f"workflow {wf.name}: {said}; every state on a cycle needs max_visits "
+                f"(1 to {MAX_VISITS}): missing on "
                 f"{', '.join(unbounded)}"
             )
         waits = [n for n in group if by_name[n].mode == "wait-for-callback"]
         if waits:
             raise WorkflowError(
-                f"workflow {wf.name}: states {said} form a cycle of branches; a state on a "
-                f"cycle cannot wait for a callback (a late callback of one visit would "
-                f"answer the next): {', '.join(waits)}"
+                f"workflow {wf.name}: {said}; a state on a cycle cannot wait for a "
+                f"callback (a late callback of one visit would answer the next): "
+                f"{', '.join(waits)}"
             )
 
 

@@ -234,9 +234,9 @@ def _check_strategy(
         if mask is None:
             mask = bit[to] = 1 << len(bit)
         seen = entered.get(step_id, 0)
-        limit = max_visits.get(to)
-        if limit is not None:
-            _check_visit(result, who(step_id), to, visit, visited.get((step_id, to), 0), limit)
+        most = max_visits.get(to)
+        if most is not None:
+            _check_visit(result, who(step_id), to, visit, visited.get((step_id, to), 0), most)
             visited[(step_id, to)] = max(visit, visited.get((step_id, to), 0))
         elif seen & mask:
             result.add(f"G1: {who(step_id)} entered '{to}' more than once")
