@@ -17,17 +17,19 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
 from cli_harness import Cli, assert_rejected, one_line
 from conftest import add_sim_targets, on_virtual_time
 from fleetwave.domain.models import StrategyOptions, Target
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
+from fleetwave.drivers.sim import SimDriver
 from fleetwave.engine.clock import LoopClock
 from fleetwave.engine.conductor import Conductor
 from fleetwave.engine.config import EngineConfig
-from fleetwave.store import admin
+from fleetwave.engine.errors import SimulatedCrash
+from fleetwave.store import admin, queries
 from fleetwave.store.db import Store, open_store
 from fleetwave.store.schema import journal, steps, strategies, targets
 from fleetwave.store.writer import Transition, TransitionWriter
@@ -375,3 +377,58 @@ def test_random_bounded_loops_never_pass_max_visits_and_check_holds(
         # it passes once hi's visit k + 1 comes, if the loop allows that many rounds
         want = "complete" if 0 < k < most else "failed"
         assert ended[f"t{i}"] == want, (case, i, k)
+
+
+@pytest.mark.both_dialects
+def test_a_takeover_mid_loop_goes_on_from_the_visit_on_the_row(store: Store) -> None:
+    """The conductor dies just after committing retry-flash's second visit (its action
+    never reached the target). The next owner reads the visits from the step's row: it
+    re-sends that visit's operation as its attempt 2 (on the record, per visit), and
+    the loop still stops at max_visits, counting the visits before the takeover."""
+    wf = parse_workflow_yaml(FLASH, strict=True)
+    admin.add_targets(
+        store,
+        [
+            Target("flaky", settings={"fail_at": "verify", "fail_visits": 2}),
+            Target("broken", settings={"fail_at": "verify"}),
+        ],
+    )
+    sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
+    admin.apply_strategy(store, sid)
+    sim = SimDriver()
+
+    def crash(point: str) -> None:
+        if point != "after-commit":
+            return
+        with store.read() as conn:
+            at = conn.execute(
+                select(steps.c.state, steps.c.visit).where(steps.c.strategy_id == sid)
+            ).all()
+        if ("retry-flash", 2) in [tuple(r) for r in at]:
+            raise SimulatedCrash(point)
+
+    async def go() -> dict[int, str]:
+        first = Conductor(store, drivers={"sim": sim}, crash_hook=crash)
+        with pytest.raises(SimulatedCrash):
+            await first.run(strategy_ids=[sid])
+        with store.write() as conn:  # its lease ran out
+            conn.execute(
+                update(strategies).where(strategies.c.id == sid).values(lease_expires_at=1.0)
+            )
+        second = Conductor(store, drivers={"sim": sim}, config=EngineConfig(tick_s=0.05))
+        return await asyncio.wait_for(second.run(strategy_ids=[sid]), 60)
+
+    assert asyncio.run(go()) == {sid: "failed"}
+    ended = {s["target"]: s for s in queries.list_steps(store, sid)}
+    assert ended["flaky"]["state"] == "complete"  # verify's third visit passed
+    assert ended["broken"]["state"] == "failed"
+    assert "retry-flash would be entered a 4th time: its max_visits is 3" in (
+        ended["broken"]["details"]
+    )
+    rows = queries.history(store, sid)
+    resent = [r for r in rows if r["details"].startswith("attempt 2: re-sent")]
+    assert {(r["to"], r["visit"]) for r in resent} == {("retry-flash", 2)}
+    flaky = [(r["to"], r["visit"]) for r in rows if r["target"] == "flaky" and "attempt" not in r]
+    assert flaky.count(("verify", 3)) == 1 and ("verify", 4) not in flaky
+    result = check(store, sid)
+    assert result.ok, result.violations
