@@ -114,16 +114,14 @@ MUTATIONS = [
         "step owner not checked by its writes",
         STORE + "writer.py",
         'f" WHERE id={p} AND state={p} AND fence={p} AND visit={p} AND (owner={p} OR {p} "',
-        'f" WHERE id={p} AND state={p} AND fence={p} AND visit={p} AND ({p} IS NOT NULL '
-        'OR {p} "',
+        'f" WHERE id={p} AND state={p} AND fence={p} AND visit={p} AND ({p} IS NOT NULL OR {p} "',
         tests=("tests/test_fencing_layers.py::test_a_step_is_written_only_by_its_owner",),
     ),
     Mutation(
         "step compare-and-set: the visit not checked (a state on a bounded cycle)",
         STORE + "writer.py",
         'f" WHERE id={p} AND state={p} AND fence={p} AND visit={p} AND (owner={p} OR {p} "',
-        'f" WHERE id={p} AND state={p} AND fence={p} AND {p} IS NOT NULL AND (owner={p} '
-        'OR {p} "',
+        'f" WHERE id={p} AND state={p} AND fence={p} AND {p} IS NOT NULL AND (owner={p} OR {p} "',
         tests=(
             "tests/test_bounded_cycles.py::"
             "test_a_stale_writer_cannot_re_enter_a_state_it_already_left[sqlite]",

@@ -142,13 +142,15 @@ def test_a_step_past_max_visits_fails_naming_the_state_and_its_limit(
             "  - name: a\n  - name: b\n  - name: c\n    max_visits: 2\n    on: {done: b}\n",
             "states b, c form a cycle of branches",
         ),
-        ("  - name: a\n    max_visits: 0\n", "states[0] (a): max_visits: must be at least 1, got 0"),
+        (
+            "  - name: a\n    max_visits: 0\n",
+            "states[0] (a): max_visits: must be at least 1, got 0",
+        ),
         ("  - name: a\n    max_visits: 101\n", "states[0] (a): max_visits: must be at most 100"),
         ("  - name: a\n    max_visits: 2.5\n", "states[0] (a): max_visits: expected a whole"),
         ("  - name: a\n    max_visits: true\n", "states[0] (a): max_visits: expected a number"),
         (
-            "  - name: a\n    max_visits: 2\n    mode: wait-for-callback\n"
-            "    on: {failed: a}\n",
+            "  - name: a\n    max_visits: 2\n    mode: wait-for-callback\n    on: {failed: a}\n",
             "a state on a cycle cannot wait for a callback",
         ),
     ],
@@ -422,8 +424,9 @@ def test_a_takeover_mid_loop_goes_on_from_the_visit_on_the_row(store: Store) -> 
     ended = {s["target"]: s for s in queries.list_steps(store, sid)}
     assert ended["flaky"]["state"] == "complete"  # verify's third visit passed
     assert ended["broken"]["state"] == "failed"
-    assert "retry-flash would be entered a 4th time: its max_visits is 3" in (
-        ended["broken"]["details"]
+    assert (
+        "retry-flash would be entered a 4th time: its max_visits is 3"
+        in (ended["broken"]["details"])
     )
     rows = queries.history(store, sid)
     resent = [r for r in rows if r["details"].startswith("attempt 2: re-sent")]

@@ -479,7 +479,9 @@ def loops_of(text: str) -> tuple[dict[str, frozenset[str]], dict[str, int]]:
             return {}, {}
         # (a driver action's parameters are not a state's fields: left out)
         only = [
-            {k: v for k, v in st.items() if k in _State.model_fields} if isinstance(st, dict) else st
+            {k: v for k, v in st.items() if k in _State.model_fields}
+            if isinstance(st, dict)
+            else st
             for st in raw
         ]
         model = _Workflow.model_validate({**data, "states": only})

@@ -210,9 +210,7 @@ attempts = Table(
     Column("how", String(16), nullable=False),
     #: the visit of ``state`` the attempt is of (see ``steps.visit``)
     Column("visit", Integer, nullable=False, server_default="1"),
-    UniqueConstraint(
-        "step_id", "state", "visit", "attempt", name="uq_attempts_step_state_visit"
-    ),
+    UniqueConstraint("step_id", "state", "visit", "attempt", name="uq_attempts_step_state_visit"),
     Index("ix_attempts_strategy", "strategy_id", "id"),
 )
 

@@ -46,8 +46,8 @@ from fleetwave.domain.models import (
     UNDRIVABLE,
     StrategyState,
 )
-from fleetwave.domain.rollout import phase_stages, stage_failure_stop
 from fleetwave.domain.registry import get_workflow
+from fleetwave.domain.rollout import phase_stages, stage_failure_stop
 from fleetwave.domain.rules import is_allowed_move
 from fleetwave.domain.workflow import back_edges
 from fleetwave.domain.yaml_workflow import loops_of

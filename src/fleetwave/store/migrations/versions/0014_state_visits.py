@@ -43,9 +43,7 @@ def downgrade() -> None:
     # schema could not hold it)
     with op.batch_alter_table("attempts") as batch:
         batch.drop_constraint("uq_attempts_step_state_visit", type_="unique")
-        batch.create_unique_constraint(
-            "uq_attempts_step_state", ["step_id", "state", "attempt"]
-        )
+        batch.create_unique_constraint("uq_attempts_step_state", ["step_id", "state", "attempt"])
         batch.drop_column("visit")
     with op.batch_alter_table("journal") as batch:
         batch.drop_constraint("uq_journal_step_state_visit", type_="unique")
