@@ -1451,10 +1451,17 @@ def step_attempts(store: Store, step_id: int) -> list[dict[str, Any]]:
     """Each attempt of a state sent to the step's target: when it was released, by which
     conductor at which fence, and how: ``entry`` (a state's first, sent as it was
     entered: its journal row), ``afresh`` (entered by a conductor that was stopping,
-    started by the next owner), ``retry``."""
+    started by the next owner), ``retry``; and of which visit of the state (1 but on a
+    bounded retry loop)."""
     with store.read() as conn:
         entries = conn.execute(
-            select(journal.c.to_state, journal.c.at, journal.c.conductor, journal.c.fence)
+            select(
+                journal.c.to_state,
+                journal.c.at,
+                journal.c.conductor,
+                journal.c.fence,
+                journal.c.visit,
+            )
             .where(
                 journal.c.step_id == step_id,
                 journal.c.to_state.not_in(sorted(STEP_TERMINAL)),
@@ -1469,17 +1476,18 @@ def step_attempts(store: Store, step_id: int) -> list[dict[str, Any]]:
                 attempts.c.conductor,
                 attempts.c.fence,
                 attempts.c.how,
+                attempts.c.visit,
             )
             .where(attempts.c.step_id == step_id)
             .order_by(attempts.c.id)
         ).all()
     recorded = [dict(r._mapping) for r in rows]
-    afresh = {r["state"] for r in recorded if r["how"] == "afresh"}
+    afresh = {(r["state"], r["visit"]) for r in recorded if r["how"] == "afresh"}
     firsts = [
         {"state": e.to_state, "attempt": 1, "at": e.at, "conductor": e.conductor,
-         "fence": e.fence, "how": "entry"}
+         "fence": e.fence, "how": "entry", "visit": e.visit}
         for e in entries
-        if e.to_state not in afresh
+        if (e.to_state, e.visit) not in afresh
     ]  # fmt: skip
     return sorted(firsts + recorded, key=lambda r: (r["at"], r["attempt"]))
 
