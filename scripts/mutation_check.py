@@ -102,8 +102,9 @@ MUTATIONS = [
     Mutation(
         "step compare-and-set: state and fence not checked",
         STORE + "writer.py",
-        'f" WHERE id={p} AND state={p} AND fence={p} AND (owner={p} OR {p} "',
-        'f" WHERE id={p} AND {p} IS NOT NULL AND {p} IS NOT NULL AND (owner={p} OR {p} "',
+        'f" WHERE id={p} AND state={p} AND fence={p} AND visit={p} AND (owner={p} OR {p} "',
+        'f" WHERE id={p} AND {p} IS NOT NULL AND {p} IS NOT NULL AND visit={p} '
+        'AND (owner={p} OR {p} "',
         tests=(
             "tests/test_fencing_layers.py::test_the_step_compare_and_set_refuses_a_stale_state",
             "tests/test_fencing_layers.py::test_the_step_compare_and_set_refuses_a_stale_fence",
@@ -112,9 +113,19 @@ MUTATIONS = [
     Mutation(
         "step owner not checked by its writes",
         STORE + "writer.py",
-        'f" WHERE id={p} AND state={p} AND fence={p} AND (owner={p} OR {p} "',
-        'f" WHERE id={p} AND state={p} AND fence={p} AND ({p} IS NOT NULL OR {p} "',
+        'f" WHERE id={p} AND state={p} AND fence={p} AND visit={p} AND (owner={p} OR {p} "',
+        'f" WHERE id={p} AND state={p} AND fence={p} AND visit={p} AND ({p} IS NOT NULL OR {p} "',
         tests=("tests/test_fencing_layers.py::test_a_step_is_written_only_by_its_owner",),
+    ),
+    Mutation(
+        "step compare-and-set: the visit not checked (a state on a bounded cycle)",
+        STORE + "writer.py",
+        'f" WHERE id={p} AND state={p} AND fence={p} AND visit={p} AND (owner={p} OR {p} "',
+        'f" WHERE id={p} AND state={p} AND fence={p} AND {p} IS NOT NULL AND (owner={p} OR {p} "',
+        tests=(
+            "tests/test_bounded_cycles.py::"
+            "test_a_stale_writer_cannot_re_enter_a_state_it_already_left[sqlite]",
+        ),
     ),
     Mutation(
         "a commit does not check the strategy's slots (G7 across conductors)",
@@ -149,9 +160,11 @@ MUTATIONS = [
         ),
     ),
     Mutation(
-        "journal without its unique key on (step, state)",
-        STORE + "migrations/versions/0001_initial.py",
-        '        sa.UniqueConstraint("step_id", "to_state", name="uq_journal_step_state"),\n',
+        "journal without its unique key on (step, state, visit)",
+        STORE + "migrations/versions/0014_state_visits.py",
+        "        batch.create_unique_constraint(\n"
+        '            "uq_journal_step_state_visit", ["step_id", "to_state", "visit"]\n'
+        "        )\n",
         "",
         tests=(
             "tests/test_fencing_layers.py::"
@@ -160,9 +173,10 @@ MUTATIONS = [
     ),
     Mutation(
         "attempts without their unique key",
-        STORE + "migrations/versions/0008_lease_clock_and_attempts.py",
-        '        sa.UniqueConstraint("step_id", "state", "attempt", '
-        'name="uq_attempts_step_state"),\n',
+        STORE + "migrations/versions/0014_state_visits.py",
+        "        batch.create_unique_constraint(\n"
+        '            "uq_attempts_step_state_visit", ["step_id", "state", "visit", "attempt"]\n'
+        "        )\n",
         "",
         tests=("tests/test_fencing_layers.py::test_an_attempt_is_recorded_once",),
     ),

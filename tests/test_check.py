@@ -203,15 +203,15 @@ def test_a_state_entered_twice_is_a_g1_violation(store: Store) -> None:
         strat = conn.execute(select(strategies).where(strategies.c.id == sid)).one()
         step_rows = conn.execute(
             select(steps.c.id, steps.c.state, steps.c.group_id, steps.c.stage, steps.c.owner)
-            .add_columns(targets.c.name)
+            .add_columns(targets.c.name, steps.c.visit)
             .join(targets, targets.c.id == steps.c.target_id)
             .where(steps.c.strategy_id == sid)
         ).all()
-    Move = namedtuple("Move", "step_id from_state to_state fence details")
+    Move = namedtuple("Move", "step_id from_state to_state fence details visit")
     jrows = [
-        Move(a, "initial", FIRST, 1, ""),
-        Move(a, FIRST, SECOND, 1, ""),
-        Move(a, SECOND, FIRST, 1, ""),  # back into pre-check: entered twice, and backwards
+        Move(a, "initial", FIRST, 1, "", 1),
+        Move(a, FIRST, SECOND, 1, "", 1),
+        Move(a, SECOND, FIRST, 1, "", 1),  # back into pre-check: entered twice, and backwards
     ]
     result = invariants.CheckResult()
     invariants._check_strategy(result, strat, step_rows, jrows)

@@ -1,7 +1,7 @@
 """Branching in YAML workflows: a state goes to another on an outcome (``on: {failed:
 rollback, done: next}``, forward or to a cleanup state), and may be skipped on a
-driver's report (``skip_if``); cycles are refused (a state is entered at most once per
-step: G1 as before)."""
+driver's report (``skip_if``); a cycle is refused unless every state on it declares
+``max_visits`` (see test_bounded_cycles.py)."""
 
 from __future__ import annotations
 
@@ -136,13 +136,13 @@ def test_workflow_show_says_where_each_state_branches(cli: Cli, tmp_path: Path) 
         ),
         (
             "  - name: a\n  - name: b\n    on: {failed: a}\n",
-            "states[1] (b): on: failed: 'a' comes before 'b': a branch goes forward",
+            "workflow bad: states a, b form a cycle of branches; every state on a cycle "
+            "needs max_visits (1 to 100): missing on a, b",
         ),
         (
             "  - name: a\n    on: {done: a}\n  - name: b\n",
-            "states[0] (a): on: done: 'a' is this state",
+            "state a branches to itself, a cycle; every state on a cycle needs max_visits",
         ),
-        ("  - name: a\n    max_visits: 3\n", "states[0] (a): max_visits: not supported"),
         (
             "  - name: a\n  - name: c\n    cleanup: true\n",
             "states[1] (c): cleanup: no branch goes to it",

@@ -33,8 +33,9 @@ def history(
     fmt: FormatOpt = Format.table,
     db: DbOpt = None,
 ) -> None:
-    """The journal: every transition with time, conductor, from, to and details."""
-    columns = ["at", "conductor", "target", "from", "to", "details"]
+    """The journal: every transition with time, conductor, from, to (with which visit
+    of it: 1 but for a state on a bounded cycle of branches) and details."""
+    columns = ["at", "conductor", "target", "from", "to", "visit", "details"]
     names = several("--target", target)
     server = remote.server(db)
     if server is not None:

@@ -142,8 +142,41 @@ def on_failed(state: StateDef, decision: Decision) -> Decision:
     return Decision(state.on_failed, f"{decision.details}; on failed: {state.on_failed}")
 
 
-def is_allowed_move(states: tuple[str, ...], from_state: str, to_state: str) -> bool:
-    """G3: moves go forward through the workflow's states, or to a terminal state."""
+def next_visit(
+    max_visits: Mapping[str, int],
+    visits: Mapping[str, int],
+    current: str,
+    decision: Decision,
+) -> tuple[Decision, int]:
+    """Which visit of its state ``decision`` enters (1: a state entered once at most, or
+    a step's end), given the visits so far of the states that count them; one past the
+    state's ``max_visits`` fails the step instead, naming the state and its limit."""
+    to = decision.to_state
+    limit = max_visits.get(to)
+    if limit is None:
+        return decision, 1
+    visit = visits.get(to, 0) + 1
+    if visit <= limit:
+        return decision, visit
+    why = f"{current}: {to} would be entered a {_nth(visit)} time: its max_visits is {limit}"
+    if decision.details:
+        why += f" ({decision.details})"
+    return Decision(STEP_FAILED, details_text(why)), 1
+
+
+def _nth(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def is_allowed_move(
+    states: tuple[str, ...],
+    from_state: str,
+    to_state: str,
+    back: Mapping[str, frozenset[str]] | None = None,
+) -> bool:
+    """G3: moves go forward through the workflow's states, or to a terminal state; or
+    back along a branch of a bounded cycle (``back``: by state, where it may go back)."""
     if from_state in STEP_TERMINAL:
         return False
     if to_state in STEP_TERMINAL:
@@ -154,7 +187,9 @@ def is_allowed_move(states: tuple[str, ...], from_state: str, to_state: str) -> 
         return to_state == states[0]
     if from_state not in states:
         return False
-    return states.index(to_state) > states.index(from_state)
+    if states.index(to_state) > states.index(from_state):
+        return True
+    return back is not None and to_state in back.get(from_state, ())
 
 
 def is_in_flight(state: str) -> bool:
@@ -171,4 +206,5 @@ __all__ = [
     "failure",
     "is_allowed_move",
     "is_in_flight",
+    "next_visit",
 ]

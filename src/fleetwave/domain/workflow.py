@@ -144,6 +144,9 @@ class ActionContext:
     #: found the target without it (:class:`NotOnTarget`); a target that says nothing of
     #: an operation under way (a BMC's power action) may still get the lost one's
     resent: bool = False
+    #: which visit of its state this is: 1, but for a state on a bounded cycle of
+    #: branches (``max_visits``) entered again (a retry loop's second round is 2)
+    visit: int = 1
 
     @property
     def stopping(self) -> bool:
@@ -297,6 +300,9 @@ class StateDef:
     #: entered only by a branch (``on``), never in order: the state before it goes on
     #: past it; at the end of a cleanup chain the step ends failed
     cleanup: bool = False
+    #: how many times a step may enter this state (a state on a cycle of branches must
+    #: say; each visit is its own journal entry); None: once
+    max_visits: int | None = None
 
     def backoff_for(self, failed_attempt: int) -> float:
         """Delay before the attempt after ``failed_attempt`` (1-based): exponential, capped."""
@@ -322,6 +328,11 @@ class WorkflowDef:
         object.__setattr__(self, "_names", tuple(s.name for s in self.states))
         object.__setattr__(self, "_by_name", {s.name: s for s in self.states})
         object.__setattr__(self, "_done_next", _done_next(self.states))
+        object.__setattr__(
+            self,
+            "_max_visits",
+            {s.name: s.max_visits for s in self.states if s.max_visits is not None},
+        )
 
     @property
     def state_names(self) -> tuple[str, ...]:
@@ -335,6 +346,14 @@ class WorkflowDef:
         the list), else ``complete`` (after a cleanup: ``failed``)."""
         nexts: dict[str, str] = self.__dict__["_done_next"]
         return nexts
+
+    @property
+    def max_visits(self) -> dict[str, int]:
+        """The states a step may enter more than once (on a bounded cycle), and how many
+        times: their visits are counted (the step's row and the journal say which visit
+        each entry is); every other state is entered once at most."""
+        limits: dict[str, int] = self.__dict__["_max_visits"]
+        return limits
 
     @property
     def first_state(self) -> str:
@@ -388,6 +407,7 @@ def describe_workflow(wf: WorkflowDef) -> dict[str, Any]:
                 **({"on_done": s.on_done} if s.on_done is not None else {}),
                 **({"on_failed": s.on_failed} if s.on_failed is not None else {}),
                 **({"cleanup": True} if s.cleanup else {}),
+                **({"max_visits": s.max_visits} if s.max_visits is not None else {}),
                 # (two states that differ only in their command must not describe alike)
                 **_params(s.action),
             }
@@ -425,10 +445,15 @@ def _done_next(states: tuple[StateDef, ...]) -> dict[str, str]:
     }
 
 
+#: the most visits a state on a cycle may declare (``max_visits``)
+MAX_VISITS = 100
+
+
 def _check_branches(wf: WorkflowDef) -> None:
-    """Branches go forward to a state of the workflow (or end the step); a cleanup
-    state is reached by some branch. Cycles are refused: each state is entered at most
-    once per step (G1: the journal is unique on step and state)."""
+    """Branches go to a state of the workflow (or end the step); a cleanup state is
+    reached by some branch. A branch may go back (a retry loop) only on a bounded
+    cycle: every state on it declares ``max_visits`` (G1 then holds per visit: the
+    journal is unique on step, state and visit)."""
     names = [s.name for s in wf.states]
     reached: set[str] = set()
     for i, s in enumerate(wf.states):
@@ -446,13 +471,6 @@ def _check_branches(wf: WorkflowDef) -> None:
                     f"{where}: on: {outcome}: '{to}' is not a state of this workflow (its "
                     f"states: {', '.join(names)}){ends}"
                 )
-            if names.index(to) <= i:
-                raise WorkflowError(
-                    f"{where}: on: {outcome}: '{to}' "
-                    + ("is this state" if to == s.name else f"comes before '{s.name}'")
-                    + ": a branch goes forward (a cycle would enter a state twice; "
-                    "max_visits is not supported)"
-                )
             reached.add(to)
     if wf.states[0].cleanup:
         raise WorkflowError(
@@ -464,6 +482,102 @@ def _check_branches(wf: WorkflowDef) -> None:
             raise WorkflowError(
                 f"workflow {wf.name}: states[{i}] ({s.name}): cleanup: no branch goes "
                 "to it (on: {failed: " + s.name + "})"
+            )
+    _check_cycles(wf)
+
+
+def state_edges(states: Sequence[StateDef]) -> dict[str, list[str]]:
+    """Where each state may go next (its done and failed branches, or the next state in
+    order), states only (not the step's ends)."""
+    names = {s.name for s in states}
+    done = _done_next(tuple(states))
+    edges: dict[str, list[str]] = {}
+    for s in states:
+        outs = [to for to in (done[s.name], s.on_failed) if to in names]
+        edges[s.name] = list(dict.fromkeys(outs))
+    return edges
+
+
+def back_edges(states: Sequence[StateDef]) -> dict[str, frozenset[str]]:
+    """By state, the states it may go back to (to an earlier state, or itself: only
+    along a bounded cycle, once the workflow is valid)."""
+    order = {s.name: i for i, s in enumerate(states)}
+    back: dict[str, frozenset[str]] = {}
+    for name, outs in state_edges(states).items():
+        behind = frozenset(to for to in outs if order[to] <= order[name])
+        if behind:
+            back[name] = behind
+    return back
+
+
+def cycles(states: Sequence[StateDef]) -> list[list[str]]:
+    """The cycles of branches among ``states``: each strongly connected set of states
+    that a step can go round (two or more states, or one that branches to itself), its
+    states in the workflow's order."""
+    edges = state_edges(states)
+    order = {s.name: i for i, s in enumerate(states)}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm (a workflow has few states)
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group: list[str] = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1 or v in edges[v]:
+                found.append(sorted(group, key=order.__getitem__))
+
+    for s in states:
+        if s.name not in index:
+            visit(s.name)
+    return sorted(found, key=lambda g: order[g[0]])
+
+
+def _check_cycles(wf: WorkflowDef) -> None:
+    """Each cycle is bounded: every state on it declares ``max_visits``; none waits for a
+    callback (a late callback of one visit would answer the next)."""
+    for i, s in enumerate(wf.states):
+        if s.max_visits is not None and not (1 <= s.max_visits <= MAX_VISITS):
+            raise WorkflowError(
+                f"workflow {wf.name}: states[{i}] ({s.name}): max_visits: must be 1 to "
+                f"{MAX_VISITS}, got {s.max_visits}"
+            )
+    by_name = {s.name: s for s in wf.states}
+    for group in cycles(wf.states):
+        said = (
+            f"state {group[0]} branches to itself, a cycle"
+            if len(group) == 1
+            else f"states {', '.join(group)} form a cycle of branches"
+        )
+        unbounded = [n for n in group if by_name[n].max_visits is None]
+        if unbounded:
+            raise WorkflowError(
+                f"workflow {wf.name}: {said}; every state on a cycle needs max_visits "
+                f"(1 to {MAX_VISITS}): missing on "
+                f"{', '.join(unbounded)}"
+            )
+        waits = [n for n in group if by_name[n].mode == "wait-for-callback"]
+        if waits:
+            raise WorkflowError(
+                f"workflow {wf.name}: {said}; a state on a cycle cannot wait for a "
+                f"callback (a late callback of one visit would answer the next): "
+                f"{', '.join(waits)}"
             )
 
 

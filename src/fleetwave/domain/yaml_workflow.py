@@ -17,9 +17,16 @@
       - name: rollback
         cleanup: true              # entered only by a branch; after it the step ends failed
 
-``on: {done: X}`` jumps forward (a later state, ``next``, ``complete``, ``failed``);
-``skip_if: already-done`` skips a state on the driver's report. Branches go forward
-only (each state entered at most once per step); cycles and ``max_visits`` are refused.
+``on: {done: X}`` jumps to another state (or ``next``, ``complete``, ``failed``);
+``skip_if: already-done`` skips a state on the driver's report. A branch may go back
+(a retry loop) only on a bounded cycle: every state on it declares ``max_visits: N``
+(1 to 100), and each visit is its own journal entry; a cycle without is refused.
+
+      - name: retry-flash
+        max_visits: 3
+      - name: verify
+        max_visits: 3
+        on: {failed: retry-flash}   # back, at most 3 times round
 
 Errors name the state and the field: ``states[1] (apply): timeout_s: must be > 0``.
 """
@@ -52,6 +59,7 @@ from fleetwave.domain.models import (
 )
 from fleetwave.domain.registry import action_class, driver_action
 from fleetwave.domain.workflow import (
+    MAX_VISITS,
     ActionContext,
     DriverOperation,
     NoRecoverHook,
@@ -61,6 +69,7 @@ from fleetwave.domain.workflow import (
     StateDef,
     WorkflowDef,
     WorkflowError,
+    back_edges,
     next_in_order,
 )
 
@@ -306,8 +315,8 @@ class _State(BaseModel):
     cleanup: Annotated[bool, BeforeValidator(_only_bool)] = False
     #: the driver's reports (before anything is sent) on which the state is skipped
     skip_if: list[Literal["done", "already-done"]] | Literal["done", "already-done"] | None = None
-    #: refused: a state entered more than once per step (cycles) is not supported
-    max_visits: Any = None
+    #: how many times a step may enter the state: needed on a cycle of branches
+    max_visits: _Count | None = Field(default=None, ge=1, le=MAX_VISITS)
 
 
 class _Workflow(BaseModel):
@@ -458,6 +467,44 @@ def _message(err: Any, fields_here: list[str] | None = None) -> str:
     return str(msg)
 
 
+def loops_of(text: str) -> tuple[dict[str, frozenset[str]], dict[str, int]]:
+    """A stored workflow's loops, read without making its actions (``fleetwave check``
+    runs where its python: actions may not import): by state, the states it may go back
+    to, and the states that count their visits with their ``max_visits``. Empty for
+    text that does not read as a workflow."""
+    try:
+        data = load_yaml(text, _Yaml12SafeLoader)
+        raw = data.get("states") if isinstance(data, dict) else None
+        if not isinstance(raw, list):
+            return {}, {}
+        # (a driver action's parameters are not a state's fields: left out)
+        only = [
+            {k: v for k, v in st.items() if k in _State.model_fields}
+            if isinstance(st, dict)
+            else st
+            for st in raw
+        ]
+        model = _Workflow.model_validate({**data, "states": only})
+    except (yaml.YAMLError, ValidationError):
+        return {}, {}
+    states: list[StateDef] = []
+    for i, st in enumerate(model.states):
+        on = st.on or _Branches()
+        ahead = next_in_order(model.states, i)
+        states.append(
+            StateDef(
+                st.name,
+                StateAction(),
+                on_done=ahead if on.done == "next" else on.done,
+                on_failed=ahead if on.failed == "next" else on.failed,
+                cleanup=st.cleanup,
+                max_visits=st.max_visits,
+            )
+        )
+    limits = {s.name: s.max_visits for s in states if s.max_visits is not None}
+    return back_edges(states), limits
+
+
 def parse_workflow_yaml(text: str, *, source: str = "<yaml>", strict: bool = False) -> WorkflowDef:
     """Parse and validate; raise :class:`WorkflowError` naming the state and field.
 
@@ -528,11 +575,6 @@ def parse_workflow_yaml(text: str, *, source: str = "<yaml>", strict: bool = Fal
             )
             if st.recover == "none":
                 action = _NoRecover(action)
-        if st.max_visits is not None:
-            raise WorkflowError(
-                f"{where}: max_visits: not supported: a state is entered at most once per "
-                "step (branches go forward; no cycles)"
-            )
         if st.skip_if and spec.startswith("python:"):
             raise WorkflowError(
                 f"{where}: skip_if: only for a driver operation (a python: action decides itself)"
@@ -552,6 +594,7 @@ def parse_workflow_yaml(text: str, *, source: str = "<yaml>", strict: bool = Fal
                 on_done=ahead if on.done == "next" else on.done,
                 on_failed=ahead if on.failed == "next" else on.failed,
                 cleanup=st.cleanup,
+                max_visits=st.max_visits,
             )
         )
     try:

@@ -14,6 +14,8 @@ Per-target settings (``fleetwave target add NAME --set key=value``):
 ``hang_rate``        chance an operation never returns (exercises timeouts)
 ``error_rate``       chance the driver itself raises an unexpected exception (a bug)
 ``fail_at``          a state name: the operation of that state always fails
+``fail_visits``      with ``fail_at``: only the state's first N visits fail (a retry
+                     loop's later rounds pass); 0, the default: every visit
 ``hang_at``          a state name: the operation of that state never returns
 ``already_done``     ``true``: the target reports it is already done (pre-check skips;
                      ``observe`` says so too, for ``skip_if``)
@@ -75,6 +77,7 @@ SETTINGS = (
     "hang_rate",
     "error_rate",
     "fail_at",
+    "fail_visits",
     "hang_at",
     "already_done",
     "remote_state",
@@ -121,6 +124,14 @@ def _float(settings: dict[str, Any], key: str, default: float, lo: float, hi: fl
         # as given (5, not 5.0)
         raise SimSettingError(f"sim setting {key}: {raw} is outside {lo:.15g}..{hi:.15g}")
     return val
+
+
+def _whole(settings: dict[str, Any], key: str, lo: int, hi: int) -> int:
+    """A count: a whole number (2.5 is refused) within ``lo..hi``."""
+    val = _float(settings, key, lo, lo, hi)
+    if val != int(val):
+        raise SimSettingError(f"sim setting {key}: {settings[key]} is not a whole number")
+    return int(val)
 
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -190,6 +201,7 @@ NUMBERS = (
     "flaky_rate",
     "hang_rate",
     "error_rate",
+    "fail_visits",
     *CALLBACK_RATES,
 )
 
@@ -230,6 +242,9 @@ class SimSettings(BaseModel):
     hang_rate: float = _rate("chance an operation never returns (the timeout ends it)")
     error_rate: float = _rate("chance the driver raises an unexpected exception")
     fail_at: str | None = Field(default=None, description="a state whose operation fails")
+    fail_visits: int = Field(
+        default=0, ge=0, le=100, description="fail_at fails its first N visits only (0: all)"
+    )
     hang_at: str | None = Field(default=None, description="a state whose operation hangs")
     already_done: bool = Field(
         default=False, description="the target reports it is already done (pre-check skips)"
@@ -260,6 +275,7 @@ class _Profile:
         "callback_url",
         "error",
         "fail_at",
+        "fail_visits",
         "failure",
         "flaky",
         "hang",
@@ -293,6 +309,7 @@ class _Profile:
         self.hang = _float(settings, "hang_rate", 0, 0, 1)
         self.error = _float(settings, "error_rate", 0, 0, 1)
         self.fail_at = _state(settings, "fail_at")
+        self.fail_visits = _whole(settings, "fail_visits", 0, 100)
         self.hang_at = _state(settings, "hang_at")
         self.already_done = _bool(settings, "already_done")
         self.remote_state = _remote_state(settings)
@@ -745,7 +762,7 @@ class SimDriver:
     def _finish(prof: _Profile, ctx: ActionContext) -> RemoteResult:
         if prof.remote_state and (prof.unexpected_at or ctx.state) == ctx.state:
             raise StepFailed(f"target reports unexpected remote state '{prof.remote_state}'")
-        if prof.fail_at == ctx.state:
+        if prof.fail_at == ctx.state and (not prof.fail_visits or ctx.visit <= prof.fail_visits):
             raise StepFailed(f"failed on target (fail_at={prof.fail_at})")
         return RemoteResult.ALREADY_DONE if prof.already_done else RemoteResult.DONE
 

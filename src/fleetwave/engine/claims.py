@@ -273,19 +273,19 @@ class ClaimsMixin(StoreCalls):
         out = []
 
         def end(step: rt.StepRecord, to_state: str, details: str) -> None:
-            batch.append(
-                self._move(
-                    run,
-                    step.step_id,
-                    step.state,
-                    step.fence,
-                    to_state,
-                    details,
-                    step.attempt,
-                    now,
-                    step.group_id,
-                )
+            moved = self._move(
+                run,
+                step.step_id,
+                step.state,
+                step.fence,
+                to_state,
+                details,
+                step.attempt,
+                now,
+                step.group_id,
             )
+            moved.from_visit = step.visit  # (the visit of its state it is in)
+            batch.append(moved)
 
         # First the entered-but-unstarted steps whose target is unmanaged now: they fail,
         # as at an admission, and that may stop the strategy before any other starts.
@@ -399,6 +399,7 @@ class ClaimsMixin(StoreCalls):
                 # nobody can drive them: ended whoever held them (at their fence)
                 any_owner=True,
                 group_id=st.group_id,
+                from_visit=st.visit,
             )
             for st in open_steps
         ]

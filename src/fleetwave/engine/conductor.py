@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -61,7 +62,7 @@ from fleetwave.domain.models import (
     StrategyState,
     plural,
 )
-from fleetwave.domain.rules import Decision, details_text
+from fleetwave.domain.rules import Decision, details_text, next_visit
 from fleetwave.domain.workflow import TargetDriver
 from fleetwave.drivers import close_drivers, make_drivers
 from fleetwave.engine.agent_tokens import AgentTokenIssuer
@@ -528,6 +529,7 @@ class Conductor(
                         msg.details,
                         0 if msg.started else 1,
                         msg.how,
+                        self._reported_visit(msg),
                     )
                 )
             elif isinstance(msg, CallbackArrived):
@@ -879,6 +881,11 @@ class Conductor(
             return None
         return run, fl
 
+    def _reported_visit(self, msg: RetryScheduled) -> int:
+        """The visit of its state the step a retry is recorded for is in."""
+        reported = self._reported(msg)
+        return 1 if reported is None else reported[1].visit
+
     def _on_finished(
         self,
         msg: ActionFinished,
@@ -936,6 +943,13 @@ class Conductor(
             took = f"{msg.state}: done at attempt {msg.attempts}"
             details = f"{decision.details} ({took})" if decision.details else took
             decision = Decision(decision.to_state, details)
+        visit, visits, counted = 1, None, run.workflow.max_visits
+        if counted and decision.to_state in counted:
+            # a state on a bounded cycle: its next visit, or the step fails past its limit
+            decision, visit = next_visit(counted, fl.visits, msg.state, decision)
+            if decision.to_state in counted:
+                fl.visits[decision.to_state] = visit
+                visits = json.dumps(fl.visits, sort_keys=True)
         batch.append(
             self._move(
                 run,
@@ -947,6 +961,9 @@ class Conductor(
                 msg.attempts,
                 now,
                 fl.rec.group_id,
+                from_visit=fl.visit,
+                visit=visit,
+                visits=visits,
             )
         )
         # Book the move now, so admissions in this same batch see the freed slot.
@@ -968,6 +985,7 @@ class Conductor(
                 self._count_failure(run, fl.rec.target.name, fl.rec.stage)
         else:
             fl.state = decision.to_state
+            fl.visit = visit
             fl.waiter = None  # the next state's waiter is made when its action starts
 
     def _stop_moves_before_the_stop(self, batch: list[rt.Transition], now: float) -> None:
@@ -994,6 +1012,7 @@ class Conductor(
                 t.attempt,
                 now,
                 t.group_id,
+                from_visit=t.from_visit,
             )
 
     async def _no_room(self, sid: int, n: int) -> None:
@@ -1121,7 +1140,9 @@ class Conductor(
                 # A target unmanaged now is failed in the commit that would start it (as
                 # of then, not as of when its page was loaded: it may be managed again).
                 batch.append(self._entry(run, rec, first, "", now, claim=True))
-                run.inflight[rec.step_id] = InFlight(rec, first, rec.fence + 1)
+                fl = run.inflight[rec.step_id] = InFlight(rec, first, rec.fence + 1)
+                if first in run.workflow.max_visits:
+                    fl.visits = {first: 1}
                 run.group_load[rec.group_id] += 1
         if run.stopping is not None:
             # Ending waiting steps needs no slot, and must not wait for room in a batch.
@@ -1150,7 +1171,9 @@ class Conductor(
         now: float,
         claim: bool = False,
     ) -> rt.Transition:
-        """The transition out of ``initial``; a claim bumps the fence (this owner's token)."""
+        """The transition out of ``initial``; a claim bumps the fence (this owner's token).
+        Into a first state that counts its visits: its first."""
+        counted = to_state in run.workflow.max_visits
         return self._move(
             run,
             rec.step_id,
@@ -1162,6 +1185,7 @@ class Conductor(
             now,
             rec.group_id,
             fence=rec.fence + 1 if claim else rec.fence,
+            visits=json.dumps({to_state: 1}) if counted else None,
         )
 
     def _move(
@@ -1177,9 +1201,15 @@ class Conductor(
         group_id: int | None,
         *,
         fence: int | None = None,
+        from_visit: int = 1,
+        visit: int = 1,
+        visits: str | None = None,
     ) -> rt.Transition:
         """A transition of one of ``run``'s steps (of group ``group_id``: its entries and
         ends count in that group's slots too), with what follows from where it goes.
+        ``from_visit``: the visit of ``from_state`` the step is in; ``visit``: the one of
+        ``to_state`` it enters, ``visits`` (JSON) its visits then, if that state counts
+        them (see :func:`fleetwave.domain.rules.next_visit`).
 
         Its deadline (when ``to_state`` runs out of time), and its not-started mark:
         while draining, :meth:`_apply` starts no next state, so the next owner will.
@@ -1203,6 +1233,9 @@ class Conductor(
             self._deadline_of(run, to_state, now),
             False,
             group_id,
+            from_visit,
+            visit,
+            visits,
         )
 
     @staticmethod

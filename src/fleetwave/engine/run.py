@@ -59,6 +59,15 @@ class InFlight:
     #: a retry recorded and never started, taken over: when it is due (engine clock);
     #: it then runs as that attempt (never through the recover hook)
     retry_due: float | None = None
+    #: which visit of :attr:`state` the step is in, and the visits so far of the states
+    #: that count them (a bounded cycle's): from its row, then as the dispatcher moves it
+    visit: int = 0
+    visits: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.visit == 0:
+            self.visit = self.rec.visit
+            self.visits = dict(self.rec.visits)
 
 
 @dataclass(slots=True)

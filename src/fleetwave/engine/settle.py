@@ -8,6 +8,7 @@ again, taken over, or failed.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -58,6 +59,9 @@ class SettleMixin(StoreCalls):
             group_id: int | None,
             *,
             fence: int | None = None,
+            from_visit: int = 1,
+            visit: int = 1,
+            visits: str | None = None,
         ) -> rt.Transition: ...
 
     def _read_back(
@@ -131,6 +135,7 @@ class SettleMixin(StoreCalls):
             *,
             fence: int | None = None,
             attempt: int | None = None,
+            again: rt.Transition | None = None,
         ) -> None:
             attempt = row.attempt if attempt is None else attempt
             moved = self._move(
@@ -144,6 +149,10 @@ class SettleMixin(StoreCalls):
                 now,
                 row.group_id,
                 fence=fence,
+                from_visit=row.visit,
+                # a decision applied again enters the visit it decided
+                visit=1 if again is None else again.visit,
+                visits=None if again is None else again.visits,
             )
             # the row is the truth: written whoever owns it now (its fence is checked)
             moved.any_owner = True
@@ -169,7 +178,8 @@ class SettleMixin(StoreCalls):
             if (
                 refused is not None
                 and row.state == refused.from_state != STEP_INITIAL
-                and refused.to_state not in seen
+                and row.visit == refused.from_visit
+                and (refused.to_state, refused.visit) not in seen
             ):
                 # Where this conductor left it: apply the decision again, fencing off
                 # whoever changed the row.
@@ -184,6 +194,7 @@ class SettleMixin(StoreCalls):
                     f"unchanged but for its fence; applied again: {to_state}",
                     fence=row.fence + 1,
                     attempt=refused.attempt,
+                    again=refused if to_state == refused.to_state else None,
                 )
                 if u.mark is not None:
                     marks.append(u.mark)
@@ -204,9 +215,13 @@ class SettleMixin(StoreCalls):
             elif row.state not in run.workflow.state_names:
                 why = f"{row.state}: not a state of workflow {run.workflow.name}"
                 end(row, STEP_FAILED, why, f"{why}: failed")
-            elif refused is not None and row.state == refused.from_state:
+            elif (
+                refused is not None
+                and row.state == refused.from_state
+                and row.visit == refused.from_visit
+            ):
                 # Its decision's next state was entered already (the row was set back):
-                # that state cannot be entered twice (G1).
+                # that state cannot be entered twice (G1; in that visit).
                 why = f"{row.state}: set back after it had entered {refused.to_state}"
                 end(row, STEP_FAILED, why, f"{why}: failed")
             elif row.not_started and run.stopping is not None:
@@ -254,7 +269,9 @@ class SettleMixin(StoreCalls):
                 if t.to_state == STEP_FAILED and row is None:
                     self._count_failure(run)
                 if row is not None and t.to_state not in STEP_TERMINAL:
-                    row.fence, row.state = t.fence, t.to_state
+                    row.fence, row.state, row.visit = t.fence, t.to_state, t.visit
+                    if t.visits is not None:
+                        row.visits = json.loads(t.visits)
                     self._back_in_flight(run, row, t.to_state, recovering=False)
             for sid in result.lost:
                 self._drop_run(sid)

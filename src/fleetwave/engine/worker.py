@@ -210,6 +210,7 @@ class WorkerMixin(StoreCalls):
                     (lambda: fl.stopped) if recovering else None,  # is_stopping
                     agent_token,
                     resending,
+                    fl.visit,
                 )
                 self._attempts += 1
                 attempt = fl.running = self._attempts

@@ -1315,6 +1315,7 @@ def _history_query(store: Store, sid: int) -> Any:
         journal.c.to_state,
         journal.c.fence,
         journal.c.details,
+        journal.c.visit,
     )
     if kept:
         return select(*columns).select_from(source)
@@ -1350,6 +1351,7 @@ def _attempt_rows(store: Store, sid: int, step_ids: list[int] | None) -> list[di
                 attempts.c.attempt,
                 attempts.c.fence,
                 attempts.c.how,
+                attempts.c.visit,
             )
             .select_from(source)
             .where(attempts.c.strategy_id == sid, attempts.c.how.in_(sorted(ATTEMPT_WORDS)))
@@ -1367,11 +1369,12 @@ def _attempt_rows(store: Store, sid: int, step_ids: list[int] | None) -> list[di
             "step": step,
             "from": state,
             "to": state,
+            "visit": visit,
             "fence": fence,
             "details": f"attempt {attempt}: {ATTEMPT_WORDS.get(how, how)}",
             "attempt": attempt,
         }
-        for at, conductor, target, step, state, attempt, fence, how in rows
+        for at, conductor, target, step, state, attempt, fence, how, visit in rows
     ]
 
 
@@ -1423,7 +1426,7 @@ def _iter_history(
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """The journal's rows with their ids, after ``after``."""
     # by position: a history of 600,000 rows spent a sixth of its time naming columns
-    for id_, at, conductor, target, step, frm, to, fence, details in _pages(
+    for id_, at, conductor, target, step, frm, to, fence, details, visit in _pages(
         store, q, journal.c.id, after, rows
     ):
         yield (
@@ -1436,6 +1439,8 @@ def _iter_history(
                 "step": step,
                 "from": frm,
                 "to": to,
+                # which visit of ``to`` (1 but for a state on a bounded cycle)
+                "visit": visit,
                 "fence": fence,
                 "details": details,
             },
@@ -1446,10 +1451,17 @@ def step_attempts(store: Store, step_id: int) -> list[dict[str, Any]]:
     """Each attempt of a state sent to the step's target: when it was released, by which
     conductor at which fence, and how: ``entry`` (a state's first, sent as it was
     entered: its journal row), ``afresh`` (entered by a conductor that was stopping,
-    started by the next owner), ``retry``."""
+    started by the next owner), ``retry``; and of which visit of the state (1 but on a
+    bounded retry loop)."""
     with store.read() as conn:
         entries = conn.execute(
-            select(journal.c.to_state, journal.c.at, journal.c.conductor, journal.c.fence)
+            select(
+                journal.c.to_state,
+                journal.c.at,
+                journal.c.conductor,
+                journal.c.fence,
+                journal.c.visit,
+            )
             .where(
                 journal.c.step_id == step_id,
                 journal.c.to_state.not_in(sorted(STEP_TERMINAL)),
@@ -1464,17 +1476,18 @@ def step_attempts(store: Store, step_id: int) -> list[dict[str, Any]]:
                 attempts.c.conductor,
                 attempts.c.fence,
                 attempts.c.how,
+                attempts.c.visit,
             )
             .where(attempts.c.step_id == step_id)
             .order_by(attempts.c.id)
         ).all()
     recorded = [dict(r._mapping) for r in rows]
-    afresh = {r["state"] for r in recorded if r["how"] == "afresh"}
+    afresh = {(r["state"], r["visit"]) for r in recorded if r["how"] == "afresh"}
     firsts = [
         {"state": e.to_state, "attempt": 1, "at": e.at, "conductor": e.conductor,
-         "fence": e.fence, "how": "entry"}
+         "fence": e.fence, "how": "entry", "visit": e.visit}
         for e in entries
-        if e.to_state not in afresh
+        if (e.to_state, e.visit) not in afresh
     ]  # fmt: skip
     return sorted(firsts + recorded, key=lambda r: (r["at"], r["attempt"]))
 

@@ -82,6 +82,10 @@ class StepRecord:
     deadline_at: float | None = None
     #: its place in the strategy's admission order (stages come in this order too)
     ordinal: int = 0
+    #: which visit of its state it is in (1 but on a bounded cycle), and the visits so
+    #: far of the states that count them
+    visit: int = 1
+    visits: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -521,7 +525,7 @@ def end_strategy(
 _STEP_COLUMNS = (
     "SELECT s.id, s.stage, s.group_id, s.state, s.fence, s.attempt, s.owner, "
     "t.name, t.driver, t.settings, t.managed, t.labels, g.name, s.not_started, "
-    "s.deadline_at, s.ordinal "
+    "s.deadline_at, s.ordinal, s.visit, s.visits "
     "FROM steps s JOIN targets t ON t.id = s.target_id "
     "LEFT JOIN groups g ON g.id = s.group_id "
 )
@@ -574,9 +578,26 @@ def _step_records(
             not_started=bool(r[13]),
             deadline_at=r[14],
             ordinal=r[15],
+            visit=r[16],
+            visits=_visits(r[17]),
         )
         for r in rows
     ]
+
+
+def _visits(raw: str | None) -> dict[str, int]:
+    """A step row's ``visits`` (JSON {state: n}, or NULL): as the engine counts them. A
+    value that is not that (a hand edit) counts nothing: the journal's unique key on
+    (step, state, visit) still refuses a visit entered twice."""
+    if raw is None:
+        return {}
+    try:
+        got = json.loads(raw)
+    except ValueError:
+        return {}
+    if not isinstance(got, dict):
+        return {}
+    return {str(k): v for k, v in got.items() if type(v) is int and v > 0}
 
 
 def failure_past_limit(store: Store, sid: int, limit: int) -> str | None:
@@ -745,22 +766,23 @@ def release_waiting_steps(store: Store, cid: str, step_ids: list[int]) -> None:
 
 def load_steps(
     store: Store, sid: int, step_ids: list[int]
-) -> tuple[list[StepRecord], dict[int, set[str]]]:
+) -> tuple[list[StepRecord], dict[int, set[tuple[str, int]]]]:
     """These steps of a strategy as their rows are now (to settle a refused transition),
-    and the workflow states each has entered (journalled; a state is entered once)."""
+    and the workflow states each has entered, with the visit (journalled; a state is
+    entered once per visit)."""
     if not step_ids:
         return [], {}
     ids = tuple(sorted(step_ids))
     marks = store.hooks.placeholders(len(ids))
     with store.read() as conn:
         rows = _step_records(conn, store, sid, f"s.id IN ({marks})", ids)
-        entered: dict[int, set[str]] = {}
-        for step_id, state in conn.exec_driver_sql(
-            f"SELECT step_id, to_state FROM journal WHERE step_id IN ({marks}) "
+        entered: dict[int, set[tuple[str, int]]] = {}
+        for step_id, state, visit in conn.exec_driver_sql(
+            f"SELECT step_id, to_state, visit FROM journal WHERE step_id IN ({marks}) "
             f"AND to_state NOT IN ({_DONE})",
             ids,
         ).all():
-            entered.setdefault(int(step_id), set()).add(str(state))
+            entered.setdefault(int(step_id), set()).add((str(state), int(visit)))
     return rows, entered
 
 
@@ -802,6 +824,7 @@ def take_over_steps(
                     steps.c.id == rec.step_id,
                     steps.c.fence == rec.fence,
                     steps.c.state == rec.state,
+                    steps.c.visit == rec.visit,
                 )
                 .values(
                     owner=cid,
@@ -840,6 +863,7 @@ def take_over_steps(
                             conductor=cid,
                             fence=rec.fence,
                             how="afresh",
+                            visit=rec.visit,
                         )
                     )
                     sp.commit()

@@ -1,7 +1,8 @@
 """The one schema, shared by SQLite and PostgreSQL (SQLAlchemy 2 Core).
 
 Times are float seconds since the epoch, from the engine's clock. The journal's
-unique key on (step_id, to_state) is guarantee G1 in the database itself.
+unique key on (step_id, to_state, visit) is guarantee G1 in the database itself: a
+state is entered once per visit (once, but for the states of a bounded cycle).
 """
 
 from __future__ import annotations
@@ -123,6 +124,12 @@ steps = Table(
     Column("not_started", Boolean, nullable=False, server_default=false()),
     #: when ``state`` runs out of time (its first attempt), by the engine's clock
     Column("deadline_at", Float),
+    #: which visit of ``state`` this is (1 but for a state on a bounded cycle, entered
+    #: again): every compare-and-set checks it with the state and fence
+    Column("visit", Integer, nullable=False, server_default="1"),
+    #: the visits so far of the states that count them (JSON {state: n}), NULL until a
+    #: step enters one
+    Column("visits", Text),
     Index("ix_steps_strategy_ordinal", "strategy_id", "ordinal"),
     Index("ix_steps_target", "target_id"),
 )
@@ -176,13 +183,15 @@ journal = Table(
     Column("to_state", String(64), nullable=False),
     Column("fence", Integer, nullable=False),
     Column("details", Text, nullable=False, default=""),
-    UniqueConstraint("step_id", "to_state", name="uq_journal_step_state"),
+    #: which visit of ``to_state`` the entry is (1 but on a bounded cycle; 1 for an end)
+    Column("visit", Integer, nullable=False, server_default="1"),
+    UniqueConstraint("step_id", "to_state", "visit", name="uq_journal_step_state_visit"),
     Index("ix_journal_strategy", "strategy_id", "id"),
 )
 
 #: one row per attempt of a state sent to a target after its first, written (committed)
 #: before it is sent: the unique key means no attempt is sent twice (G1 at the target).
-#: A state's first attempt is its entry in the journal (unique on step and state),
+#: A state's first attempt is its entry in the journal (unique on step, state and visit),
 #: and has a row here only when the state was entered by a conductor that was
 #: stopping and started by the next owner (``afresh``)
 attempts = Table(
@@ -199,7 +208,9 @@ attempts = Table(
     #: retry (after a failed attempt), afresh (entered by a conductor that was stopping,
     #: started by the next owner)
     Column("how", String(16), nullable=False),
-    UniqueConstraint("step_id", "state", "attempt", name="uq_attempts_step_state"),
+    #: the visit of ``state`` the attempt is of (see ``steps.visit``)
+    Column("visit", Integer, nullable=False, server_default="1"),
+    UniqueConstraint("step_id", "state", "visit", "attempt", name="uq_attempts_step_state_visit"),
     Index("ix_attempts_strategy", "strategy_id", "id"),
 )
 

@@ -2,7 +2,7 @@
 writes and answers (:class:`Transition`, :class:`Event`, :class:`CommitResult`, ...).
 
 :meth:`TransitionWriter.commit` writes many transitions, each a compare-and-set on
-(step, state, fence, owner) plus its journal row, in one transaction and one fsync
+(step, state, visit, fence, owner) plus its journal row, in one transaction and one fsync
 (group commit), checked against the strategy's fence. A row whose compare-and-set
 fails, or whose journal insert would enter a state twice (G1), is rejected alone;
 the others still commit. :mod:`fleetwave.store.runtime` re-exports all of it.
@@ -60,6 +60,13 @@ class Transition:
     any_owner: bool = False
     #: the step's group: an entry or an end counts in its slots too (``strategy_slots``)
     group_id: int | None = None
+    #: the visit of ``from_state`` the step is in (its row's ``visit``: checked with its
+    #: state and fence), and the visit of ``to_state`` it enters (1 for an end)
+    from_visit: int = 1
+    visit: int = 1
+    #: entering a state that counts its visits: the step's visits so far (JSON), written
+    #: on its row; None: the row's are kept
+    visits: str | None = None
 
 
 @dataclass(slots=True)
@@ -139,6 +146,8 @@ class AttemptDeadline:
     not_started: int = 0
     #: its attempt row's ``how`` (retry, resent)
     how: str = "retry"
+    #: the visit of ``state`` the step is in (checked with its state and fence)
+    visit: int = 1
 
 
 @dataclass(slots=True)
@@ -258,15 +267,20 @@ class TransitionWriter:
         # changed or cleared is refused, read back and settled); a waiting one has none.
         # A waiting step (``initial``) is started by the conductor that claimed it, or
         # by any when none has (one conductor loads its waiting steps without claiming).
+        # The visit too: a state entered again (on a bounded cycle) is at the same state
+        # and fence as its visit before; a write meant for that one must not apply.
         cas = (
-            f" WHERE id={p} AND state={p} AND fence={p} AND (owner={p} OR {p} "
+            f" WHERE id={p} AND state={p} AND fence={p} AND visit={p} AND (owner={p} OR {p} "
             f"OR (owner IS NULL AND {p}))"
         )
-        #: into a workflow state: owned by this conductor (under its strategy's lease)
-        self._enter_sql = (
+        enter = (
             f"{head}owner={p}, started_at=COALESCE(started_at, {p}), "
-            f"finished_at=NULL, not_started={p}, deadline_at={p}{cas}"
+            f"finished_at=NULL, not_started={p}, deadline_at={p}, visit={p}"
         )
+        #: into a workflow state: owned by this conductor (under its strategy's lease)
+        self._enter_sql = f"{enter}{cas}"
+        #: the same, into a state that counts its visits: the step's visits written too
+        self._enter_counted_sql = f"{enter}, visits={p}{cas}"
         #: a started step ends
         self._finish_sql = (
             f"{head}owner=NULL, started_at=COALESCE(started_at, {p}), "
@@ -279,17 +293,18 @@ class TransitionWriter:
         #: an attempt released to its target (see :data:`attempts`)
         self._attempt_sql = (
             "INSERT INTO attempts (strategy_id, step_id, state, attempt, at, conductor, "
-            f"fence, how) VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p}, {p})"
+            f"fence, how, visit) VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p}, {p}, {p})"
         )
         self._journal_sql = (
             "INSERT INTO journal (strategy_id, step_id, at, conductor, from_state, to_state, "
-            f"fence, details) VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p}, {p})"
+            f"fence, details, visit) VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p}, {p}, {p})"
         )
         #: a retry: its deadline, attempt and why; a step that has moved on since is
         #: left alone
         self._deadline_sql = (
             f"UPDATE steps SET deadline_at={p}, attempt={p}, details=COALESCE({p}, details), "
-            f"not_started={p} WHERE id={p} AND state={p} AND fence={p} AND owner={p}"
+            f"not_started={p} WHERE id={p} AND state={p} AND fence={p} AND visit={p} "
+            f"AND owner={p}"
         )
         self._mark_sql = (
             f"UPDATE callbacks SET outcome={p}, reason={p}, processed_at={p} "
@@ -326,8 +341,10 @@ class TransitionWriter:
         step_id, from_state, from_fence = t.step_id, t.from_state, t.from_fence
         upd: tuple[Any, ...]
         # (each tuple built at once, in the statement's order: once a transition)
+        visit = 1
         if to_state not in STEP_TERMINAL:
-            sql = self._enter_sql
+            visit = t.visit
+            sql = self._enter_sql if t.visits is None else self._enter_counted_sql
             sid = t.strategy_id
             stale = self._lapsing_now.get(sid)
             if stale is None:
@@ -344,9 +361,12 @@ class TransitionWriter:
                 at,
                 flags[t.not_started or stale],
                 t.deadline_at,
+                visit,
+                *(() if t.visits is None else (t.visits,)),
                 step_id,
                 from_state,
                 from_fence,
+                t.from_visit,
                 self.cid,
                 flags[t.any_owner],
                 flags[from_state == STEP_INITIAL],
@@ -366,11 +386,12 @@ class TransitionWriter:
                 step_id,
                 from_state,
                 from_fence,
+                t.from_visit,
                 self.cid,
                 flags[t.any_owner],
                 flags[unstarted],
             )
-        jr = (t.strategy_id, step_id, at, self.cid, from_state, to_state, fence, details)
+        jr = (t.strategy_id, step_id, at, self.cid, from_state, to_state, fence, details, visit)
         return sql, upd, jr
 
     def commit(
@@ -418,6 +439,7 @@ class TransitionWriter:
                 d.step_id,
                 d.state,
                 d.fence,
+                d.visit,
                 self.cid,
             )
             for d in deadlines or ()
@@ -683,7 +705,17 @@ class TransitionWriter:
 
     def _attempt_row(self, d: AttemptDeadline) -> tuple[Any, ...]:
         """A retry's (or a re-send's) start: its attempt row."""
-        return (d.strategy_id, d.step_id, d.state, d.attempt, self._at, self.cid, d.fence, d.how)
+        return (
+            d.strategy_id,
+            d.step_id,
+            d.state,
+            d.attempt,
+            self._at,
+            self.cid,
+            d.fence,
+            d.how,
+            d.visit,
+        )
 
     def _rollback(self, raw: Any) -> None:
         """After an error in the hot path's transaction: roll it back, and let go of the
@@ -866,6 +898,7 @@ class TransitionWriter:
                             d.step_id,
                             d.state,
                             d.fence,
+                            d.visit,
                             self.cid,
                         ),
                     )
@@ -911,7 +944,9 @@ class TransitionWriter:
         """True when this very transition is already committed (a retried, ambiguous commit)."""
         row = conn.execute(
             select(journal.c.fence, journal.c.conductor, journal.c.from_state).where(
-                journal.c.step_id == t.step_id, journal.c.to_state == t.to_state
+                journal.c.step_id == t.step_id,
+                journal.c.to_state == t.to_state,
+                journal.c.visit == (1 if t.to_state in STEP_TERMINAL else t.visit),
             )
         ).first()
         return (

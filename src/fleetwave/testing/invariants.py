@@ -2,9 +2,11 @@
 
 Used by ``fleetwave check``, the demo, the simulator and the tests:
 
-* G1 no (step, state) entered twice;
+* G1 no (step, state) entered twice, but for a state on a bounded cycle of branches
+  (``max_visits``): each of its visits entered once, numbered 1, 2, ... up to its
+  ``max_visits``;
 * G3 every transition starts where the previous one ended, at a fence no lower,
-  and follows the workflow's allowed moves;
+  and follows the workflow's allowed moves (back only along a bounded cycle's branch);
 * G7 replaying the journal in commit order, steps in flight never exceed the
   strategy's max parallel nor a group's cap;
 * G8 nothing leaves a terminal state;
@@ -44,8 +46,11 @@ from fleetwave.domain.models import (
     UNDRIVABLE,
     StrategyState,
 )
+from fleetwave.domain.registry import get_workflow
 from fleetwave.domain.rollout import phase_stages, stage_failure_stop
 from fleetwave.domain.rules import is_allowed_move
+from fleetwave.domain.workflow import back_edges
+from fleetwave.domain.yaml_workflow import loops_of
 from fleetwave.store import slots
 from fleetwave.store.admin import options_from_json
 from fleetwave.store.db import Store
@@ -118,6 +123,7 @@ def check(store: Store, strategy_id: int | None = None) -> CheckResult:
                         deleted_steps.c.stage,
                         null().label("owner"),
                         deleted_steps.c.target.label("name"),
+                        null().label("visit"),
                     ).where(deleted_steps.c.strategy_id == strat.id)
                 ).all()
             else:
@@ -129,6 +135,7 @@ def check(store: Store, strategy_id: int | None = None) -> CheckResult:
                         steps.c.stage,
                         steps.c.owner,
                         targets.c.name,
+                        steps.c.visit,
                     )
                     .join(targets, targets.c.id == steps.c.target_id)
                     .where(steps.c.strategy_id == strat.id)
@@ -140,14 +147,17 @@ def check(store: Store, strategy_id: int | None = None) -> CheckResult:
                     journal.c.to_state,
                     journal.c.fence,
                     journal.c.details,
+                    journal.c.visit,
                 )
                 .where(journal.c.strategy_id == strat.id)
                 .order_by(journal.c.id)
             )  # read as checked: 600,000 rows of a 100,000-target rollout are not held
             arows = conn.execute(
-                select(attempts.c.step_id, attempts.c.state, attempts.c.attempt)
+                select(attempts.c.step_id, attempts.c.state, attempts.c.attempt, attempts.c.visit)
                 .where(attempts.c.strategy_id == strat.id)
-                .order_by(attempts.c.step_id, attempts.c.state, attempts.c.attempt)
+                .order_by(
+                    attempts.c.step_id, attempts.c.state, attempts.c.visit, attempts.c.attempt
+                )
             ).all()
             _check_strategy(result, strat, step_rows, jrows, arows)
             owners = conn.execute(
@@ -188,6 +198,7 @@ def _check_strategy(
             f"({exc}): its journal was not checked"
         )
         return
+    back, max_visits = _loops(strat)
     cap = opts.effective_parallel
     limit = opts.failure_limit
     # a plan's stages with a limit of their own (or canaries): failures counted by stage
@@ -205,6 +216,8 @@ def _check_strategy(
     # the states each step entered, as bits (one int per step, not a key per entry)
     bit: dict[str, int] = {}
     entered: dict[int, int] = {}
+    # the last visit entered of each state that counts them, by (step, state)
+    visited: dict[tuple[int, str], int] = {}
     # the first step stopped for the failure threshold (checked once the journal is read)
     stopped_for_threshold: int | None = None
     inflight: set[int] = set()
@@ -215,14 +228,20 @@ def _check_strategy(
     def who(step_id: int) -> str:
         return f"strategy {sid} step {step_id} ({name.get(step_id, '?')})"
 
-    for i, (step_id, frm, to, fen, details) in enumerate(jrows):
+    for i, (step_id, frm, to, fen, details, visit) in enumerate(jrows):
         result.transitions += 1
         mask = bit.get(to)
         if mask is None:
             mask = bit[to] = 1 << len(bit)
         seen = entered.get(step_id, 0)
-        if seen & mask:
+        most = max_visits.get(to)
+        if most is not None:
+            _check_visit(result, who(step_id), to, visit, visited.get((step_id, to), 0), most)
+            visited[(step_id, to)] = max(visit, visited.get((step_id, to), 0))
+        elif seen & mask:
             result.add(f"G1: {who(step_id)} entered '{to}' more than once")
+        elif visit != 1:
+            result.add(f"G1: {who(step_id)} entered '{to}' as visit {visit}: it has no max_visits")
         entered[step_id] = seen | mask
         if (
             stopped_for_threshold is None
@@ -237,7 +256,7 @@ def _check_strategy(
             result.add(f"G8: {who(step_id)} moved {frm} -> {to} after terminal '{prev}'")
         elif frm != prev:
             result.add(f"G3: {who(step_id)} moved from '{frm}' but was at '{prev}'")
-        elif not is_allowed_move(states, frm, to):
+        elif not is_allowed_move(states, frm, to, back):
             result.add(f"G3: {who(step_id)} made a move the workflow does not allow: {frm} -> {to}")
         if fen < fence.get(step_id, 0):
             result.add(f"G3: {who(step_id)} fence went back from {fence[step_id]} to {fen}")
@@ -306,10 +325,42 @@ def _check_strategy(
             result.add(f"record: {who(r.id)} row says '{r.state}' but journal says '{journalled}'")
         if terminal_strategy and r.state not in STEP_TERMINAL:
             result.add(f"terminal: strategy {sid} is {ended_as} but {who(r.id)} is '{r.state}'")
+        if r.state in max_visits and r.visit is not None:
+            at = visited.get((r.id, r.state), 0)
+            if r.visit != at:
+                result.add(
+                    f"record: {who(r.id)} row says visit {r.visit} of '{r.state}' but journal "
+                    f"says {at}"
+                )
         if r.state in STEP_TERMINAL and r.owner is not None:
             result.add(f"lease: {who(r.id)} is terminal but still owned by {r.owner}")
     if terminal_strategy and strat.owner is not None:
         result.add(f"lease: strategy {sid} is terminal but still owned by {strat.owner}")
+
+
+def _loops(strat: Row[Any]) -> tuple[dict[str, frozenset[str]], dict[str, int]]:
+    """A strategy's workflow's loops (see :func:`loops_of`): from the YAML it kept, else
+    from the workflow registered under its name and version (a python one)."""
+    text = getattr(strat, "workflow_yaml", None)
+    if text:
+        return loops_of(text)
+    wf = get_workflow(strat.workflow)
+    if wf is None or wf.version != strat.workflow_version or not wf.max_visits:
+        return {}, {}
+    return back_edges(wf.states), wf.max_visits
+
+
+def _check_visit(
+    result: CheckResult, who: str, state: str, visit: int, last: int, limit: int
+) -> None:
+    """G1 per visit: a state that counts its visits is entered at visit 1, then each
+    next one once, never past its ``max_visits``."""
+    if visit <= last:
+        result.add(f"G1: {who} entered '{state}' visit {visit} more than once")
+    elif visit != last + 1:
+        result.add(f"G1: {who} entered '{state}' as visit {visit} after visit {last}")
+    if visit > limit:
+        result.add(f"G1: {who} entered '{state}' {visit} times (its max_visits is {limit})")
 
 
 def _check_attempts(
@@ -324,20 +375,20 @@ def _check_attempts(
     attempt of a state never entered, was sent on no record. (A state's first attempt
     is its entry in the journal, unique on step and state; it has a row of its own only
     when a conductor that was stopping entered it and the next owner started it.)"""
-    expect: dict[tuple[int, str], int] = {}
-    for step_id, state, attempt in arows:
+    expect: dict[tuple[int, str, int], int] = {}
+    for step_id, state, attempt, visit in arows:
         mask = bit.get(state, 0)
         if not entered.get(step_id, 0) & mask:
             result.add(
                 f"attempts: {who(step_id)} has attempt {attempt} of '{state}', never entered"
             )
-        want = expect.get((step_id, state), 1 if attempt == 1 else 2)
+        want = expect.get((step_id, state, visit), 1 if attempt == 1 else 2)
         if attempt != want:
             result.add(
                 f"attempts: {who(step_id)} recorded attempt {attempt} of '{state}' "
                 f"where attempt {want} was due"
             )
-        expect[(step_id, state)] = attempt + 1
+        expect[(step_id, state, visit)] = attempt + 1
 
 
 def _check_takeovers(result: CheckResult, sid: int, owners: Sequence[Row[Any]]) -> None:
