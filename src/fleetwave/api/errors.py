@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -97,12 +98,27 @@ def field_of(message: str) -> str | None:
 _STATUS = {NotFound: (404, "not_found"), Conflict: (409, "conflict")}
 
 
+def _status_of(exc: Exception) -> tuple[int, str]:
+    return next((sc for kind, sc in _STATUS.items() if isinstance(exc, kind)), (422, "invalid"))
+
+
 def _input_error(_: Request, exc: Exception) -> JSONResponse:
-    status, code = next(
-        (sc for kind, sc in _STATUS.items() if isinstance(exc, kind)), (422, "invalid")
-    )
+    status, code = _status_of(exc)
     message = str(exc)
     return error_response(status, code, message, field_of(message))
+
+
+@contextmanager
+def fields_named(names: Mapping[str, str]) -> Iterator[None]:
+    """Bad input raised within names the body's field where the command line's option
+    is named otherwise (``--stage: ...``: ``stages``), its message as the command's."""
+    try:
+        yield
+    except (InputError, WorkflowError) as exc:
+        status, code = _status_of(exc)
+        message = str(exc)
+        field = field_of(message)
+        raise ApiError(status, code, message, names.get(field or "", field)) from None
 
 
 def _api_error(_: Request, exc: Exception) -> JSONResponse:

@@ -169,7 +169,7 @@ class WorkerMixin(StoreCalls):
             # come; what failed is kept in its attempt-failed event
             now_on = (
                 f"{state}: attempt {rec.attempt} of {st.attempts_max} started "
-                f"{_utc(self.clock.now())} (a retry taken over)"
+                f"{utc_text(self.clock.now())} (a retry taken over)"
             )
             started = RetryScheduled(
                 run.id, rec.step_id, state, fence, deadline, rec.attempt, now_on
@@ -301,7 +301,7 @@ class WorkerMixin(StoreCalls):
                     rec.deadline_at or self.clock.now() + timeout_s,
                     attempts + 1,
                     f"{state}: attempt {attempts + 1} re-sent after takeover "
-                    f"{_utc(self.clock.now())} ({why})",
+                    f"{utc_text(self.clock.now())} ({why})",
                     how="resent",
                 )
                 answer = await self._record(resent, started=True)
@@ -332,6 +332,11 @@ class WorkerMixin(StoreCalls):
                         break
                 if isinstance(exc, _StateDeadline):
                     reason = f"timed out after {st.timeout_s:g}s"
+                    if fl.heard_at is not None:
+                        reason = (
+                            f"timed out {st.timeout_s:g}s after the target's last heartbeat "
+                            f"({utc_text(fl.heard_at)})"
+                        )
                     if last_poll is not None:
                         reason += f" polling (last answer: {last_poll or 'not yet'})"
                     if timeout_s < st.timeout_s:
@@ -368,7 +373,7 @@ class WorkerMixin(StoreCalls):
                         due + timeout_s,
                         attempts + 1,
                         # a time, not "in 5s": the row is read while the attempt runs
-                        f"{failed}; attempt {attempts + 1} from {_utc(due)}",
+                        f"{failed}; attempt {attempts + 1} from {utc_text(due)}",
                     )
                     handled = record.handled = loop.create_future()
                     self.post(record)
@@ -384,7 +389,9 @@ class WorkerMixin(StoreCalls):
                     # one stopping cleanly.
                     # the row says the attempt runs (its due time, past now, read as if
                     # it were still to come)
-                    now_on = f"{failed}; attempt {attempts + 1} started {_utc(self.clock.now())}"
+                    now_on = (
+                        f"{failed}; attempt {attempts + 1} started {utc_text(self.clock.now())}"
+                    )
                     answer = (
                         None
                         if fl.stopped
@@ -558,7 +565,7 @@ def _retry_not_started(
     )
 
 
-def _utc(at: float) -> str:
+def utc_text(at: float) -> str:
     """A time as a step's details say it: to the second, UTC."""
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at)) + "Z"
 
