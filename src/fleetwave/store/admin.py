@@ -1502,7 +1502,6 @@ def approve_strategy(store: Store, sid: int, by: str) -> dict[str, Any]:
                 at=now, strategy_id=sid, kind=APPROVED_EVENT, details=details, conductor=None
             )
         )
-        notify(conn, "strategy", sid)
         record_actor(conn, f"strategy {sid} approved", sid)
         return {"id": sid, "stage": number, "approved_by": by, "details": details}
 
