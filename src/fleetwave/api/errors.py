@@ -118,7 +118,13 @@ def fields_named(names: Mapping[str, str]) -> Iterator[None]:
         status, code = _status_of(exc)
         message = str(exc)
         field = field_of(message)
+        if field is None and (first := _FIRST_OPTION.match(message)) is not None:
+            field = first.group(1).replace("-", "_")  # ("--stage and --stages-by-group: ...")
         raise ApiError(status, code, message, names.get(field or "", field)) from None
+
+
+#: the option a message about two of them names first
+_FIRST_OPTION = re.compile(r"^--([a-z][a-z0-9-]*) and --")
 
 
 def _api_error(_: Request, exc: Exception) -> JSONResponse:
