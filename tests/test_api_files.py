@@ -13,9 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 
 from api_harness import Server, new_token, serving
 from cli_harness import Cli
+from fleetwave.store.db import open_store
+from fleetwave.store.schema import events
 from test_cli_workflow import GOOD, write
 
 YAML = {"Content-Type": "application/yaml"}
@@ -113,6 +116,8 @@ def test_a_workflow_validated_and_added_through_the_server(
         listed = {w["name"]: w for w in http.get("/v1/workflows").json()["items"]}
         assert listed["site-patch"]["source"] == "yaml"
         assert listed["site-patch"]["version"] == 3
+    # who stored it, on the record (an event of no strategy)
+    assert _changes(db_path) == ["workflow site-patch v3 stored by api:admin-1"]
 
 
 CSV = "name,group,driver,latency_ms\nn1,,sim,5\nn2,,sim,7\n"
@@ -185,3 +190,21 @@ def test_targets_imported_through_the_server(
     listed = cli("--url", server.base, "target", "list", "--format", "json", db=None)
     assert {"m1", "m2", "w1", "w2"} <= {t["name"] for t in listed.json()}
     assert "d1" not in {t["name"] for t in listed.json()}
+    changes = _changes(db_path)
+    assert changes[0] == "2 targets added ('n1', 'n2') by api:operator-1"
+    assert len(changes) == 5, changes  # (three here, two by the command through the server)
+
+
+def _changes(db: Path) -> list[str]:
+    store = open_store(str(db))
+    try:
+        with store.read() as conn:
+            return list(
+                conn.execute(
+                    select(events.c.details)
+                    .where(events.c.kind == "change-by")
+                    .order_by(events.c.id)
+                ).scalars()
+            )
+    finally:
+        store.dispose()

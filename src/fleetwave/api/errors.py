@@ -188,7 +188,11 @@ def _methods_of(request: Request) -> list[str]:
             )
             for path, item in app.openapi().get("paths", {}).items()
         ]
-    return sorted({m for rx, methods in paths if rx.match(request.url.path) for m in methods})
+    matched = [(rx, methods) for rx, methods in paths if rx.match(request.url.path)]
+    # a path of its own (/v1/targets/import) is documented apart from the template it
+    # also matches (/v1/targets/{name}): its own methods are the ones it documents
+    literal = [methods for rx, methods in matched if "[^/]+" not in rx.pattern]
+    return sorted({m for methods in literal or [m for _, m in matched] for m in methods})
 
 
 def _store_error(_: Request, exc: Exception) -> JSONResponse:

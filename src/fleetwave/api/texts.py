@@ -47,6 +47,8 @@ def _text_body(description: str) -> dict[str, Any]:
 async def _text(request: Request, source: str, *, csv: bool = False) -> str:
     """The body as text, as the command reads a file (UTF-8; a leading BOM dropped)."""
     data = await request.body()
+    if not data:
+        raise ApiError(422, "invalid", "body: required (the file's text)", "body")
     try:
         text = decode_text(data, source, csv=csv)
     except InputError as exc:

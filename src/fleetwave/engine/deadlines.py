@@ -19,7 +19,7 @@ from fleetwave.engine.clock import Clock
 from fleetwave.engine.config import EngineConfig
 from fleetwave.engine.messages import ActionFinished, Message
 from fleetwave.engine.run import InFlight, StrategyRun
-from fleetwave.engine.worker import utc_text
+from fleetwave.engine.worker import log_fields, utc_text
 from fleetwave.store import runtime as rt
 from fleetwave.store.callbacks import CallbackRecord
 
@@ -150,7 +150,13 @@ class DeadlinesMixin:
         deadlines.append(
             rt.AttemptDeadline(step_id, sid, fl.state, fl.fence, deadline_at, None, None)
         )
-        log.debug("step %s in %s: deadline moved to %s by a heartbeat", step_id, fl.state, at)
+        log.debug(
+            "step %s in %s: deadline moved to %s by a heartbeat",
+            step_id,
+            fl.state,
+            at,
+            extra=log_fields(fl.rec, fl.state),
+        )
 
     def _abandon(self, fl: InFlight) -> None:
         """Fail the step of an attempt whose action did not stop when cancelled at its
@@ -167,6 +173,7 @@ class DeadlinesMixin:
             fl.rec.target.name,
             fl.state,
             st.timeout_s,
+            extra=log_fields(fl.rec, fl.state),
         )
         fl.running = 0
         why = (

@@ -117,7 +117,13 @@ class WorkerMixin(StoreCalls):
                 # exception whose str() raised did: the strategy never ended). The step
                 # fails instead.
                 said = details_text(exc) or type(exc).__name__
-                log.error("worker of step %s in %s: %s", fl.rec.step_id, fl.state, said)
+                log.error(
+                    "worker of step %s in %s: %s",
+                    fl.rec.step_id,
+                    fl.state,
+                    said,
+                    extra=log_fields(fl.rec, fl.state),
+                )
                 log.debug("traceback of the worker of step %s", fl.rec.step_id, exc_info=True)
                 decision = failure(fl.state, f"internal error ({type(exc).__name__}): {said}")
                 msg = ActionFinished(run.id, fl.rec.step_id, fl.state, fl.fence, decision, 1, None)
@@ -427,6 +433,7 @@ class WorkerMixin(StoreCalls):
                     state,
                     type(exc).__name__,
                     said,
+                    extra=log_fields(rec, state),
                 )
                 log.debug("traceback of the action for %s", rec.target.name, exc_info=True)
                 decision = failure(state, said or type(exc).__name__)
@@ -443,6 +450,7 @@ class WorkerMixin(StoreCalls):
                     state,
                     type(exc).__name__,
                     said,
+                    extra=log_fields(rec, state),
                 )
                 decision = failure(
                     state, f"{type(exc).__name__}: {said}" if said else type(exc).__name__
@@ -563,6 +571,16 @@ def _retry_not_started(
     return ActionFinished(
         run.id, rec.step_id, state, fence, Decision(STEP_ABORTED, why), rec.attempt, None
     )
+
+
+def log_fields(rec: rt.StepRecord, state: str) -> dict[str, object]:
+    """A step's ids for a log line's fields (``serve --log-format json``)."""
+    return {
+        "strategy": rec.strategy_id,
+        "step": rec.step_id,
+        "target": rec.target.name,
+        "state": state,
+    }
 
 
 def utc_text(at: float) -> str:

@@ -834,6 +834,8 @@ def save_workflow(store: Store, wf: WorkflowDef, source_yaml: str) -> int | None
                 name=wf.name, version=wf.version, source_yaml=source_yaml, created_at=_now()
             )
         )
+        replacing = f", replacing v{stored}" if stored is not None else ""
+        record_actor(conn, f"workflow {wf.name} v{wf.version} stored{replacing}")
         return stored
 
 
