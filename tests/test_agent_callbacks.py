@@ -26,7 +26,7 @@ from fleetwave.domain.models import StrategyOptions
 from fleetwave.domain.registry import register_workflow
 from fleetwave.domain.workflow import StateDef, WorkflowDef
 from fleetwave.engine.conductor import Conductor
-from fleetwave.store import admin
+from fleetwave.store import admin, queries
 from fleetwave.store.callbacks import callback_outcomes
 from fleetwave.store.db import Store, open_store
 from fleetwave.store.schema import agent_tokens, callbacks, events, steps
@@ -224,6 +224,57 @@ def test_a_late_report_is_recorded_as_late_and_an_expired_token_is_refused(
 
     assert _drive_with_api(store, db_url, sid, after_the_end) == "complete"
     assert check(store, sid).ok
+
+
+def test_an_agents_heartbeats_over_http_keep_its_wait_alive(store: Store, db_url: str) -> None:
+    """A wait of 2s whose agent sends a heartbeat every 0.4s for 4s, then its report:
+    the step completes (without them it fails at 2s), each heartbeat moving the
+    deadline on the step's row and in a ``deadline-extended`` event."""
+    wf = register_workflow(
+        WorkflowDef(
+            "agent-heartbeats-http",
+            (StateDef("boot", WAIT, timeout_s=2, mode="wait-for-callback"),),
+        ),
+        replace=True,
+    )
+    try:
+        add_sim_targets(store, 1)
+        sid = admin.create_strategy(store, wf, StrategyOptions(), all_targets=True)
+        admin.apply_strategy(store, sid)
+        deadlines: list[float] = []
+
+        async def agent(http: httpx.AsyncClient, _: int) -> None:
+            ((step, token),) = (await _tokens_of(1)).items()
+            loop = asyncio.get_running_loop()
+            began, beat = loop.time(), 0
+            while loop.time() - began < 4:
+                beat += 1
+                sent = await _post(http, step, token, f"hb-{beat}", "heartbeat")
+                assert sent.status_code == 202, sent.text
+                await asyncio.sleep(0.4)
+                # (off the loop, as the API's store calls are: the loop runs the engine)
+                deadlines.append(await asyncio.to_thread(_deadline_of, store, step))
+            assert (await _post(http, step, token, "done")).status_code == 202
+
+        assert _drive_with_api(store, db_url, sid, agent) == "complete"
+    finally:
+        registry._workflows.pop(wf.name, None)
+    outcomes = callback_outcomes(store, sid)
+    beats = [o for o in outcomes if o["kind"] == "heartbeat"]
+    assert len(beats) >= 8 and all(o["outcome"] == "applied" for o in beats)
+    moved = queries.strategy_events(store, sid, "deadline-extended")
+    assert len(moved) >= 8
+    # the row's deadline moved on with them, each time to 2s after a heartbeat
+    assert deadlines == sorted(deadlines) and len(set(deadlines)) >= 8
+    assert deadlines[-1] - deadlines[0] > 2.5
+    assert check(store, sid).ok
+
+
+def _deadline_of(store: Store, step: int) -> float:
+    with store.read() as conn:
+        return float(
+            conn.execute(select(steps.c.deadline_at).where(steps.c.id == step)).scalars().one()
+        )
 
 
 @pytest.mark.slow

@@ -82,7 +82,7 @@ CASES: list[tuple[str, str, dict[str, Any], int, str | None]] = [
         "/v1/strategies",
         {"json": {"workflow": "patch", "all": True, "timeouts": {"nap": 5}}},
         422,
-        "timeout",
+        "timeouts",
     ),
     (
         "POST",

@@ -74,6 +74,37 @@ def test_metrics_count_what_the_engine_and_the_api_did(tmp_path: Path) -> None:
     )
     assert shown >= 2
     assert one("fleetwave_api_requests_total", route="/metrics", method="GET", status="401") == 1
+    # nothing taken over, no outage (their counts: see the test below and
+    # test_database_outages)
+    assert one("fleetwave_lease_takeovers_total") == 0
+    assert one("fleetwave_store_outages_total") == 0
+    assert one("fleetwave_store_outage_seconds") == 0
+
+
+def test_a_strategy_taken_over_from_a_dead_conductor_is_counted(tmp_path: Path) -> None:
+    """A strategy whose conductor died (its lease long expired) is claimed by the serve
+    that starts: one lease takeover."""
+    from sqlalchemy import update
+
+    from fleetwave.store.db import open_store
+    from fleetwave.store.schema import strategies
+
+    db = tmp_path / "fleet.db"
+    assert run_fleetwave(db, "init").returncode == 0
+    assert run_fleetwave(db, "target", "add", "n1").returncode == 0
+    assert run_fleetwave(db, "strategy", "create", "--workflow", "patch", "--all").returncode == 0
+    assert run_fleetwave(db, "strategy", "apply", "1").returncode == 0
+    store = open_store(str(db))
+    try:
+        with store.write() as conn:
+            conn.execute(update(strategies).values(owner="c-dead", fence=1, lease_expires_at=1.0))
+    finally:
+        store.dispose()
+    token = new_token(db, "reader")
+    with serving(db) as server, server.client(token) as http:
+        assert _until_ended(http, 1) == "complete"
+        got = _samples(http)
+    assert got[("fleetwave_lease_takeovers_total", ())] == 1
 
 
 def test_an_ignored_callback_is_counted_under_a_few_known_reasons() -> None:

@@ -526,11 +526,6 @@ def test_a_wait_for_a_callback_says_it_is_not_retried(store: Store) -> None:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 27 asks it; not done yet: Conductor._on_callback only notes a heartbeat "
-    "('heartbeat noted'), the state's deadline stays where it was armed",
-)
 def test_a_heartbeat_extends_its_waiting_states_deadline(store: Store) -> None:
     """An agent that sends heartbeats keeps its step's wait alive: each one moves the
     state's deadline to a full timeout after it (issue 27), so a clean step that takes
@@ -556,3 +551,94 @@ def test_a_heartbeat_extends_its_waiting_states_deadline(store: Store) -> None:
 
     assert on_virtual_time(go())[sid] == "complete"
     assert [s["state"] for s in queries.list_steps(store, sid)] == ["complete"]
+    # each heartbeat moved the deadline (on the record: an event and its answer)
+    moved = queries.strategy_events(store, sid, "deadline-extended")
+    assert [e["details"].split(",")[0] for e in moved] == [
+        f"agent: deadline moved to {_utc(EPOCH + at + 10)}" for at in (5, 10, 15)
+    ]
+    answers = [(o["kind"], o["outcome"], o["reason"]) for o in callback_outcomes(store, sid)]
+    assert answers == [
+        *(
+            ("heartbeat", "applied", f"heartbeat: deadline moved to {_utc(EPOCH + at + 10)}")
+            for at in (5, 10, 15)
+        ),
+        ("done", "applied", "moved the step on from agent"),
+    ], answers
+
+
+def test_a_wait_whose_heartbeats_stop_times_out_a_full_timeout_after_the_last(
+    store: Store,
+) -> None:
+    """Heartbeats at 5s and 12s of a 10s wait: the step's row says so while it waits
+    (a takeover goes on from it), and the wait runs out at 22s, not 10s nor 15s."""
+    add_sim_targets(store, 1)
+    wf = register_workflow(
+        WorkflowDef(
+            "agent-heartbeats-then-silence",
+            (StateDef("agent", _Kicked(), mode="wait-for-callback", timeout_s=10),),
+        ),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    (step,) = [s["step"] for s in queries.list_steps(store, sid)]
+    c = Conductor(store, clock=LoopClock())
+    rows: dict[float, float | None] = {}
+
+    def read_row(at: float) -> None:
+        rows[at] = queries.get_step(store, step)["deadline_at"]
+
+    async def go() -> dict[int, str]:
+        loop = asyncio.get_running_loop()
+        for at in (5.0, 12.0):
+            loop.call_at(at, c.receive_callback, step, "agent", "heartbeat", "still going")
+        for at in (1.0, 6.0, 13.0):
+            loop.call_at(at, read_row, at)
+        return await asyncio.wait_for(c.run(strategy_ids=[sid]), 120)
+
+    assert on_virtual_time(go())[sid] == "failed"
+    assert rows == {1.0: EPOCH + 10, 6.0: EPOCH + 15, 13.0: EPOCH + 22}, rows
+    ended = queries.history(store, sid)[-1]
+    assert ended["to"] == "failed"
+    assert ended["at"] == pytest.approx(EPOCH + 22, abs=0.5)
+    assert ended["details"] == (
+        f"agent: timed out 10s after the target's last heartbeat ({_utc(EPOCH + 12)}) "
+        "waiting for the target's callback (attempt 1 of 1)"
+    )
+
+
+def test_a_heartbeat_on_a_state_that_does_not_wait_is_only_noted(store: Store) -> None:
+    """A running action's deadline is its own: a heartbeat moves only a wait's."""
+    add_sim_targets(store, 1)
+    wf = register_workflow(
+        WorkflowDef("runs-long", (StateDef("work", _Sleeps(8.0), timeout_s=5),)),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    (step,) = [s["step"] for s in queries.list_steps(store, sid)]
+    c = Conductor(store, clock=LoopClock())
+
+    async def go() -> dict[int, str]:
+        loop = asyncio.get_running_loop()
+        loop.call_at(2.0, c.receive_callback, step, "work", "heartbeat", "still going")
+        return await asyncio.wait_for(c.run(strategy_ids=[sid]), 120)
+
+    assert on_virtual_time(go())[sid] == "failed"
+    answers = [(o["outcome"], o["reason"]) for o in callback_outcomes(store, sid)]
+    assert answers == [("applied", "heartbeat noted")]
+    assert queries.strategy_events(store, sid, "deadline-extended") == []
+
+
+class _Sleeps(StateAction):
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    async def run(self, ctx: ActionContext) -> Outcome:
+        await asyncio.sleep(self.seconds)
+        return Advance()
+
+
+EPOCH = LoopClock().epoch
+
+
+def _utc(at: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at)) + "Z"

@@ -97,6 +97,10 @@ def test_a_conductor_rides_out_a_database_outage_and_goes_on_after_it(
     assert levels[0] == logging.WARNING and levels[-1] == logging.ERROR
     assert any("went through after" in m for m in retries)
     assert sum("lease-lapsing" in m for m in said) == 1
+    # counted for /metrics (fleetwave_store_outages_total): each stuck call met it once,
+    # and none is stuck now
+    assert 1 <= conductor.stats.store_outages <= 3 * len(retries)
+    assert conductor.stats.outage_since is None
     assert check(store, sid).ok
 
 

@@ -5,13 +5,23 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from fleetwave.domain.errors import NotFound
+from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.registry import all_workflows, get_workflow
 from fleetwave.domain.workflow import WorkflowDef, WorkflowError
 from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.store import queries
 from fleetwave.store.admin import stored_workflows
 from fleetwave.store.db import Store
+
+
+def new_yaml_workflow(text: str, source: str) -> WorkflowDef:
+    """A YAML workflow to validate or add (``source``: its file, named by its errors),
+    checked strictly; a built-in's (or a plug-in's) name is refused."""
+    wf = parse_workflow_yaml(text, source=source, strict=True)
+    known = get_workflow(wf.name)
+    if known is not None and known.source != "yaml":
+        raise InputError(f"{source}: name: '{wf.name}' is a built-in workflow; choose another name")
+    return wf
 
 
 def list_workflows(store: Store | None) -> list[WorkflowDef]:

@@ -10,13 +10,21 @@ transactions): the API runs them in a thread.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from fleetwave.cli.parsing import check_target
 from fleetwave.domain.errors import Conflict, InputError, NotFound
 from fleetwave.domain.models import ApplyType, StrategyOptions, StrategyState, Target
 from fleetwave.domain.registry import get_workflow
-from fleetwave.domain.rollout import RolloutSpec
+from fleetwave.domain.rollout import (
+    RolloutSpec,
+    parse_amount,
+    parse_batches,
+    parse_duration,
+    parse_stages,
+)
+from fleetwave.domain.windows import check_times, parse_time, parse_window
 from fleetwave.domain.workflow import WorkflowDef
 from fleetwave.store import admin, queries, tokens
 from fleetwave.store.db import Store
@@ -99,6 +107,77 @@ def check_timeouts(wf: WorkflowDef, timeouts_s: dict[str, float]) -> None:
             f"--timeout: {', '.join(unknown)}: workflow {wf.name} has no such state "
             f"(its states: {', '.join(wf.state_names)})"
         )
+
+
+def strategy_options(
+    *,
+    max_parallel: int | None = None,
+    apply_type: ApplyType = ApplyType.PARALLEL,
+    stop_on_failure: bool = False,
+    max_failures: str | None = None,
+    stages_by_group: bool = False,
+    timeouts_s: dict[str, float] | None = None,
+    stages: Sequence[str] = (),
+    batches: str | None = None,
+    canary: str | None = None,
+    canary_label: dict[str, str] | None = None,
+    stage_max_failures: str | None = None,
+    stage_wait: str | None = None,
+    stage_approval: bool = False,
+    start_after: str | None = None,
+    windows: Sequence[str] = (),
+    deadline: str | None = None,
+) -> tuple[StrategyOptions, RolloutSpec]:
+    """``strategy create``'s options as given (text, as typed), checked: the strategy's
+    options and its rollout's order. Bad input is refused naming the command line's
+    option (``--canary: ...``), through the command line and the API alike."""
+    limit = parse_amount(max_failures, "--max-failures") if max_failures is not None else None
+    opts = StrategyOptions(
+        max_parallel=max_parallel_as_stored(max_parallel, apply_type, "strategy"),
+        apply_type=apply_type,
+        stop_on_failure=stop_on_failure,
+        max_failures=limit.count if limit is not None else None,
+        stages_by_group=stages_by_group,
+        timeouts_s=dict(timeouts_s or {}),
+        max_failures_percent=limit.text if limit is not None and limit.count is None else "",
+        stages=[list(s) for s in parse_stages(stages)],
+        batches=batches or "",
+        canary=canary or "",
+        canary_label=dict(canary_label or {}),
+        stage_max_failures=stage_max_failures or "",
+        stage_wait_s=parse_duration(stage_wait, "--stage-wait") if stage_wait else 0.0,
+        stage_approval=stage_approval,
+        **_times(start_after, windows, deadline),
+    )
+    return opts, _rollout_spec(opts)
+
+
+def _times(start_after: str | None, windows: Sequence[str], deadline: str | None) -> dict[str, Any]:
+    """``--start-after``, ``--window`` and ``--deadline`` as options, checked: a deadline
+    passed or before the start, and windows that never open before it, are refused."""
+    after = parse_time(start_after, "--start-after") if start_after is not None else None
+    until = parse_time(deadline, "--deadline") if deadline is not None else None
+    parsed = [parse_window(w) for w in windows]
+    check_times(after, parsed, until, time.time())
+    return {"start_after": after, "windows": [w.text for w in parsed], "deadline": until}
+
+
+def _rollout_spec(opts: StrategyOptions) -> RolloutSpec:
+    """The rollout's order as asked in ``opts`` (checked: bad sizes and limits refused)."""
+    if opts.stages and opts.stages_by_group:
+        raise InputError("--stage and --stages-by-group: give one of them")
+    return RolloutSpec(
+        stages=[tuple(s) for s in opts.stages],
+        stages_by_group=opts.stages_by_group,
+        batches=parse_batches(opts.batches) if opts.batches else [],
+        canary=parse_amount(opts.canary, "--canary", least=1) if opts.canary else None,
+        canary_label=opts.canary_label,
+        stage_max_failures=(
+            parse_amount(opts.stage_max_failures, "--stage-max-failures")
+            if opts.stage_max_failures
+            else None
+        ),
+    )
 
 
 def create_strategy(

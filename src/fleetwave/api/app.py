@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import fleetwave
-from fleetwave.api import callbacks, errors, reads, tokens, writes
+from fleetwave.api import callbacks, errors, reads, texts, tokens, writes
 from fleetwave.api.auth import Admin, Operator, Reader
 from fleetwave.api.callbacks import CallbackFastPath
 from fleetwave.api.errors import ApiError, ErrorAnswer, error_response
@@ -150,6 +150,8 @@ def make_app(service: Service) -> FastAPI:
     v1 = API_PREFIX
     app.include_router(reads.router, prefix=v1, tags=["reads"], dependencies=[Reader])
     app.include_router(writes.router, prefix=v1, tags=["changes"], dependencies=[Operator])
+    # (files' text as the body; each route says its role)
+    app.include_router(texts.router, prefix=v1, tags=["changes"])
     app.include_router(tokens.router, prefix=v1, tags=["tokens"], dependencies=[Admin])
     # (agents send their own token, for one step's state: not an API token)
     app.include_router(callbacks.router, prefix=v1, tags=["agents"])

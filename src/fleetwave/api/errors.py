@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -97,12 +98,33 @@ def field_of(message: str) -> str | None:
 _STATUS = {NotFound: (404, "not_found"), Conflict: (409, "conflict")}
 
 
+def _status_of(exc: Exception) -> tuple[int, str]:
+    return next((sc for kind, sc in _STATUS.items() if isinstance(exc, kind)), (422, "invalid"))
+
+
 def _input_error(_: Request, exc: Exception) -> JSONResponse:
-    status, code = next(
-        (sc for kind, sc in _STATUS.items() if isinstance(exc, kind)), (422, "invalid")
-    )
+    status, code = _status_of(exc)
     message = str(exc)
     return error_response(status, code, message, field_of(message))
+
+
+@contextmanager
+def fields_named(names: Mapping[str, str]) -> Iterator[None]:
+    """Bad input raised within names the body's field where the command line's option
+    is named otherwise (``--stage: ...``: ``stages``), its message as the command's."""
+    try:
+        yield
+    except (InputError, WorkflowError) as exc:
+        status, code = _status_of(exc)
+        message = str(exc)
+        field = field_of(message)
+        if field is None and (first := _FIRST_OPTION.match(message)) is not None:
+            field = first.group(1).replace("-", "_")  # ("--stage and --stages-by-group: ...")
+        raise ApiError(status, code, message, names.get(field or "", field)) from None
+
+
+#: the option a message about two of them names first
+_FIRST_OPTION = re.compile(r"^--([a-z][a-z0-9-]*) and --")
 
 
 def _api_error(_: Request, exc: Exception) -> JSONResponse:
@@ -166,7 +188,11 @@ def _methods_of(request: Request) -> list[str]:
             )
             for path, item in app.openapi().get("paths", {}).items()
         ]
-    return sorted({m for rx, methods in paths if rx.match(request.url.path) for m in methods})
+    matched = [(rx, methods) for rx, methods in paths if rx.match(request.url.path)]
+    # a path of its own (/v1/targets/import) is documented apart from the template it
+    # also matches (/v1/targets/{name}): its own methods are the ones it documents
+    literal = [methods for rx, methods in matched if "[^/]+" not in rx.pattern]
+    return sorted({m for methods in literal or [m for _, m in matched] for m in methods})
 
 
 def _store_error(_: Request, exc: Exception) -> JSONResponse:

@@ -9,6 +9,7 @@ agents' callbacks by answer) are prometheus-client counters: a request costs far
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -86,10 +87,28 @@ class EngineCollector(Collector):
         for (outcome, reason), n in sorted(meters.callbacks.items()):
             answered.add_metric([outcome, reason], n)
         yield answered
+        stats = conductor.stats
         yield CounterMetricFamily(
             "fleetwave_store_retries",
             "Store calls that failed and were tried again (outages included)",
-            value=conductor.stats.store_retries,
+            value=stats.store_retries,
+        )
+        yield CounterMetricFamily(
+            "fleetwave_store_outages",
+            "Times the database did not answer (locked, busy, unreachable): ridden out",
+            value=stats.store_outages,
+        )
+        since = stats.outage_since
+        yield GaugeMetricFamily(
+            "fleetwave_store_outage_seconds",
+            "How long the database has not answered (0: it answers)",
+            # (scraped on the conductor's loop, whose clock the outage is timed on)
+            value=0.0 if since is None else max(0.0, asyncio.get_running_loop().time() - since),
+        )
+        yield CounterMetricFamily(
+            "fleetwave_lease_takeovers",
+            "Strategies this conductor took over from another (its lease expired)",
+            value=stats.takeovers,
         )
 
 

@@ -10,15 +10,16 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from fleetwave import commands
 from fleetwave.api.bodies import Body
-from fleetwave.api.errors import ApiError
+from fleetwave.api.errors import ApiError, fields_named
 from fleetwave.api.reads import SQL_INT_MAX, Name, StrategyId, Svc
 from fleetwave.api.service import Service
 from fleetwave.catalog import resolve_workflow
-from fleetwave.domain.models import ApplyType, StrategyOptions, Target
+from fleetwave.domain.models import ApplyType, Target
 from fleetwave.domain.yaml_workflow import MAX_SECONDS
 from fleetwave.store import admin
 
@@ -46,6 +47,10 @@ Labels = dict[
     Annotated[str, Field(min_length=1, max_length=4096)],
 ]
 Settings = dict[Annotated[str, Field(min_length=1, max_length=255)], Any]
+#: a stage's groups as a list
+StageGroups = list[Annotated[str, Field(max_length=1024)]]
+#: batch sizes as a list: counts, or percents as text
+BatchSizes = list[Annotated[int, Field(ge=-SQL_INT_MAX, le=SQL_INT_MAX)] | str]
 
 
 class TargetIn(Body):
@@ -75,9 +80,16 @@ class TargetChange(Body):
     )
 
 
+#: a count, or a percent as text ("5%")
+CountOrPercent = (
+    Annotated[int, Field(ge=-SQL_INT_MAX, le=SQL_INT_MAX)] | Annotated[str, Field(max_length=32)]
+)
+
+
 class StrategyIn(Body):
     """``strategy create``: the targets by ``targets``, ``group``, ``labels`` or
-    ``all``, or ``failed_in`` (a retry of a strategy's failed and aborted steps)."""
+    ``all``, or ``failed_in`` (a retry of a strategy's failed and aborted steps); the
+    rollout's order and gates as its options give them."""
 
     workflow: str = Field(max_length=1024)
     targets: list[Annotated[str, Field(max_length=1024)]] | None = Field(
@@ -90,52 +102,135 @@ class StrategyIn(Body):
     max_parallel: int | None = Field(default=None, ge=-SQL_INT_MAX, le=SQL_INT_MAX)
     apply_type: ApplyType = ApplyType.PARALLEL
     stop_on_failure: bool = False
-    max_failures: int | None = Field(default=None, ge=0, le=SQL_INT_MAX)
+    max_failures: CountOrPercent | None = Field(
+        default=None, description="--max-failures: stop once more than N (or P%) failed"
+    )
     stages_by_group: bool = False
+    stages: list[Annotated[str, Field(max_length=65536)] | StageGroups] = Field(
+        default_factory=list,
+        max_length=1000,
+        description="--stage, in order: each stage's groups ('east,west' or a list; "
+        "'rest' or '*' for the others)",
+    )
+    stage_max_failures: CountOrPercent | None = Field(
+        default=None, description="--stage-max-failures: N or P% of one stage"
+    )
+    batches: Annotated[str, Field(max_length=4096)] | BatchSizes | None = Field(
+        default=None, description="--batches: '1,5,20%' or a list (the last repeats)"
+    )
+    canary: CountOrPercent | None = Field(default=None, description="--canary: N or P%")
+    canary_label: Labels = Field(default_factory=dict, description="--canary-label")
+    stage_wait: (
+        Annotated[int, Field(ge=-SQL_INT_MAX, le=SQL_INT_MAX)]
+        | Annotated[str, Field(max_length=64)]
+        | None
+    ) = Field(default=None, description="--stage-wait: a duration ('10m', '1h30m') or seconds")
+    stage_approval: bool = Field(
+        default=False, description="--stage-approval: hold after each stage until approved"
+    )
+    start_after: str | None = Field(
+        default=None, max_length=64, description="--start-after: a time (2026-12-06T01:00Z)"
+    )
+    windows: list[Annotated[str, Field(max_length=256)]] = Field(
+        default_factory=list,
+        max_length=100,
+        description="--window, each weekly ('Sat 01:00-05:00 UTC')",
+    )
+    deadline: str | None = Field(
+        default=None, max_length=64, description="--deadline: a time (2026-12-07T06:00Z)"
+    )
     timeouts: dict[
         Annotated[str, Field(max_length=255)], Annotated[float, Field(gt=0, le=MAX_SECONDS)]
     ] = Field(default_factory=dict, description="per-state timeout overrides, seconds")
+    dry_run: bool = Field(
+        default=False, description="answer the plan (200), as --dry-run; write nothing"
+    )
 
 
-def _create(svc: Service, body: StrategyIn) -> dict[str, Any]:
+#: the body's fields where the command line's options are named otherwise
+_FIELDS = {"stage": "stages", "window": "windows", "timeout": "timeouts", "label": "labels"}
+
+
+def _text(value: int | str | list[Any] | None) -> str | None:
+    """An option's value as the command line would have been given it."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def _create(svc: Service, body: StrategyIn) -> dict[str, Any] | JSONResponse:
     store = svc.store
     names = body.targets
-    if names is not None and not names:
-        raise ApiError(422, "invalid", "targets: names no target", "targets")
-    if body.failed_in is not None:
-        names = commands.failed_targets(
+    with fields_named(_FIELDS):
+        if names is not None and not names:
+            raise ApiError(422, "invalid", "targets: names no target", "targets")
+        if body.failed_in is not None:
+            names = commands.failed_targets(
+                store,
+                body.failed_in,
+                target_names=names,
+                group=body.group,
+                all_targets=body.all,
+                labels=body.labels,
+            )
+        wf = resolve_workflow(store, body.workflow, what="workflow")
+        commands.check_timeouts(wf, dict(body.timeouts))
+        opts, spec = commands.strategy_options(
+            max_parallel=body.max_parallel,
+            apply_type=body.apply_type,
+            stop_on_failure=body.stop_on_failure,
+            max_failures=_text(body.max_failures),
+            stages_by_group=body.stages_by_group,
+            timeouts_s=dict(body.timeouts),
+            stages=[_text(s) or "" for s in body.stages],
+            batches=_text(body.batches),
+            canary=_text(body.canary),
+            canary_label=dict(body.canary_label),
+            stage_max_failures=_text(body.stage_max_failures),
+            stage_wait=_text(body.stage_wait),
+            stage_approval=body.stage_approval,
+            start_after=body.start_after,
+            windows=body.windows,
+            deadline=body.deadline,
+        )
+        if body.dry_run:
+            plan = admin.plan_strategy(
+                store,
+                wf,
+                opts,
+                target_names=names,
+                group=body.group,
+                all_targets=body.all,
+                labels=body.labels,
+                spec=spec,
+            )
+            return JSONResponse(plan, status_code=200)
+        return commands.create_strategy(
             store,
-            body.failed_in,
+            wf,
+            opts,
             target_names=names,
             group=body.group,
             all_targets=body.all,
             labels=body.labels,
+            failed_in=body.failed_in,
+            spec=spec,
         )
-    wf = resolve_workflow(store, body.workflow, what="workflow")
-    opts = StrategyOptions(
-        max_parallel=commands.max_parallel_as_stored(
-            body.max_parallel, body.apply_type, "strategy"
-        ),
-        apply_type=body.apply_type,
-        stop_on_failure=body.stop_on_failure,
-        max_failures=body.max_failures,
-        stages_by_group=body.stages_by_group,
-        timeouts_s=dict(body.timeouts),
-    )
-    return commands.create_strategy(
-        store,
-        wf,
-        opts,
-        target_names=names,
-        group=body.group,
-        all_targets=body.all,
-        labels=body.labels,
-        failed_in=body.failed_in,
-    )
 
 
-@router.post("/strategies", status_code=201, summary="Create a strategy (state initial)")
-async def create_strategy(svc: Svc, body: StrategyIn) -> dict[str, Any]:
+@router.post(
+    "/strategies",
+    status_code=201,
+    summary="Create a strategy (state initial), or answer its plan (dry_run)",
+    response_model=None,
+    responses={
+        201: {"description": "created: the strategy, as strategy show has it"},
+        200: {"description": "dry_run: the plan, as strategy create --dry-run has it"},
+    },
+)
+async def create_strategy(svc: Svc, body: StrategyIn) -> dict[str, Any] | JSONResponse:
     return await svc.call(_create, svc, body)
 
 
@@ -144,6 +239,17 @@ async def create_strategy(svc: Svc, body: StrategyIn) -> dict[str, Any]:
 )
 async def apply_strategy(svc: Svc, strategy_id: StrategyId) -> dict[str, Any]:
     return await svc.call(commands.apply_strategy, svc.store, strategy_id)
+
+
+@router.post(
+    "/strategies/{strategy_id}/approve",
+    dependencies=NoBody,
+    summary="Approve: a strategy waiting for approval starts its next stage",
+)
+async def approve_strategy(request: Request, svc: Svc, strategy_id: StrategyId) -> dict[str, Any]:
+    # recorded with the token's name (as every change through the API is)
+    who = f"api:{request.state.caller.name}"
+    return await svc.call(admin.approve_strategy, svc.store, strategy_id, who)
 
 
 @router.post(

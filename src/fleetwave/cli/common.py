@@ -135,8 +135,9 @@ def store_for(db: str | None, *, create: bool = True, upgrade: bool = False) -> 
         ctx = get_current_context(silent=True)
         what = ctx.command_path if ctx is not None else "this command"
         raise InputError(
-            f"--url: '{what}' works on a database, not through a server (reads, and "
-            "strategy pause, resume and abort, do)"
+            f"--url: '{what}' works on a database, not through a server (reads, strategy "
+            "create, pause, resume, abort and approve, workflow validate and add, and "
+            "target import do)"
         )
     if db is not None and not db.strip():
         raise InputError("--db: must not be empty")

@@ -256,10 +256,20 @@ def serve(
         str | None, typer.Option(metavar="FILE", help="... and the certificate's key (PEM)")
     ] = None,
     lease_ttl: LeaseTtlOpt = None,
+    log_format: Annotated[
+        output.LogFormat,
+        typer.Option(
+            metavar="FORMAT",
+            help="text, or json: each line on stderr one JSON object (time, level, "
+            "logger, message, and strategy, step, target where known)",
+        ),
+    ] = output.LogFormat.text,
     db: DbOpt = None,
 ) -> None:
     """Run a conductor: drive every applying strategy until interrupted (Ctrl-C); with
     --listen, serve the REST API beside it."""
+    if log_format is output.LogFormat.json:
+        output.use_json_logs()
     if no_engine and listen is None:
         raise InputError("--no-engine: only with --listen (it serves the API alone)")
     if no_engine and lease_ttl is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -11,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from enum import StrEnum
 from itertools import chain, islice
-from typing import Any
+from typing import IO, Any, TextIO, cast
 
 from rich.cells import cell_len
 from rich.console import Console
@@ -90,6 +91,89 @@ def utc_log_formatter() -> logging.Formatter:
     )
     formatter.converter = time.gmtime
     return formatter
+
+
+#: what every log record has: the fields a log call adds (``extra=``) are the others
+_RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
+    "message",
+    "asctime",
+    "taskName",
+}
+
+
+class LogFormat(StrEnum):
+    """``serve --log-format``: how log lines are written."""
+
+    text = "text"
+    json = "json"
+
+
+class JsonLogFormatter(logging.Formatter):
+    """``serve --log-format json``: a log record as one JSON object on one line: its
+    ``time`` (UTC, ISO 8601, to the millisecond), ``level``, ``logger`` and ``message``,
+    and the fields its log call gave (``strategy``, ``step``, ``target``, ``state``)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": when(record.created).replace(" ", "T"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in _RECORD_FIELDS and not key.startswith("_"):
+                entry.setdefault(key, value)
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False, default=str)
+
+
+class JsonLines(io.TextIOBase):
+    """A stream whose every line becomes a JSON log object (``logger`` fleetwave.cli;
+    ``level`` warning or error when the line says so): what the command itself says on
+    stderr (where it serves, how it stopped) in the same form as its log lines."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self._held = ""
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return False
+
+    def write(self, text: str) -> int:
+        *lines, self._held = (self._held + text).split("\n")
+        for line in lines:
+            if line.strip():
+                self._say(line)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def _say(self, line: str) -> None:
+        level = next((lv for lv in ("warning", "error") if line.startswith(f"{lv}: ")), "info")
+        entry = {
+            "time": when(time.time()).replace(" ", "T"),
+            "level": level,
+            "logger": "fleetwave.cli",
+            "message": line,
+        }
+        self.stream.write(json.dumps(entry, ensure_ascii=False) + "\n")
+
+
+def use_json_logs() -> None:
+    """From now on, every line on stderr is a JSON object: log records (through
+    :class:`JsonLogFormatter`), and what the command prints there."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLogFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    err_console.file = cast(IO[str], JsonLines(sys.stderr))
 
 
 def _is_time(key: str) -> bool:

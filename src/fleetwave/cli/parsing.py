@@ -336,7 +336,8 @@ def targets_from_yaml(text: str, source: str) -> TargetBatch:
     return out
 
 
-def targets_from_file(path: Path) -> TargetBatch:
+def target_file_text(path: Path) -> tuple[str, str]:
+    """A targets file's kind (``csv`` or ``yaml``, by its name) and text."""
     if path.is_dir():
         raise InputError(f"FILE: {path} is a directory, not a .csv or .yaml file")
     if not path.is_file():
@@ -344,7 +345,11 @@ def targets_from_file(path: Path) -> TargetBatch:
     suffix = path.suffix.lower()
     if suffix not in {".csv", ".yaml", ".yml"}:
         raise InputError(f"FILE: {path}: expected a .csv, .yaml or .yml file")
-    text = read_text_file(path)
-    if suffix == ".csv":
+    return ("csv" if suffix == ".csv" else "yaml"), read_text_file(path)
+
+
+def targets_from_file(path: Path) -> TargetBatch:
+    kind, text = target_file_text(path)
+    if kind == "csv":
         return targets_from_csv(text, str(path))
     return targets_from_yaml(text, str(path))

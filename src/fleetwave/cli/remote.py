@@ -65,8 +65,13 @@ class Remote:
     def get(self, path: str, **params: Any) -> Any:
         return self._call("GET", path, params)
 
-    def post(self, path: str) -> Any:
-        return self._call("POST", path, {})
+    def post(self, path: str, body: Any = None) -> Any:
+        """A change; ``body`` (if any) sent as JSON."""
+        return self._call("POST", path, {}, body)
+
+    def post_text(self, path: str, text: str, content_type: str, **params: Any) -> Any:
+        """A change whose body is a file's text (a workflow's YAML, a targets file)."""
+        return self._call("POST", path, params, text.encode("utf-8"), content_type)
 
     def every(self, path: str, **params: Any) -> list[dict[str, Any]]:
         """Every row of a paged list, page after page."""
@@ -79,7 +84,14 @@ class Remote:
             if cursor is None:
                 return rows
 
-    def _call(self, method: str, path: str, params: dict[str, Any]) -> Any:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        params: dict[str, Any],
+        body: Any = None,
+        content_type: str = "application/json",
+    ) -> Any:
         pairs = [
             (key, str(v).lower() if isinstance(v, bool) else str(v))
             for key, value in params.items()
@@ -87,7 +99,10 @@ class Remote:
             for v in (value if isinstance(value, list | tuple) else [value])
         ]
         query = f"?{urllib.parse.urlencode(pairs)}" if pairs else ""
-        request = urllib.request.Request(f"{self.url}{path}{query}", method=method)
+        data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+        request = urllib.request.Request(f"{self.url}{path}{query}", data=data, method=method)
+        if data is not None:
+            request.add_header("Content-Type", content_type)
         if self.token:
             request.add_header("Authorization", f"Bearer {self.token}")
         request.add_header("Accept", "application/json")

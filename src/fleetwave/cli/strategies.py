@@ -26,7 +26,6 @@ from fleetwave.cli.common import (
     done,
     engine_config,
     existing_store,
-    max_parallel_as_stored,
     missing,
     whole_number,
 )
@@ -37,22 +36,12 @@ from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.models import (
     STRATEGY_TERMINAL,
     ApplyType,
-    StrategyOptions,
     StrategyState,
     plural,
     shown,
 )
-from fleetwave.domain.rollout import (
-    RolloutSpec,
-    parse_amount,
-    parse_batches,
-    parse_duration,
-    parse_stages,
-)
 from fleetwave.domain.windows import (
-    check_times,
     earliest_start,
-    parse_time,
     parse_window,
     shown_time,
 )
@@ -229,66 +218,85 @@ def strategy_create(
     ):
         if on and off:
             raise InputError(f"--{flag} and --no-{flag}: give one of them")
-    store = existing_store(db)
     names = _target_names(targets) if targets is not None else None
     labels = parse_pairs(label, "--label", typed=False)
-    if failed_in is not None:
-        names = commands.failed_targets(
-            store, failed_in, target_names=names, group=group, all_targets=all_, labels=labels
-        )
-    wf = resolve_workflow(store, workflow)
     timeouts = _timeouts(timeout)
-    commands.check_timeouts(wf, timeouts)
-    percent = max_failures is not None and max_failures.endswith("%")
-    opts = StrategyOptions(
-        max_parallel=max_parallel_as_stored(max_parallel, apply_type, "strategy"),
-        apply_type=apply_type,
-        stop_on_failure=stop_on_failure,
-        max_failures=int(max_failures) if max_failures is not None and not percent else None,
-        stages_by_group=stages_by_group,
-        timeouts_s=timeouts,
-        max_failures_percent=max_failures if max_failures is not None and percent else "",
-        stages=[list(s) for s in parse_stages(stage or [])],
-        batches=batches or "",
-        canary=canary or "",
-        canary_label=parse_pairs(canary_label, "--canary-label", typed=False),
-        stage_max_failures=stage_max_failures or "",
-        stage_wait_s=parse_duration(stage_wait, "--stage-wait") if stage_wait else 0.0,
-        stage_approval=stage_approval,
-        **_times(start_after, window or [], deadline),
-    )
-    spec = _rollout_spec(opts)
-    if dry_run:
-        plan = admin.plan_strategy(
+    rollout: dict[str, Any] = {
+        "max_parallel": max_parallel,
+        "apply_type": apply_type,
+        "stop_on_failure": stop_on_failure,
+        "max_failures": max_failures,
+        "stages_by_group": stages_by_group,
+        "stages": stage or [],
+        "batches": batches,
+        "canary": canary,
+        "canary_label": parse_pairs(canary_label, "--canary-label", typed=False),
+        "stage_max_failures": stage_max_failures,
+        "stage_wait": stage_wait,
+        "stage_approval": stage_approval,
+        "start_after": start_after,
+        "windows": window or [],
+        "deadline": deadline,
+    }
+    server = remote.server(db)
+    if server is not None:
+        body = {
+            "workflow": workflow,
+            "targets": names,
+            "group": group,
+            "all": all_,
+            "labels": labels,
+            "failed_in": failed_in,
+            "timeouts": timeouts,
+            "dry_run": dry_run,
+            **rollout,
+            "apply_type": apply_type.value,
+        }
+        made = server.post("/v1/strategies", {k: v for k, v in body.items() if v is not None})
+        if dry_run:
+            _print_plan(made, fmt)
+            return
+    else:
+        store = existing_store(db)
+        if failed_in is not None:
+            names = commands.failed_targets(
+                store, failed_in, target_names=names, group=group, all_targets=all_, labels=labels
+            )
+        wf = resolve_workflow(store, workflow)
+        commands.check_timeouts(wf, timeouts)
+        opts, spec = commands.strategy_options(timeouts_s=timeouts, **rollout)
+        if dry_run:
+            plan = admin.plan_strategy(
+                store,
+                wf,
+                opts,
+                target_names=names,
+                group=group,
+                all_targets=all_,
+                labels=labels,
+                spec=spec,
+            )
+            _print_plan(plan, fmt)
+            return
+        made = commands.create_strategy(
             store,
             wf,
             opts,
             target_names=names,
             group=group,
             all_targets=all_,
-            labels=parse_pairs(label, "--label", typed=False),
+            labels=labels,
+            failed_in=failed_in,
             spec=spec,
         )
-        _print_plan(plan, fmt)
-        return
-    made = commands.create_strategy(
-        store,
-        wf,
-        opts,
-        target_names=names,
-        group=group,
-        all_targets=all_,
-        labels=labels,
-        failed_in=failed_in,
-        spec=spec,
-    )
     sid = made["id"]
     if fmt is Format.json:
         print_json(made)
     else:
         console.print(
-            f"strategy {sid} created ({wf.name}, {plural(int(made['steps']), 'target')}, max "
-            f"parallel {made['max_parallel']}); 'fleetwave strategy apply {sid}' starts it",
+            f"strategy {sid} created ({made['workflow']}, "
+            f"{plural(int(made['steps']), 'target')}, max parallel {made['max_parallel']}); "
+            f"'fleetwave strategy apply {sid}' starts it",
             highlight=False,
         )
     stored = made["options"]
@@ -301,34 +309,6 @@ def strategy_create(
             "takes them; --dry-run lists them)",
             highlight=False,
         )
-
-
-def _times(start_after: str | None, windows: list[str], deadline: str | None) -> dict[str, Any]:
-    """``--start-after``, ``--window`` and ``--deadline`` as options, checked: a deadline
-    passed or before the start, and windows that never open before it, are refused."""
-    after = parse_time(start_after, "--start-after") if start_after is not None else None
-    until = parse_time(deadline, "--deadline") if deadline is not None else None
-    parsed = [parse_window(w) for w in windows]
-    check_times(after, parsed, until, time.time())
-    return {"start_after": after, "windows": [w.text for w in parsed], "deadline": until}
-
-
-def _rollout_spec(opts: StrategyOptions) -> RolloutSpec:
-    """The rollout's order as asked in ``opts`` (checked: bad sizes and limits refused)."""
-    if opts.stages and opts.stages_by_group:
-        raise InputError("--stage and --stages-by-group: give one of them")
-    return RolloutSpec(
-        stages=[tuple(s) for s in opts.stages],
-        stages_by_group=opts.stages_by_group,
-        batches=parse_batches(opts.batches) if opts.batches else [],
-        canary=parse_amount(opts.canary, "--canary", least=1) if opts.canary else None,
-        canary_label=opts.canary_label,
-        stage_max_failures=(
-            parse_amount(opts.stage_max_failures, "--stage-max-failures")
-            if opts.stage_max_failures
-            else None
-        ),
-    )
 
 
 def _stops(limit: int | None) -> str:
@@ -615,16 +595,27 @@ def strategy_approve(
     strategy_id: StrategyId,
     by: Annotated[
         str | None,
-        typer.Option(metavar="NAME", help="who approves (default: the user running this)"),
+        typer.Option(
+            metavar="NAME",
+            help="who approves (default: you; through a server: the token's name)",
+        ),
     ] = None,
     fmt: FormatOpt = Format.table,
     db: DbOpt = None,
 ) -> None:
     """Let a strategy waiting for approval (--stage-approval) start its next stage."""
-    who = (by if by is not None else _user()).strip()
-    if not who:
-        raise InputError("--by: an empty name")
-    answer = admin.approve_strategy(existing_store(db), strategy_id, who)
+    server = remote.server(db)
+    if server is not None:
+        if by is not None:
+            raise InputError(
+                "--by: through a server the approval is recorded with the token's name"
+            )
+        answer = server.post(f"/v1/strategies/{strategy_id}/approve")
+    else:
+        who = (by if by is not None else _user()).strip()
+        if not who:
+            raise InputError("--by: an empty name")
+        answer = admin.approve_strategy(existing_store(db), strategy_id, who)
     done(fmt, f"strategy {strategy_id}: {answer['details']}", answer)
 
 

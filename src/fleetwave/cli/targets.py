@@ -22,7 +22,7 @@ from fleetwave.cli.common import (
     store_for,
 )
 from fleetwave.cli.output import Format, emit_one, emit_rows, err_console
-from fleetwave.cli.parsing import parse_pairs, targets_from_file
+from fleetwave.cli.parsing import parse_pairs, target_file_text, targets_from_file
 from fleetwave.domain.errors import InputError
 from fleetwave.domain.models import Target, plural
 from fleetwave.store import admin, queries
@@ -69,15 +69,28 @@ def target_add(
 @target_app.command("import")
 def target_import(file: Path, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Add targets from CSV (name,group,driver,<settings...>) or YAML, in one transaction."""
-    items = targets_from_file(file)
-    kept: list[str] = []
-    n = admin.ensure_targets(store_for(db), items, managed_kept=kept)
-    same = len(items) - n
+    server = remote.server(db)
+    if server is not None:
+        kind, text = target_file_text(file)
+        answer = server.post_text(
+            "/v1/targets/import", text, f"text/{kind}", source=str(file), format=kind
+        )
+    else:
+        items = targets_from_file(file)
+        kept: list[str] = []
+        n = admin.ensure_targets(store_for(db), items, managed_kept=kept)
+        answer = {
+            "file": str(file),
+            "imported": n,
+            "unchanged": len(items) - n,
+            "managed_kept": kept,
+        }
+    n, same, kept = answer["imported"], answer["unchanged"], answer["managed_kept"]
     done(
         fmt,
         f"{n} target{'' if n == 1 else 's'} imported from {file}"
         + (f"; {same} already there, unchanged" if same else ""),
-        {"file": str(file), "imported": n, "unchanged": same, "managed_kept": kept},
+        answer,
     )
     if kept and fmt is Format.table:
         # the file meant to fence them off; it does not (the flag is the operator's)

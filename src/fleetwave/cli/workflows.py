@@ -11,7 +11,7 @@ from urllib.parse import quote
 
 import typer
 
-from fleetwave.catalog import resolve_workflow, workflow_rows
+from fleetwave.catalog import new_yaml_workflow, resolve_workflow, workflow_rows
 from fleetwave.cli import remote
 from fleetwave.cli.common import (
     DbOpt,
@@ -29,7 +29,6 @@ from fleetwave.domain.errors import Conflict, InputError, NotFound
 from fleetwave.domain.models import plural
 from fleetwave.domain.registry import get_workflow
 from fleetwave.domain.workflow import describe_workflow
-from fleetwave.domain.yaml_workflow import parse_workflow_yaml
 from fleetwave.store import admin
 
 # put under the root command by main.py, which gives it its command class (_Commands)
@@ -129,32 +128,43 @@ def workflow_validate(file: Path, fmt: FormatOpt = Format.table, db: DbOpt = Non
     (--db, $FLEETWAVE_DB, or ./fleetwave.db if there), also what 'workflow add' would
     say of its version there."""
     _check_file(file)
-    wf = parse_workflow_yaml(read_text_file(file), source=str(file), strict=True)
-    _not_builtin(file, wf.name)
-    said = f"{file}: workflow {wf.name} v{wf.version} is valid ({plural(len(wf.states), 'state')})"
-    answer: dict[str, Any] = {
-        "file": str(file),
-        "name": wf.name,
-        "version": wf.version,
-        # its states' names, as every other answer has them
-        "states": list(wf.state_names),
-        # what 'workflow add' would do (None: no database to ask)
-        "add_would": None,
-        "stored_version": None,
-    }
-    store = store_if_any(db)
-    if store is not None:
-        with _naming(file):
-            stored = answer["stored_version"] = admin.check_workflow_version(store, wf)
-        if stored is None:
-            said += "; 'workflow add' would store it"
-            answer["add_would"] = "store"
-        elif stored == wf.version:
-            said += f"; already stored as v{stored}, unchanged"
-            answer["add_would"] = "nothing"
-        else:
-            said += f"; 'workflow add' would replace the stored v{stored}"
-            answer["add_would"] = "replace"
+    text = read_text_file(file)
+    server = remote.server(db)
+    if server is not None:
+        answer = server.post_text(
+            "/v1/workflows/validate", text, "application/yaml", source=str(file)
+        )
+        if not answer.pop("ok"):
+            raise InputError(str(answer["problem"]))
+    else:
+        wf = new_yaml_workflow(text, str(file))
+        answer = {
+            "file": str(file),
+            "name": wf.name,
+            "version": wf.version,
+            # its states' names, as every other answer has them
+            "states": list(wf.state_names),
+            # what 'workflow add' would do (None: no database to ask)
+            "add_would": None,
+            "stored_version": None,
+        }
+        store = store_if_any(db)
+        if store is not None:
+            with _naming(file):
+                stored = answer["stored_version"] = admin.check_workflow_version(store, wf)
+            answer["add_would"] = (
+                "store" if stored is None else "nothing" if stored == wf.version else "replace"
+            )
+    said = (
+        f"{file}: workflow {answer['name']} v{answer['version']} is valid "
+        f"({plural(len(answer['states']), 'state')})"
+    )
+    said += {
+        None: "",
+        "store": "; 'workflow add' would store it",
+        "nothing": f"; already stored as v{answer['stored_version']}, unchanged",
+        "replace": f"; 'workflow add' would replace the stored v{answer['stored_version']}",
+    }[answer["add_would"]]
     done(fmt, said, answer)
 
 
@@ -177,37 +187,35 @@ def _naming(file: Path) -> Iterator[None]:
         raise Conflict(f"{file}: {exc}") from None
 
 
-def _not_builtin(file: Path, name: str) -> None:
-    """``workflow add`` refuses a built-in's (or a plug-in's) name; validate says so too."""
-    known = get_workflow(name)
-    if known is not None and known.source != "yaml":
-        raise InputError(f"{file}: name: '{name}' is a built-in workflow; choose another name")
-
-
 @workflow_app.command("add")
 def workflow_add(file: Path, fmt: FormatOpt = Format.table, db: DbOpt = None) -> None:
     """Validate a YAML workflow and store it, so strategies can use it."""
     _check_file(file)
     text = read_text_file(file)
-    wf = parse_workflow_yaml(text, source=str(file), strict=True)
-    _not_builtin(file, wf.name)
-    with _naming(file):
-        replaced = admin.save_workflow(store_for(db), wf, text)
-    answer = {
-        "name": wf.name,
-        "version": wf.version,
-        "stored": replaced != wf.version,
-        "replaced_version": replaced if replaced != wf.version else None,
-    }
-    if replaced == wf.version:
-        said = f"workflow {wf.name} v{wf.version} is already stored, unchanged"
+    server = remote.server(db)
+    if server is not None:
+        answer = server.post_text("/v1/workflows", text, "application/yaml", source=str(file))
+    else:
+        wf = new_yaml_workflow(text, str(file))
+        with _naming(file):
+            replaced = admin.save_workflow(store_for(db), wf, text)
+        stored = replaced != wf.version
+        answer = {
+            "name": wf.name,
+            "version": wf.version,
+            "stored": stored,
+            "replaced_version": replaced if stored else None,
+        }
+    name, version, replaced = answer["name"], answer["version"], answer["replaced_version"]
+    if not answer["stored"]:
+        said = f"workflow {name} v{version} is already stored, unchanged"
     elif replaced is not None:
         said = (
-            f"workflow {wf.name} v{wf.version} stored, replacing v{replaced} "
+            f"workflow {name} v{version} stored, replacing v{replaced} "
             f"(strategies created from v{replaced} keep it)"
         )
     else:
-        said = f"workflow {wf.name} v{wf.version} stored"
+        said = f"workflow {name} v{version} stored"
     done(fmt, said, answer)
 
 

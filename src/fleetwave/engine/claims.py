@@ -109,6 +109,8 @@ class ClaimsMixin(StoreCalls):
             self._claiming.add(rec.id)
             self._claimed_at[rec.id] = started
             self.post(StrategyClaimed(rec))
+            if rec.taken_from is not None:
+                self.stats.takeovers += 1
         if self._lapsed_ids:
             await self._say_what_became_of_lapsed({rec.id for rec in claimed})
         if todo is None:

@@ -533,7 +533,7 @@ class Conductor(
                     )
                 )
             elif isinstance(msg, CallbackArrived):
-                self._on_callback(msg.record, marks)
+                self._on_callback(msg.record, marks, deadlines, events)
             elif isinstance(msg, StrategyClaimed):
                 try:
                     recover += await self._adopt(msg.record, events, batch, now)
@@ -706,8 +706,15 @@ class Conductor(
                     self._NOW,
                 )
 
-    def _on_callback(self, cb: cbs.CallbackRecord, marks: list[rt.CallbackMark]) -> None:
-        """Hand a callback to the step waiting for it, keep it for later, or ignore it.
+    def _on_callback(
+        self,
+        cb: cbs.CallbackRecord,
+        marks: list[rt.CallbackMark],
+        deadlines: list[rt.AttemptDeadline],
+        events: list[rt.Event],
+    ) -> None:
+        """Hand a callback to the step waiting for it, keep it for later, or ignore it
+        (a heartbeat: see :meth:`_on_heartbeat`).
 
         A callback that resolves a wait is marked ``applied`` only together with the
         transition it causes (see :meth:`_on_finished`): if this conductor dies in
@@ -760,7 +767,7 @@ class Conductor(
         elif cb.state != fl.state:
             ignore(f"late or out of order: step has moved on to {fl.state}")
         elif cb.kind == "heartbeat":
-            marks.append(rt.CallbackMark(cb.id, "applied", "heartbeat noted", cb.strategy_id))
+            self._on_heartbeat(run, fl, cb, marks, deadlines, events)
         elif fl.waiter is None:
             ignore(f"state {fl.state} does not wait for callbacks")
         elif fl.waiter.done():

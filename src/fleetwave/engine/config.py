@@ -72,4 +72,10 @@ class EngineStats:
     rejected: int = 0
     stale_outcomes: int = 0
     store_retries: int = 0
+    #: strategies claimed from another conductor (its lease taken over)
+    takeovers: int = 0
+    #: outages met by store calls (the database locked, busy or unreachable; ridden
+    #: out), and since when (loop time) the one going on has lasted, if any
+    store_outages: int = 0
+    outage_since: float | None = None
     dispatch_latency_s: list[float] = field(default_factory=list)

@@ -2,7 +2,9 @@
 
 One heap and one loop timer for all running attempts: an attempt still running past
 its state's deadline is cancelled, and one that does not stop when cancelled is
-abandoned after a grace period (its step fails).
+abandoned after a grace period (its step fails). A heartbeat from the target of a step
+that waits for its callback moves that deadline to a full timeout after the heartbeat
+(:meth:`DeadlinesMixin._on_heartbeat`): the step's row and an event say so.
 """
 
 from __future__ import annotations
@@ -13,9 +15,13 @@ import logging
 from collections.abc import Callable
 
 from fleetwave.domain.rules import failure
+from fleetwave.engine.clock import Clock
 from fleetwave.engine.config import EngineConfig
 from fleetwave.engine.messages import ActionFinished, Message
 from fleetwave.engine.run import InFlight, StrategyRun
+from fleetwave.engine.worker import log_fields, utc_text
+from fleetwave.store import runtime as rt
+from fleetwave.store.callbacks import CallbackRecord
 
 log = logging.getLogger("fleetwave.engine")
 
@@ -25,6 +31,7 @@ class DeadlinesMixin:
 
     # the conductor's, used here
     config: EngineConfig
+    clock: Clock
     runs: dict[int, StrategyRun]
     _loop: asyncio.AbstractEventLoop
     _deadlines: list[tuple[float, int, InFlight]]
@@ -38,6 +45,11 @@ class DeadlinesMixin:
         return len(self._deadlines)
 
     def _arm_deadline(self, when: float, attempt: int, fl: InFlight) -> None:
+        fl.deadline = when
+        fl.heard_at = None
+        self._push_deadline(when, attempt, fl)
+
+    def _push_deadline(self, when: float, attempt: int, fl: InFlight) -> None:
         heap = self._deadlines
         heapq.heappush(heap, (when, attempt, fl))
         if self._deadline_timer is None or when < self._deadline_at:
@@ -59,11 +71,16 @@ class DeadlinesMixin:
         due, heap = max(self._deadline_at, self._loop.time()), self._deadlines
         self._deadline_timer = None
         while heap and heap[0][0] <= due:
-            _, attempt, fl = heapq.heappop(heap)
+            when, attempt, fl = heapq.heappop(heap)
             if attempt < 0:  # the grace after a cancel
                 if fl.running == -attempt and fl.timed_out == -attempt:
                     self._abandon(fl)
-            elif fl.running == attempt and fl.task is not None and not fl.task.done():
+            elif (
+                fl.running == attempt
+                and when >= fl.deadline  # (else a heartbeat moved it: a later entry)
+                and fl.task is not None
+                and not fl.task.done()
+            ):
                 fl.timed_out = attempt
                 fl.task.cancel()
                 # from now, not from the deadline: a loop that was blocked past both
@@ -73,6 +90,73 @@ class DeadlinesMixin:
         if heap:
             self._deadline_at = heap[0][0]
             self._deadline_timer = self._loop.call_at(heap[0][0], self._expire)
+
+    def _on_heartbeat(
+        self,
+        run: StrategyRun,
+        fl: InFlight,
+        cb: CallbackRecord,
+        marks: list[rt.CallbackMark],
+        deadlines: list[rt.AttemptDeadline],
+        events: list[rt.Event],
+    ) -> None:
+        """A heartbeat on the state ``fl`` is in. While the step waits for its target's
+        callback, the state's deadline moves to its full timeout after the heartbeat
+        (never earlier than it was): here at once, and in the dispatcher's commit on the
+        step's row (a takeover goes on from it), with a ``deadline-extended`` event and
+        the heartbeat marked applied. Otherwise the heartbeat is only noted."""
+        sid, step_id = run.id, fl.rec.step_id
+        attempt = fl.running
+        if (
+            fl.waiter is None
+            or fl.waiter.done()
+            or attempt == 0
+            or fl.timed_out == attempt
+            or fl.aborted
+        ):
+            # not waiting (a state that runs or polls, or whose callback came): noted
+            marks.append(rt.CallbackMark(cb.id, "applied", "heartbeat noted", sid))
+            return
+        now = self.clock.now()
+        heard = now if cb.received_at is None else min(now, cb.received_at)
+        timeout_s = run.defs[fl.state].timeout_s
+        when = self._loop.time() - (now - heard) + timeout_s
+        deadline_at = heard + timeout_s
+        if when <= fl.deadline:
+            marks.append(
+                rt.CallbackMark(
+                    cb.id,
+                    "applied",
+                    f"heartbeat noted: the deadline is later already "
+                    f"({timeout_s:g}s after the state's start or a later heartbeat)",
+                    sid,
+                )
+            )
+            return
+        fl.deadline = when
+        fl.heard_at = heard
+        self._push_deadline(when, attempt, fl)
+        at = utc_text(deadline_at)
+        marks.append(rt.CallbackMark(cb.id, "applied", f"heartbeat: deadline moved to {at}", sid))
+        events.append(
+            rt.Event(
+                "deadline-extended",
+                f"{fl.state}: deadline moved to {at}, {timeout_s:g}s after the target's "
+                f"heartbeat (callback {cb.id})",
+                sid,
+                step_id,
+            )
+        )
+        deadlines.append(
+            rt.AttemptDeadline(step_id, sid, fl.state, fl.fence, deadline_at, None, None)
+        )
+        log.debug(
+            "step %s in %s: deadline moved to %s by a heartbeat",
+            step_id,
+            fl.state,
+            at,
+            extra=log_fields(fl.rec, fl.state),
+        )
 
     def _abandon(self, fl: InFlight) -> None:
         """Fail the step of an attempt whose action did not stop when cancelled at its
@@ -89,6 +173,7 @@ class DeadlinesMixin:
             fl.rec.target.name,
             fl.state,
             st.timeout_s,
+            extra=log_fields(fl.rec, fl.state),
         )
         fl.running = 0
         why = (

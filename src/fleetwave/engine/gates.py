@@ -69,7 +69,9 @@ class GatesMixin:
                 self._cancel_gate_timer(run)
                 if not run.inflight and not run.unsettled:
                     run.stopping, run.stop_details = "failure", deadline_passed(deadline)
-                    log.warning("strategy %s: %s", run.id, run.stop_details)
+                    log.warning(
+                        "strategy %s: %s", run.id, run.stop_details, extra={"strategy": run.id}
+                    )
                     self._wake_soon()
                 continue
             ended_at, approved = await self._io(rt.gate_facts, self.store, run.id, phase)
@@ -117,7 +119,7 @@ class GatesMixin:
                         self._NOW,
                     )
                     if said:
-                        log.info("strategy %s: %s", run.id, gate.why)
+                        log.info("strategy %s: %s", run.id, gate.why, extra={"strategy": run.id})
                 else:
                     await self._io(
                         rt.set_strategy_details,

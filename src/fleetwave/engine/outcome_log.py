@@ -59,6 +59,7 @@ class OutcomeLogMixin:
                 "" if one else "s",
                 shown,
                 more,
+                extra={"strategy": sid},
             )
 
     def _log_failed(self, t: rt.Transition, fl: InFlight | None = None) -> None:
@@ -85,7 +86,14 @@ class OutcomeLogMixin:
             alone = max(0, min(len(failures), FAILURES_LOGGED_ALONE - logged))
             for _sid, step_id, name, why in failures[:alone]:
                 who = f" (target {name})" if name is not None else ""
-                outcomes.warning("strategy %s: step %s%s failed: %s", sid, step_id, who, why)
+                outcomes.warning(
+                    "strategy %s: step %s%s failed: %s",
+                    sid,
+                    step_id,
+                    who,
+                    why,
+                    extra={"strategy": sid, "step": step_id, "target": name},
+                )
             self._failures_logged[sid] = logged + len(failures)
             if len(failures) > alone:
                 unsaid, since = self._failures_unsaid.get(sid, (0, now))
@@ -105,6 +113,7 @@ class OutcomeLogMixin:
                 plural(count, "more step"),
                 self._failures_logged.get(sid, 0),
                 sid,
+                extra={"strategy": sid},
             )
         self._failures_unsaid[sid] = (0, now)
 

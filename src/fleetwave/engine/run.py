@@ -44,6 +44,11 @@ class InFlight:
     timed_out: int = 0
     #: which attempt of its state that is (1, 2, ...)
     attempt_no: int = 0
+    #: when (loop time) the running attempt runs out of time: armed as it starts, moved
+    #: later by its target's heartbeats while it waits for the target's callback
+    deadline: float = 0.0
+    #: the last heartbeat that moved it (engine clock), None before any
+    heard_at: float | None = None
     #: set by the dispatcher once the strategy stops (abort, failure limit): the worker
     #: starts no new attempt of its state (it reads this one flag at any time)
     stopped: bool = False

@@ -125,7 +125,13 @@ class SettleMixin(StoreCalls):
             events.append(
                 rt.Event("step-settled", f"transition refused; row {what}", run.id, step_id)
             )
-            log.warning("step %s of strategy %s: transition refused; row %s", step_id, run.id, what)
+            log.warning(
+                "step %s of strategy %s: transition refused; row %s",
+                step_id,
+                run.id,
+                what,
+                extra={"strategy": run.id, "step": step_id},
+            )
 
         def end(
             row: rt.StepRecord,

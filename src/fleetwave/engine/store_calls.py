@@ -121,6 +121,9 @@ class StoreCalls:
                 now = self._loop.time()
                 if failures == 1:
                     started = now
+                    if outage:
+                        self.stats.store_outages += 1
+                        self.stats.outage_since = now
                     said = now - OUTAGE_LOG_EVERY_S + OUTAGE_QUIET_S
                     # in an operator's words ("claim strategies"), not the function's name
                     name = getattr(fn, "__name__", "store call").replace("_", " ")
@@ -164,6 +167,8 @@ class StoreCalls:
                     )
                 await asyncio.sleep(min(5.0, 0.05 * 2 ** min(failures, 7)))
                 continue
+            if failures:
+                self.stats.outage_since = None
             if failures and self._attempt_at - started >= OUTAGE_QUIET_S:
                 log.warning(
                     "store-retry: %s went through after %d failed tr%s over %.0fs",

@@ -117,7 +117,13 @@ class WorkerMixin(StoreCalls):
                 # exception whose str() raised did: the strategy never ended). The step
                 # fails instead.
                 said = details_text(exc) or type(exc).__name__
-                log.error("worker of step %s in %s: %s", fl.rec.step_id, fl.state, said)
+                log.error(
+                    "worker of step %s in %s: %s",
+                    fl.rec.step_id,
+                    fl.state,
+                    said,
+                    extra=log_fields(fl.rec, fl.state),
+                )
                 log.debug("traceback of the worker of step %s", fl.rec.step_id, exc_info=True)
                 decision = failure(fl.state, f"internal error ({type(exc).__name__}): {said}")
                 msg = ActionFinished(run.id, fl.rec.step_id, fl.state, fl.fence, decision, 1, None)
@@ -169,7 +175,7 @@ class WorkerMixin(StoreCalls):
             # come; what failed is kept in its attempt-failed event
             now_on = (
                 f"{state}: attempt {rec.attempt} of {st.attempts_max} started "
-                f"{_utc(self.clock.now())} (a retry taken over)"
+                f"{utc_text(self.clock.now())} (a retry taken over)"
             )
             started = RetryScheduled(
                 run.id, rec.step_id, state, fence, deadline, rec.attempt, now_on
@@ -302,7 +308,7 @@ class WorkerMixin(StoreCalls):
                     rec.deadline_at or self.clock.now() + timeout_s,
                     attempts + 1,
                     f"{state}: attempt {attempts + 1} re-sent after takeover "
-                    f"{_utc(self.clock.now())} ({why})",
+                    f"{utc_text(self.clock.now())} ({why})",
                     how="resent",
                 )
                 answer = await self._record(resent, started=True)
@@ -333,6 +339,11 @@ class WorkerMixin(StoreCalls):
                         break
                 if isinstance(exc, _StateDeadline):
                     reason = f"timed out after {st.timeout_s:g}s"
+                    if fl.heard_at is not None:
+                        reason = (
+                            f"timed out {st.timeout_s:g}s after the target's last heartbeat "
+                            f"({utc_text(fl.heard_at)})"
+                        )
                     if last_poll is not None:
                         reason += f" polling (last answer: {last_poll or 'not yet'})"
                     if timeout_s < st.timeout_s:
@@ -369,7 +380,7 @@ class WorkerMixin(StoreCalls):
                         due + timeout_s,
                         attempts + 1,
                         # a time, not "in 5s": the row is read while the attempt runs
-                        f"{failed}; attempt {attempts + 1} from {_utc(due)}",
+                        f"{failed}; attempt {attempts + 1} from {utc_text(due)}",
                     )
                     handled = record.handled = loop.create_future()
                     self.post(record)
@@ -385,7 +396,9 @@ class WorkerMixin(StoreCalls):
                     # one stopping cleanly.
                     # the row says the attempt runs (its due time, past now, read as if
                     # it were still to come)
-                    now_on = f"{failed}; attempt {attempts + 1} started {_utc(self.clock.now())}"
+                    now_on = (
+                        f"{failed}; attempt {attempts + 1} started {utc_text(self.clock.now())}"
+                    )
                     answer = (
                         None
                         if fl.stopped
@@ -421,6 +434,7 @@ class WorkerMixin(StoreCalls):
                     state,
                     type(exc).__name__,
                     said,
+                    extra=log_fields(rec, state),
                 )
                 log.debug("traceback of the action for %s", rec.target.name, exc_info=True)
                 decision = failure(state, said or type(exc).__name__)
@@ -437,6 +451,7 @@ class WorkerMixin(StoreCalls):
                     state,
                     type(exc).__name__,
                     said,
+                    extra=log_fields(rec, state),
                 )
                 decision = failure(
                     state, f"{type(exc).__name__}: {said}" if said else type(exc).__name__
@@ -559,7 +574,17 @@ def _retry_not_started(
     )
 
 
-def _utc(at: float) -> str:
+def log_fields(rec: rt.StepRecord, state: str) -> dict[str, object]:
+    """A step's ids for a log line's fields (``serve --log-format json``)."""
+    return {
+        "strategy": rec.strategy_id,
+        "step": rec.step_id,
+        "target": rec.target.name,
+        "state": state,
+    }
+
+
+def utc_text(at: float) -> str:
     """A time as a step's details say it: to the second, UTC."""
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at)) + "Z"
 

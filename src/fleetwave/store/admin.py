@@ -834,6 +834,8 @@ def save_workflow(store: Store, wf: WorkflowDef, source_yaml: str) -> int | None
                 name=wf.name, version=wf.version, source_yaml=source_yaml, created_at=_now()
             )
         )
+        replacing = f", replacing v{stored}" if stored is not None else ""
+        record_actor(conn, f"workflow {wf.name} v{wf.version} stored{replacing}")
         return stored
 
 
@@ -1502,6 +1504,7 @@ def approve_strategy(store: Store, sid: int, by: str) -> dict[str, Any]:
                 at=now, strategy_id=sid, kind=APPROVED_EVENT, details=details, conductor=None
             )
         )
+        record_actor(conn, f"strategy {sid} approved", sid)
         return {"id": sid, "stage": number, "approved_by": by, "details": details}
 
 

@@ -35,6 +35,8 @@ class CallbackRecord:
     #: set when it was answered as it was stored (its step had ended): ignored, and why
     outcome: str | None = None
     reason: str | None = None
+    #: when it was stored (the storer's clock; None where not read)
+    received_at: float | None = None
 
     def answer(self) -> dict[str, object]:
         """What ``step callback --format json`` and the API answer for it."""
@@ -212,6 +214,7 @@ def insert_callbacks(
                     r.details,
                     outcome,
                     reason,
+                    r.now,
                 ),
             )
         )
@@ -233,7 +236,17 @@ def insert_callbacks(
     return out
 
 
-_FIELDS = ("id", "strategy_id", "step_id", "state", "kind", "details", "outcome", "reason")
+_FIELDS = (
+    "id",
+    "strategy_id",
+    "step_id",
+    "state",
+    "kind",
+    "details",
+    "outcome",
+    "reason",
+    "received_at",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +268,15 @@ def _keyed(store: Store, step_id: int, key: str | None) -> CallbackRecord | None
     if r is None:
         return None
     return Replay(
-        int(r.id), int(r.strategy_id), step_id, r.state, r.kind, r.details, r.outcome, r.reason
+        int(r.id),
+        int(r.strategy_id),
+        step_id,
+        r.state,
+        r.kind,
+        r.details,
+        r.outcome,
+        r.reason,
+        r.received_at,
     )
 
 
@@ -265,7 +286,8 @@ def open_callbacks(store: Store, strategy_ids: list[int], after_id: int) -> list
         return []
     p = store.hooks.placeholder
     sql = (
-        "SELECT id, strategy_id, step_id, state, kind, details FROM callbacks "
+        "SELECT id, strategy_id, step_id, state, kind, details, outcome, reason, received_at "
+        "FROM callbacks "
         f"WHERE strategy_id IN ({store.hooks.placeholders(len(strategy_ids))}) "
         "AND outcome IS NULL "
         f"AND id > {p} ORDER BY id"
@@ -279,7 +301,8 @@ def open_callback_of(store: Store, step_id: int, state: str) -> CallbackRecord |
     """The oldest unprocessed report (done or failed) on this step's ``state``."""
     p = store.hooks.placeholder
     sql = (
-        "SELECT id, strategy_id, step_id, state, kind, details FROM callbacks "
+        "SELECT id, strategy_id, step_id, state, kind, details, outcome, reason, received_at "
+        "FROM callbacks "
         f"WHERE step_id = {p} AND state = {p} AND outcome IS NULL "
         "AND kind IN ('done', 'failed') ORDER BY id LIMIT 1"
     )

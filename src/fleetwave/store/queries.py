@@ -1520,6 +1520,7 @@ EVENT_KINDS = {
     APPROVED_EVENT: "an operator approved the next stage (which, by whom)",
     "change-by": "a change made through the REST API, and by which token",
     "callback-refused": "an agent's callback refused for its token (from which address, why)",
+    "deadline-extended": "a heartbeat moved a waiting state's deadline (to when)",
     "slots-recounted": "a strategy's slots (G7) counted again from its steps: they had drifted",
 }
 

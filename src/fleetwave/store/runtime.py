@@ -105,6 +105,8 @@ class StrategyRecord:
     workflow_yaml: str | None = None
     #: why its row cannot be driven (a field that is not readable), if so
     broken: str | None = None
+    #: claimed from another conductor (its id): a lease taken over
+    taken_from: str | None = None
 
 
 # -- conductors and leases ---------------------------------------------------------
@@ -393,6 +395,7 @@ def claim_strategies(
             if res.rowcount == 1:
                 rec = _strategy_record(r)
                 rec.owner, rec.fence = cid, r.fence + 1
+                rec.taken_from = r.owner if r.owner not in (None, cid) else None
                 claimed.append(rec)
                 if slots.recount(conn, store.hooks, r.id):
                     # (derived counts: a hand edit of a step, or a bug, made them drift)

@@ -131,14 +131,16 @@ class StopRule:
 @dataclass(slots=True)
 class AttemptDeadline:
     """A retry of a step still in ``state`` at ``fence``: its deadline, its attempt
-    number and why (not a transition)."""
+    number and why (not a transition). With no attempt, only its deadline moves (a
+    heartbeat on a state that waits for its target's callback)."""
 
     step_id: int
     strategy_id: int
     state: str
     fence: int
     deadline_at: float
-    attempt: int
+    #: None: the row's attempt is kept, and no attempt starts
+    attempt: int | None
     #: None: the row's details are kept
     details: str | None
     #: 1 while the retry waits to start (a takeover then runs it as this attempt, once
@@ -180,11 +182,16 @@ def _held_back(t: Transition, hold: dict[int, str]) -> bool:
     return t.from_state == STEP_INITIAL or state == StrategyState.ABORT_REQUESTED.value
 
 
+def _starts(d: AttemptDeadline) -> bool:
+    """Whether ``d`` records an attempt's start (its attempt row)."""
+    return not d.not_started and d.attempt is not None
+
+
 def _start_held(d: AttemptDeadline, hold: dict[int, str]) -> bool:
     """Whether ``hold`` keeps a retry from starting: its start (not its record made
     before the backoff) in a strategy whose abort is requested. A pause does not: the
     step is in flight, and goes on to its end."""
-    return not d.not_started and hold.get(d.strategy_id) == StrategyState.ABORT_REQUESTED.value
+    return _starts(d) and hold.get(d.strategy_id) == StrategyState.ABORT_REQUESTED.value
 
 
 def _slot_keys(t: Transition) -> tuple[tuple[int, int], ...]:
@@ -302,7 +309,8 @@ class TransitionWriter:
         #: a retry: its deadline, attempt and why; a step that has moved on since is
         #: left alone
         self._deadline_sql = (
-            f"UPDATE steps SET deadline_at={p}, attempt={p}, details=COALESCE({p}, details), "
+            f"UPDATE steps SET deadline_at={p}, attempt=COALESCE({p}, attempt), "
+            f"details=COALESCE({p}, details), "
             f"not_started={p} WHERE id={p} AND state={p} AND fence={p} AND visit={p} "
             f"AND owner={p}"
         )
@@ -644,7 +652,7 @@ class TransitionWriter:
                 return False
             replaced += self._end_unmanaged(cur, batch, ups, jrs, stops)
             changes = _slot_changes(batch)
-            ats = [self._attempt_row(d) for d in deadlines if not d.not_started] if dl else []
+            ats = [self._attempt_row(d) for d in deadlines if _starts(d)] if dl else []
             by_sql: dict[str, list[tuple[Any, ...]]] = {}
             for sql, u in ups:
                 by_sql.setdefault(sql, []).append(u)
@@ -902,7 +910,7 @@ class TransitionWriter:
                             self.cid,
                         ),
                     )
-                    if written.rowcount == 1 and not d.not_started:
+                    if written.rowcount == 1 and _starts(d):
                         # (an attempt recorded twice is refused: it must not run twice)
                         conn.exec_driver_sql(self._attempt_sql, self._attempt_row(d))
                 except IntegrityError:
