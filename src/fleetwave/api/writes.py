@@ -167,6 +167,17 @@ async def abort_strategy(svc: Svc, strategy_id: StrategyId) -> dict[str, Any]:
     return await svc.call(commands.abort_strategy, svc.store, strategy_id)
 
 
+@router.post(
+    "/strategies/{strategy_id}/approve",
+    dependencies=NoBody,
+    summary="Approve the next stage of a strategy waiting for approval",
+)
+async def approve_strategy(svc: Svc, request: Request, strategy_id: StrategyId) -> dict[str, Any]:
+    return await svc.call(
+        admin.approve_strategy, svc.store, strategy_id, f"api:{request.state.caller.name}"
+    )
+
+
 @router.delete(
     "/strategies/{strategy_id}",
     dependencies=NoBody,
