@@ -80,9 +80,10 @@ class Snapshot:
 class Producer:
     """Reads one subject once a second while somebody watches it."""
 
-    def __init__(self, svc: Service, key: str) -> None:
+    def __init__(self, svc: Service, key: str, hub: LiveHub) -> None:
         self.svc = svc
         self.key = key
+        self.hub = hub
         self.watchers = 0
         self.latest: Snapshot | None = None
         self._changed = asyncio.Event()
@@ -117,6 +118,7 @@ class Producer:
         while True:
             started = time.monotonic()
             try:
+                self.hub.reads += 1
                 await self.read(first)
                 first = False
             except asyncio.CancelledError:
@@ -142,7 +144,7 @@ class OverviewProducer(Producer):
 
 
 #: strategy states in which its steps still move (its summary is read again each pass)
-_UNDER_WAY = ("applying", "paused", "waiting-approval", "aborting", "initial")
+_UNDER_WAY = ("initial", "applying", "paused", "waiting-approval", "abort-requested", "aborting")
 
 
 def overview(store: Any) -> dict[str, Any]:
@@ -249,8 +251,8 @@ class StrategyProducer(Producer):
     """One strategy: ``strategy show`` (its counts as the command has them), its grid
     (every cell on ``full``, the cells that changed on ``tick``) and its charts."""
 
-    def __init__(self, svc: Service, key: str, sid: int) -> None:
-        super().__init__(svc, key)
+    def __init__(self, svc: Service, key: str, hub: LiveHub, sid: int) -> None:
+        super().__init__(svc, key, hub)
         self.sid = sid
         self.grid: Grid | None = None
         self.index: dict[int, int] = {}
@@ -295,6 +297,8 @@ class LiveHub:
         self.svc = svc
         self.producers: dict[str, Producer] = {}
         self.streams = 0
+        #: passes the producers made (read by /metrics)
+        self.reads = 0
         #: producers whose last page went, being cancelled (awaited by :meth:`close`)
         self._stopping: set[asyncio.Task[None]] = set()
         #: set when the server stops: every stream ends (uvicorn waits for them)
@@ -345,12 +349,12 @@ class LiveHub:
     def overview(self, still_allowed: Allowed) -> AsyncIterator[bytes]:
         key = self.overview_key()
         self.admit(key)
-        return self._stream(key, lambda: OverviewProducer(self.svc, key), still_allowed)
+        return self._stream(key, lambda: OverviewProducer(self.svc, key, self), still_allowed)
 
     def strategy(self, sid: int, still_allowed: Allowed) -> AsyncIterator[bytes]:
         key = self.strategy_key(sid)
         self.admit(key)
-        return self._stream(key, lambda: StrategyProducer(self.svc, key, sid), still_allowed)
+        return self._stream(key, lambda: StrategyProducer(self.svc, key, self, sid), still_allowed)
 
     async def _stream(
         self, key: str, make: Callable[[], Producer], still_allowed: Allowed

@@ -622,7 +622,7 @@ function drawThroughput(box, t) {
   const last = (vals) => (vals.length ? vals[vals.length - 1] : 0);
   const chart = svg("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": `Throughput: now ${last(t.ended_per_s)} steps ended and ${last(t.transitions_per_s)} transitions per second; peak ${top} per second` },
     svg("line", { x1: pad, y1: H - 16, x2: W - 4, y2: H - 16, stroke: "#8c959f" }),
-    svg("text", { x: 0, y: 12 }, document.createTextNode(`${+top.toFixed(1)}/s`)),
+    svg("text", { x: 0, y: 12 }, document.createTextNode(`peak ${+top.toFixed(1)}/s`)),
     svg("text", { x: pad, y: H - 3 }, document.createTextNode(when(t.t0).slice(11))),
     svg("text", { x: W - 70, y: H - 3 }, document.createTextNode(`${t.bucket_s} s a point`)),
     svg("polyline", { points: line(t.transitions_per_s), fill: "none", stroke: "#0969da", "stroke-width": 1.5 }),
