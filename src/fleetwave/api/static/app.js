@@ -13,6 +13,9 @@ const FIXED_COLORS = {
 // in-flight states, in the order a workflow names them
 const PALETTE = ["#0969da", "#bf8700", "#1b7c83", "#e16f24", "#6639ba", "#4e8cd6", "#9a6700", "#0e8a9d"];
 
+// when the pages drew what (ms since the page loaded): bench/dashboard_load.py reads it
+window.fleetwaveTimes = { firstGrid: null, updates: [] };
+
 const $ = (sel, root = document) => root.querySelector(sel);
 const el = (tag, attrs = {}, ...kids) => {
   const node = document.createElement(tag);
@@ -411,6 +414,9 @@ function strategyPage(page, sid) {
       el("span", { class: "chip", "data-state": st }, swatch(st), el("span", { text: st }), " ", el("span", { class: "n", text: counts[st] }))));
     if (name === "full") grid.load(data.grid);
     else grid.change(data.changes);
+    const times = window.fleetwaveTimes.updates;
+    times.push(performance.now());
+    if (times.length > 5000) times.splice(0, 1000);
     drawThroughput(through, data.throughput);
     drawDurations(durs, data.durations);
     refill(fails, JSON.stringify(data.failures), () => data.failures.length
@@ -441,7 +447,11 @@ class FleetGrid {
     canvas.addEventListener("blur", () => { hideTip(); this.paint(this.focus); });
   }
   destroy() { window.removeEventListener("resize", this.onResize); hideTip(); }
-  load(cols) { this.cols = cols; this.layout(); }
+  load(cols) {
+    this.cols = cols;
+    this.layout();
+    if (window.fleetwaveTimes.firstGrid === null) window.fleetwaveTimes.firstGrid = performance.now();
+  }
   change(changes) {
     if (!this.cols) return;
     for (const [i, state, attempt] of changes) {
