@@ -1,6 +1,7 @@
 """Benchmark of the web dashboard beside a big rollout: ``fleetwave serve --listen``
 drives ``TARGETS`` sim targets at max parallel ``PARALLEL`` (``LATENCY_MS`` an
-operation: the engine near its CPU bound), once with no page open and once with the strategy page open in Debian's chromium (Playwright).
+operation: paced by its actions; ``--latency-ms 0``: the engine CPU bound), once with
+no page open and once with the strategy page open in Debian's chromium (Playwright).
 
 Measured (goals from issue #31):
 
@@ -45,8 +46,9 @@ from fleetwave.store.db import open_store
 TARGETS = 10_000
 PARALLEL = 1_000
 #: each sim operation's time: the rollout lasts some seconds (10 waves of 5 states), long
-#: enough to watch, with the engine near its CPU bound (1,000 in flight: 5,000 a second)
-LATENCY_MS = 200
+#: enough to watch, paced by its actions (1,000 in flight: some 5,000 transitions a
+#: second); ``--latency-ms 0`` for the engine CPU bound (a run of a couple of seconds)
+LATENCY_MS = 200.0
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--headless",
@@ -89,9 +91,9 @@ def wait_ended(db: str, timeout_s: float = 900) -> None:
     raise RuntimeError("the rollout did not end in time")
 
 
-def run_without_page(targets: int, parallel: int) -> dict[str, Any]:
+def run_without_page(targets: int, parallel: int, latency_ms: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="fw-dash-") as tmp:
-        db, _ = make_world(Path(tmp), targets, parallel)
+        db, _ = make_world(Path(tmp), targets, parallel, latency_ms)
         server = start_server(db)
         try:
             apply(db, 1)
@@ -102,11 +104,11 @@ def run_without_page(targets: int, parallel: int) -> dict[str, Any]:
     return {"state": state, "transitions": n, "span_s": span_s}
 
 
-def run_with_page(targets: int, parallel: int) -> dict[str, Any]:
+def run_with_page(targets: int, parallel: int, latency_ms: float) -> dict[str, Any]:
     from playwright.sync_api import sync_playwright
 
     with tempfile.TemporaryDirectory(prefix="fw-dash-") as tmp, sync_playwright() as p:
-        db, token = make_world(Path(tmp), targets, parallel)
+        db, token = make_world(Path(tmp), targets, parallel, latency_ms)
         server: Server = start_server(db)
         context = p.chromium.launch_persistent_context(
             str(Path(tmp) / "profile"),
@@ -154,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     parser.add_argument("--targets", type=int, default=TARGETS)
     parser.add_argument("--parallel", type=int, default=PARALLEL)
+    parser.add_argument("--latency-ms", type=float, default=LATENCY_MS, help="a sim operation")
     parser.add_argument("--repeat", type=int, default=1, help="pairs of runs (best of each)")
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="markdown to update")
     args = parser.parse_args(argv)
@@ -165,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     without: list[dict[str, Any]] = []
     with_page: list[dict[str, Any]] = []
     for _ in range(args.repeat):
-        without.append(run_without_page(args.targets, args.parallel))
+        without.append(run_without_page(args.targets, args.parallel, args.latency_ms))
         print("without the page:", without[-1], flush=True)
-        with_page.append(run_with_page(args.targets, args.parallel))
+        with_page.append(run_with_page(args.targets, args.parallel, args.latency_ms))
         print("with the page:", with_page[-1], flush=True)
     load_after = os.getloadavg()[0]
 
@@ -188,9 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         ),
         Check(
             "live updates while the rollout runs",
-            "at least 1 a second (median gap <= 1,000 ms)",
-            f"median gap {gap:,.0f} ms (p95 {seen['gap_p95_ms']:,.0f} ms)",
-            gap <= 1000,
+            "at least 1 a second (95 % of the gaps <= 1,000 ms)",
+            f"gaps p95 {seen['gap_p95_ms']:,.0f} ms (median {gap:,.0f} ms)",
+            seen["gap_p95_ms"] <= 1000,
         ),
         Check(
             "engine throughput with the page open",
@@ -203,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         (
             "rollout",
             f"{args.targets:,} sim targets, patch (6 transitions each), max parallel "
-            f"{args.parallel:,}, {LATENCY_MS} ms an operation, SQLite",
+            f"{args.parallel:,}, {args.latency_ms:g} ms an operation, SQLite",
         ),
         ("runs", f"{args.repeat} pair(s), without the page then with it; best of each"),
         *(

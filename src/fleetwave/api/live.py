@@ -2,10 +2,11 @@
 bounded fan-out.
 
 One **producer** per subject (the overview of every strategy and conductor, or one
-strategy) reads the store once a second, on the API's threads, and keeps the latest
-snapshot, numbered, with its JSON already made. Every page watching that subject reads
-the same snapshot: a hundred open pages cost one set of queries a second, not a hundred
-(the producer starts with the first page and stops with the last). Each stream waits
+strategy) reads the store about once a second (every :data:`POLL_S`), on the API's
+threads, and keeps the latest snapshot, numbered, with its JSON already made. Every
+page watching that subject reads the same snapshot: a hundred open pages cost one set
+of queries a second, not a hundred (the producer starts with the first page and stops
+with the last). Each stream waits
 for the next snapshot; one that fell behind (a slow client) is sent the whole snapshot
 (``full``) instead of the changes it missed (``tick``), so no queue grows per client.
 
@@ -38,8 +39,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fleetwave.api.live")
 
-#: how often a producer reads the store (seconds)
-POLL_S = 1.0
+#: how often a producer reads the store (seconds): at a fixed rate, a little under a
+#: second, so that a page is updated at least once a second despite the jitter
+POLL_S = 0.9
 #: streams open at once (all pages), and subjects watched at once
 STREAMS_MAX = 200
 PRODUCERS_MAX = 32
@@ -115,8 +117,8 @@ class Producer:
 
     async def run(self) -> None:
         first = True
+        due = time.monotonic()
         while True:
-            started = time.monotonic()
             try:
                 self.hub.reads += 1
                 await self.read(first)
@@ -127,7 +129,9 @@ class Producer:
                 log.warning("live %s: the store did not answer: %s", self.key, redact(str(exc)))
                 problem = _json({"problem": f"the database did not answer: {redact(str(exc))}"})
                 self._publish(sse("problem", problem), sse("problem", problem))
-            await asyncio.sleep(max(0.05, POLL_S - (time.monotonic() - started)))
+            # (a fixed rate; after a pass that overran, the next starts at once: no burst)
+            due = max(due + POLL_S, time.monotonic())
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
 
     async def read(self, first: bool) -> None:
         raise NotImplementedError

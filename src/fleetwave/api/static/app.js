@@ -694,9 +694,9 @@ function stepBody(s) {
     ["owner", s.owner || ""], ["details", s.details || ""],
   ];
   const out = [el("dl", { class: "summary", id: "step-summary" }, facts.map(([k, v]) => el("div", {}, el("dt", { text: k }), el("dd", {}, v === "" ? "-" : v))))];
-  out.push(el("h2", { text: "Journal" }), table(["at", "from", "to", "conductor", "attempt", "details"], (s.history || []).map((h) => el("tr", {},
+  out.push(el("h2", { text: "Journal" }), table(["at", "from", "to", "conductor", { text: "fence", cls: "num" }, "details"], (s.history || []).map((h) => el("tr", {},
     el("td", { text: when(h.at) }), el("td", { text: h.from }), el("td", {}, badge(h.to)), el("td", { text: h.conductor }),
-    el("td", { class: "num", text: h.attempt ?? "" }), el("td", { class: "details", text: h.details }))), "Journal"));
+    el("td", { class: "num", text: h.fence ?? "" }), el("td", { class: "details", text: h.details }))), "Journal"));
   if ((s.attempts || []).length) {
     out.push(el("h2", { text: "Attempts sent" }), table(["at", "state", "attempt", "conductor", "how"], s.attempts.map((a) => el("tr", {},
       el("td", { text: when(a.at) }), el("td", { text: a.state }), el("td", { class: "num", text: a.attempt }), el("td", { text: a.conductor }), el("td", { text: a.how }))), "Attempts"));
