@@ -307,7 +307,7 @@ function strategiesPage(page) {
         el("td", { class: "num", text: s.time_left_estimate_s != null ? span(s.time_left_estimate_s) : "" }));
     });
     refill(body, undefined, () => rows.length
-      ? table(["id", "workflow", "state", "progress", "steps by state", { text: "started", cls: "hide-narrow" }, { text: "elapsed", cls: "num" }, { text: "time left", cls: "num" }], rows, "Strategies")
+      ? table(["id", "workflow", "state", "progress", "steps by state", { text: "created", cls: "hide-narrow" }, { text: "elapsed", cls: "num" }, { text: "time left", cls: "num" }], rows, "Strategies")
       : el("p", { text: "No strategy yet: 'fleetwave strategy create' makes one." }));
   });
 }
