@@ -8,7 +8,7 @@ Measured (goals from issue #31):
 - first render: from the page's navigation to the fleet grid drawn with every cell
   (the page's own ``performance.now()``, ``window.fleetwaveTimes``): under 1 s;
 - update interval: the gaps between the page's live updates while the rollout runs:
-  at least one a second (median, and the 95th percentile reported);
+  at least one a second (95 % of the gaps; the median and the longest reported);
 - engine throughput with the page open, against without: transitions a second over
   the journal's span (the journal's own times): at least 90 %.
 
@@ -20,6 +20,7 @@ Usage: ``.venv/bin/python bench/dashboard_load.py [--targets N] [--parallel N]
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -133,13 +134,14 @@ def run_with_page(targets: int, parallel: int, latency_ms: float) -> dict[str, A
             started = page.evaluate("performance.now()")
             apply(db, 1)
             wait_ended(db)
-            ended = page.evaluate("performance.now()")
             updates = [t for t in page.evaluate("window.fleetwaveTimes.updates") if t >= started]
         finally:
             context.close()
             server.stop()
         state, n, span_s = rollout_figures(db, 1)
-    gaps = sorted(b - a for a, b in zip([started, *updates], [*updates, ended], strict=True))
+    # between the updates seen while it ran (its end is known only to the bench's own
+    # polling, once a second: not a gap of the page's)
+    gaps = sorted(b - a for a, b in itertools.pairwise(updates))
     return {
         "state": state,
         "transitions": n,
