@@ -65,6 +65,18 @@ if [ ! -x /usr/sbin/sshd ] && ! command -v sshd >/dev/null 2>&1; then
     echo "no sshd, and cannot install openssh-server: the ssh driver's tests are skipped (and fail in CI)"
   fi
 fi
+# Debian's chromium for the dashboard's browser test (Playwright drives it; no browser is
+# downloaded: 'playwright install' is never run)
+if [ ! -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "== installing chromium (Debian package)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq chromium >/dev/null
+  else
+    echo "no /usr/bin/chromium, and cannot install it: the dashboard's browser test is skipped (and fails in CI)"
+  fi
+fi
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 rc=$?

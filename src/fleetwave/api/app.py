@@ -20,11 +20,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import fleetwave
-from fleetwave.api import callbacks, errors, reads, texts, tokens, writes
+from fleetwave.api import callbacks, dashboard, errors, reads, texts, tokens, writes
 from fleetwave.api.auth import Admin, Operator, Reader
 from fleetwave.api.callbacks import CallbackFastPath
 from fleetwave.api.errors import ApiError, ErrorAnswer, error_response
 from fleetwave.api.intake import CallbackIntake
+from fleetwave.api.live import LiveHub
 from fleetwave.api.metrics import API_PREFIX, ApiMetrics, CountRequests
 from fleetwave.api.service import MAX_BODY_BYTES, Service, service_of
 from fleetwave.engine.meters import Meters
@@ -119,6 +120,7 @@ def make_app(service: Service) -> FastAPI:
         try:
             yield
         finally:
+            await service.live_close()
             service.close()
 
     app = FastAPI(
@@ -144,6 +146,7 @@ def make_app(service: Service) -> FastAPI:
     errors.install(app)
     metrics = service.metrics = ApiMetrics(service)
     service.intake = CallbackIntake(service)
+    service.live = LiveHub(service)
     if service.conductor is not None and service.conductor.meters is None:
         service.conductor.meters = Meters()
 
@@ -153,6 +156,10 @@ def make_app(service: Service) -> FastAPI:
     # (files' text as the body; each route says its role)
     app.include_router(texts.router, prefix=v1, tags=["changes"])
     app.include_router(tokens.router, prefix=v1, tags=["tokens"], dependencies=[Admin])
+    app.include_router(dashboard.router, prefix=v1, tags=["dashboard"], dependencies=[Reader])
+    # the dashboard's pages (no token to load them: every /v1 request they make sends one)
+    app.get("/", include_in_schema=False)(dashboard.index)
+    app.mount("/ui", dashboard.static_files(), name="ui")
     # (agents send their own token, for one step's state: not an API token)
     app.include_router(callbacks.router, prefix=v1, tags=["agents"])
     # (the last added is the outermost: the fast path within the body limit and the

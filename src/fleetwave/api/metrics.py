@@ -112,6 +112,32 @@ class EngineCollector(Collector):
         )
 
 
+class LiveCollector(Collector):
+    """The dashboard's live streams (fleetwave.api.live): how many are open, how many
+    subjects are read for them, and how many passes those reads made."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        live = self.service.live
+        if live is None:
+            return
+        yield GaugeMetricFamily(
+            "fleetwave_live_streams", "Dashboard pages following a live stream", value=live.streams
+        )
+        yield GaugeMetricFamily(
+            "fleetwave_live_producers",
+            "Subjects read once a second for those pages (one per strategy watched)",
+            value=len(live.producers),
+        )
+        yield CounterMetricFamily(
+            "fleetwave_live_reads",
+            "Passes the live producers made over the store (each a few queries)",
+            value=live.reads,
+        )
+
+
 def _histogram(name: str, doc: str, h: Histogram) -> HistogramMetricFamily:
     return HistogramMetricFamily(name, doc, buckets=h.cumulative(), sum_value=h.total)
 
@@ -122,6 +148,7 @@ class ApiMetrics:
     def __init__(self, service: Service) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(EngineCollector(service))
+        self.registry.register(LiveCollector(service))
         self.requests = Counter(
             "fleetwave_api_requests",
             "API requests, by route (its template), method and status",

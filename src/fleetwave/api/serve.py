@@ -99,6 +99,7 @@ async def serve_api(
     try:
         await asyncio.wait({serving, stopped}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        await service.live_close()  # (open pages' streams would hold the stop up)
         server.should_exit = True
         stopped.cancel()
         await asyncio.gather(stopped, return_exceptions=True)

@@ -26,6 +26,7 @@ from fleetwave.store.db import Store
 
 if TYPE_CHECKING:
     from fleetwave.api.intake import CallbackIntake
+    from fleetwave.api.live import LiveHub
     from fleetwave.api.metrics import ApiMetrics
     from fleetwave.engine.conductor import Conductor
 
@@ -56,6 +57,8 @@ class Service:
     metrics: ApiMetrics | None = None
     #: agents' callbacks, stored a batch at a time (set by make_app)
     intake: CallbackIntake = field(init=False, repr=False)
+    #: the dashboard's live streams (set by make_app)
+    live: LiveHub | None = field(default=None, repr=False)
     #: the threads store calls run on: made when first needed, ended by :meth:`close`
     #: (the app's shutdown; a test client may start the app again)
     _threads: ThreadPoolExecutor | None = field(default=None, repr=False)
@@ -96,6 +99,11 @@ class Service:
         ctx = contextvars.copy_context()
         loop = asyncio.get_running_loop()
         return loop.run_in_executor(threads, functools.partial(ctx.run, fn, *args, **kwargs))
+
+    async def live_close(self) -> None:
+        """End the live streams (the server stops: it waits for the streams to end)."""
+        if self.live is not None:
+            await self.live.close()
 
     def close(self) -> None:
         for threads in (self._threads, self._writer):

@@ -241,7 +241,8 @@ def serve(
         str | None,
         typer.Option(
             metavar="HOST:PORT",
-            help="also serve the REST API here (127.0.0.1:8080; see docs/api.md)",
+            help="also serve the REST API and the web dashboard here (127.0.0.1:8080; see "
+            "docs/api.md)",
         ),
     ] = None,
     no_engine: Annotated[
@@ -355,7 +356,7 @@ class _Api:
         self.sock = sock
         self.service = service
         self.tls = tls
-        self.said = f"API on {base}/v1 (OpenAPI: {base}/openapi.json)"
+        self.said = f"API on {base}/v1 (OpenAPI: {base}/openapi.json; dashboard: {base}/)"
         self._stop = asyncio.Event()
 
     @classmethod

@@ -1,0 +1,412 @@
+"""The dashboard's live updates: server-sent events, one stream per open page, from a
+bounded fan-out.
+
+One **producer** per subject (the overview of every strategy and conductor, or one
+strategy) reads the store about once a second (every :data:`POLL_S`), on the API's
+threads, and keeps the latest snapshot, numbered, with its JSON already made. Every
+page watching that subject reads the same snapshot: a hundred open pages cost one set
+of queries a second, not a hundred (the producer starts with the first page and stops
+with the last). Each stream waits
+for the next snapshot; one that fell behind (a slow client) is sent the whole snapshot
+(``full``) instead of the changes it missed (``tick``), so no queue grows per client.
+
+Limits: at most :data:`STREAMS_MAX` streams and :data:`PRODUCERS_MAX` producers at
+once (one more is refused with 503 ``too_many_streams``); a stream whose token is
+revoked or expires is ended within :data:`TOKEN_RECHECK_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fleetwave.api.errors import ApiError
+from fleetwave.api.pages import Grid, Transition, read_grid, read_journal_after, read_step_states
+from fleetwave.domain.models import STEP_FAILED, STEP_TERMINAL
+from fleetwave.store import queries
+from fleetwave.store.postgres import redact
+
+if TYPE_CHECKING:
+    from fleetwave.api.service import Service
+
+log = logging.getLogger("fleetwave.api.live")
+
+#: how often a producer reads the store (seconds): at a fixed rate, a little under a
+#: second, so that a page is updated at least once a second despite the jitter
+POLL_S = 0.9
+#: streams open at once (all pages), and subjects watched at once
+STREAMS_MAX = 200
+PRODUCERS_MAX = 32
+#: a stream with nothing new sends a comment this often (proxies close idle streams)
+KEEPALIVE_S = 15.0
+#: how often a stream checks that its token is still valid
+TOKEN_RECHECK_S = 30.0
+#: journal rows read per query while a producer catches up
+JOURNAL_BATCH = 20_000
+#: the latest failures a strategy's snapshot lists
+FAILURES_SHOWN = 20
+#: upper edges (seconds) of the step-duration histograms' buckets (the last is open)
+DURATION_EDGES_S = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0, 3000.0)
+#: points of the throughput chart (its bucket widens as the rollout goes on)
+THROUGHPUT_POINTS = 60
+
+
+def sse(event: str, data: bytes, seq: int | None = None) -> bytes:
+    """One server-sent event (``data`` is one line of JSON)."""
+    head = f"event: {event}\n" + (f"id: {seq}\n" if seq is not None else "")
+    return head.encode() + b"data: " + data + b"\n\n"
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), default=str).encode()
+
+
+@dataclass
+class Snapshot:
+    """What a producer read at one pass: ``full`` for a page that starts (or fell
+    behind), ``tick`` for one that saw the snapshot before."""
+
+    seq: int
+    full: bytes
+    tick: bytes
+
+
+class Producer:
+    """Reads one subject once a second while somebody watches it."""
+
+    def __init__(self, svc: Service, key: str, hub: LiveHub) -> None:
+        self.svc = svc
+        self.key = key
+        self.hub = hub
+        self.watchers = 0
+        self.latest: Snapshot | None = None
+        self._changed = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+        self.stopped = False
+
+    def stop(self) -> None:
+        """Wake every stream waiting for a snapshot: there will be none."""
+        self.stopped = True
+        self._changed.set()
+
+    async def wait_after(self, seq: int, timeout_s: float) -> Snapshot | None:
+        """The first snapshot after ``seq`` (None after ``timeout_s`` without one)."""
+        while self.latest is None or self.latest.seq <= seq:
+            if self.stopped:
+                return None
+            changed = self._changed
+            try:
+                await asyncio.wait_for(changed.wait(), timeout_s)
+            except TimeoutError:
+                return None
+        return self.latest
+
+    def _publish(self, full: bytes, tick: bytes) -> None:
+        seq = self.latest.seq + 1 if self.latest is not None else 1
+        self.latest = Snapshot(seq, full, tick)
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def run(self) -> None:
+        first = True
+        due = time.monotonic()
+        while True:
+            try:
+                self.hub.reads += 1
+                await self.read(first)
+                first = False
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the store did not answer: said on the page
+                log.warning("live %s: the store did not answer: %s", self.key, redact(str(exc)))
+                problem = _json({"problem": f"the database did not answer: {redact(str(exc))}"})
+                self._publish(sse("problem", problem), sse("problem", problem))
+            # (a fixed rate; after a pass that overran, the next starts at once: no burst)
+            due = max(due + POLL_S, time.monotonic())
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+
+    async def read(self, first: bool) -> None:
+        raise NotImplementedError
+
+
+class OverviewProducer(Producer):
+    """Every strategy (as ``strategy list``, with ``strategy show``'s elapsed time and
+    estimate for those under way) and every conductor (``conductor list``)."""
+
+    async def read(self, first: bool) -> None:
+        data = await self.svc.call(overview, self.svc.store)
+        body = _json(data)
+        self._publish(sse("full", body), sse("full", body))
+
+
+#: strategy states in which its steps still move (its summary is read again each pass)
+_UNDER_WAY = ("initial", "applying", "paused", "waiting-approval", "abort-requested", "aborting")
+
+
+def overview(store: Any) -> dict[str, Any]:
+    """The strategies page and the conductors page: one read of each list, and
+    ``strategy show`` for the strategies not ended (their elapsed time and estimate)."""
+    rows = queries.list_strategies(store)
+    for row in rows:
+        if row["state"] in _UNDER_WAY:
+            shown = queries.get_strategy(store, int(row["id"]))
+            for key in ("elapsed_s", "time_left_estimate_s", "percent_done", "stage_now"):
+                row[key] = shown.get(key)
+    return {
+        "at": time.time(),
+        "strategies": rows,
+        "conductors": queries.list_conductors(store),
+    }
+
+
+@dataclass
+class _Charts:
+    """A strategy's journal, folded as it is read: throughput and time per state."""
+
+    last_id: int = 0
+    #: per second (its ``at``, whole): transitions written, and steps ended
+    transitions: dict[int, int] = field(default_factory=dict)
+    ended: dict[int, int] = field(default_factory=dict)
+    #: each step's current state and when it entered it
+    entered: dict[int, tuple[str, float]] = field(default_factory=dict)
+    #: per state: how many left it after how long (DURATION_EDGES_S buckets), and total
+    durations: dict[str, list[int]] = field(default_factory=dict)
+    duration_sum_s: dict[str, float] = field(default_factory=dict)
+    failures: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=FAILURES_SHOWN))
+
+    def fold(self, rows: list[Transition], names: dict[int, str]) -> None:
+        for t in rows:
+            self.last_id = t.id
+            second = int(t.at)
+            self.transitions[second] = self.transitions.get(second, 0) + 1
+            if t.to in STEP_TERMINAL:
+                self.ended[second] = self.ended.get(second, 0) + 1
+            before = self.entered.pop(t.step, None)
+            if before is not None:
+                state, since = before
+                took = max(0.0, t.at - since)
+                bucket = next(
+                    (i for i, edge in enumerate(DURATION_EDGES_S) if took <= edge),
+                    len(DURATION_EDGES_S),
+                )
+                counts = self.durations.setdefault(state, [0] * (len(DURATION_EDGES_S) + 1))
+                counts[bucket] += 1
+                self.duration_sum_s[state] = self.duration_sum_s.get(state, 0.0) + took
+            if t.to not in STEP_TERMINAL:
+                self.entered[t.step] = (t.to, t.at)
+            if t.to == STEP_FAILED:
+                self.failures.appendleft(
+                    {
+                        "step": t.step,
+                        "target": names.get(t.step, "?"),
+                        "at": t.at,
+                        "from": t.came_from,
+                        "details": t.details,
+                        "conductor": t.conductor,
+                    }
+                )
+
+    def shown(self, now: float) -> dict[str, Any]:
+        """The charts' data: throughput in buckets of ``bucket_s`` from ``t0`` (ended
+        steps and transitions per second), the duration histograms, the failures."""
+        if self.transitions:
+            first, last = min(self.transitions), max(max(self.transitions), int(now))
+        else:
+            first = last = int(now)
+        span = last - first + 1
+        bucket = max(1, math.ceil(span / THROUGHPUT_POINTS))
+        start = last - bucket * THROUGHPUT_POINTS + 1 if span > THROUGHPUT_POINTS else first
+        ended = [0] * math.ceil((last - start + 1) / bucket)
+        moved = [0] * len(ended)
+        for series, source in ((ended, self.ended), (moved, self.transitions)):
+            for second, n in source.items():
+                if second >= start:
+                    series[min(len(series) - 1, (second - start) // bucket)] += n
+        return {
+            "throughput": {
+                "t0": start,
+                "bucket_s": bucket,
+                "ended_per_s": [round(n / bucket, 2) for n in ended],
+                "transitions_per_s": [round(n / bucket, 2) for n in moved],
+            },
+            "durations": {
+                "edges_s": list(DURATION_EDGES_S),
+                "states": {
+                    state: {
+                        "counts": counts,
+                        "mean_s": round(self.duration_sum_s[state] / max(1, sum(counts)), 3),
+                    }
+                    for state, counts in self.durations.items()
+                },
+            },
+            "failures": list(self.failures),
+        }
+
+
+class StrategyProducer(Producer):
+    """One strategy: ``strategy show`` (its counts as the command has them), its grid
+    (every cell on ``full``, the cells that changed on ``tick``) and its charts."""
+
+    def __init__(self, svc: Service, key: str, hub: LiveHub, sid: int) -> None:
+        super().__init__(svc, key, hub)
+        self.sid = sid
+        self.grid: Grid | None = None
+        self.index: dict[int, int] = {}
+        self.names: dict[int, str] = {}
+        self.charts = _Charts()
+
+    async def read(self, first: bool) -> None:
+        store, sid = self.svc.store, self.sid
+        if self.grid is None:
+            self.grid = await self.svc.call(read_grid, store, sid)
+            self.index = {step: i for i, step in enumerate(self.grid.step)}
+            self.names = dict(zip(self.grid.step, self.grid.target, strict=True))
+        grid = self.grid
+        summary = await self.svc.call(queries.get_strategy, store, sid)
+        now_states = await self.svc.call(read_step_states, store, sid)
+        changes: list[list[Any]] = []
+        for step, (state, attempt) in now_states.items():
+            i = self.index.get(step)
+            if i is None:
+                continue
+            if grid.state[i] != state or grid.attempt[i] != attempt:
+                grid.state[i], grid.attempt[i] = state, attempt
+                changes.append([i, state, attempt])
+        while True:
+            rows = await self.svc.call(
+                read_journal_after, store, sid, self.charts.last_id, JOURNAL_BATCH
+            )
+            self.charts.fold(rows, self.names)
+            if len(rows) < JOURNAL_BATCH:
+                break
+        now = time.time()
+        common = {"at": now, "strategy": summary, **self.charts.shown(now)}
+        full = _json({**common, "grid": grid.columns()})
+        tick = _json({**common, "changes": changes})
+        self._publish(sse("full", full), sse("tick", tick))
+
+
+class LiveHub:
+    """The producers, and who watches each; owned by the app (``Service.live``)."""
+
+    def __init__(self, svc: Service) -> None:
+        self.svc = svc
+        self.producers: dict[str, Producer] = {}
+        self.streams = 0
+        #: passes the producers made (read by /metrics)
+        self.reads = 0
+        #: producers whose last page went, being cancelled (awaited by :meth:`close`)
+        self._stopping: set[asyncio.Task[None]] = set()
+        #: set when the server stops: every stream ends (uvicorn waits for them)
+        self.closing = asyncio.Event()
+
+    def admit(self, key: str) -> None:
+        """Refuse a stream beyond the limits (503), before its answer starts."""
+        if self.closing.is_set():
+            raise ApiError(503, "stopping", "the server is stopping")
+        if self.streams >= STREAMS_MAX:
+            raise ApiError(
+                503, "too_many_streams", f"{STREAMS_MAX} live streams are open: close a page"
+            )
+        if key not in self.producers and len(self.producers) >= PRODUCERS_MAX:
+            raise ApiError(
+                503, "too_many_streams", f"{PRODUCERS_MAX} subjects are watched live: close a page"
+            )
+
+    def _watch(self, key: str, make: Callable[[], Producer]) -> Producer:
+        producer = self.producers.get(key)
+        if producer is None:
+            producer = self.producers[key] = make()
+            producer.task = asyncio.create_task(producer.run(), name=f"fleetwave-live-{key}")
+        producer.watchers += 1
+        self.streams += 1
+        return producer
+
+    def _unwatch(self, producer: Producer) -> None:
+        """(Not async: it runs as a cancelled stream ends, where an await is cancelled.)"""
+        producer.watchers -= 1
+        self.streams -= 1
+        if producer.watchers == 0 and self.producers.get(producer.key) is producer:
+            del self.producers[producer.key]
+            task = producer.task
+            if task is not None:
+                task.cancel()
+                self._stopping.add(task)
+                task.add_done_callback(self._stopping.discard)
+
+    @staticmethod
+    def overview_key() -> str:
+        return "overview"
+
+    @staticmethod
+    def strategy_key(sid: int) -> str:
+        return f"strategy-{sid}"
+
+    def overview(self, still_allowed: Allowed) -> AsyncIterator[bytes]:
+        key = self.overview_key()
+        self.admit(key)
+        return self._stream(key, lambda: OverviewProducer(self.svc, key, self), still_allowed)
+
+    def strategy(self, sid: int, still_allowed: Allowed) -> AsyncIterator[bytes]:
+        key = self.strategy_key(sid)
+        self.admit(key)
+        return self._stream(key, lambda: StrategyProducer(self.svc, key, self, sid), still_allowed)
+
+    async def _stream(
+        self, key: str, make: Callable[[], Producer], still_allowed: Allowed
+    ) -> AsyncIterator[bytes]:
+        """The events of one page: the whole snapshot first, then each pass's changes
+        (the whole again after a pass it missed), until it goes, its token stops being
+        valid, or the server stops."""
+        producer = self._watch(key, make)
+        seen = -1  # (no snapshot yet: the first one sent whole)
+        checked = time.monotonic()
+        try:
+            yield b"retry: 2000\n\n"
+            while not self.closing.is_set():
+                snap = await producer.wait_after(seen, KEEPALIVE_S)
+                if self.closing.is_set():
+                    break
+                if time.monotonic() - checked > TOKEN_RECHECK_S:
+                    checked = time.monotonic()
+                    if not await still_allowed():
+                        yield sse(
+                            "unauthorized", _json({"message": "the token is no longer valid"})
+                        )
+                        break
+                if snap is None:
+                    yield b": keepalive\n\n"
+                    continue
+                yield snap.tick if snap.seq == seen + 1 else snap.full
+                seen = snap.seq
+        finally:
+            self._unwatch(producer)
+
+    async def close(self) -> None:
+        """End every stream and producer (the server stops)."""
+        self.closing.set()
+        for producer in list(self.producers.values()):
+            producer.stop()
+            await _ended(producer.task)
+        self.producers.clear()
+        for task in list(self._stopping):
+            await _ended(task)
+
+
+Allowed = Callable[[], Awaitable[bool]]
+
+
+async def _ended(task: asyncio.Task[None] | None) -> None:
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -1,0 +1,192 @@
+"""What the dashboard's pages read that no command prints: a strategy's fleet grid (one
+cell per step, by stage and group), its journal after a given row (for its live
+charts), and a target's time per state in each strategy it has been in.
+
+Plain reads, each in one snapshot (``store.read()``); blocking, so the API runs them on
+its threads (:meth:`fleetwave.api.service.Service.call`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select
+
+from fleetwave.domain.errors import NotFound
+from fleetwave.domain.models import STEP_TERMINAL
+from fleetwave.store import queries
+from fleetwave.store.db import Store
+from fleetwave.store.schema import deleted_steps, groups, journal, steps, strategies, targets
+
+#: a step's group when it has none (shown as such on the grid)
+NO_GROUP = "(no group)"
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A strategy's steps in the grid's order (stage, group name, position): the same
+    index in each list is one cell."""
+
+    step: list[int]
+    target: list[str]
+    stage: list[int]
+    group: list[str]
+    state: list[str]
+    attempt: list[int]
+
+    def columns(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "target": self.target,
+            "stage": self.stage,
+            "group": self.group,
+            "state": self.state,
+            "attempt": self.attempt,
+        }
+
+
+def _step_table(conn: Any, sid: int) -> Any:
+    state = conn.execute(select(strategies.c.state).where(strategies.c.id == sid)).scalar()
+    if state is None:
+        raise NotFound(f"strategy {sid} not found")
+    return deleted_steps if state in queries.KEPT_STATES else steps
+
+
+def read_grid(store: Store, sid: int) -> Grid:
+    """Every step of strategy ``sid`` (a deleted one's as they ended), in grid order."""
+    with store.read() as conn:
+        table = _step_table(conn, sid)
+        name = targets.c.name if table is steps else table.c.target
+        q = select(
+            table.c.id,
+            name,
+            table.c.stage,
+            groups.c.name.label("group_name"),
+            table.c.state,
+            table.c.attempt,
+            table.c.ordinal,
+        ).outerjoin(groups, groups.c.id == table.c.group_id)
+        if table is steps:
+            q = q.join(targets, targets.c.id == steps.c.target_id)
+        rows = list(conn.execute(q.where(table.c.strategy_id == sid)))
+    rows.sort(key=lambda r: (r.stage, r.group_name or NO_GROUP, r.ordinal))
+    return Grid(
+        step=[int(r.id) for r in rows],
+        target=[str(r[1]) for r in rows],
+        stage=[int(r.stage) for r in rows],
+        group=[str(r.group_name or NO_GROUP) for r in rows],
+        state=[str(r.state) for r in rows],
+        attempt=[int(r.attempt) for r in rows],
+    )
+
+
+def read_step_states(store: Store, sid: int) -> dict[int, tuple[str, int]]:
+    """Each step's state and attempt now, by step id (one query: the grid's refresh)."""
+    with store.read() as conn:
+        table = _step_table(conn, sid)
+        return {
+            int(i): (str(s), int(a))
+            for i, s, a in conn.execute(
+                select(table.c.id, table.c.state, table.c.attempt).where(table.c.strategy_id == sid)
+            )
+        }
+
+
+@dataclass(frozen=True)
+class Transition:
+    id: int
+    step: int
+    at: float
+    conductor: str
+    came_from: str
+    to: str
+    details: str
+
+
+def read_journal_after(store: Store, sid: int, after: int, limit: int) -> list[Transition]:
+    """Up to ``limit`` of strategy ``sid``'s journal rows after row ``after``, oldest
+    first."""
+    with store.read() as conn:
+        return [
+            Transition(int(r.id), int(r.step_id), float(r.at), r.conductor, r[4], r[5], r.details)
+            for r in conn.execute(
+                select(
+                    journal.c.id,
+                    journal.c.step_id,
+                    journal.c.at,
+                    journal.c.conductor,
+                    journal.c.from_state,
+                    journal.c.to_state,
+                    journal.c.details,
+                )
+                .where(journal.c.strategy_id == sid, journal.c.id > after)
+                .order_by(journal.c.id)
+                .limit(limit)
+            )
+        ]
+
+
+def time_per_state(rows: list[Transition], now: float) -> dict[str, float]:
+    """Seconds a step spent in each state, from its journal rows (oldest first): a state
+    lasts from its entry to the next; the state it is in, not ended, until ``now``."""
+    spent: dict[str, float] = {}
+    for one, nxt in itertools.pairwise(rows):
+        spent[one.to] = spent.get(one.to, 0.0) + max(0.0, nxt.at - one.at)
+    if rows and rows[-1].to not in STEP_TERMINAL:
+        last = rows[-1]
+        spent[last.to] = spent.get(last.to, 0.0) + max(0.0, now - last.at)
+    return {state: round(s, 3) for state, s in spent.items()}
+
+
+def target_timeline(store: Store, name: str) -> dict[str, Any]:
+    """Target ``name`` and its step in each strategy it has been in (deleted ones
+    too), each with its transitions and the time it spent in each state."""
+    now = time.time()
+    shown = queries.get_target(store, name)
+    step_ids = [int(s["step"]) for s in shown["strategies"]]
+    by_step: dict[int, list[Transition]] = {i: [] for i in step_ids}
+    if step_ids:
+        with store.read() as conn:
+            for r in conn.execute(
+                select(
+                    journal.c.id,
+                    journal.c.step_id,
+                    journal.c.at,
+                    journal.c.conductor,
+                    journal.c.from_state,
+                    journal.c.to_state,
+                    journal.c.details,
+                )
+                .where(journal.c.step_id.in_(step_ids))
+                .order_by(journal.c.id)
+            ):
+                by_step[int(r.step_id)].append(
+                    Transition(
+                        int(r.id), int(r.step_id), float(r.at), r.conductor, r[4], r[5], r.details
+                    )
+                )
+    out = []
+    for s in shown["strategies"]:
+        rows = by_step[int(s["step"])]
+        out.append(
+            {
+                **s,
+                "started_at": rows[0].at if rows else None,
+                "ended_at": rows[-1].at if rows and rows[-1].to in STEP_TERMINAL else None,
+                "time_per_state_s": time_per_state(rows, now),
+                "transitions": [
+                    {
+                        "at": t.at,
+                        "from": t.came_from,
+                        "to": t.to,
+                        "conductor": t.conductor,
+                        "details": t.details,
+                    }
+                    for t in rows
+                ],
+            }
+        )
+    return {"target": shown["name"], "group": shown.get("group"), "strategies": out}

@@ -1,0 +1,223 @@
+"""The web dashboard end to end, in Debian's chromium driven by Playwright: a real
+``fleetwave serve --listen`` on a 2,000-target simulated rollout, watched by an
+operator (who applies, pauses and resumes it with the page's buttons) and a reader
+(who sees no button), until it ends with the page's counts equal to ``strategy
+show``'s; a failed target followed to its step page; the stream's loss said when the
+server stops. A screenshot of the strategy page is written to the test's directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from api_harness import run_fleetwave, serving
+from fleetwave.domain.models import Group, StrategyOptions, Target
+from fleetwave.domain.registry import get_workflow
+from fleetwave.store import admin
+from fleetwave.store.db import open_store
+from fleetwave.store.tokens import Role, create_token
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+TARGETS = 2000
+#: targets whose sim operation fails in a state (``fail_at``): the failures to follow
+FAILING = {"m-0100": "pre-check", "m-0900": "finishing", "m-1500": "updating-patches"}
+#: where to copy the screenshot as well (docs/dashboard.png, for the manual), if set
+SHOT_COPY_ENV = "FLEETWAVE_DASHBOARD_SHOT"
+
+
+@pytest.fixture
+def chromium(tmp_path: Path) -> Iterator[Any]:
+    """A browser context of Debian's chromium, on a fresh profile."""
+    if not os.path.exists(CHROMIUM):
+        why = "no /usr/bin/chromium (Debian's chromium; bash scripts/test.sh installs it)"
+        if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
+            pytest.fail(f"CI runs the dashboard's browser test, but {why}")
+        pytest.skip(why)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"),
+            executable_path=CHROMIUM,
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1280, "height": 720},
+        )
+        try:
+            yield context
+        finally:
+            context.close()
+
+
+def _fleet(tmp_path: Path) -> tuple[Path, str, str]:
+    """The fleet, its strategy (initial) and the two tokens, written in this process
+    (eight commands would take half the test's time on a loaded machine)."""
+    db = tmp_path / "fleet.db"
+    store = open_store(str(db))
+    try:
+        admin.add_group(store, Group("canary", 10))
+        admin.add_group(store, Group("main", 500))
+        fleet = [
+            Target(f"c-{i:02d}", group="canary", settings={"latency_ms": 200}) for i in range(20)
+        ]
+        fleet += [
+            Target(
+                name,
+                group="main",
+                settings={
+                    "latency_ms": 800,
+                    **({"fail_at": FAILING[name]} if name in FAILING else {}),
+                },
+            )
+            for name in (f"m-{i:04d}" for i in range(TARGETS - 20))
+        ]
+        admin.add_targets(store, fleet)
+        patch = get_workflow("patch")
+        assert patch is not None
+        opts = StrategyOptions(max_parallel=500, stages_by_group=True)
+        assert admin.create_strategy(store, patch, opts, all_targets=True) == 1
+        reader = create_token(store, "watcher", Role.READER, None)
+        operator = create_token(store, "night-shift", Role.OPERATOR, None)
+    finally:
+        store.dispose()
+    return db, reader, operator
+
+
+def _sign_in(page: Any, base: str, token: str) -> None:
+    page.goto(base + "/")
+    page.fill("#token", token)
+    page.click("#login-form button[type=submit]")
+    page.wait_for_selector("#strategies table")
+
+
+def _counts(page: Any) -> dict[str, int]:
+    return {
+        chip.get_attribute("data-state"): int(chip.query_selector(".n").inner_text())
+        for chip in page.query_selector_all("#counts [data-state]")
+    }
+
+
+def _shown(db: Path) -> dict[str, Any]:
+    done = run_fleetwave(db, "strategy", "show", "1", "--format", "json")
+    assert done.returncode == 0, done.stderr
+    shown: dict[str, Any] = json.loads(done.stdout)
+    return shown
+
+
+def _act(page: Any, verb: str) -> None:
+    """Click the action's button and say yes to its confirmation."""
+    page.click(f"#act-{verb}")
+    page.wait_for_selector("#confirm[open]")
+    assert str(1) in page.inner_text("#confirm-text")
+    page.click("#confirm-yes")
+
+
+def test_a_rollout_watched_paused_resumed_and_followed_to_a_failed_step(
+    tmp_path: Path, chromium: Any
+) -> None:
+    db, reader_token, operator_token = _fleet(tmp_path)
+    errors: list[str] = []
+    with serving(db) as server:
+        ops = chromium.new_page()
+        ops.on("pageerror", lambda e: errors.append(f"operator page: {e}"))
+        _sign_in(ops, server.base, operator_token)
+        assert "night-shift (operator)" in ops.inner_text("#who")
+        ops.click("a[href='#/strategy/1']")
+        ops.wait_for_selector("#counts [data-state=initial]")
+        assert _counts(ops) == {"initial": TARGETS}
+
+        # the reader, on a phone-sized screen: the same page, no button
+        reader = chromium.new_page()
+        reader.set_viewport_size({"width": 390, "height": 844})
+        reader.on("pageerror", lambda e: errors.append(f"reader page: {e}"))
+        _sign_in(reader, server.base, reader_token)
+        reader.goto(server.base + "/#/strategy/1")
+        reader.wait_for_selector("#counts [data-state]")
+        assert reader.query_selector_all("#actions button") == []
+        assert reader.evaluate("document.documentElement.scrollWidth") <= 390
+
+        # a confirmation said no to changes nothing
+        ops.click("#act-apply")
+        ops.click("#confirm-no")
+        with server.client(reader_token) as http:
+            assert http.get("/v1/strategies/1").json()["state"] == "initial"
+        _act(ops, "apply")
+        # (a step takes 1 s as a canary, 10 at a time, then 4 s, 500 at a time: some 18 s)
+        ops.wait_for_function(
+            "() => [...document.querySelectorAll('#counts [data-state]')]"
+            ".some(c => c.dataset.state !== 'initial')",
+            timeout=30_000,
+        )
+        _act(ops, "pause")
+        ops.wait_for_selector("#strategy-state .badge.s-paused", timeout=10_000)
+        with server.client(reader_token) as http:
+            assert http.get("/v1/strategies/1").json()["state"] == "paused"
+        reader.wait_for_selector("#strategy-state .badge.s-paused", timeout=10_000)
+        assert ops.is_hidden("#act-pause") and ops.is_visible("#act-resume")
+        _act(ops, "resume")
+        ops.wait_for_selector("#strategy-state .badge.s-applying", timeout=10_000)
+
+        # to the end (failed: three of its steps failed): the page's counts are strategy
+        # show's (the reader's too)
+        ops.wait_for_selector("#strategy-state .badge.s-failed", timeout=45_000)
+        shown = _shown(db)
+        assert shown["state"] == "failed"
+        assert shown["step_states"] == {"complete": TARGETS - len(FAILING), "failed": 3}
+        ops.wait_for_function(
+            f"() => document.querySelector('#counts [data-state=complete] .n')?.textContent"
+            f" === '{TARGETS - len(FAILING)}'"
+        )
+        assert _counts(ops) == shown["step_states"]
+        reader.wait_for_selector("#strategy-state .badge.s-failed", timeout=10_000)
+        assert _counts(reader) == shown["step_states"]
+        assert ops.query_selector_all("#actions button:not([hidden])") == []
+        shot = tmp_path / "strategy-page.png"
+        ops.screenshot(path=str(shot), full_page=True)
+        assert shot.stat().st_size > 10_000
+        if os.environ.get(SHOT_COPY_ENV):
+            shutil.copy(shot, os.environ[SHOT_COPY_ENV])
+
+        # the grid by keyboard: a cell's details, and Enter opens its step
+        ops.focus("#grid")
+        ops.keyboard.press("ArrowRight")
+        assert re.search(r"c-\d\d: complete .*Enter opens the step", ops.inner_text("#cell-info"))
+
+        # the latest failures, each a link to its step: one followed
+        failures = ops.query_selector_all("#failures tbody tr")
+        assert {row.query_selector("td").inner_text() for row in failures} == set(FAILING)
+        ops.click("#failures .failure-link >> nth=0")
+        ops.wait_for_selector("#step-summary")
+        target = ops.inner_text("#step-summary a[href^='#/target/']")
+        assert target in FAILING
+        assert "failed" in ops.inner_text("#step-summary")
+        journal = ops.inner_text("table[aria-label=Journal]")
+        assert "failed" in journal and FAILING[target] in journal
+
+        # the target's page: its time per state, in this strategy
+        ops.click("#step-summary a[href^='#/target/']")
+        ops.wait_for_selector("text=Strategy #1")
+        assert "pre-check" in ops.inner_text("main")
+
+        # the server goes: the page says so
+        assert server.stop() == 0
+        ops.wait_for_function(
+            "() => document.querySelector('#live').textContent.includes('lost')", timeout=10_000
+        )
+    assert errors == []
