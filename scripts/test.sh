@@ -78,7 +78,7 @@ if [ ! -x /usr/bin/chromium ]; then
   fi
 fi
 set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
