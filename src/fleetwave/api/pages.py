@@ -106,22 +106,30 @@ class Transition:
     details: str
 
 
+#: a journal row as :class:`Transition` is made of it (in its fields' order)
+_TRANSITION_COLUMNS = (
+    journal.c.id,
+    journal.c.step_id,
+    journal.c.at,
+    journal.c.conductor,
+    journal.c.from_state,
+    journal.c.to_state,
+    journal.c.details,
+)
+
+
+def _transition(r: Any) -> Transition:
+    return Transition(int(r.id), int(r.step_id), float(r.at), r.conductor, r[4], r[5], r.details)
+
+
 def read_journal_after(store: Store, sid: int, after: int, limit: int) -> list[Transition]:
     """Up to ``limit`` of strategy ``sid``'s journal rows after row ``after``, oldest
     first."""
     with store.read() as conn:
         return [
-            Transition(int(r.id), int(r.step_id), float(r.at), r.conductor, r[4], r[5], r.details)
+            _transition(r)
             for r in conn.execute(
-                select(
-                    journal.c.id,
-                    journal.c.step_id,
-                    journal.c.at,
-                    journal.c.conductor,
-                    journal.c.from_state,
-                    journal.c.to_state,
-                    journal.c.details,
-                )
+                select(*_TRANSITION_COLUMNS)
                 .where(journal.c.strategy_id == sid, journal.c.id > after)
                 .order_by(journal.c.id)
                 .limit(limit)
@@ -151,23 +159,11 @@ def target_timeline(store: Store, name: str) -> dict[str, Any]:
     if step_ids:
         with store.read() as conn:
             for r in conn.execute(
-                select(
-                    journal.c.id,
-                    journal.c.step_id,
-                    journal.c.at,
-                    journal.c.conductor,
-                    journal.c.from_state,
-                    journal.c.to_state,
-                    journal.c.details,
-                )
+                select(*_TRANSITION_COLUMNS)
                 .where(journal.c.step_id.in_(step_ids))
                 .order_by(journal.c.id)
             ):
-                by_step[int(r.step_id)].append(
-                    Transition(
-                        int(r.id), int(r.step_id), float(r.at), r.conductor, r[4], r[5], r.details
-                    )
-                )
+                by_step[int(r.step_id)].append(_transition(r))
     out = []
     for s in shown["strategies"]:
         rows = by_step[int(s["step"])]
