@@ -269,7 +269,12 @@ def _first_caught(
     cls: type[Conductor], workflow: str, needle: str, seeds: range
 ) -> tuple[int, list[str]]:
     for seed in seeds:
-        res = run_simulation(SimConfig(seed=seed, targets=30, workflow=workflow, conductor_cls=cls))
+        # one virtual day: a healthy run of 30 targets ends within hours, and a broken
+        # conductor that leaves the rollout stuck is caught without spinning a week
+        cfg = SimConfig(
+            seed=seed, targets=30, workflow=workflow, conductor_cls=cls, virtual_limit_s=86400
+        )
+        res = run_simulation(cfg)
         hits = [v for v in res.violations if needle in v]
         if hits:
             print(f"{cls.__name__} caught by seed {seed}: {hits[0]}")
