@@ -58,6 +58,8 @@ class PeriodicMixin(StoreCalls):
     _refreeze_if_collected: Callable[[], None]
     _claim: Callable[[], Awaitable[None]]
     _sync_lease_clock: Callable[[], Awaitable[None]]
+    _sharing: bool
+    _share_pass: Callable[[], Awaitable[None]]
 
     async def _periodic(self) -> None:
         # A third of the lease, and at least every RENEW_MAX_S: "serving" is read as
@@ -123,6 +125,20 @@ class PeriodicMixin(StoreCalls):
                 held = self.runs.get(sid)  # dropped while this read was retried: skip it
                 if held is None:
                     continue
+                if held.shared:
+                    # (a strategy another leads, this one helps drive: it follows its row)
+                    if owner == self.id:
+                        continue  # claimed by this one meanwhile: it leads it now
+                    if state in (StrategyState.ABORT_REQUESTED, StrategyState.ABORTING):
+                        if held.stopping != "abort":
+                            self.post(StopRequested(sid))
+                    elif state == StrategyState.PAUSED and not held.paused:
+                        self.post(PauseChanged(sid, True))
+                    elif state == StrategyState.APPLYING and held.paused:
+                        self.post(PauseChanged(sid, False))
+                    elif state not in rt.SHARED_STATES:
+                        self.post(LeaseLost(sid))  # ended or deleted
+                    continue
                 if owner != self.id:
                     self.post(LeaseLost(sid))
                 elif state == StrategyState.ABORT_REQUESTED:
@@ -134,6 +150,8 @@ class PeriodicMixin(StoreCalls):
             waiting = [sid for sid, run in self.runs.items() if run.waits_for_callbacks]
             if waiting:
                 await self._poll_callbacks(waiting)
+            if self._sharing:
+                await self._share_pass()
             if self._draining:
                 continue  # stopping: take on nothing new
             if self._wanted is None or self._wanted - set(self.runs) - set(self.finished):
@@ -141,7 +159,8 @@ class PeriodicMixin(StoreCalls):
 
     async def _poll_callbacks(self, strategy_ids: list[int]) -> None:
         """Pick up callbacks stored by other processes (an API server, an agent endpoint)."""
-        for record in await self._io(cbs.open_callbacks, self.store, strategy_ids, 0):
+        owner = self.id if self._sharing else None  # (sharing: its own steps' only)
+        for record in await self._io(cbs.open_callbacks, self.store, strategy_ids, 0, owner):
             if self._first_sight(record):
                 self.post(CallbackArrived(record))
 

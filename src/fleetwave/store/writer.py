@@ -37,6 +37,19 @@ from fleetwave.store.schema import (
 #: one reads the strategy's state, so once an operator's pause or abort is committed,
 #: nothing new starts (steps started before go on).
 HOLD_ENTRIES = frozenset({StrategyState.PAUSED.value, StrategyState.ABORT_REQUESTED.value})
+#: the fence a conductor passes for a strategy another leads, which it drives some steps
+#: of (conductors sharing a strategy): no strategy fence of its own to check
+SHARED = -1
+#: the states of a strategy whose steps a conductor that does not lead it may still
+#: write (not an ended or deleted one)
+SHARED_STATES = frozenset(
+    {
+        StrategyState.APPLYING.value,
+        StrategyState.PAUSED.value,
+        StrategyState.ABORT_REQUESTED.value,
+        StrategyState.ABORTING.value,
+    }
+)
 
 
 @dataclass(slots=True)
@@ -505,7 +518,11 @@ class TransitionWriter:
         held: set[int] = set()
         hold: dict[int, str] = {}
         for sid, owner, fence, state in cur.fetchall():
-            if owner == self.cid and fence == fences[sid]:
+            if (owner == self.cid and fence == fences[sid]) or (
+                # a strategy another conductor leads, this one drives some steps of: its
+                # steps' own fences and owner decide (checked row by row)
+                fences[sid] == SHARED and state in SHARED_STATES
+            ):
                 held.add(int(sid))
                 if state in HOLD_ENTRIES:
                     hold[int(sid)] = str(state)
