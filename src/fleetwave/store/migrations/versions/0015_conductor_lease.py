@@ -2,15 +2,15 @@
 it drives of strategies another conductor leads are held under it, so another may take
 them over once it runs out (conductors sharing a strategy).
 
-Revision ID: 0014
-Revises: 0013
+Revision ID: 0015
+Revises: 0014
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0014"
-down_revision = "0013"
+revision = "0015"
+down_revision = "0014"
 branch_labels = None
 depends_on = None
 
