@@ -100,7 +100,8 @@ def _run(main: Callable[[], Awaitable[None]]) -> None:
 
 
 def test_three_conductors_drive_one_strategy_together(store: Store, db_url: str) -> None:
-    add_sim_targets(store, 300, {"latency_ms": 20})
+    # (about 5 s of work: each conductor has joined within a periodic pass, 1 s)
+    add_sim_targets(store, 600, {"latency_ms": 50})
     sid = applied(store, max_parallel=30)
 
     async def main() -> None:
@@ -116,7 +117,7 @@ def test_three_conductors_drive_one_strategy_together(store: Store, db_url: str)
     by = _journal_by_conductor(store, sid)
     assert set(by) == {"c-a", "c-b", "c-c"}, by
     total = sum(by.values())
-    assert total == 300 * 6  # (entry, five states' ends: every step once)
+    assert total == 600 * 6  # (entry, five states' ends: every step once)
     for name, n in by.items():
         assert n >= total * 0.1, f"{name} did {n} of {total}: {by}"
     verdict = check(store, sid)

@@ -887,8 +887,11 @@ class Conductor(
         dispatch for milliseconds; the dispatcher's idle moments cost nobody.
         """
         for run in self.runs.values():
-            if run.more_waiting and run.stopping is None and run.pending_count() < self._page(run):
-                await self._load_waiting(run, everything=False, page=self._prefetch_page())
+            short = self._page(run) - run.pending_count()
+            if run.more_waiting and run.stopping is None and short > 0:
+                # (sharing: what it claims, others cannot start; no more than its page)
+                page = min(short, self._prefetch_page()) if self._sharing else None
+                await self._load_waiting(run, everything=False, page=page or self._prefetch_page())
                 return True
         return False
 
