@@ -73,6 +73,7 @@ from fleetwave.engine.deadlines import DeadlinesMixin
 from fleetwave.engine.errors import SimulatedCrash, StoreReplaced, StoreUnavailable
 from fleetwave.engine.gates import GatesMixin
 from fleetwave.engine.gc_freeze import GcFreezeMixin
+from fleetwave.engine.loop import wait_set
 from fleetwave.engine.messages import (
     ActionFinished,
     CallbackArrived,
@@ -483,10 +484,7 @@ class Conductor(
                         if stop is not None and stop.is_set():
                             continue  # a clean stop that woke it is seen before the inbox
                     else:
-                        with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(
-                                self._wake.wait(), max(0.0, drain_until - loop.time())
-                            )
+                        await wait_set(self._wake, max(0.0, drain_until - loop.time()))
                 if self._fatal is not None:
                     raise self._fatal
                 self._wake.clear()

@@ -10,12 +10,12 @@ acting on a strategy whose lease renewals have failed for most of its length.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
 from fleetwave.domain.models import StrategyState
 from fleetwave.engine.errors import StoreReplaced, StoreUnavailable
+from fleetwave.engine.loop import wait_set
 from fleetwave.engine.messages import (
     CallbackArrived,
     LeaseLost,
@@ -73,8 +73,7 @@ class PeriodicMixin(StoreCalls):
             # (a strategy applied or handed back, a callback stored: LISTEN/NOTIFY)
             if self._listening:
                 nudge = self._nudge
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(nudge.wait(), self.config.tick_s)
+                await wait_set(nudge, self.config.tick_s)
                 nudge.clear()
             else:
                 await asyncio.sleep(self.config.tick_s)  # (SQLite: nothing wakes it)
