@@ -199,7 +199,8 @@ def test_a_helper_killed_its_steps_are_taken_over_by_the_leader(
     with store.read() as conn:
         taken = conn.exec_driver_sql(
             "SELECT count(*) FROM events WHERE kind = 'step-taken-over' "
-            "AND details LIKE '%from c-help%'"
+            f"AND details LIKE {store.hooks.placeholder}",
+            ("%from c-help%",),
         ).scalar_one()
     assert taken >= 1
     verdict = check(store, sid)
