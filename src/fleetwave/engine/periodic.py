@@ -32,6 +32,10 @@ log = logging.getLogger("fleetwave.engine")
 
 #: a conductor renews its leases at least this often, however long they last
 RENEW_MAX_S = 10.0
+#: conductors sharing strategies look this often (seconds) for strategies to help, the
+#: steps of peers gone and the failures all of them counted: a peer's steps are taken
+#: over within this of its lease running out, a new conductor joins within it
+SHARE_EVERY_S = 0.5
 #: a periodic pass this late means the loop was blocked: said in a warning
 STALL_WARN_S = 2.0
 
@@ -67,6 +71,7 @@ class PeriodicMixin(StoreCalls):
         renew_every = min(self.config.lease_ttl_s / 3, RENEW_MAX_S)
         loop = asyncio.get_running_loop()
         last_renew = loop.time()
+        last_share = -SHARE_EVERY_S
         while True:
             slept_at = loop.time()
             # A tick, or sooner: another process's commit gave this one something to do
@@ -149,7 +154,10 @@ class PeriodicMixin(StoreCalls):
             waiting = [sid for sid, run in self.runs.items() if run.waits_for_callbacks]
             if waiting:
                 await self._poll_callbacks(waiting)
-            if self._sharing:
+            if self._sharing and now_loop - last_share >= SHARE_EVERY_S:
+                # (its reads and the takeover's write, at most this often: a pass runs
+                # on every wake-up, and conductors sharing a strategy wake each other)
+                last_share = now_loop
                 await self._share_pass()
             if self._draining:
                 continue  # stopping: take on nothing new
