@@ -127,9 +127,12 @@ def test_three_conductors_drive_one_strategy_together(store: Store, db_url: str)
             "SELECT count(*) FROM steps WHERE owner IS NOT NULL"
         ).scalar_one()
         assert held == 0
-        assert conn.exec_driver_sql(
-            "SELECT count(*) FROM strategies WHERE owner IS NOT NULL"
-        ).scalar_one() == 0
+        assert (
+            conn.exec_driver_sql(
+                "SELECT count(*) FROM strategies WHERE owner IS NOT NULL"
+            ).scalar_one()
+            == 0
+        )
 
 
 def test_in_flight_never_above_the_cap_across_conductors(store: Store, db_url: str) -> None:
@@ -167,9 +170,7 @@ def test_in_flight_never_above_the_cap_across_conductors(store: Store, db_url: s
     assert len(_journal_by_conductor(store, sid)) == 3
 
 
-def test_a_helper_killed_its_steps_are_taken_over_by_the_leader(
-    store: Store, db_url: str
-) -> None:
+def test_a_helper_killed_its_steps_are_taken_over_by_the_leader(store: Store, db_url: str) -> None:
     add_sim_targets(store, 120, {"latency_ms": 150})
     sid = applied(store, max_parallel=20)
 
@@ -282,9 +283,7 @@ def _entries(store: Store, sid: int) -> int:
         )
 
 
-def test_the_failure_threshold_counts_every_conductors_failures(
-    store: Store, db_url: str
-) -> None:
+def test_the_failure_threshold_counts_every_conductors_failures(store: Store, db_url: str) -> None:
     add_sim_targets(store, 300, {"latency_ms": 30, "failure_rate": 0.05})
     sid = applied(store, max_parallel=30, max_failures=4)
 

@@ -691,10 +691,10 @@ class TransitionWriter:
                 if cur.rowcount != len(dl):
                     raw.rollback()  # a retry's row changed: the slower path says which
                     return False
-            if changes:
+            rows_s = [(f, x, sid, gid, f, f) for f, x, sid, gid in _slot_rows(changes)]
+            if rows_s:
                 # Counted, each row only if it stays within its cap (G7): one that would
                 # not is not written, and the row-by-row path writes the entries that fit.
-                rows_s = [(f, x, sid, gid, f, f) for f, x, sid, gid in _slot_rows(changes)]
                 cur.executemany(self._slot_fit_sql, rows_s)
                 if cur.rowcount != len(rows_s):
                     raw.rollback()
@@ -871,9 +871,11 @@ class TransitionWriter:
                     no_slot[t.strategy_id] += 1
                 else:
                     write(t, sql, u, j)
-            changes = _slot_changes(done)
-            if changes:
-                conn.exec_driver_sql(self._slot_sql, _slot_rows(changes))
+            # (an entry and an end of one strategy in a batch cancel out: no row at all,
+            # and no statement, which with no rows would run once without parameters)
+            counts = _slot_rows(_slot_changes(done))
+            if counts:
+                conn.exec_driver_sql(self._slot_sql, counts)
             for t in rejected:
                 why = (
                     "strategy claimed by another conductor (fenced off)"
