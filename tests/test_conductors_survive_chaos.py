@@ -145,7 +145,20 @@ def _run_chaos(pg_url: str, plan: Chaos) -> None:
                 took = _wait(f"{cid}'s steps to be taken over", _taken_over(store, cid), 60)
                 takeovers.append((f"freeze {cid} ({held} steps held)", took))
                 victim.send_signal(signal.SIGCONT)
-        _wait("the rollout to end", finished, 600)
+        try:
+            _wait("the rollout to end", finished, 240)
+        except AssertionError:
+            with store.read() as conn:
+                for sql in (
+                    "SELECT owner, state, count(*) FROM steps GROUP BY owner, state",
+                    "SELECT id, pid, stopped_at, draining_at, lease_until, heartbeat_at "
+                    "FROM conductors",
+                    "SELECT id, owner, fence, state, lease_expires_at FROM strategies",
+                    "SELECT * FROM strategy_slots",
+                    "SELECT kind, conductor, count(*) FROM events GROUP BY kind, conductor",
+                ):
+                    print(sql, conn.exec_driver_sql(sql).all())
+            raise
     finally:
         fleet.stop_all()
     for label, took in takeovers:
