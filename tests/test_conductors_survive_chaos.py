@@ -124,14 +124,18 @@ def _run_chaos(pg_url: str, plan: Chaos) -> None:
     try:
         cids = [fleet.conductor_of(store, proc) for proc in slots]
         for n in range(plan.kills + 1):
-            time.sleep(rng.uniform(1.0, 3.0))
+            time.sleep(rng.uniform(2.0, 6.0))
             if finished():
                 break
             i = rng.randrange(3)
             victim, cid = slots[i], cids[i]
-            held = _scalar(
-                store, f"SELECT count(*) FROM steps WHERE owner = {store.hooks.placeholder}", cid
+            held_sql = (
+                f"SELECT count(*) FROM steps WHERE owner = {store.hooks.placeholder} AND {OPEN}"
             )
+            # (at a moment it drives steps: a conductor just started may not have any yet)
+            driving = lambda c=cid, q=held_sql: bool(_scalar(store, q, c))  # noqa: E731
+            _wait(f"{cid} to drive steps", driving, 60)
+            held = _scalar(store, held_sql, cid)
             if n < plan.kills:
                 victim.send_signal(signal.SIGKILL)
                 victim.wait(timeout=10)

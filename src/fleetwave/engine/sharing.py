@@ -111,6 +111,16 @@ class SharingMixin(StoreCalls):
                 self.post(PeersGone(sid, gone))
             if run.peers_open:
                 self._wake_soon()  # (its end is looked at again)
+        # Steps it holds of strategies it no longer drives (lost while it led one): let
+        # go of, for their leader to take over (nobody else would: it is alive).
+        driving = set(self.runs) | self._claiming
+        let_go = await self._io(rt.let_go_of_undriven, self.store, self.id, driving)
+        if let_go:
+            log.warning(
+                "let go of %d steps of strategies this conductor no longer drives: their "
+                "leaders take them over",
+                let_go,
+            )
         if self._draining:
             return
         skip = set(self.runs) | self._claiming | self._not_here | self._not_helping

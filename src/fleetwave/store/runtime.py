@@ -819,7 +819,14 @@ def take_from_gone_peers(store: Store, sid: int, peers: PeerView) -> list[StepRe
         ]
         gone = [c for c in held if c not in live]
         if not gone:
-            return []
+            unheld = conn.exec_driver_sql(
+                f"SELECT 1 FROM steps WHERE strategy_id = {p} AND owner IS NULL "
+                f"AND state NOT IN ('{STEP_INITIAL}', {_DONE}) LIMIT 1",
+                (sid,),
+            ).first()
+            if unheld is None:
+                return []
+            gone = [""]  # (no conductor's id: only the steps nobody holds)
         marks = store.hooks.placeholders(len(gone))
         res = conn.exec_driver_sql(
             f"UPDATE steps SET owner = NULL WHERE strategy_id = {p} "
@@ -828,13 +835,44 @@ def take_from_gone_peers(store: Store, sid: int, peers: PeerView) -> list[StepRe
         )
         if res.rowcount:
             notify(conn, "released", sid)
+        # (and started steps nobody holds: handed back by a conductor that stopped, or
+        # let go of by one that stopped driving the strategy)
         return _step_records(
             conn,
             store,
             sid,
-            f"s.state NOT IN ('{STEP_INITIAL}', {_DONE}) AND s.owner IN ({marks})",
+            f"s.state NOT IN ('{STEP_INITIAL}', {_DONE}) "
+            f"AND (s.owner IN ({marks}) OR s.owner IS NULL)",
             tuple(gone),
         )
+
+
+def let_go_of_undriven(store: Store, me: str, driving: set[int]) -> int:
+    """Steps this conductor holds of strategies it does not drive (any more: it lost the
+    strategy it led, or stopped helping one): nobody's again, so that the strategy's
+    leader claims the waiting ones again and takes the started ones over (their recover
+    hook looks first). How many."""
+    p = store.hooks.placeholder
+    with store.read() as conn:
+        sids = {
+            int(r[0])
+            for r in conn.exec_driver_sql(
+                f"SELECT DISTINCT strategy_id FROM steps WHERE owner = {p} "
+                f"AND state NOT IN ({_DONE})",
+                (me,),
+            )
+        } - driving
+    if not sids:
+        return 0
+    with store.write() as conn:
+        res = conn.exec_driver_sql(
+            f"UPDATE steps SET owner = NULL WHERE owner = {p} AND state NOT IN ({_DONE}) "
+            f"AND strategy_id IN ({store.hooks.placeholders(len(sids))})",
+            (me, *sorted(sids)),
+        )
+        if res.rowcount:
+            notify(conn, "released")
+        return int(res.rowcount)
 
 
 def open_elsewhere(store: Store, sid: int, me: str) -> tuple[int, int]:
