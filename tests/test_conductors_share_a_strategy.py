@@ -210,6 +210,58 @@ def test_a_helper_killed_its_steps_are_taken_over_by_the_leader(store: Store, db
     assert by["c-help"] > 0 and by["c-lead"] > 0
 
 
+def test_a_helper_stopped_cleanly_hands_back_and_the_leader_goes_on_at_once(
+    store: Store, db_url: str
+) -> None:
+    """SIGTERM's drain, with actions longer than the grace period: the helper hands back
+    its steps (waiting and running) and the leader takes the running ones over at once,
+    not after the helper's lease (30 s here)."""
+    add_sim_targets(store, 120, {"latency_ms": 600})
+    sid = applied(store, max_parallel=20)
+    slow_lease = EngineConfig(lease_ttl_s=30.0, tick_s=0.1, share=True, shutdown_grace_s=0.2)
+
+    async def main() -> float:
+        fleet = Fleet(db_url, slow_lease)
+        try:
+            fleet.start("c-lead")
+            await _until(lambda: _owner(store, sid) == "c-lead")
+            fleet.start("c-help")
+
+            def helper_runs() -> bool:
+                with store.read() as conn:
+                    return bool(
+                        conn.exec_driver_sql(
+                            "SELECT count(*) FROM steps WHERE owner = 'c-help' AND state "
+                            "NOT IN ('initial')"
+                        ).scalar_one()
+                    )
+
+            await _until(helper_runs)
+            await fleet.stop("c-help")
+            stopped = asyncio.get_running_loop().time()
+
+            def taken_back() -> bool:
+                with store.read() as conn:
+                    return not conn.exec_driver_sql(
+                        "SELECT count(*) FROM steps WHERE (owner IS NULL OR owner = 'c-help') "
+                        "AND state NOT IN ('initial', 'complete', 'failed', 'aborted')"
+                    ).scalar_one()
+
+            await _until(taken_back, timeout=20)
+            took = asyncio.get_running_loop().time() - stopped
+            await _until(lambda: _state(store, sid) == "complete", timeout=90)
+            return took
+        finally:
+            await fleet.close()
+
+    took = asyncio.run(main())
+    assert took < 5.0, took  # (far from the 30 s lease: it was handed back, not lost)
+    verdict = check(store, sid)
+    assert verdict.ok, verdict.violations[:5]
+    by = _journal_by_conductor(store, sid)
+    assert by["c-help"] > 0 and by["c-lead"] > 0
+
+
 def test_a_leader_killed_a_helper_leads_and_keeps_its_steps(store: Store, db_url: str) -> None:
     add_sim_targets(store, 120, {"latency_ms": 150})
     sid = applied(store, max_parallel=20)

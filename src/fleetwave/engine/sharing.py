@@ -64,6 +64,7 @@ class SharingMixin(StoreCalls):
     _PEERS: Any
     post: Callable[[Message], None]
     _wake_soon: Callable[[], None]
+    _page: Callable[[StrategyRun], int]
     _afresh: Callable[[StrategyRun, list[rt.StepRecord], float], set[int]]
     _hold_taken: Callable[
         [
@@ -92,9 +93,12 @@ class SharingMixin(StoreCalls):
         helpers taken over; strategies to help joined."""
         peers = await self._io(rt.serving_peers, self.store, self._PEERS)
         if peers != self._serving_peers:
+            more = peers > self._serving_peers
             self._serving_peers = peers
             for run in self.runs.values():
                 self._fair_share(run)
+                if more:
+                    await self._give_back_claims(run)
             self._wake_soon()  # (a larger part may start more now)
         counted = [sid for sid, run in self.runs.items() if run.limits_failures]
         if counted:
@@ -126,6 +130,21 @@ class SharingMixin(StoreCalls):
         skip = set(self.runs) | self._claiming | self._not_here | self._not_helping
         for rec in await self._io(rt.strategies_to_help, self.store, self._PEERS, skip):
             self.post(StrategyJoined(rec))
+
+    async def _give_back_claims(self, run: StrategyRun) -> None:
+        """More conductors share the strategy now: the waiting steps this one claimed
+        past what its smaller part can start soon are handed back, for them to claim."""
+        if run.stopping is not None or not run.options.shareable:
+            return
+        keep = self._page(run)
+        if run.pending_count() <= keep:
+            return
+        recs = sorted(run.drain_pending(), key=lambda r: r.ordinal)
+        for rec in recs[:keep]:
+            run.add_pending(rec)
+        back = [r.step_id for r in recs[keep:]]
+        await self._io(rt.release_waiting_steps, self.store, self.id, back)
+        run.more_waiting = True
 
     def _join(self, rec: rt.StrategyRecord) -> None:
         """Help drive a strategy another conductor leads (its waiting steps are claimed
