@@ -359,3 +359,41 @@ def test_the_failure_threshold_counts_every_conductors_failures(store: Store, db
     assert failed > 4 and waiting == 0
     verdict = check(store, sid)
     assert verdict.ok, verdict.violations[:5]
+
+
+def test_callbacks_reach_the_conductor_that_drives_their_step(store: Store, db_url: str) -> None:
+    """The ``clean`` workflow waits for its agents' callbacks. Every agent calls back
+    to one conductor (as to the API beside one ``serve``): the steps the other drives
+    get theirs from the database, and the one that received them leaves them alone (it
+    marked them ignored, "not under way", since the steps were not its own)."""
+    add_sim_targets(store, 80, {"latency_ms": 30})
+    sid = applied(store, "clean", max_parallel=16)
+
+    async def main() -> None:
+        fleet = Fleet(db_url)
+        try:
+            a = fleet.start("c-a")
+            b = fleet.start("c-b")
+            await asyncio.sleep(0)  # (each has begun: its agents call it back)
+            await _until(lambda: _owner(store, sid) is not None)
+            for driver in b.drivers.values():
+                if hasattr(driver, "callback_sink"):
+                    driver.callback_sink = a._sink  # every agent reports to c-a
+            await _until(lambda: _state(store, sid) == "complete", timeout=90)
+        finally:
+            await fleet.close()
+
+    _run(main)
+    verdict = check(store, sid)
+    assert verdict.ok, verdict.violations[:5]
+    assert set(_journal_by_conductor(store, sid)) == {"c-a", "c-b"}
+    with store.read() as conn:
+        outcomes = dict(
+            conn.exec_driver_sql(
+                "SELECT outcome, count(*) FROM callbacks WHERE strategy_id = "
+                f"{store.hooks.placeholder} GROUP BY outcome",
+                (sid,),
+            ).all()
+        )
+    assert outcomes.get("ignored", 0) == 0, outcomes
+    assert outcomes.get("applied", 0) >= 80 * 2  # (two waits a step)

@@ -750,8 +750,10 @@ class Conductor(
         between, the callback is still open and the next owner applies it.
         """
         run = self.runs.get(cb.strategy_id)
-        if run is None:
+        if run is None or (self._sharing and cb.step_id not in run.inflight):
             # Not ours (yet): its owner answers it, perhaps us once we claim the strategy.
+            # (Conductors sharing the strategy: the one driving the step, which looks for
+            # its own steps' callbacks; this one may drive it later.)
             seen = self._callbacks_seen.get(cb.strategy_id)
             if seen is not None:
                 seen.discard(cb.id)
