@@ -91,9 +91,9 @@ class ClaimsMixin(StoreCalls):
                         self.store,
                         self.id,
                         self._NOW,
+                        self._LEASE,  # (positional: worked out at each attempt)
                         serves_all=False,
                         lease_clock=self.clock.lease_clock,
-                        lease_until=self._LEASE,
                     )
                 return
         claimed = await self._io(

@@ -131,10 +131,10 @@ def register_conductor(
     store: Store,
     cid: str,
     now: float,
+    lease_until: float | None,
     *,
     serves_all: bool,
     lease_clock: str | None = None,
-    lease_until: float | None = None,
 ) -> None:
     with store.write() as conn:
         _register(conn, store, cid, now, serves_all, lease_clock, lease_until)
