@@ -141,6 +141,19 @@ def _owner(db: str, sid: int) -> str | None:
     return json.loads(shown.stdout)["owner"]  # type: ignore[no-any-return]
 
 
+def _registered(db: str, pid: int) -> bool:
+    """Whether a conductor of process ``pid`` has registered in the database."""
+    store = open_store(db)
+    try:
+        with store.read() as conn:
+            row = conn.exec_driver_sql(
+                f"SELECT 1 FROM conductors WHERE pid = {int(pid)} AND stopped_at IS NULL"
+            ).first()
+        return row is not None
+    finally:
+        store.dispose()
+
+
 def _slow_strategy(db: str) -> int:
     """A new database with one target whose operations take a minute, and a ``patch``
     strategy over it (not applied): its id."""
@@ -426,7 +439,9 @@ def test_ctrl_c_of_an_apply_wait_that_only_watches_says_who_drives_on(tmp_path: 
             stderr=subprocess.PIPE,
             text=True,
         )
-        time.sleep(2)  # it has started and is watching
+        # it has started and is watching (registered: on a loaded machine its imports
+        # alone took more than the 2 s this test once slept, and Ctrl-C came first)
+        _wait_for("the watcher to register", lambda: _registered(db, watcher.pid))
         watcher.send_signal(signal.SIGINT)
         _out, err = watcher.communicate(timeout=30)
         assert watcher.returncode == 130, err

@@ -84,6 +84,23 @@ def test_an_entry_past_the_cap_is_not_written_whoever_made_it(store: Store) -> N
     b.close()
 
 
+def test_an_end_and_an_entry_that_cancel_out_in_a_refused_batch(store: Store) -> None:
+    """A batch whose one refused row sends it down the row-by-row path, and whose end and
+    entry of one strategy leave its slots as they were: nothing to count (on PostgreSQL
+    the count's statement once ran without rows, hence without parameters, and failed)."""
+    sid = _strategy(store, 3, max_parallel=2)
+    a = rt.TransitionWriter(store, "A")
+    s1, s2, s3 = rt.claim_waiting_steps(store, sid, "A", 3)
+    assert a.commit([_enter(s1)], [], 1.0).rejected == []
+    stale = _enter(s3)
+    stale.from_fence += 5  # (as if another conductor had moved it since)
+    res = a.commit([_end(s1), _enter(s2), stale], [], 2.0)
+    assert [t.step_id for t in res.rejected] == [s3.step_id]
+    assert _whole(store, sid).in_flight == 1
+    assert check(store, sid).ok, check(store, sid).violations
+    a.close()
+
+
 def test_a_group_cap_holds_across_conductors(store: Store) -> None:
     sid = _strategy(store, 4, max_parallel=10, group_cap=1)
     a, b = rt.TransitionWriter(store, "A"), rt.TransitionWriter(store, "B")

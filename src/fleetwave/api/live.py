@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from fleetwave.api.errors import ApiError
 from fleetwave.api.pages import Grid, Transition, read_grid, read_journal_after, read_step_states
 from fleetwave.domain.models import STEP_FAILED, STEP_TERMINAL
+from fleetwave.engine.loop import wait_set
 from fleetwave.store import queries
 from fleetwave.store.postgres import redact
 
@@ -103,9 +104,7 @@ class Producer:
             if self.stopped:
                 return None
             changed = self._changed
-            try:
-                await asyncio.wait_for(changed.wait(), timeout_s)
-            except TimeoutError:
+            if not await wait_set(changed, timeout_s):
                 return None
         return self.latest
 

@@ -32,6 +32,7 @@ from fleetwave.domain.models import STRATEGY_TERMINAL, plural
 from fleetwave.engine import loop as event_loop
 from fleetwave.engine.conductor import Conductor
 from fleetwave.engine.config import EngineConfig
+from fleetwave.engine.loop import wait_set
 from fleetwave.store import queries
 from fleetwave.store.db import Store
 from fleetwave.store.runtime import strategy_state
@@ -249,8 +250,7 @@ async def _log_progress(store: Store, sid: int, total: int, done: asyncio.Event)
         cost = lines.say(sid, total) or 0.0
         if done.is_set():
             return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(done.wait(), timeout=_pause(PROGRESS_LINE_EVERY_S, cost))
+        await wait_set(done, _pause(PROGRESS_LINE_EVERY_S, cost))
 
 
 class ServeReport:
@@ -342,8 +342,7 @@ async def _watch(
             progress.update(task, completed=finished, description=f"strategy {sid} ({ended})")
         if done.is_set():
             return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(done.wait(), timeout=_pause(0.25, cost))
+        await wait_set(done, _pause(0.25, cost))
 
 
 async def _drive(store: Store, sid: int, show_progress: bool, config: EngineConfig) -> DriveResult:

@@ -289,11 +289,19 @@ def serve(
         _serve_api_alone(api)
         return
     others = [queries.conductor_named(c) for c in queries.serving_conductors(store)]
-    if others:
+    verb = "serves" if len(others) == 1 else "serve"
+    if others and store.hooks.for_update:
+        # PostgreSQL: the setup for many conductors, which share every strategy's steps
+        err_console.print(
+            f"{plural(len(others), 'conductor')} already {verb} {store.url} "
+            f"({', '.join(others)}): this one drives every applying strategy together "
+            "with them",
+            highlight=False,
+        )
+    elif others:
         # Allowed (each strategy is driven by one conductor at a time, by claim and
         # fence), but on SQLite one serve per database is the setup: a second one adds
         # no throughput (one writer) and is more often a leftover than a choice.
-        verb = "serves" if len(others) == 1 else "serve"
         err_console.print(
             f"warning: {plural(len(others), 'conductor')} already {verb} {store.url} "
             f"({', '.join(others)}): they share its strategies, each driven by one",

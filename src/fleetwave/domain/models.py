@@ -206,6 +206,13 @@ class StrategyOptions:
         return self.stages_by_group or sum(len(s.batches) for s in self.plan) > 1
 
     @property
+    def shareable(self) -> bool:
+        """Whether conductors that do not lead it may drive its steps beside its leader:
+        a sliding window (no stages, batches, canaries, gates, windows or deadline),
+        where any free slot may take any waiting step."""
+        return not (self.staged or self.gated or self.windows or self.deadline is not None)
+
+    @property
     def gated(self) -> bool:
         """Whether something besides the steps' ends holds a phase's start (a wait after
         a stage, an approval)."""

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from fleetwave.catalog import resolve_workflow
 from fleetwave.domain.errors import NotFound
@@ -63,6 +63,13 @@ class ClaimsMixin(StoreCalls):
     _prefetch_page: Callable[[], int]
     _deadline_of: Callable[[StrategyRun, str, float], float | None]
     _move: Callable[[StrategyRun, int, str, int, str, str, int, float, int | None], rt.Transition]
+    _sharing: bool
+    _PEERS: Any
+    _fair_share: Callable[[StrategyRun], None]
+    _promote: Callable[
+        [StrategyRun, rt.StrategyRecord, list[rt.Event], list[rt.Transition], float],
+        Awaitable[list[InFlight]],
+    ]
     if TYPE_CHECKING:  # (called with keywords, or without an argument that has a default)
 
         async def _load_waiting(
@@ -84,6 +91,7 @@ class ClaimsMixin(StoreCalls):
                         self.store,
                         self.id,
                         self._NOW,
+                        self._LEASE,  # (positional: worked out at each attempt)
                         serves_all=False,
                         lease_clock=self.clock.lease_clock,
                     )
@@ -174,6 +182,10 @@ class ClaimsMixin(StoreCalls):
         """Take over a claimed strategy from the database alone (G4, recovery)."""
         if self.config.adopt_stall_s:
             await asyncio.sleep(self.config.adopt_stall_s)  # (fault injection)
+        helping = self.runs.get(rec.id)
+        if helping is not None and helping.shared:
+            self._claimed_at.pop(rec.id, None)
+            return await self._promote(helping, rec, events, batch, now)
         lease_from = self._claimed_at.pop(rec.id, self._loop.time())
         try:
             if rec.broken is not None:
@@ -204,13 +216,19 @@ class ClaimsMixin(StoreCalls):
             await self._fail_undrivable(rec, f"{UNDRIVABLE}: {exc}")
             return []
         run = StrategyRun(rec, wf, opts, db_state=rec.state, lease_from=lease_from)
+        if self._sharing:
+            self._fair_share(run)
         if rec.state == StrategyState.PAUSED:
             run.paused = True
             events.append(rt.Event("pause-seen", "paused by operator (on takeover)", rec.id))
-        lost, run.failed = await self._io(rt.load_started_steps, self.store, rec.id)
+        # (sharing: not the steps other live conductors drive: they go on with them)
+        peers = self._PEERS if self._sharing else None
+        lost, run.failed = await self._io(rt.load_started_steps, self.store, rec.id, peers)
         # A staged strategy is loaded whole: which stage comes next is then decided on
         # every waiting step, not on the assumption that pages come in stage order.
-        first = self.config.waiting_page or max(run.cap, self._prefetch_page())
+        first = self.config.waiting_page or max(
+            run.cap, 32 if self._sharing else self._prefetch_page()
+        )
         await self._load_waiting(run, everything=opts.staged, page=first)
         limit = opts.failure_limit
         if limit is not None and run.failed > limit:
@@ -229,21 +247,7 @@ class ClaimsMixin(StoreCalls):
             run.stopping = "abort"
             run.stop_details = "aborted by operator"
             events.append(rt.Event("abort-seen", "operator abort requested (on takeover)", rec.id))
-        for step in lost:
-            if step.not_started and step.attempt <= 1:
-                # It starts afresh here: its time starts now. (A recorded retry keeps
-                # its deadline: its due time and timeout.)
-                step.deadline_at = self._deadline_of(run, step.state, now)
-        # Steps entered and never started start afresh here (their first attempt is
-        # recorded as they are taken over), unless they end at once (below).
-        afresh = {
-            s.step_id
-            for s in lost
-            if s.not_started
-            and s.attempt <= 1
-            and run.stopping is None
-            and (s.target.managed or s.state != wf.first_state)
-        }
+        afresh = self._afresh(run, lost, now)
         taken = await self._io(
             rt.take_over_steps,
             self.store,
@@ -259,9 +263,49 @@ class ClaimsMixin(StoreCalls):
             # conductor's. Nothing is taken over, no recover hook runs here.
             self._fenced_off_before_adopting(rec)
             return []
+        out = self._hold_taken(run, lost, taken, events, batch, now)
+        if rec.id in self.runs:  # (cannot be: claimed only while neither run nor claiming)
+            raise AssertionError(f"strategy {rec.id} adopted twice by conductor {self.id}")
+        self.runs[rec.id] = run
+        self._freeze()
+        if run.stopping is None and rec.state == StrategyState.APPLYING and not lost:
+            log.info("strategy %s: driving its waiting steps", rec.id)
+        return out
+
+    def _afresh(self, run: StrategyRun, lost: list[rt.StepRecord], now: float) -> set[int]:
+        """Of steps to take over, those entered and never started, which start afresh
+        (their first attempt is recorded as they are taken over) unless they end at once;
+        their time starts now."""
+        for step in lost:
+            if step.not_started and step.attempt <= 1:
+                # It starts afresh here: its time starts now. (A recorded retry keeps
+                # its deadline: its due time and timeout.)
+                step.deadline_at = self._deadline_of(run, step.state, now)
+        first = run.workflow.first_state
+        return {
+            s.step_id
+            for s in lost
+            if s.not_started
+            and s.attempt <= 1
+            and run.stopping is None
+            and (s.target.managed or s.state != first)
+        }
+
+    def _hold_taken(
+        self,
+        run: StrategyRun,
+        lost: list[rt.StepRecord],
+        taken: list[rt.StepRecord],
+        events: list[rt.Event],
+        batch: list[rt.Transition],
+        now: float,
+    ) -> list[InFlight]:
+        """Steps just taken over (``taken``, of those asked for: ``lost``) into the run:
+        ended at once if they cannot go on, else in flight (their recover hook looks
+        first, unless their action never started); returns those in flight."""
         if len(taken) != len(lost):
             events.append(
-                rt.Event("takeover-incomplete", f"{len(lost) - len(taken)} steps moved on", rec.id)
+                rt.Event("takeover-incomplete", f"{len(lost) - len(taken)} steps moved on", run.id)
             )
             # Moved between the read and the takeover: read back, settled like a refusal.
             got = {s.step_id for s in taken}
@@ -272,7 +316,7 @@ class ClaimsMixin(StoreCalls):
                     )
                     run.group_load[step.group_id] += 1
             run.settle_due = True
-        out = []
+        out: list[InFlight] = []
 
         def end(step: rt.StepRecord, to_state: str, details: str) -> None:
             moved = self._move(
@@ -332,17 +376,11 @@ class ClaimsMixin(StoreCalls):
                 logging.WARNING if recovering else logging.INFO,
                 "strategy %s: took over %s in flight (%d call their recover hook, "
                 "%d start afresh: their action never started)",
-                rec.id,
+                run.id,
                 plural(len(out), "step"),
                 recovering,
                 len(out) - recovering,
             )
-        if rec.id in self.runs:  # (cannot be: claimed only while neither run nor claiming)
-            raise AssertionError(f"strategy {rec.id} adopted twice by conductor {self.id}")
-        self.runs[rec.id] = run
-        self._freeze()
-        if run.stopping is None and rec.state == StrategyState.APPLYING and not lost:
-            log.info("strategy %s: driving its waiting steps", rec.id)
         return out
 
     def _fenced_off_before_adopting(self, rec: rt.StrategyRecord) -> None:

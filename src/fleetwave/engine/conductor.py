@@ -73,22 +73,27 @@ from fleetwave.engine.deadlines import DeadlinesMixin
 from fleetwave.engine.errors import SimulatedCrash, StoreReplaced, StoreUnavailable
 from fleetwave.engine.gates import GatesMixin
 from fleetwave.engine.gc_freeze import GcFreezeMixin
+from fleetwave.engine.loop import wait_set
 from fleetwave.engine.messages import (
     ActionFinished,
     CallbackArrived,
+    FailuresCounted,
     LeaseLost,
     Message,
     PauseChanged,
+    PeersGone,
     RetryAnswer,
     RetryScheduled,
     StopRequested,
     StrategyClaimed,
+    StrategyJoined,
 )
 from fleetwave.engine.meters import Meters
 from fleetwave.engine.outcome_log import OutcomeLogMixin, outcomes
 from fleetwave.engine.periodic import PeriodicMixin
 from fleetwave.engine.run import InFlight, StrategyRun
 from fleetwave.engine.settle import SettleMixin
+from fleetwave.engine.sharing import SharingMixin
 from fleetwave.engine.stopping import commit_stop_rule, count_failure
 from fleetwave.engine.store_calls import StoreCalls, _Fresh
 from fleetwave.engine.worker import WorkerMixin, resolve_future
@@ -120,6 +125,7 @@ class Conductor(
     GcFreezeMixin,
     GatesMixin,
     SettleMixin,
+    SharingMixin,
     ClaimsMixin,
     PeriodicMixin,
     DeadlinesMixin,
@@ -228,6 +234,12 @@ class Conductor(
         self._LEASE: Any = _Fresh(self._lease_until)
         #: the lease clock's reading at each attempt (leases are compared on it)
         self._LEASE_NOW: Any = _Fresh(self.clock.lease_now)
+        self._PEERS: Any = _Fresh(self._peer_view)
+        #: conductors share strategies (see fleetwave.engine.sharing; set in run)
+        self._sharing = False
+        #: strategies others lead that this one does not help (phases, or not drivable)
+        self._not_helping: set[int] = set()
+        self._serving_peers = 0
         #: loop time its leases were last written (a claim or a renewal that went
         #: through): the simulator checks nobody takes them while they last
         self.renewed_at: float | None = None
@@ -322,6 +334,10 @@ class Conductor(
         """
         self._wanted = set(strategy_ids) if strategy_ids is not None else None
         self._stop = stop
+        share = self.config.share
+        if share is None:
+            share = self._wanted is None and bool(self.store.hooks.for_update)
+        self._sharing = share
         try:
             self._db_identity = self.store.file_identity()
         except OSError:
@@ -385,6 +401,8 @@ class Conductor(
                 clean = False
             if clean:
                 held = [i for run in self.runs.values() for i in run.inflight]
+                if self._sharing:  # (and the waiting steps it claimed: nobody's again)
+                    held += [r.step_id for run in self.runs.values() for r in run.drain_pending()]
                 await self._io(rt.release_conductor, self.store, self.id, self._NOW, held)
             self._writer.close()
             if self._closes_drivers:
@@ -466,10 +484,7 @@ class Conductor(
                         if stop is not None and stop.is_set():
                             continue  # a clean stop that woke it is seen before the inbox
                     else:
-                        with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(
-                                self._wake.wait(), max(0.0, drain_until - loop.time())
-                            )
+                        await wait_set(self._wake, max(0.0, drain_until - loop.time()))
                 if self._fatal is not None:
                     raise self._fatal
                 self._wake.clear()
@@ -542,11 +557,23 @@ class Conductor(
                     # calls back off must not claim it again (a second run, a second
                     # worker per step).
                     self._claiming.discard(msg.record.id)
-                for record in await self._io(cbs.open_callbacks, self.store, [msg.record.id], 0):
+                mine = self.id if self._sharing else None
+                opened = await self._io(cbs.open_callbacks, self.store, [msg.record.id], 0, mine)
+                for record in opened:
                     if self._first_sight(record):
                         claimed_callbacks.append(record)
             elif isinstance(msg, StopRequested):
                 self._request_stop(msg.strategy_id, events)
+            elif isinstance(msg, StrategyJoined):
+                self._join(msg.record)
+            elif isinstance(msg, PeersGone):
+                recover += await self._take_over_peers(msg, events, batch, now)
+            elif isinstance(msg, FailuresCounted):
+                run_ = self.runs.get(msg.strategy_id)
+                if run_ is not None and msg.failed > run_.failed:
+                    # (the others' failures: one more booked here decides the stop)
+                    run_.failed = msg.failed - 1
+                    self._count_failure(run_)
             elif isinstance(msg, PauseChanged):
                 self._set_paused(msg.strategy_id, msg.paused, events)
             elif isinstance(msg, LeaseLost):
@@ -677,6 +704,8 @@ class Conductor(
         """abort-requested -> aborting, once the dispatcher has stopped admitting; a
         stop for failures is written in the strategy's details."""
         for run in self.runs.values():
+            if run.shared:
+                continue  # (its leader says so)
             if run.stopping == "abort" and run.db_state == StrategyState.ABORT_REQUESTED:
                 ok = await self._io(
                     rt.set_strategy_state,
@@ -721,8 +750,10 @@ class Conductor(
         between, the callback is still open and the next owner applies it.
         """
         run = self.runs.get(cb.strategy_id)
-        if run is None:
+        if run is None or (self._sharing and cb.step_id not in run.inflight):
             # Not ours (yet): its owner answers it, perhaps us once we claim the strategy.
+            # (Conductors sharing the strategy: the one driving the step, which looks for
+            # its own steps' callbacks; this one may drive it later.)
             seen = self._callbacks_seen.get(cb.strategy_id)
             if seen is not None:
                 seen.discard(cb.id)
@@ -842,6 +873,8 @@ class Conductor(
         log.info("strategy %s: abort requested; in-flight steps finish their current state", sid)
 
     def _page(self, run: StrategyRun) -> int:
+        if self._sharing:  # (claimed: what it can start soon, no more)
+            return self.config.waiting_page or max(2 * run.cap, 32)
         return self.config.waiting_page or max(2 * run.cap, 512)
 
     def _prefetch_page(self) -> int:
@@ -854,8 +887,11 @@ class Conductor(
         dispatch for milliseconds; the dispatcher's idle moments cost nobody.
         """
         for run in self.runs.values():
-            if run.more_waiting and run.stopping is None and run.pending_count() < self._page(run):
-                await self._load_waiting(run, everything=False, page=self._prefetch_page())
+            short = self._page(run) - run.pending_count()
+            if run.more_waiting and run.stopping is None and short > 0:
+                # (sharing: what it claims, others cannot start; no more than its page)
+                page = min(short, self._prefetch_page()) if self._sharing else None
+                await self._load_waiting(run, everything=False, page=page or self._prefetch_page())
                 return True
         return False
 
@@ -865,9 +901,14 @@ class Conductor(
         """Load the next page of waiting steps (or all of them), in admission order."""
         page = page or self._page(run)
         while True:
-            recs = await self._io(
-                rt.load_waiting_steps, self.store, run.id, run.waiting_after, page
-            )
+            if self._sharing:
+                # Others may start this strategy's steps too: the ones loaded here are
+                # claimed (this conductor's to start), so no two start the same step.
+                recs = await self._io(rt.claim_waiting_steps, self.store, run.id, self.id, page)
+            else:
+                recs = await self._io(
+                    rt.load_waiting_steps, self.store, run.id, run.waiting_after, page
+                )
             for rec in recs:
                 run.add_pending(rec)
             if recs:
@@ -1101,7 +1142,7 @@ class Conductor(
                 continue
             run = self.runs.get(t.strategy_id)
             fl = run.inflight.get(t.step_id) if run is not None else None
-            if run is None or fl is None or not run.limits_failures:
+            if run is None or fl is None or not run.limits_failures or run.shared:
                 continue
             # (the steps a batch starts are of one phase: the stage that runs)
             rule = commit_stop_rule(run, fl.rec.stage)
@@ -1338,6 +1379,15 @@ class Conductor(
         for run in list(self.runs.values()):
             if not run.is_done():
                 continue
+            if run.shared:
+                # (helping: nothing more of it to drive here; its leader ends it)
+                del self.runs[run.id]
+                self._callbacks_seen.pop(run.id, None)
+                self._forget_failures(run.id)
+                log.info("strategy %s: none of its steps left to drive here", run.id)
+                continue
+            if self._sharing and await self._open_elsewhere(run):
+                continue  # others still drive some of its steps
             if run.stopping == "abort":
                 final, details = StrategyState.ABORTED, run.stop_details
             elif run.failed or run.stopping is not None:  # (a deadline: none failed)

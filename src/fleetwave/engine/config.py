@@ -63,6 +63,10 @@ class EngineConfig:
     #: seconds to wait between a claim's commit and adopting the strategy (a slow adopt:
     #: a page load behind a busy disk, a pause of the process). For fault injection.
     adopt_stall_s: float = 0.0
+    #: conductors share strategies: this one drives steps of strategies others lead,
+    #: beside them, and claims the waiting steps it starts (None: when it serves every
+    #: strategy on PostgreSQL, where conductors on several hosts are expected)
+    share: bool | None = None
 
 
 @dataclass

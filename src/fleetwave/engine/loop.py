@@ -113,3 +113,17 @@ def _end_leftovers(loop: asyncio.AbstractEventLoop) -> bool:
         LEFTOVER_GRACE_S,
     )
     return True
+
+
+async def wait_set(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait until ``event`` is set, for ``timeout_s`` at most; whether it is set.
+
+    Not ``asyncio.wait_for``: on Python 3.11 it loses a cancel that comes as the event is
+    set (it returns instead of raising), so a task cancelled in a loop of such waits
+    (a conductor's periodic pass, woken by every NOTIFY) never ends, and whoever awaits
+    it hangs. ``asyncio.timeout`` keeps the cancel.
+    """
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+    return event.is_set()

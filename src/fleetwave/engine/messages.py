@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from fleetwave.domain.rules import Decision
 from fleetwave.store.callbacks import CallbackRecord
-from fleetwave.store.runtime import StrategyRecord
+from fleetwave.store.runtime import StepRecord, StrategyRecord
 
 
 @dataclass(slots=True)
@@ -112,10 +112,39 @@ class CallbackArrived:
     record: CallbackRecord
 
 
+@dataclass(slots=True)
+class StrategyJoined:
+    """A strategy another conductor leads, whose waiting steps this one may help drive
+    (conductors sharing a strategy)."""
+
+    record: StrategyRecord
+
+
+@dataclass(slots=True)
+class PeersGone:
+    """Steps of a strategy this conductor leads, held by conductors whose lease ran out:
+    to take over (their recover hook looks first)."""
+
+    strategy_id: int
+    steps: list[StepRecord]
+
+
+@dataclass(slots=True)
+class FailuresCounted:
+    """The failed steps of a strategy as every conductor sharing it counted them (in its
+    slots): more than this conductor has seen."""
+
+    strategy_id: int
+    failed: int
+
+
 Message = (
     ActionFinished
     | RetryScheduled
     | StrategyClaimed
+    | StrategyJoined
+    | PeersGone
+    | FailuresCounted
     | StopRequested
     | PauseChanged
     | LeaseLost

@@ -10,12 +10,12 @@ acting on a strategy whose lease renewals have failed for most of its length.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
 from fleetwave.domain.models import StrategyState
 from fleetwave.engine.errors import StoreReplaced, StoreUnavailable
+from fleetwave.engine.loop import wait_set
 from fleetwave.engine.messages import (
     CallbackArrived,
     LeaseLost,
@@ -32,6 +32,10 @@ log = logging.getLogger("fleetwave.engine")
 
 #: a conductor renews its leases at least this often, however long they last
 RENEW_MAX_S = 10.0
+#: conductors sharing strategies look this often (seconds) for strategies to help, the
+#: steps of peers gone and the failures all of them counted: a peer's steps are taken
+#: over within this of its lease running out, a new conductor joins within it
+SHARE_EVERY_S = 0.5
 #: a periodic pass this late means the loop was blocked: said in a warning
 STALL_WARN_S = 2.0
 
@@ -58,6 +62,8 @@ class PeriodicMixin(StoreCalls):
     _refreeze_if_collected: Callable[[], None]
     _claim: Callable[[], Awaitable[None]]
     _sync_lease_clock: Callable[[], Awaitable[None]]
+    _sharing: bool
+    _share_pass: Callable[[], Awaitable[None]]
 
     async def _periodic(self) -> None:
         # A third of the lease, and at least every RENEW_MAX_S: "serving" is read as
@@ -65,14 +71,14 @@ class PeriodicMixin(StoreCalls):
         renew_every = min(self.config.lease_ttl_s / 3, RENEW_MAX_S)
         loop = asyncio.get_running_loop()
         last_renew = loop.time()
+        last_share = -SHARE_EVERY_S
         while True:
             slept_at = loop.time()
             # A tick, or sooner: another process's commit gave this one something to do
             # (a strategy applied or handed back, a callback stored: LISTEN/NOTIFY)
             if self._listening:
                 nudge = self._nudge
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(nudge.wait(), self.config.tick_s)
+                await wait_set(nudge, self.config.tick_s)
                 nudge.clear()
             else:
                 await asyncio.sleep(self.config.tick_s)  # (SQLite: nothing wakes it)
@@ -123,6 +129,20 @@ class PeriodicMixin(StoreCalls):
                 held = self.runs.get(sid)  # dropped while this read was retried: skip it
                 if held is None:
                     continue
+                if held.shared:
+                    # (a strategy another leads, this one helps drive: it follows its row)
+                    if owner == self.id:
+                        continue  # claimed by this one meanwhile: it leads it now
+                    if state in (StrategyState.ABORT_REQUESTED, StrategyState.ABORTING):
+                        if held.stopping != "abort":
+                            self.post(StopRequested(sid))
+                    elif state == StrategyState.PAUSED and not held.paused:
+                        self.post(PauseChanged(sid, True))
+                    elif state == StrategyState.APPLYING and held.paused:
+                        self.post(PauseChanged(sid, False))
+                    elif state not in rt.SHARED_STATES:
+                        self.post(LeaseLost(sid))  # ended or deleted
+                    continue
                 if owner != self.id:
                     self.post(LeaseLost(sid))
                 elif state == StrategyState.ABORT_REQUESTED:
@@ -134,6 +154,11 @@ class PeriodicMixin(StoreCalls):
             waiting = [sid for sid, run in self.runs.items() if run.waits_for_callbacks]
             if waiting:
                 await self._poll_callbacks(waiting)
+            if self._sharing and now_loop - last_share >= SHARE_EVERY_S:
+                # (its reads and the takeover's write, at most this often: a pass runs
+                # on every wake-up, and conductors sharing a strategy wake each other)
+                last_share = now_loop
+                await self._share_pass()
             if self._draining:
                 continue  # stopping: take on nothing new
             if self._wanted is None or self._wanted - set(self.runs) - set(self.finished):
@@ -141,7 +166,8 @@ class PeriodicMixin(StoreCalls):
 
     async def _poll_callbacks(self, strategy_ids: list[int]) -> None:
         """Pick up callbacks stored by other processes (an API server, an agent endpoint)."""
-        for record in await self._io(cbs.open_callbacks, self.store, strategy_ids, 0):
+        owner = self.id if self._sharing else None  # (sharing: its own steps' only)
+        for record in await self._io(cbs.open_callbacks, self.store, strategy_ids, 0, owner):
             if self._first_sight(record):
                 self.post(CallbackArrived(record))
 

@@ -143,6 +143,16 @@ class StrategyRun:
     #: conductor's steps hold them, or the counts drifted): nothing is admitted until one
     #: of its steps ends or a tick has passed
     no_room: bool = False
+    #: another conductor leads it: this one drives the steps it claimed, beside it, and
+    #: decides nothing of the strategy's (its end, stop, gates are the leader's)
+    shared: bool = False
+    #: (led, shared with others) steps still open elsewhere when it was last looked at
+    peers_open: bool = False
+    #: loop time that was last looked at
+    peers_looked_at: float = 0.0
+    #: (shared) the part of its max parallel this conductor takes: the cap over the
+    #: conductors sharing it, so each gets a part of the free slots
+    share_cap: int = 1 << 30
 
     #: the strategy's id (asked for on every transition: a plain attribute)
     id: int = field(init=False)
@@ -189,7 +199,9 @@ class StrategyRun:
 
     @property
     def cap(self) -> int:
-        return self.options.effective_parallel
+        """Its max parallel; when conductors share it, this one's part of it (the
+        database holds the whole cap across all of them: G7)."""
+        return min(self.options.effective_parallel, self.share_cap)
 
     def group_cap(self, group_id: int | None) -> int:
         if group_id is None:

@@ -40,6 +40,7 @@ class SettleMixin(StoreCalls):
     _release: Callable[[InFlight], None]
     _drop_run: Callable[[int], None]
     _deadline_of: Callable[[StrategyRun, str, float], float | None]
+    _sharing: bool
     if TYPE_CHECKING:  # (called with keywords, or without an argument that has a default)
 
         def _count_failure(
@@ -180,6 +181,13 @@ class SettleMixin(StoreCalls):
             seen = entered.get(step_id, set())
             if row is None or step_id in run.inflight:
                 done(step_id)  # deleted, or already back in flight
+                continue
+            if self._sharing and row.owner is not None and row.owner != self.id:
+                # Conductors share the strategy: another took this step over (this one's
+                # lease ran out) or claimed it. It is that one's now: let go of it.
+                if counted and row.state != STEP_FAILED:
+                    run.failed -= 1
+                settled(step_id, f"held by conductor {row.owner} now: left to it")
                 continue
             if (
                 refused is not None

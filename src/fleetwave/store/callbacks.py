@@ -280,8 +280,12 @@ def _keyed(store: Store, step_id: int, key: str | None) -> CallbackRecord | None
     )
 
 
-def open_callbacks(store: Store, strategy_ids: list[int], after_id: int) -> list[CallbackRecord]:
-    """Unprocessed callbacks of these strategies, oldest first."""
+def open_callbacks(
+    store: Store, strategy_ids: list[int], after_id: int, owner: str | None = None
+) -> list[CallbackRecord]:
+    """Unprocessed callbacks of these strategies, oldest first; with ``owner`` (conductors
+    share the strategies), only those for steps that conductor holds (another's are
+    that one's to answer; a waiting step's, its next holder's)."""
     if not strategy_ids:
         return []
     p = store.hooks.placeholder
@@ -290,10 +294,18 @@ def open_callbacks(store: Store, strategy_ids: list[int], after_id: int) -> list
         "FROM callbacks "
         f"WHERE strategy_id IN ({store.hooks.placeholders(len(strategy_ids))}) "
         "AND outcome IS NULL "
-        f"AND id > {p} ORDER BY id"
+        f"AND id > {p}"
     )
+    params: tuple[object, ...] = (*strategy_ids, after_id)
+    if owner is not None:
+        sql += (
+            " AND EXISTS (SELECT 1 FROM steps st WHERE st.id = callbacks.step_id "
+            f"AND st.owner = {p})"
+        )
+        params += (owner,)
+    sql += " ORDER BY id"
     with store.read() as conn:
-        rows = conn.exec_driver_sql(sql, (*strategy_ids, after_id)).all()
+        rows = conn.exec_driver_sql(sql, params).all()
     return [CallbackRecord(*r) for r in rows]
 
 

@@ -34,6 +34,8 @@ from fleetwave.store.schema import (
     strategies,
 )
 from fleetwave.store.writer import HOLD_ENTRIES as HOLD_ENTRIES
+from fleetwave.store.writer import SHARED as SHARED
+from fleetwave.store.writer import SHARED_STATES as SHARED_STATES
 from fleetwave.store.writer import AttemptDeadline as AttemptDeadline
 from fleetwave.store.writer import CallbackMark as CallbackMark
 from fleetwave.store.writer import CommitResult as CommitResult
@@ -126,10 +128,16 @@ def server_time(store: Store) -> float:
 
 
 def register_conductor(
-    store: Store, cid: str, now: float, *, serves_all: bool, lease_clock: str | None = None
+    store: Store,
+    cid: str,
+    now: float,
+    lease_until: float | None,
+    *,
+    serves_all: bool,
+    lease_clock: str | None = None,
 ) -> None:
     with store.write() as conn:
-        _register(conn, store, cid, now, serves_all, lease_clock)
+        _register(conn, store, cid, now, serves_all, lease_clock, lease_until)
 
 
 def _register(
@@ -139,12 +147,22 @@ def _register(
     now: float,
     serves_all: bool,
     lease_clock: str | None,
+    lease_until: float | None = None,
 ) -> None:
     p = store.hooks.placeholder
     conn.exec_driver_sql(
         "INSERT INTO conductors (id, hostname, pid, started_at, heartbeat_at, serves_all, "
-        f"lease_clock) VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p})",
-        (cid, HOSTNAME, os.getpid(), now, now, store.hooks.flag(serves_all), lease_clock),
+        f"lease_clock, lease_until) VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p}, {p})",
+        (
+            cid,
+            HOSTNAME,
+            os.getpid(),
+            now,
+            now,
+            store.hooks.flag(serves_all),
+            lease_clock,
+            lease_until,
+        ),
     )
 
 
@@ -190,6 +208,25 @@ def dead_conductors(conn: Connection, self_id: str, lease_clock: str | None = No
     }
 
 
+def live_peers(
+    conn: Connection, self_id: str, lease_clock: str | None, lease_now: float
+) -> set[str]:
+    """Other conductors whose own lease still runs (on this conductor's lease clock):
+    the steps they hold are theirs, whatever strategy they are of."""
+    rows = conn.exec_driver_sql(
+        "SELECT id, hostname, pid, stopped_at, lease_clock, lease_until FROM conductors "
+        "WHERE stopped_at IS NULL AND lease_until IS NOT NULL"
+    )
+    return {
+        r.id
+        for r in rows
+        if r.id != self_id
+        and r.lease_clock == lease_clock
+        and r.lease_until >= lease_now
+        and not conductor_gone(r.hostname, r.pid, None)
+    }
+
+
 def _update_steps_by_id(
     conn: Connection, store: Store, sql: str, params: tuple[Any, ...], step_ids: list[int]
 ) -> None:
@@ -211,7 +248,9 @@ def heartbeat(store: Store, cid: str, now: float, lease_until: float) -> int:
     under its strategy's lease); returns how many strategies it still owns."""
     with store.write() as conn:
         known = conn.execute(
-            update(conductors).where(conductors.c.id == cid).values(heartbeat_at=now)
+            update(conductors)
+            .where(conductors.c.id == cid)
+            .values(heartbeat_at=now, lease_until=lease_until)
         )
         if known.rowcount == 0:
             # Nothing deletes a conductor's row: the database's content was replaced
@@ -371,7 +410,7 @@ def claim_strategies(
         params += sorted(only)
     with store.write() as conn:
         if register:
-            _register(conn, store, cid, now, serves_all, lease_clock)
+            _register(conn, store, cid, now, serves_all, lease_clock, lease_until)
         elif conn.execute(select(conductors.c.id).where(conductors.c.id == cid)).first() is None:
             raise ConductorUnknown(cid)  # see heartbeat: nothing is claimed
         dead = dead_conductors(conn, cid, lease_clock)
@@ -686,9 +725,17 @@ def load_open_steps(store: Store, sid: int) -> tuple[list[StepRecord], int]:
         return _steps_and_failed(conn, store, sid, f"s.state NOT IN ({_DONE})")
 
 
-def load_started_steps(store: Store, sid: int) -> tuple[list[StepRecord], int]:
+def load_started_steps(
+    store: Store, sid: int, peers: PeerView | None = None
+) -> tuple[list[StepRecord], int]:
     """The steps in one of the workflow's states (neither waiting nor ended), and the
-    failed count."""
+    failed count. With ``peers`` (conductors share the strategy), not those another
+    live conductor holds: they are that conductor's to drive."""
+    if peers is not None:
+        found, failed = load_started_steps(store, sid)
+        with store.read() as conn:
+            live = live_peers(conn, peers.me, peers.lease_clock, peers.lease_now)
+        return [s for s in found if s.owner not in live], failed
     with store.read() as conn:  # one snapshot for all three
         # No transition journalled yet (a strategy driven for the first time): no step
         # has left ``initial``, none failed, since every move is journalled in its own
@@ -709,6 +756,150 @@ def load_waiting_steps(store: Store, sid: int, after_ordinal: int, limit: int) -
     where = f"s.state = '{STEP_INITIAL}' AND s.ordinal > {p}"
     with store.read() as conn:
         return _step_records(conn, store, sid, where, (after_ordinal,), limit)
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """Who is asking, and the lease clock's reading to judge the others' leases by."""
+
+    me: str
+    lease_clock: str | None
+    lease_now: float
+
+
+def serving_peers(store: Store, peers: PeerView) -> int:
+    """How many other live conductors serve every strategy (they share them)."""
+    with store.read() as conn:
+        live = live_peers(conn, peers.me, peers.lease_clock, peers.lease_now)
+        if not live:
+            return 0
+        marks = store.hooks.placeholders(len(live))
+        return int(
+            conn.exec_driver_sql(
+                f"SELECT count(*) FROM conductors WHERE id IN ({marks}) AND serves_all "
+                "AND draining_at IS NULL",
+                tuple(sorted(live)),
+            ).scalar_one()
+        )
+
+
+def strategies_to_help(store: Store, peers: PeerView, skip: set[int]) -> list[StrategyRecord]:
+    """Applying strategies another live conductor leads that have waiting steps nobody
+    has claimed and a free slot: this conductor may claim and drive some of their
+    steps beside their leader (conductors sharing a strategy)."""
+    p = store.hooks.placeholder
+    sql = (
+        "SELECT s.id, s.workflow, s.state, s.options, s.group_caps, s.owner, s.fence, "
+        "s.lease_expires_at, s.details, s.states, s.workflow_yaml FROM strategies s "
+        "JOIN strategy_slots sl ON sl.strategy_id = s.id AND sl.group_id = 0 "
+        f"WHERE s.state = '{StrategyState.APPLYING.value}' AND s.owner IS NOT NULL "
+        f"AND s.owner <> {p} AND s.lease_expires_at >= {p} AND sl.in_flight < sl.cap "
+        "AND EXISTS (SELECT 1 FROM steps w WHERE w.strategy_id = s.id "
+        f"AND w.state = '{STEP_INITIAL}' AND w.owner IS NULL) ORDER BY s.id"
+    )
+    with store.read() as conn:
+        rows = conn.exec_driver_sql(sql, (peers.me, peers.lease_now)).all()
+    return [_strategy_record(r) for r in rows if r.id not in skip]
+
+
+def take_from_gone_peers(store: Store, sid: int, peers: PeerView) -> list[StepRecord]:
+    """The strategy's steps held by conductors whose own lease ran out (or that stopped):
+    those never started are handed back (nobody's: claimed again), the started ones
+    are returned, to be taken over (their recover hook looks first)."""
+    p = store.hooks.placeholder
+    with store.write() as conn:
+        live = live_peers(conn, peers.me, peers.lease_clock, peers.lease_now)
+        held = [
+            str(r[0])
+            for r in conn.exec_driver_sql(
+                "SELECT DISTINCT owner FROM steps WHERE strategy_id = "
+                f"{p} AND owner IS NOT NULL AND owner <> {p} AND state NOT IN ({_DONE})",
+                (sid, peers.me),
+            )
+        ]
+        gone = [c for c in held if c not in live]
+        if not gone:
+            unheld = conn.exec_driver_sql(
+                f"SELECT 1 FROM steps WHERE strategy_id = {p} AND owner IS NULL "
+                f"AND state NOT IN ('{STEP_INITIAL}', {_DONE}) LIMIT 1",
+                (sid,),
+            ).first()
+            if unheld is None:
+                return []
+            gone = [""]  # (no conductor's id: only the steps nobody holds)
+        marks = store.hooks.placeholders(len(gone))
+        res = conn.exec_driver_sql(
+            f"UPDATE steps SET owner = NULL WHERE strategy_id = {p} "
+            f"AND state = '{STEP_INITIAL}' AND owner IN ({marks})",
+            (sid, *gone),
+        )
+        if res.rowcount:
+            notify(conn, "released", sid)
+        # (and started steps nobody holds: handed back by a conductor that stopped, or
+        # let go of by one that stopped driving the strategy)
+        return _step_records(
+            conn,
+            store,
+            sid,
+            f"s.state NOT IN ('{STEP_INITIAL}', {_DONE}) "
+            f"AND (s.owner IN ({marks}) OR s.owner IS NULL)",
+            tuple(gone),
+        )
+
+
+def let_go_of_undriven(store: Store, me: str, driving: set[int]) -> int:
+    """Steps this conductor holds of strategies it does not drive (any more: it lost the
+    strategy it led, or stopped helping one): nobody's again, so that the strategy's
+    leader claims the waiting ones again and takes the started ones over (their recover
+    hook looks first). How many."""
+    p = store.hooks.placeholder
+    with store.read() as conn:
+        sids = {
+            int(r[0])
+            for r in conn.exec_driver_sql(
+                f"SELECT DISTINCT strategy_id FROM steps WHERE owner = {p} "
+                f"AND state NOT IN ({_DONE})",
+                (me,),
+            )
+        } - driving
+    if not sids:
+        return 0
+    with store.write() as conn:
+        res = conn.exec_driver_sql(
+            f"UPDATE steps SET owner = NULL WHERE owner = {p} AND state NOT IN ({_DONE}) "
+            f"AND strategy_id IN ({store.hooks.placeholders(len(sids))})",
+            (me, *sorted(sids)),
+        )
+        if res.rowcount:
+            notify(conn, "released")
+        return int(res.rowcount)
+
+
+def open_elsewhere(store: Store, sid: int, me: str) -> tuple[int, int]:
+    """Of the strategy's steps not ended: how many another conductor holds, and how many
+    wait unclaimed (the strategy ends only once both are 0)."""
+    p = store.hooks.placeholder
+    with store.read() as conn:
+        row = conn.exec_driver_sql(
+            "SELECT count(*) FILTER (WHERE owner IS NOT NULL), "
+            "count(*) FILTER (WHERE owner IS NULL) FROM steps "
+            f"WHERE strategy_id = {p} AND state NOT IN ({_DONE}) "
+            f"AND (owner IS NULL OR owner <> {p})",
+            (sid, me),
+        ).one()
+    return int(row[0]), int(row[1])
+
+
+def failed_counts(store: Store, sids: list[int]) -> dict[int, int]:
+    """The failed steps of each strategy, as counted in its slots (by every conductor)."""
+    if not sids:
+        return {}
+    sql = (
+        "SELECT strategy_id, failed FROM strategy_slots WHERE group_id = 0 "
+        f"AND strategy_id IN ({store.hooks.placeholders(len(sids))})"
+    )
+    with store.read() as conn:
+        return {int(r[0]): int(r[1]) for r in conn.exec_driver_sql(sql, tuple(sids))}
 
 
 def claim_waiting_steps(
@@ -816,9 +1007,13 @@ def take_over_steps(
         if held is not None:
             p = store.hooks.placeholder
             row = conn.exec_driver_sql(
-                f"SELECT owner, fence FROM strategies WHERE id = {p}", (held[0],)
+                f"SELECT owner, fence, state FROM strategies WHERE id = {p}", (held[0],)
             ).first()
-            if row is None or (row[0], row[1]) != (cid, held[1]):
+            if held[1] == SHARED:
+                # (its own steps of a strategy another leads: while that is driven)
+                if row is None or row[2] not in SHARED_STATES:
+                    return None
+            elif row is None or (row[0], row[1]) != (cid, held[1]):
                 return None
         for rec in recs:
             res = conn.execute(

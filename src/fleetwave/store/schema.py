@@ -40,6 +40,9 @@ conductors = Table(
     Column("lease_clock", String(80)),
     #: when it began a clean stop (it starts nothing new, then hands its leases back)
     Column("draining_at", Float),
+    #: its own lease, on its lease clock: the steps it drives of strategies another
+    #: conductor leads are held under it (renewed with its strategies' leases)
+    Column("lease_until", Float),
 )
 
 groups = Table(

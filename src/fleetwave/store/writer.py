@@ -37,6 +37,19 @@ from fleetwave.store.schema import (
 #: one reads the strategy's state, so once an operator's pause or abort is committed,
 #: nothing new starts (steps started before go on).
 HOLD_ENTRIES = frozenset({StrategyState.PAUSED.value, StrategyState.ABORT_REQUESTED.value})
+#: the fence a conductor passes for a strategy another leads, which it drives some steps
+#: of (conductors sharing a strategy): no strategy fence of its own to check
+SHARED = -1
+#: the states of a strategy whose steps a conductor that does not lead it may still
+#: write (not an ended or deleted one)
+SHARED_STATES = frozenset(
+    {
+        StrategyState.APPLYING.value,
+        StrategyState.PAUSED.value,
+        StrategyState.ABORT_REQUESTED.value,
+        StrategyState.ABORTING.value,
+    }
+)
 
 
 @dataclass(slots=True)
@@ -505,7 +518,11 @@ class TransitionWriter:
         held: set[int] = set()
         hold: dict[int, str] = {}
         for sid, owner, fence, state in cur.fetchall():
-            if owner == self.cid and fence == fences[sid]:
+            if (owner == self.cid and fence == fences[sid]) or (
+                # a strategy another conductor leads, this one drives some steps of: its
+                # steps' own fences and owner decide (checked row by row)
+                fences[sid] == SHARED and state in SHARED_STATES
+            ):
                 held.add(int(sid))
                 if state in HOLD_ENTRIES:
                     hold[int(sid)] = str(state)
@@ -674,10 +691,10 @@ class TransitionWriter:
                 if cur.rowcount != len(dl):
                     raw.rollback()  # a retry's row changed: the slower path says which
                     return False
-            if changes:
+            rows_s = [(f, x, sid, gid, f, f) for f, x, sid, gid in _slot_rows(changes)]
+            if rows_s:
                 # Counted, each row only if it stays within its cap (G7): one that would
                 # not is not written, and the row-by-row path writes the entries that fit.
-                rows_s = [(f, x, sid, gid, f, f) for f, x, sid, gid in _slot_rows(changes)]
                 cur.executemany(self._slot_fit_sql, rows_s)
                 if cur.rowcount != len(rows_s):
                     raw.rollback()
@@ -854,9 +871,11 @@ class TransitionWriter:
                     no_slot[t.strategy_id] += 1
                 else:
                     write(t, sql, u, j)
-            changes = _slot_changes(done)
-            if changes:
-                conn.exec_driver_sql(self._slot_sql, _slot_rows(changes))
+            # (an entry and an end of one strategy in a batch cancel out: no row at all,
+            # and no statement, which with no rows would run once without parameters)
+            counts = _slot_rows(_slot_changes(done))
+            if counts:
+                conn.exec_driver_sql(self._slot_sql, counts)
             for t in rejected:
                 why = (
                     "strategy claimed by another conductor (fenced off)"
