@@ -342,13 +342,29 @@ const ACTIONS = [
   { verb: "abort", when: ["initial", "applying", "paused", "waiting-approval"], ask: "Abort strategy {id}? Nothing new starts, and it cannot be resumed.", danger: true },
 ];
 
+// The question being asked: its answer, to give "no" when another question replaces it.
+let asking = null;
+
 function confirmThen(text) {
   const dlg = $("#confirm");
+  // Asked again before the last answer's close event came (Chrome drops that event when
+  // the dialog opens again, as a quick Cancel then click does): the last one was "no",
+  // or both questions would hear this one's "yes" and act twice.
+  if (asking) asking(false);
   $("#confirm-text").textContent = text;
   dlg.returnValue = "";
   dlg.showModal();
   $("#confirm-no").focus();
-  return new Promise((resolve) => dlg.addEventListener("close", () => resolve(dlg.returnValue === "yes"), { once: true }));
+  return new Promise((resolve) => {
+    const answer = (yes) => {
+      dlg.removeEventListener("close", closed);
+      if (asking === answer) asking = null;
+      resolve(yes);
+    };
+    const closed = () => { if (!dlg.open) answer(dlg.returnValue === "yes"); }; // (not a stale one)
+    asking = answer;
+    dlg.addEventListener("close", closed);
+  });
 }
 
 function strategyPage(page, sid) {
@@ -377,12 +393,15 @@ function strategyPage(page, sid) {
     const b = el("button", { type: "button", id: `act-${a.verb}`, class: a.danger ? "danger" : null, hidden: true, text: a.verb[0].toUpperCase() + a.verb.slice(1) });
     b.addEventListener("click", async () => {
       if (!(await confirmThen(a.ask.replace("{id}", sid)))) return;
+      b.disabled = true; // one request at a time from one button
       try {
         const res = await api(`/v1/strategies/${sid}/${a.verb}`, { method: "POST" });
         note.textContent = `${a.verb}: ${res.details || res.state || "done"}`;
         note.className = "";
       } catch (e) {
         if (!(e instanceof Unauthorized)) { note.textContent = `${a.verb}: ${e.message}`; note.className = "error"; }
+      } finally {
+        b.disabled = false;
       }
     });
     actions.append(b);
@@ -404,6 +423,9 @@ function strategyPage(page, sid) {
       ["details", s.details || ""],
     ];
     if (s.stage_now != null) facts.splice(4, 0, ["stage", String(s.stage_now)]);
+    if (Array.isArray(s.approvals) && s.approvals.length) {
+      facts.push(["approved", s.approvals.map((a) => `${a.details} (${when(a.at)})`).join("; ")]);
+    }
     summary.replaceChildren(...facts.map(([k, v]) => el("div", {}, el("dt", { text: k }), el("dd", { text: v === "" ? "-" : v }))));
     for (const a of ACTIONS) {
       const b = $(`#act-${a.verb}`);
