@@ -707,6 +707,11 @@ function stepPage(page, id) {
   });
 }
 
+// " (visit N)" after a state entered more than once (a bounded cycle's), else nothing
+function visitOf(v) {
+  return v > 1 ? ` (visit ${v})` : "";
+}
+
 function stepBody(s) {
   const facts = [
     ["strategy", el("a", { href: `#/strategy/${s.strategy}`, text: `#${s.strategy}` })],
@@ -717,11 +722,11 @@ function stepBody(s) {
   ];
   const out = [el("dl", { class: "summary", id: "step-summary" }, facts.map(([k, v]) => el("div", {}, el("dt", { text: k }), el("dd", {}, v === "" ? "-" : v))))];
   out.push(el("h2", { text: "Journal" }), table(["at", "from", "to", "conductor", { text: "fence", cls: "num" }, "details"], (s.history || []).map((h) => el("tr", {},
-    el("td", { text: when(h.at) }), el("td", { text: h.from }), el("td", {}, badge(h.to)), el("td", { text: h.conductor }),
+    el("td", { text: when(h.at) }), el("td", { text: h.from }), el("td", {}, badge(h.to), visitOf(h.visit)), el("td", { text: h.conductor }),
     el("td", { class: "num", text: h.fence ?? "" }), el("td", { class: "details", text: h.details }))), "Journal"));
   if ((s.attempts || []).length) {
     out.push(el("h2", { text: "Attempts sent" }), table(["at", "state", "attempt", "conductor", "how"], s.attempts.map((a) => el("tr", {},
-      el("td", { text: when(a.at) }), el("td", { text: a.state }), el("td", { class: "num", text: a.attempt }), el("td", { text: a.conductor }), el("td", { text: a.how }))), "Attempts"));
+      el("td", { text: when(a.at) }), el("td", { text: a.state + visitOf(a.visit) }), el("td", { class: "num", text: a.attempt }), el("td", { text: a.conductor }), el("td", { text: a.how }))), "Attempts"));
   }
   out.push(el("h2", { text: "Events" }), (s.events || []).length
     ? table(["at", "kind", "conductor", "details"], s.events.map((e) => el("tr", {},
@@ -729,7 +734,7 @@ function stepBody(s) {
     : el("p", { class: "muted", text: "None." }));
   out.push(el("h2", { text: "Callbacks" }), (s.callbacks || []).length
     ? table(["received", "state", "kind", "outcome", "reason", "details"], s.callbacks.map((c) => el("tr", {},
-      el("td", { text: when(c.received_at) }), el("td", { text: c.state }), el("td", { text: c.kind }), el("td", { text: c.outcome || "open" }),
+      el("td", { text: when(c.received_at) }), el("td", { text: c.state + visitOf(c.visit) }), el("td", { text: c.kind }), el("td", { text: c.outcome || "open" }),
       el("td", { text: c.reason || "" }), el("td", { class: "details", text: c.details || "" }))), "Callbacks")
     : el("p", { class: "muted", text: "None." }));
   return out;
