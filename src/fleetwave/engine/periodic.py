@@ -71,8 +71,13 @@ class PeriodicMixin(StoreCalls):
             # (a strategy applied or handed back, a callback stored: LISTEN/NOTIFY)
             if self._listening:
                 nudge = self._nudge
+                # (asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the
+                # nudge's result when a cancel and a nudge come together, and swallows
+                # the cancel: the conductor's run then never ended, waiting for this
+                # task, as a strategy ended on PostgreSQL amid callbacks)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(nudge.wait(), self.config.tick_s)
+                    async with asyncio.timeout(self.config.tick_s):
+                        await nudge.wait()
                 nudge.clear()
             else:
                 await asyncio.sleep(self.config.tick_s)  # (SQLite: nothing wakes it)
