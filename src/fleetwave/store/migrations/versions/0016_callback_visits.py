@@ -4,15 +4,15 @@ instead of answering the next visit. An agent token is unique per step, state an
 visit (a visit's token stays valid for that visit's late reports). Rows written before
 are visit 1.
 
-Revision ID: 0015
-Revises: 0014
+Revision ID: 0016
+Revises: 0015
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0015"
-down_revision = "0014"
+revision = "0016"
+down_revision = "0015"
 branch_labels = None
 depends_on = None
 
