@@ -149,10 +149,6 @@ def test_a_step_past_max_visits_fails_naming_the_state_and_its_limit(
         ("  - name: a\n    max_visits: 101\n", "states[0] (a): max_visits: must be at most 100"),
         ("  - name: a\n    max_visits: 2.5\n", "states[0] (a): max_visits: expected a whole"),
         ("  - name: a\n    max_visits: true\n", "states[0] (a): max_visits: expected a number"),
-        (
-            "  - name: a\n    max_visits: 2\n    mode: wait-for-callback\n    on: {failed: a}\n",
-            "a state on a cycle cannot wait for a callback",
-        ),
     ],
 )
 def test_bad_cycles_are_one_error_line_and_nothing_is_stored(

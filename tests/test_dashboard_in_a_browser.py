@@ -3,7 +3,10 @@
 operator (who applies, pauses and resumes it with the page's buttons) and a reader
 (who sees no button), until it ends with the page's counts equal to ``strategy
 show``'s; a failed target followed to its step page; the stream's loss said when the
-server stops. A screenshot of the strategy page is written to the test's directory."""
+server stops. A screenshot of the strategy page is written to the test's directory.
+And the approve button: a strategy of two stages with ``--stage-approval`` waiting
+``waiting-approval``, approved by an operator on a phone-sized screen by keyboard alone
+(confirming), recorded as ``api:NAME``; the reader sees no button."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import pytest
 from api_harness import run_fleetwave, serving
 from fleetwave.domain.models import Group, StrategyOptions, Target
 from fleetwave.domain.registry import get_workflow
+from fleetwave.domain.rollout import RolloutSpec, parse_stages
 from fleetwave.store import admin
 from fleetwave.store.db import open_store
 from fleetwave.store.tokens import Role, create_token
@@ -114,11 +118,11 @@ def _counts(page: Any) -> dict[str, int]:
     }
 
 
-def _shown(db: Path) -> dict[str, Any]:
-    done = run_fleetwave(db, "strategy", "show", "1", "--format", "json")
+def _shown(db: Path, *what: str) -> Any:
+    """``strategy show 1`` as JSON, or another command's (``events --strategy 1``)."""
+    done = run_fleetwave(db, *(what or ("strategy", "show", "1")), "--format", "json")
     assert done.returncode == 0, done.stderr
-    shown: dict[str, Any] = json.loads(done.stdout)
-    return shown
+    return json.loads(done.stdout)
 
 
 def _act(page: Any, verb: str) -> None:
@@ -220,4 +224,126 @@ def test_a_rollout_watched_paused_resumed_and_followed_to_a_failed_step(
         ops.wait_for_function(
             "() => document.querySelector('#live').textContent.includes('lost')", timeout=10_000
         )
+    assert errors == []
+
+
+#: the approval's fleet: two stages (groups a, then b), a few hundred quick targets
+APPROVAL_FLEET = {"a": 100, "b": 200}
+
+
+def _approval_fleet(tmp_path: Path) -> tuple[Path, str, str]:
+    """Strategy 1 over :data:`APPROVAL_FLEET`, staged a then b with ``--stage-approval``,
+    applied (``serve`` drives it); a reader's and an operator's tokens."""
+    db = tmp_path / "fleet.db"
+    store = open_store(str(db))
+    try:
+        for group, n in APPROVAL_FLEET.items():
+            admin.add_group(store, Group(group, 100))
+            admin.add_targets(
+                store,
+                [
+                    Target(f"{group}-{i:03d}", group=group, settings={"latency_ms": 20})
+                    for i in range(n)
+                ],
+            )
+        patch = get_workflow("patch")
+        assert patch is not None
+        opts = StrategyOptions(max_parallel=100, stage_approval=True)
+        spec = RolloutSpec(stages=parse_stages(list(APPROVAL_FLEET)))
+        assert admin.create_strategy(store, patch, opts, all_targets=True, spec=spec) == 1
+        admin.apply_strategy(store, 1)
+        reader = create_token(store, "watcher", Role.READER, None)
+        operator = create_token(store, "night-shift", Role.OPERATOR, None)
+    finally:
+        store.dispose()
+    return db, reader, operator
+
+
+def _tab_to(page: Any, element_id: str, presses_max: int = 40) -> None:
+    """Press Tab until the element has the focus (it is reachable by keyboard)."""
+    for _ in range(presses_max):
+        page.keyboard.press("Tab")
+        if page.evaluate("document.activeElement?.id") == element_id:
+            return
+    raise AssertionError(f"#{element_id} not reached in {presses_max} presses of Tab")
+
+
+def test_a_stage_approved_with_the_button_by_keyboard_on_a_phone(
+    tmp_path: Path, chromium: Any
+) -> None:
+    db, reader_token, operator_token = _approval_fleet(tmp_path)
+    errors: list[str] = []
+    phone = {"width": 390, "height": 844}
+    with serving(db) as server:
+        ops = chromium.new_page()
+        ops.set_viewport_size(phone)
+        ops.on("pageerror", lambda e: errors.append(f"operator page: {e}"))
+        posts: list[str] = []  # (a quick Cancel then approve once sent two approvals)
+        ops.on("request", lambda r: posts.append(r.url) if r.method == "POST" else None)
+        _sign_in(ops, server.base, operator_token)
+        ops.goto(server.base + "/#/strategy/1")
+        # stage 1 (a) ends, and the strategy waits: approve is offered, pause and abort too
+        ops.wait_for_selector("#strategy-state .badge.s-waiting-approval", timeout=30_000)
+        assert _counts(ops) == {"complete": APPROVAL_FLEET["a"], "initial": APPROVAL_FLEET["b"]}
+        assert ops.is_visible("#act-approve")
+        shown = [
+            b.get_attribute("id") for b in ops.query_selector_all("#actions button:not([hidden])")
+        ]
+        assert shown == ["act-pause", "act-approve", "act-abort"]
+        assert "approval" in ops.inner_text("#summary")  # what it waits for
+        assert ops.evaluate("document.documentElement.scrollWidth") <= phone["width"]
+
+        reader = chromium.new_page()
+        reader.on("pageerror", lambda e: errors.append(f"reader page: {e}"))
+        _sign_in(reader, server.base, reader_token)
+        reader.goto(server.base + "/#/strategy/1")
+        reader.wait_for_selector("#strategy-state .badge.s-waiting-approval")
+        assert reader.query_selector_all("#actions button") == []
+
+        # by keyboard: Tab to the button, Enter; the dialog's focus starts on Cancel
+        ops.focus("#main")
+        _tab_to(ops, "act-approve")
+        ops.keyboard.press("Enter")
+        ops.wait_for_selector("#confirm[open]")
+        assert "Approve strategy 1" in ops.inner_text("#confirm-text")
+        assert ops.evaluate("document.activeElement.id") == "confirm-no"
+        ops.keyboard.press("Enter")  # no: nothing changes
+        ops.wait_for_selector("#confirm", state="hidden")
+
+        with server.client(reader_token) as http:
+            assert http.get("/v1/strategies/1").json()["state"] == "waiting-approval"
+        # (the focus is back on the button the dialog came from)
+        assert ops.evaluate("document.activeElement.id") == "act-approve"
+        ops.keyboard.press("Enter")
+        ops.wait_for_selector("#confirm[open]")
+        box = ops.query_selector("#confirm").bounding_box()
+        assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= phone["width"]
+        ops.keyboard.press("Tab")
+        assert ops.evaluate("document.activeElement.id") == "confirm-yes"
+        ops.keyboard.press("Enter")
+        ops.wait_for_function(
+            "() => document.querySelector('#action-note').textContent.includes('api:night-shift')"
+        )
+        assert ops.inner_text("#action-note") == (
+            "approve: stage 2 of 2 (b) approved by api:night-shift"
+        )
+
+        # stage 2 runs to the end; the page, strategy show and the events name the approver
+        ops.wait_for_selector("#strategy-state .badge.s-complete", timeout=30_000)
+        reader.wait_for_selector("#strategy-state .badge.s-complete", timeout=10_000)
+        shown_now = _shown(db)
+        assert shown_now["state"] == "complete"
+        assert shown_now["step_states"] == {"complete": sum(APPROVAL_FLEET.values())}
+        assert [a["details"] for a in shown_now["approvals"]] == [
+            "stage 2 of 2 (b) approved by api:night-shift"
+        ]
+        said = [(e["kind"], e["details"]) for e in _shown(db, "events", "--strategy", "1")]
+        assert ("stage-approved", "stage 2 of 2 (b) approved by api:night-shift") in said
+        ops.wait_for_function(
+            "() => document.querySelector('#summary').textContent.includes('api:night-shift')"
+        )
+        assert "approved by api:night-shift" in reader.inner_text("#summary")
+        assert ops.query_selector_all("#actions button:not([hidden])") == []
+        assert ops.evaluate("document.documentElement.scrollWidth") <= phone["width"]
+    assert posts == [server.base + "/v1/strategies/1/approve"]
     assert errors == []

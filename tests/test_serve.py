@@ -621,6 +621,7 @@ def test_a_callback_sent_with_the_cli_moves_a_waiting_step_on(tmp_path: Path) ->
         "strategy": sid,
         "state": "wait-agent",
         "kind": "done",
+        "visit": 1,
         "outcome": "ignored",
         "reason": "late: step already complete",
     }

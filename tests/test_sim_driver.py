@@ -300,7 +300,7 @@ def test_a_simulated_agents_second_report_says_what_its_kind_says() -> None:
     pass): a report's details now agree with its kind."""
     driver = SimDriver(seed=3)
     sent: list[tuple[str, str]] = []
-    driver.callback_sink = lambda _step, _state, kind, details: sent.append((kind, details))
+    driver.callback_sink = lambda _step, _state, kind, details, _visit: sent.append((kind, details))
     target = Target(name="t", settings={"latency_ms": 1, "callback_dup_rate": 1.0})
 
     async def go() -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sqlalchemy import Connection, insert, select
 from sqlalchemy.exc import IntegrityError
@@ -113,10 +113,11 @@ def store_arrivals(store: Store, arrivals: Sequence[Arrival]) -> list[Answer]:
         (arrival,) = arrivals
         with store.read() as conn:
             grants = tokens.find_agent_tokens(conn, [arrival.token or ""], arrival.report.now)
-        refused = judge(arrival, grants.get(arrival.token or ""))
+        grant = grants.get(arrival.token or "")
+        refused = judge(arrival, grant)
         if refused is not None:  # (not stored: it was let in a moment ago)
             return [refused]
-        return list(cbs.accept_callbacks(store, [arrival.report]))
+        return list(cbs.accept_callbacks(store, [_of_visit(arrival.report, grant)]))
 
 
 def _store_on(conn: Connection, arrivals: Sequence[Arrival]) -> list[Answer]:
@@ -136,10 +137,20 @@ def _store_on(conn: Connection, arrivals: Sequence[Arrival]) -> list[Answer]:
             conn, a.report.step_id, None if grant is None else grant.strategy_id, refused.said
         )
         answers.append(refused)
-    stored = cbs.insert_callbacks(conn, [arrivals[i].report for i in let_in])
+    stored = cbs.insert_callbacks(
+        conn,
+        [_of_visit(arrivals[i].report, grants.get(arrivals[i].token or "")) for i in let_in],
+    )
     for place, answer in zip(let_in, stored, strict=True):
         answers[place] = answer
     return [a for a in answers if a is not None]
+
+
+def _of_visit(report: cbs.Report, grant: tokens.AgentGrant | None) -> cbs.Report:
+    """The report as on the visit its token was issued for: a late agent of an earlier
+    visit of a state on a cycle reports on that visit, and is ignored as late, never
+    applied to the visit the step is in now."""
+    return report if grant is None else replace(report, visit=grant.visit)
 
 
 class CallbackIntake:

@@ -10,7 +10,15 @@ import typer
 
 from fleetwave.catalog import strategy_workflow_def
 from fleetwave.cli import remote
-from fleetwave.cli.common import DbOpt, FormatOpt, StepId, done, existing_store, whole_number
+from fleetwave.cli.common import (
+    DbOpt,
+    FormatOpt,
+    StepId,
+    count_from_1,
+    done,
+    existing_store,
+    whole_number,
+)
 from fleetwave.cli.output import Format, emit_one, emit_rows, err_console, first_then
 from fleetwave.cli.parsing import several
 from fleetwave.domain.errors import InputError, NotFound
@@ -83,13 +91,23 @@ def step_callback(
         str, typer.Option(help="done (the state's work finished), failed, or heartbeat")
     ] = "done",
     details: Annotated[str, typer.Option(help="what the target says (kept with it)")] = "",
+    visit: Annotated[
+        int | None,
+        typer.Option(
+            parser=count_from_1,
+            metavar="N",
+            help="the visit of STATE it reports on, for a state on a bounded cycle "
+            "(max_visits); default: the visit the step is in, or its next visit of STATE",
+        ),
+    ] = None,
     fmt: FormatOpt = Format.table,
     db: DbOpt = None,
 ) -> None:
     """Report for a target: the callback a wait-for-callback state waits for.
 
     Stored at once (one INSERT); the conductor that drives the step's strategy answers
-    it (applied, or ignored and why) within a tick.
+    it (applied, or ignored and why) within a tick. On a bounded cycle a report applies
+    to its visit of the state only: one of a visit that is over is ignored as late.
     """
     if kind not in CALLBACK_KINDS:
         raise InputError(f"--kind: must be one of {', '.join(CALLBACK_KINDS)}, got '{kind}'")
@@ -101,7 +119,7 @@ def step_callback(
             f"STATE: '{state}' is not a state of strategy {step['strategy']}'s workflow "
             f"({', '.join(states)})"
         )
-    record = accept_callback(store, step_id, state, kind, details, time.time())
+    record = accept_callback(store, step_id, state, kind, details, time.time(), visit=visit)
     outcome, reason = record.outcome, record.reason  # a late one is answered at once
     answer = record.answer()
     late = outcome is not None

@@ -550,8 +550,10 @@ def cycles(states: Sequence[StateDef]) -> list[list[str]]:
 
 
 def _check_cycles(wf: WorkflowDef) -> None:
-    """Each cycle is bounded: every state on it declares ``max_visits``; none waits for a
-    callback (a late callback of one visit would answer the next)."""
+    """Each cycle is bounded: every state on it declares ``max_visits``. A state on a
+    cycle may wait for a callback: a callback reports on one visit of its state (its
+    agent token's), and a late one of an earlier visit is ignored, never applied to the
+    next (see ``Conductor._on_callback``)."""
     for i, s in enumerate(wf.states):
         if s.max_visits is not None and not (1 <= s.max_visits <= MAX_VISITS):
             raise WorkflowError(
@@ -571,13 +573,6 @@ def _check_cycles(wf: WorkflowDef) -> None:
                 f"workflow {wf.name}: {said}; every state on a cycle needs max_visits "
                 f"(1 to {MAX_VISITS}): missing on "
                 f"{', '.join(unbounded)}"
-            )
-        waits = [n for n in group if by_name[n].mode == "wait-for-callback"]
-        if waits:
-            raise WorkflowError(
-                f"workflow {wf.name}: {said}; a state on a cycle cannot wait for a "
-                f"callback (a late callback of one visit would answer the next): "
-                f"{', '.join(waits)}"
             )
 
 

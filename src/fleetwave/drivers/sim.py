@@ -31,7 +31,7 @@ Per-target settings (``fleetwave target add NAME --set key=value``):
 
 For states that wait for a callback, the operation returns at once and the
 simulated target's agent reports after the latency: by calling
-``callback_sink(step_id, state, kind, details)`` (in the conductor's process), or,
+``callback_sink(step_id, state, kind, details, visit)`` (in the conductor's process), or,
 given a ``callback_url``, as a real agent does: ``POST
 {callback_url}/v1/steps/{step}/callbacks`` with the agent token the engine issued to
 the state (``ActionContext.agent_token``; a recover hook gets none, and the agent keeps
@@ -94,7 +94,8 @@ CALLBACK_RATES = (
     "callback_dup_rate",
     "callback_late_rate",
 )
-CallbackSink = Callable[[int, str, str, str], object]
+#: (step, state, kind, details, the visit of the state it reports on)
+CallbackSink = Callable[[int, str, str, str, int], object]
 
 
 #: how long a simulated agent keeps trying to deliver its callback (virtual seconds)
@@ -798,7 +799,9 @@ class SimDriver:
             send: Callable[[], object] | None = None
             if agent is not None:
                 send = agent.sender(k, d, f"{agent.key}:{n}")
-            task = asyncio.create_task(self._call_back(delay, ctx.step_id, ctx.state, k, d, send))
+            task = asyncio.create_task(
+                self._call_back(delay, ctx.step_id, ctx.state, k, d, send, ctx.visit)
+            )
             self._agents.add(task)
             task.add_done_callback(self._agents.discard)
 
@@ -817,8 +820,10 @@ class SimDriver:
             token,
             ctx.step_id,
             ctx.state,
-            # the agent's key for each of its reports: the same on every try of one
-            f"sim:{target.name}:{ctx.step_id}:{ctx.state}:{ctx.attempt}",
+            # the agent's key for each of its reports: the same on every try of one (and
+            # its own per visit of a state on a cycle: else visit 2's would replay 1's)
+            f"sim:{target.name}:{ctx.step_id}:{ctx.state}:{ctx.attempt}"
+            + (f":v{ctx.visit}" if ctx.visit > 1 else ""),
         )
 
     async def _call_back(
@@ -829,9 +834,11 @@ class SimDriver:
         kind: str,
         details: str,
         send: Callable[[], object] | None = None,
+        visit: int = 1,
     ) -> None:
-        """Report after ``delay``: through ``send`` (over HTTP) if given, else to the
-        conductor's callback sink."""
+        """Report after ``delay`` on that ``visit`` of ``state``: through ``send`` (over
+        HTTP, with the visit's agent token) if given, else to the conductor's callback
+        sink."""
         await asyncio.sleep(delay)
         self.callbacks_sent += 1
         # A real agent retries while the endpoint is unavailable, for as long as its work
@@ -848,7 +855,7 @@ class SimDriver:
                     answer = send()
                 else:
                     assert self.callback_sink is not None
-                    answer = self.callback_sink(step_id, state, kind, details)
+                    answer = self.callback_sink(step_id, state, kind, details, visit)
                 if inspect.isawaitable(answer):
                     answer = await answer
             except Exception:

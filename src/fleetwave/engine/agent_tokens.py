@@ -22,7 +22,7 @@ from fleetwave.store import tokens
 StoreCall = Callable[..., Awaitable[Any]]
 
 
-Row = tuple[int, int, str, str, float, float]
+Row = tuple[int, int, str, str, float, float, int]
 
 
 class AgentTokenIssuer:
@@ -36,14 +36,18 @@ class AgentTokenIssuer:
         #: the batch being gathered (its rows written, once its leader has)
         self._batch: asyncio.Future[list[Row]] | None = None
 
-    async def issue(self, strategy_id: int, step_id: int, state: str, timeout_s: float) -> str:
-        """A new token for ``step_id``'s ``state``, once its hash is committed (one
-        issued before for them no longer answers); it lasts until a while after the
-        state's timeout (a late report is still recorded as late)."""
+    async def issue(
+        self, strategy_id: int, step_id: int, state: str, timeout_s: float, visit: int = 1
+    ) -> str:
+        """A new token for ``step_id``'s ``state`` in that ``visit`` of it, once its hash
+        is committed (one issued before for them no longer answers; an earlier visit's
+        still does, for that visit: its late report is recorded and ignored as late); it
+        lasts until a while after the state's timeout (a late report is still recorded
+        as late)."""
         token = tokens.new_secret(tokens.AGENT_PREFIX)
         now = self._now()
         until = now + timeout_s + tokens.AGENT_TOKEN_GRACE_S
-        row = (strategy_id, step_id, state, tokens.token_hash(token), now, until)
+        row = (strategy_id, step_id, state, tokens.token_hash(token), now, until, visit)
         self._rows.append(row)
         while True:
             batch = self._batch

@@ -253,13 +253,17 @@ class Conductor(
             self._wake.set()
 
     def receive_callback(
-        self, step_id: int, state: str, kind: str, details: str = ""
+        self, step_id: int, state: str, kind: str, details: str = "", visit: int | None = None
     ) -> cbs.CallbackRecord:
         """Store a target's callback and answer at once (G6): one INSERT, no step lock.
+        ``visit``: the visit of ``state`` it reports on (None: the step's; see
+        :func:`fleetwave.store.callbacks.insert_callbacks`).
 
         The dispatcher applies it (or records why it was ignored) on its next turn.
         """
-        record = cbs.accept_callback(self.store, step_id, state, kind, details, self.clock.now())
+        record = cbs.accept_callback(
+            self.store, step_id, state, kind, details, self.clock.now(), visit=visit
+        )
         self.callback_stored(record)
         return record
 
@@ -297,8 +301,8 @@ class Conductor(
         seen.add(record.id)
         return True
 
-    def _sink(self, step_id: int, state: str, kind: str, details: str) -> None:
-        self.receive_callback(step_id, state, kind, details)
+    def _sink(self, step_id: int, state: str, kind: str, details: str, visit: int) -> None:
+        self.receive_callback(step_id, state, kind, details, visit)
 
     def _crash_point(self, point: str) -> None:
         if self._crash_hook is not None:
@@ -767,6 +771,7 @@ class Conductor(
             log.info("callback %s for step %s ignored: %s", cb.id, cb.step_id, reason)
 
         states = run.workflow.state_names
+        over = None if fl is None else _visit_over(cb, fl)
         if fl is None:
             # (one for a step that has ended is answered when stored: this one's step is
             # still waiting its turn, unless it ended in between)
@@ -784,11 +789,19 @@ class Conductor(
             # Said at once: kept as early, it was answered when the step ended, as if
             # the step had never reached that state.
             ignore(f"state {cb.state} does not wait for callbacks")
-        elif states.index(cb.state) > states.index(fl.state) or (
-            cb.state == fl.state
-            and fl.waiter is None
-            and cb.kind != "heartbeat"
-            and run.workflow.state(fl.state).mode == "wait-for-callback"
+        elif over is not None:
+            # A state on a bounded cycle: this visit of it is over (its step may be in it
+            # again, or about to be: never answered by the visit before's report).
+            ignore(over)
+        elif (
+            _visit_ahead(cb, fl)
+            or states.index(cb.state) > states.index(fl.state)
+            or (
+                cb.state == fl.state
+                and fl.waiter is None
+                and cb.kind != "heartbeat"
+                and run.workflow.state(fl.state).mode == "wait-for-callback"
+            )
         ):
             # Early: the target answered before the step started waiting. Keep it (once:
             # a settle or a takeover offers the step's open callbacks again).
@@ -1422,6 +1435,29 @@ class Conductor(
                 outcomes.info("strategy %s: ended complete", run.id)
             else:
                 outcomes.warning("strategy %s: ended %s: %s", run.id, final.value, details)
+
+
+def _visit_over(cb: cbs.CallbackRecord, fl: InFlight) -> str | None:
+    """Why a callback reports on a visit of its state that is over (None: it is not)."""
+    if cb.state == fl.state:
+        if cb.visit < fl.visit:
+            return (
+                f"late: for visit {cb.visit} of {cb.state}; the step is in visit {fl.visit} of it"
+            )
+        return None
+    entered = fl.visits.get(cb.state)
+    if entered is not None and cb.visit <= entered:
+        return f"late: visit {cb.visit} of {cb.state} is over (the step is at {fl.state})"
+    return None
+
+
+def _visit_ahead(cb: cbs.CallbackRecord, fl: InFlight) -> bool:
+    """Whether a callback reports on a visit of its state the step has not entered yet
+    (early: kept until it does)."""
+    if cb.state == fl.state:
+        return cb.visit > fl.visit
+    entered = fl.visits.get(cb.state)
+    return entered is not None and cb.visit > entered
 
 
 def _free_slot(run: StrategyRun, step_id: int) -> InFlight | None:

@@ -194,7 +194,9 @@ class WorkerMixin(StoreCalls):
         last_poll: str | None = None
         agent_token = None
         if waiter is not None and not recovering and driver is not None:
-            agent_token = await self._agent_tokens.issue(run.id, rec.step_id, state, timeout_s)
+            agent_token = await self._agent_tokens.issue(
+                run.id, rec.step_id, state, timeout_s, fl.visit
+            )
         while True:
             attempts += 1
             try:
@@ -533,7 +535,7 @@ class WorkerMixin(StoreCalls):
             return waiter.result()
         if fl.stopped or fl.aborted:
             return None
-        came = await self._io(cbs.open_callback_of, self.store, fl.rec.step_id, fl.state)
+        came = await self._io(cbs.open_callback_of, self.store, fl.rec.step_id, fl.state, fl.visit)
         if came is not None:
             self._first_sight(came)
         return came

@@ -8,8 +8,10 @@ this process, else on its next periodic pass) and records it ``applied`` or
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from sqlalchemy import Connection, insert, select, tuple_
 from sqlalchemy.exc import IntegrityError
@@ -37,6 +39,8 @@ class CallbackRecord:
     reason: str | None = None
     #: when it was stored (the storer's clock; None where not read)
     received_at: float | None = None
+    #: the visit of ``state`` it reports on (1 but for a state on a bounded cycle)
+    visit: int = 1
 
     def answer(self) -> dict[str, object]:
         """What ``step callback --format json`` and the API answer for it."""
@@ -46,6 +50,7 @@ class CallbackRecord:
             "strategy": self.strategy_id,
             "state": self.state,
             "kind": self.kind,
+            "visit": self.visit,
             "outcome": self.outcome,
             "reason": self.reason,
         }
@@ -62,6 +67,9 @@ class Report:
     now: float
     #: the sender's key: the same key for the same step is stored once
     idempotency_key: str | None = None
+    #: the visit of ``state`` it reports on (its agent token's, or as its sender said);
+    #: None: the step's visit of that state when it is stored (see :func:`insert_callbacks`)
+    visit: int | None = None
 
 
 def report(
@@ -71,15 +79,18 @@ def report(
     details: str,
     now: float,
     idempotency_key: str | None = None,
+    visit: int | None = None,
 ) -> Report:
     """A callback checked, as it will be stored; bad input is refused."""
+    if visit is not None and not 1 <= visit <= 1_000_000:
+        raise InputError(f"visit: must be a whole number from 1, got {visit}")
     if kind not in KINDS:
         raise InputError(f"kind: must be one of {', '.join(KINDS)}, got '{kind}'")
     if not state:
         raise InputError("state: must name the state the callback reports on")
     # A target's words: on one line, printable, bounded (a byte that was not UTF-8 in a
     # shell's argument made the insert fail with a traceback)
-    return Report(step_id, state, kind, details_text(details), now, idempotency_key)
+    return Report(step_id, state, kind, details_text(details), now, idempotency_key, visit)
 
 
 def accept_callback(
@@ -90,12 +101,14 @@ def accept_callback(
     details: str,
     now: float,
     idempotency_key: str | None = None,
+    visit: int | None = None,
 ) -> CallbackRecord:
     """Store a callback (one INSERT). With an ``idempotency_key`` already stored for
     this step, nothing is stored: the callback stored with it is returned (its sender
-    sent it again, not knowing it had arrived); :func:`is_replay` tells."""
+    sent it again, not knowing it had arrived); :func:`is_replay` tells. ``visit``: the
+    visit of ``state`` it reports on (see :func:`insert_callbacks`)."""
     (answer,) = accept_callbacks(
-        store, [report(step_id, state, kind, details, now, idempotency_key)]
+        store, [report(step_id, state, kind, details, now, idempotency_key, visit)]
     )
     if isinstance(answer, InputError):
         raise answer
@@ -128,16 +141,21 @@ def insert_callbacks(
     conn: Connection, reports: Sequence[Report]
 ) -> list[CallbackRecord | InputError]:
     """:func:`accept_callbacks` within the caller's write transaction (an
-    IntegrityError is the caller's to handle: see there)."""
+    IntegrityError is the caller's to handle: see there).
+
+    Each is stored with the visit of its state it reports on: the one its report names
+    (an agent token's visit), else the step's: the visit it is in when it is in that
+    state, else the next visit of it (1 for a state entered once at most). The owner
+    then applies it to that visit only: a late one of an earlier visit is ignored."""
     out: list[CallbackRecord | InputError] = []
     ids = sorted({r.step_id for r in reports})
     found = {
         int(row.id): row
         for start in range(0, len(ids), 500)
         for row in conn.execute(
-            select(steps.c.id, steps.c.strategy_id, steps.c.state).where(
-                steps.c.id.in_(ids[start : start + 500])
-            )
+            select(
+                steps.c.id, steps.c.strategy_id, steps.c.state, steps.c.visit, steps.c.visits
+            ).where(steps.c.id.in_(ids[start : start + 500]))
         )
     }
     keyed = [(r.step_id, r.idempotency_key) for r in reports if r.idempotency_key]
@@ -160,6 +178,8 @@ def insert_callbacks(
                 row.details,
                 row.outcome,
                 row.reason,
+                row.received_at,
+                int(row.visit),
             )
     # Decide each first, then insert them all in one statement (one INSERT a row,
     # each compiled and executed apart, was most of the intake's time on its thread).
@@ -182,6 +202,7 @@ def insert_callbacks(
             out.append(NotFound(f"step {r.step_id} not found"))
             continue
         outcome = reason = processed_at = None
+        visit = r.visit if r.visit is not None else _visit_of(step, r.state)
         if step.state in STEP_TERMINAL:
             # Nobody will wait for it again: answer it for good right here.
             outcome, reason = "ignored", f"late: step already {step.state}"
@@ -198,6 +219,7 @@ def insert_callbacks(
                 "outcome": outcome,
                 "reason": reason,
                 "processed_at": processed_at,
+                "visit": visit,
             }
         )
         if key is not None:
@@ -215,6 +237,7 @@ def insert_callbacks(
                     outcome,
                     reason,
                     r.now,
+                    visit,
                 ),
             )
         )
@@ -246,7 +269,17 @@ _FIELDS = (
     "outcome",
     "reason",
     "received_at",
+    "visit",
 )
+
+
+def _visit_of(step: Any, state: str) -> int:
+    """The visit of ``state`` a callback that names none reports on: the step's when it
+    is in that state, else the next one (1 for a state not entered yet, or not counted)."""
+    if step.state == state:
+        return int(step.visit)
+    visits: dict[str, int] = json.loads(step.visits) if step.visits else {}
+    return int(visits.get(state, 0)) + 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,6 +310,7 @@ def _keyed(store: Store, step_id: int, key: str | None) -> CallbackRecord | None
         r.outcome,
         r.reason,
         r.received_at,
+        int(r.visit),
     )
 
 
@@ -290,8 +324,8 @@ def open_callbacks(
         return []
     p = store.hooks.placeholder
     sql = (
-        "SELECT id, strategy_id, step_id, state, kind, details, outcome, reason, received_at "
-        "FROM callbacks "
+        "SELECT id, strategy_id, step_id, state, kind, details, outcome, reason, received_at, "
+        "visit FROM callbacks "
         f"WHERE strategy_id IN ({store.hooks.placeholders(len(strategy_ids))}) "
         "AND outcome IS NULL "
         f"AND id > {p}"
@@ -309,17 +343,20 @@ def open_callbacks(
     return [CallbackRecord(*r) for r in rows]
 
 
-def open_callback_of(store: Store, step_id: int, state: str) -> CallbackRecord | None:
-    """The oldest unprocessed report (done or failed) on this step's ``state``."""
+def open_callback_of(
+    store: Store, step_id: int, state: str, visit: int = 1
+) -> CallbackRecord | None:
+    """The oldest unprocessed report (done or failed) on this step's ``state``, in that
+    ``visit`` of it."""
     p = store.hooks.placeholder
     sql = (
-        "SELECT id, strategy_id, step_id, state, kind, details, outcome, reason, received_at "
-        "FROM callbacks "
-        f"WHERE step_id = {p} AND state = {p} AND outcome IS NULL "
+        "SELECT id, strategy_id, step_id, state, kind, details, outcome, reason, received_at, "
+        "visit FROM callbacks "
+        f"WHERE step_id = {p} AND state = {p} AND visit = {p} AND outcome IS NULL "
         "AND kind IN ('done', 'failed') ORDER BY id LIMIT 1"
     )
     with store.read() as conn:
-        row = conn.exec_driver_sql(sql, (step_id, state)).first()
+        row = conn.exec_driver_sql(sql, (step_id, state, visit)).first()
     return None if row is None else CallbackRecord(*row)
 
 
@@ -331,6 +368,7 @@ def callback_outcomes(store: Store, strategy_id: int) -> list[dict[str, object]]
                 "step": r.step_id,
                 "state": r.state,
                 "kind": r.kind,
+                "visit": r.visit,
                 "outcome": r.outcome,
                 "reason": r.reason,
                 "received_at": r.received_at,

@@ -1240,6 +1240,7 @@ def step_callbacks(store: Store, step_id: int) -> list[dict[str, Any]]:
             {
                 "received_at": r.received_at,
                 "state": r.state,
+                "visit": r.visit,
                 "kind": r.kind,
                 "details": r.details,
                 "outcome": r.outcome or "open",

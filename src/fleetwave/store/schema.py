@@ -246,6 +246,9 @@ callbacks = Table(
     #: the sender's key (an agent over HTTP): a callback sent again with it is not
     #: stored again
     Column("idempotency_key", String(200)),
+    #: which visit of ``state`` it reports on (1 but for a state on a bounded cycle): its
+    #: agent token's, the one its sender named, else the step's when it was stored
+    Column("visit", Integer, nullable=False, server_default="1"),
     Index("ix_callbacks_open", "strategy_id", "outcome", "id"),
     Index("uq_callbacks_step_key", "step_id", "idempotency_key", unique=True),
 )
@@ -289,6 +292,9 @@ agent_tokens = Table(
     Column("hash", String(64), nullable=False, unique=True),
     Column("issued_at", Float, nullable=False),
     Column("expires_at", Float),
-    UniqueConstraint("step_id", "state", name="uq_agent_tokens_step_state"),
+    #: the visit of ``state`` it answers for: a callback sent with it reports on that
+    #: visit, never on a later one (a late agent's is recorded, and ignored as late)
+    Column("visit", Integer, nullable=False, server_default="1"),
+    UniqueConstraint("step_id", "state", "visit", name="uq_agent_tokens_step_state_visit"),
     Index("ix_agent_tokens_strategy", "strategy_id"),
 )

@@ -148,11 +148,16 @@ def revoke_token(store: Store, name: str, now: float | None = None) -> bool:
 
 
 def issue_agent_tokens(
-    store: Store, rows: Sequence[tuple[int, int, str, str, float, float | None]]
+    store: Store,
+    rows: Sequence[
+        tuple[int, int, str, str, float, float | None]
+        | tuple[int, int, str, str, float, float | None, int]
+    ],
 ) -> None:
     """Store the hashes of agent tokens, in one transaction: each row is a token's
-    (strategy, step, state, hash, issued at, expires at). Each replaces one issued
-    before for its step and state (the state started afresh)."""
+    (strategy, step, state, hash, issued at, expires at[, visit of the state: 1 if not
+    given]). Each replaces one issued before for its step, state and visit (the state
+    started afresh); an earlier visit's stays valid for that visit's late reports."""
     if not rows:
         return
     with store.write() as conn:
@@ -160,8 +165,11 @@ def issue_agent_tokens(
             chunk = rows[start : start + 500]
             conn.execute(
                 delete(agent_tokens).where(
-                    tuple_(agent_tokens.c.step_id, agent_tokens.c.state).in_(
-                        [(step, state) for _, step, state, *_ in chunk]
+                    tuple_(agent_tokens.c.step_id, agent_tokens.c.state, agent_tokens.c.visit).in_(
+                        [
+                            (step, state, visit[0] if visit else 1)
+                            for _, step, state, _, _, _, *visit in chunk
+                        ]
                     )
                 )
             )
@@ -175,20 +183,22 @@ def issue_agent_tokens(
                     "hash": digest,
                     "issued_at": at,
                     "expires_at": until,
+                    "visit": visit[0] if visit else 1,
                 }
-                for sid, step, state, digest, at, until in rows
+                for sid, step, state, digest, at, until, *visit in rows
             ],
         )
 
 
 @dataclass(frozen=True, slots=True)
 class AgentGrant:
-    """What an agent token answers for: one step's one state."""
+    """What an agent token answers for: one step's one state, in one visit of it."""
 
     strategy_id: int
     step_id: int
     state: str
     expired: bool
+    visit: int = 1
 
 
 def find_agent_tokens(conn: Connection, given: Sequence[str], now: float) -> dict[str, AgentGrant]:
@@ -204,6 +214,6 @@ def find_agent_tokens(conn: Connection, given: Sequence[str], now: float) -> dic
         ):
             expired = r.expires_at is not None and r.expires_at <= now
             found[by_hash[r.hash]] = AgentGrant(
-                int(r.strategy_id), int(r.step_id), str(r.state), expired
+                int(r.strategy_id), int(r.step_id), str(r.state), expired, int(r.visit)
             )
     return found

@@ -342,13 +342,29 @@ const ACTIONS = [
   { verb: "abort", when: ["initial", "applying", "paused", "waiting-approval"], ask: "Abort strategy {id}? Nothing new starts, and it cannot be resumed.", danger: true },
 ];
 
+// The question being asked: its answer, to give "no" when another question replaces it.
+let asking = null;
+
 function confirmThen(text) {
   const dlg = $("#confirm");
+  // Asked again before the last answer's close event came (Chrome drops that event when
+  // the dialog opens again, as a quick Cancel then click does): the last one was "no",
+  // or both questions would hear this one's "yes" and act twice.
+  if (asking) asking(false);
   $("#confirm-text").textContent = text;
   dlg.returnValue = "";
   dlg.showModal();
   $("#confirm-no").focus();
-  return new Promise((resolve) => dlg.addEventListener("close", () => resolve(dlg.returnValue === "yes"), { once: true }));
+  return new Promise((resolve) => {
+    const answer = (yes) => {
+      dlg.removeEventListener("close", closed);
+      if (asking === answer) asking = null;
+      resolve(yes);
+    };
+    const closed = () => { if (!dlg.open) answer(dlg.returnValue === "yes"); }; // (not a stale one)
+    asking = answer;
+    dlg.addEventListener("close", closed);
+  });
 }
 
 function strategyPage(page, sid) {
@@ -377,12 +393,15 @@ function strategyPage(page, sid) {
     const b = el("button", { type: "button", id: `act-${a.verb}`, class: a.danger ? "danger" : null, hidden: true, text: a.verb[0].toUpperCase() + a.verb.slice(1) });
     b.addEventListener("click", async () => {
       if (!(await confirmThen(a.ask.replace("{id}", sid)))) return;
+      b.disabled = true; // one request at a time from one button
       try {
         const res = await api(`/v1/strategies/${sid}/${a.verb}`, { method: "POST" });
         note.textContent = `${a.verb}: ${res.details || res.state || "done"}`;
         note.className = "";
       } catch (e) {
         if (!(e instanceof Unauthorized)) { note.textContent = `${a.verb}: ${e.message}`; note.className = "error"; }
+      } finally {
+        b.disabled = false;
       }
     });
     actions.append(b);
@@ -404,6 +423,9 @@ function strategyPage(page, sid) {
       ["details", s.details || ""],
     ];
     if (s.stage_now != null) facts.splice(4, 0, ["stage", String(s.stage_now)]);
+    if (Array.isArray(s.approvals) && s.approvals.length) {
+      facts.push(["approved", s.approvals.map((a) => `${a.details} (${when(a.at)})`).join("; ")]);
+    }
     summary.replaceChildren(...facts.map(([k, v]) => el("div", {}, el("dt", { text: k }), el("dd", { text: v === "" ? "-" : v }))));
     for (const a of ACTIONS) {
       const b = $(`#act-${a.verb}`);
@@ -685,6 +707,11 @@ function stepPage(page, id) {
   });
 }
 
+// " (visit N)" after a state entered more than once (a bounded cycle's), else nothing
+function visitOf(v) {
+  return v > 1 ? ` (visit ${v})` : "";
+}
+
 function stepBody(s) {
   const facts = [
     ["strategy", el("a", { href: `#/strategy/${s.strategy}`, text: `#${s.strategy}` })],
@@ -695,11 +722,11 @@ function stepBody(s) {
   ];
   const out = [el("dl", { class: "summary", id: "step-summary" }, facts.map(([k, v]) => el("div", {}, el("dt", { text: k }), el("dd", {}, v === "" ? "-" : v))))];
   out.push(el("h2", { text: "Journal" }), table(["at", "from", "to", "conductor", { text: "fence", cls: "num" }, "details"], (s.history || []).map((h) => el("tr", {},
-    el("td", { text: when(h.at) }), el("td", { text: h.from }), el("td", {}, badge(h.to)), el("td", { text: h.conductor }),
+    el("td", { text: when(h.at) }), el("td", { text: h.from }), el("td", {}, badge(h.to), visitOf(h.visit)), el("td", { text: h.conductor }),
     el("td", { class: "num", text: h.fence ?? "" }), el("td", { class: "details", text: h.details }))), "Journal"));
   if ((s.attempts || []).length) {
     out.push(el("h2", { text: "Attempts sent" }), table(["at", "state", "attempt", "conductor", "how"], s.attempts.map((a) => el("tr", {},
-      el("td", { text: when(a.at) }), el("td", { text: a.state }), el("td", { class: "num", text: a.attempt }), el("td", { text: a.conductor }), el("td", { text: a.how }))), "Attempts"));
+      el("td", { text: when(a.at) }), el("td", { text: a.state + visitOf(a.visit) }), el("td", { class: "num", text: a.attempt }), el("td", { text: a.conductor }), el("td", { text: a.how }))), "Attempts"));
   }
   out.push(el("h2", { text: "Events" }), (s.events || []).length
     ? table(["at", "kind", "conductor", "details"], s.events.map((e) => el("tr", {},
@@ -707,7 +734,7 @@ function stepBody(s) {
     : el("p", { class: "muted", text: "None." }));
   out.push(el("h2", { text: "Callbacks" }), (s.callbacks || []).length
     ? table(["received", "state", "kind", "outcome", "reason", "details"], s.callbacks.map((c) => el("tr", {},
-      el("td", { text: when(c.received_at) }), el("td", { text: c.state }), el("td", { text: c.kind }), el("td", { text: c.outcome || "open" }),
+      el("td", { text: when(c.received_at) }), el("td", { text: c.state + visitOf(c.visit) }), el("td", { text: c.kind }), el("td", { text: c.outcome || "open" }),
       el("td", { text: c.reason || "" }), el("td", { class: "details", text: c.details || "" }))), "Callbacks")
     : el("p", { class: "muted", text: "None." }));
   return out;
