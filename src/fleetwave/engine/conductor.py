@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -1155,11 +1156,14 @@ class Conductor(
                 continue
             run = self.runs.get(t.strategy_id)
             fl = run.inflight.get(t.step_id) if run is not None else None
-            if run is None or fl is None or not run.limits_failures or run.shared:
+            if run is None or fl is None or not run.limits_failures:
                 continue
             # (the steps a batch starts are of one phase: the stage that runs)
             rule = commit_stop_rule(run, fl.rec.stage)
             if rule is not None:
+                if self._sharing and run.options.shareable:
+                    # others' failures count too: the commit reads them (the slots row)
+                    rule = dataclasses.replace(rule, limit=run.options.failure_limit)
                 rules[run.id] = rule
         return rules
 

@@ -137,6 +137,10 @@ class StopRule:
     #: why it stops once one more has failed (the not-started steps' details); the
     #: commit puts the name of the target whose failure crossed the limit for TARGET
     details: str
+    #: (conductors sharing the strategy) its failure limit, checked in the commit
+    #: against the failed steps every conductor counted (its slots row): once they are
+    #: past it, the commit starts none of its steps, whoever's failures they were
+    limit: int | None = None
 
     TARGET: ClassVar[str] = "{target}"
 
@@ -528,6 +532,52 @@ class TransitionWriter:
                     hold[int(sid)] = str(state)
         return set(ids) - held, hold
 
+    def _past_counted_limit(
+        self,
+        cur: Any,
+        batch: list[Transition],
+        ups: list[tuple[str, tuple[Any, ...]]],
+        jrs: list[tuple[Any, ...]],
+        stops: dict[int, StopRule],
+    ) -> list[Transition]:
+        """Conductors sharing a strategy: once the failed steps all of them counted (its
+        slots row, read in this transaction) are past its limit, its entries in the batch
+        are written as not started, and its moves to a next state end aborted (as
+        :meth:`_end_unmanaged` does for a stop in this commit). ``stops`` is narrowed to
+        what the counted failures still tolerate."""
+        limited = {sid: r.limit for sid, r in stops.items() if r.limit is not None}
+        if not limited:
+            return []
+        entering = {t.strategy_id for t in batch if _is_entry(t)} & set(limited)
+        if not entering:
+            return []
+        ids = sorted(entering)
+        cur.execute(
+            "SELECT strategy_id, failed FROM strategy_slots WHERE group_id = 0 AND "
+            f"strategy_id IN ({self.store.hooks.placeholders(len(ids))})",
+            ids,
+        )
+        stopped: dict[int, str] = {}
+        for sid, failed in cur.fetchall():
+            sid, limit = int(sid), limited[int(sid)]
+            assert limit is not None
+            rule = stops[sid]
+            if int(failed) > limit:
+                stopped[sid] = rule.details.replace(StopRule.TARGET, "another conductor's step")
+            elif limit - int(failed) < rule.tolerated:
+                stops[sid] = StopRule(limit - int(failed), rule.details, limit)
+        out: list[Transition] = []
+        for i, t in enumerate(batch):
+            sid = t.strategy_id
+            if sid not in stopped or t.to_state in STEP_TERMINAL:
+                continue
+            if t.from_state == STEP_INITIAL:
+                details = f"not started: {stopped[sid]}"
+            else:
+                details = f"stopped after {t.from_state}: {stopped[sid]}"
+            out.append(self._end_instead(batch, ups, jrs, i, STEP_ABORTED, details))
+        return out
+
     def _end_unmanaged(
         self,
         cur: Any,
@@ -667,6 +717,7 @@ class TransitionWriter:
             ):
                 raw.rollback()  # the row-by-row path says what was not written, and why
                 return False
+            replaced += self._past_counted_limit(cur, batch, ups, jrs, stops)
             replaced += self._end_unmanaged(cur, batch, ups, jrs, stops)
             changes = _slot_changes(batch)
             ats = [self._attempt_row(d) for d in deadlines if _starts(d)] if dl else []
@@ -805,7 +856,8 @@ class TransitionWriter:
                             self._end_instead(batch, ups, jrs, i, STEP_ABORTED, details)
                         )
                         held_back[t.strategy_id] = hold[t.strategy_id]
-            replaced = stopped_now + self._end_unmanaged(raw.cursor(), batch, ups, jrs, stops)
+            replaced = stopped_now + self._past_counted_limit(raw.cursor(), batch, ups, jrs, stops)
+            replaced += self._end_unmanaged(raw.cursor(), batch, ups, jrs, stops)
             rows = list(zip(batch, ups, jrs, strict=True))
             held: Counter[int] = Counter()
             # The slots of the strategies this batch starts steps of: by (strategy,
