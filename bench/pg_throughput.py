@@ -363,7 +363,7 @@ def run(url: str, targets: int, max_parallel: int, conductors: int) -> PgRun:
     after = _counters(url)
     statements = _statements(url) if statements_on else []
     with psycopg.connect(url, autocommit=True) as conn:
-        by_conductor = dict(
+        by_conductor: dict[str, int] = dict(
             conn.execute(
                 "SELECT conductor, count(*) FROM journal WHERE strategy_id = %s GROUP BY conductor",
                 (sid,),
@@ -526,9 +526,9 @@ def _render(r: PgRun, command: str) -> str:
             "| statement | calls | rows | server ms |",
             "| --- | --- | --- | --- |",
         ]
-        for s in r.statements[:10]:
-            q = _short(s.query).replace("|", "\\|")
-            lines.append(f"| `{q}` | {s.calls:,} | {s.rows:,} | {s.exec_ms:,.0f} |")
+        for st in r.statements[:10]:
+            q = _short(st.query).replace("|", "\\|")
+            lines.append(f"| `{q}` | {st.calls:,} | {st.rows:,} | {st.exec_ms:,.0f} |")
     lines.append("")
     return "\n".join(lines)
 
