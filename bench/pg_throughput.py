@@ -114,13 +114,17 @@ def _count_round_trips() -> None:
         counted(psycopg.Connection, name)
 
 
-def _conductor_process(url: str, cid: str, ready: Any, stop_ev: Any, out: Any) -> None:
+def _conductor_process(
+    url: str, cid: str, batch_max: int, ready: Any, stop_ev: Any, out: Any
+) -> None:
     """One conductor: serve until the parent says stop; report what it counted."""
     _count_round_trips()
     _time_commits()
     store = open_store(url)
     conductor = Conductor(
-        store, config=EngineConfig(share=True, measure_latency=True), conductor_id=cid
+        store,
+        config=EngineConfig(share=True, measure_latency=True, batch_max=batch_max),
+        conductor_id=cid,
     )
     marks: dict[str, float] = {}
 
@@ -301,7 +305,7 @@ def _wal_stats(url: str, reset: bool) -> dict[str, float] | None:
     return {k: float(v) for k, v in zip(keys, row, strict=True)}
 
 
-def run(url: str, targets: int, max_parallel: int, conductors: int) -> PgRun:
+def run(url: str, targets: int, max_parallel: int, conductors: int, batch_max: int = 128) -> PgRun:
     wf = get_workflow("patch")
     assert wf is not None
     store = open_store(url)
@@ -318,7 +322,9 @@ def run(url: str, targets: int, max_parallel: int, conductors: int) -> PgRun:
     stop_ev = ctx.Event()
     ids = [f"bench-{i + 1}" for i in range(conductors)]
     procs = [
-        ctx.Process(target=_conductor_process, args=(url, cid, ready, stop_ev, out), name=cid)
+        ctx.Process(
+            target=_conductor_process, args=(url, cid, batch_max, ready, stop_ev, out), name=cid
+        )
         for cid in ids
     ]
     for p in procs:
@@ -550,6 +556,9 @@ def main() -> int:
     parser.add_argument("--targets", type=int, default=10_000)
     parser.add_argument("--max-parallel", type=int, default=1_000)
     parser.add_argument("--conductors", type=int, default=1, help="conductor processes")
+    parser.add_argument(
+        "--batch-max", type=int, default=128, help="EngineConfig.batch_max (its default: 128)"
+    )
     parser.add_argument("--no-results", action="store_true", help="do not write RESULTS.md")
     args = parser.parse_args()
     directory = None
@@ -557,7 +566,9 @@ def main() -> int:
     if url is None:
         directory, url = _throw_away_server()
     try:
-        result = run(_new_database(url), args.targets, args.max_parallel, args.conductors)
+        result = run(
+            _new_database(url), args.targets, args.max_parallel, args.conductors, args.batch_max
+        )
     finally:
         if directory is not None:
             subprocess.run(["bash", str(ROOT / "scripts" / "pg.sh"), "stop", directory])
