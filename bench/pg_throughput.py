@@ -205,13 +205,29 @@ def _pct(values: list[float], pct: float) -> float:
     return values[min(len(values) - 1, round(pct / 100 * (len(values) - 1)))]
 
 
-def _server_cpu() -> dict[int, float]:
-    """CPU seconds of each local postgres process, by pid."""
+def _server_processes(url: str) -> list[psutil.Process]:
+    """The server's processes (its postmaster and children), when it runs on this host
+    and its data directory can be read here; none otherwise."""
+    try:
+        with psycopg.connect(url, autocommit=True) as conn:
+            row = conn.execute("SHOW data_directory").fetchone()
+        assert row is not None
+        pid = int((Path(str(row[0])) / "postmaster.pid").read_text().split()[0])
+        postmaster = psutil.Process(pid)
+        return [postmaster, *postmaster.children(recursive=True)]
+    except (psycopg.Error, OSError, ValueError, IndexError, psutil.Error):
+        return []
+
+
+def _server_cpu(url: str) -> dict[int, float]:
+    """CPU seconds of each of the server's processes, by pid (only this server's)."""
     seen: dict[int, float] = {}
-    for proc in psutil.process_iter(["name", "cpu_times"]):
-        if proc.info["name"] == "postgres" and proc.info["cpu_times"] is not None:
-            t = proc.info["cpu_times"]
-            seen[proc.pid] = t.user + t.system
+    for proc in _server_processes(url):
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:
+            continue
+        seen[proc.pid] = t.user + t.system
     return seen
 
 
@@ -260,6 +276,10 @@ class PgRun:
     client_cpu_s: float
     server_cpu_s: float | None
     wal: dict[str, float] | None
+    steps_updates: int
+    steps_hot: int
+    batch_max: int
+    steps_fillfactor: int | None
     statements: list[Statement] = field(default_factory=list)
     shares: list[Share] = field(default_factory=list)
 
@@ -305,10 +325,31 @@ def _wal_stats(url: str, reset: bool) -> dict[str, float] | None:
     return {k: float(v) for k, v in zip(keys, row, strict=True)}
 
 
-def run(url: str, targets: int, max_parallel: int, conductors: int, batch_max: int = 128) -> PgRun:
+def _hot_updates(url: str) -> tuple[int, int]:
+    """The steps table's updates, and how many of them were HOT (no index entry)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute(
+            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = 'steps'"
+        ).fetchone()
+    return (int(row[0]), int(row[1])) if row else (0, 0)
+
+
+def run(
+    url: str,
+    targets: int,
+    max_parallel: int,
+    conductors: int,
+    batch_max: int = 128,
+    steps_fillfactor: int | None = None,
+) -> PgRun:
     wf = get_workflow("patch")
     assert wf is not None
     store = open_store(url)
+    if steps_fillfactor is not None:
+        # (an experiment: room left in each page of steps for its updates to stay HOT)
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(f"ALTER TABLE steps SET (fillfactor = {int(steps_fillfactor)})")
     admin.add_targets(store, [Target(name=f"t{i:06d}") for i in range(targets)])
     sid = admin.create_strategy(
         store, wf, StrategyOptions(max_parallel=max_parallel), all_targets=True
@@ -337,7 +378,8 @@ def run(url: str, targets: int, max_parallel: int, conductors: int, batch_max: i
         statements_on = _stat_statements(url)
         _wal_stats(url, reset=True)
         before = _counters(url)
-        cpu_before = _server_cpu()
+        hot_before = _hot_updates(url)
+        cpu_before = _server_cpu(url)
         load = os.getloadavg()[0]
         polls = 0
         with psycopg.connect(url, autocommit=True) as conn:
@@ -354,7 +396,7 @@ def run(url: str, targets: int, max_parallel: int, conductors: int, batch_max: i
                     break
                 time.sleep(POLL_S)
             wall = time.perf_counter() - t0
-        cpu_after = _server_cpu()
+        cpu_after = _server_cpu(url)
         wal = _wal_stats(url, reset=False)
         stop_ev.set()
         for _ in ids:
@@ -367,6 +409,7 @@ def run(url: str, targets: int, max_parallel: int, conductors: int, batch_max: i
                 p.kill()
     time.sleep(1.5)  # (the run's statistics reach pg_stat_database late)
     after = _counters(url)
+    hot_after = _hot_updates(url)
     statements = _statements(url) if statements_on else []
     with psycopg.connect(url, autocommit=True) as conn:
         by_conductor: dict[str, int] = dict(
@@ -420,6 +463,10 @@ def run(url: str, targets: int, max_parallel: int, conductors: int, batch_max: i
         client_cpu_s=sum(r["cpu_s"] for r in reports),
         server_cpu_s=server_cpu,
         wal=wal,
+        steps_updates=hot_after[0] - hot_before[0],
+        steps_hot=hot_after[1] - hot_before[1],
+        batch_max=batch_max,
+        steps_fillfactor=steps_fillfactor,
         statements=statements,
         shares=shares,
     )
@@ -467,8 +514,13 @@ def _render(r: PgRun, command: str) -> str:
         f"the run {r.load_before:.2f}",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         f"- {r.conductors} conductor process{'es' if r.conductors != 1 else ''}, "
-        "EngineConfig(share=True); wall time from the apply to the strategies row "
-        "reading complete",
+        f"EngineConfig(share=True, batch_max={r.batch_max})"
+        + (
+            f", steps table fillfactor {r.steps_fillfactor}"
+            if r.steps_fillfactor is not None
+            else ""
+        )
+        + "; wall time from the apply to the strategies row reading complete",
         "",
         "| figure | value | target |",
         "| --- | --- | --- |",
@@ -484,6 +536,8 @@ def _render(r: PgRun, command: str) -> str:
         f"| WAL bytes per transition | {r.wal_bytes / n:,.0f} | |",
         f"| rows inserted / updated per transition | {r.inserted / n:.2f} / "
         f"{r.updated / n:.2f} | |",
+        f"| updates of steps that were HOT (no index entries) | {r.steps_hot:,} of "
+        f"{r.steps_updates:,} | |",
         f"| round trips per transition (per writer commit) | {r.round_trips / n:.3f} "
         f"({r.round_trips / max(r.commits, 1):.1f}) | |",
         f"| conductor CPU s per 1,000 transitions | {r.client_cpu_s / n * 1000:.3f} | |",
@@ -559,6 +613,11 @@ def main() -> int:
     parser.add_argument(
         "--batch-max", type=int, default=128, help="EngineConfig.batch_max (its default: 128)"
     )
+    parser.add_argument(
+        "--steps-fillfactor",
+        type=int,
+        help="an experiment: ALTER TABLE steps SET (fillfactor = N) before the steps are made",
+    )
     parser.add_argument("--no-results", action="store_true", help="do not write RESULTS.md")
     args = parser.parse_args()
     directory = None
@@ -567,7 +626,12 @@ def main() -> int:
         directory, url = _throw_away_server()
     try:
         result = run(
-            _new_database(url), args.targets, args.max_parallel, args.conductors, args.batch_max
+            _new_database(url),
+            args.targets,
+            args.max_parallel,
+            args.conductors,
+            args.batch_max,
+            args.steps_fillfactor,
         )
     finally:
         if directory is not None:
