@@ -9,14 +9,14 @@ were HOT before, 87 % after; WAL per transition 769 -> 606 bytes, the server's e
 time per group commit 8.3 -> 6.0 ms. It applies to pages written from now on (the steps
 of strategies created after it). SQLite has no such setting: nothing changes there.
 
-Revision ID: 0016
-Revises: 0015
+Revision ID: 0017
+Revises: 0016
 """
 
 from alembic import op
 
-revision = "0016"
-down_revision = "0015"
+revision = "0017"
+down_revision = "0016"
 branch_labels = None
 depends_on = None
 
