@@ -4,7 +4,8 @@
 #   bash scripts/pg.sh install     install Debian's postgresql package if no server is found
 #   bash scripts/pg.sh start DIR   initdb in DIR (new, empty or missing), start the server
 #                                  listening only on a socket in DIR (no TCP), fsync on;
-#                                  prints the URL to reach it (superuser, no password)
+#                                  prints the URL to reach it (superuser, no password);
+#                                  PG_SERVER_OPTS adds server settings ("-c name=value ...")
 #   bash scripts/pg.sh stop DIR    stop that server (fast) and remove DIR
 #
 # Run as root (CI), the cluster belongs to the 'postgres' user the package creates
@@ -72,7 +73,7 @@ case "$cmd" in
     } >"$dir/data/pg_hba.conf"
     as_owner "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
       -o "-c listen_addresses='' -c unix_socket_directories='$dir' -c fsync=on \
-          -c max_connections=300 -c shared_buffers=32MB" start >/dev/null \
+          -c max_connections=300 -c shared_buffers=32MB ${PG_SERVER_OPTS:-}" start >/dev/null \
       || { cat "$dir/server.log" >&2; exit 1; }
     # the directory is the socket's: it must be reachable by the tests' user (root or owner)
     chmod 755 "$dir"
