@@ -617,7 +617,7 @@ def main() -> int:
         "--steps-fillfactor",
         type=int,
         help="ALTER TABLE steps SET (fillfactor = N) before the steps are made (the schema's: "
-        "70 on PostgreSQL since migration 0016; 100 is PostgreSQL's default)",
+        "70 on PostgreSQL since migration 0017; 100 is PostgreSQL's default)",
     )
     parser.add_argument("--no-results", action="store_true", help="do not write RESULTS.md")
     args = parser.parse_args()

@@ -25,7 +25,7 @@ MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 #: how long a write waits for another writer's lock (an operator's command, another
 #: conductor) before it fails, unless a conductor asks for less
 DEFAULT_BUSY_TIMEOUT_MS = 5000
-HEAD_REVISION = "0016"
+HEAD_REVISION = "0017"
 
 
 class StoreError(Exception):

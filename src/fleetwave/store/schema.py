@@ -105,7 +105,7 @@ strategies = Table(
     Column("deleted_from", String(32)),
 )
 
-#: on PostgreSQL its pages are left 30 % free (fillfactor 70, migration 0016): a step's
+#: on PostgreSQL its pages are left 30 % free (fillfactor 70, migration 0017): a step's
 #: row is updated at every transition, and an update that finds room in its page writes
 #: no index entries (HOT)
 steps = Table(
