@@ -64,6 +64,7 @@ class ClaimsMixin(StoreCalls):
     _deadline_of: Callable[[StrategyRun, str, float], float | None]
     _move: Callable[[StrategyRun, int, str, int, str, str, int, float, int | None], rt.Transition]
     _sharing: bool
+    _serving_peers: int
     _PEERS: Any
     _fair_share: Callable[[StrategyRun], None]
     _promote: Callable[
@@ -227,7 +228,7 @@ class ClaimsMixin(StoreCalls):
         # A staged strategy is loaded whole: which stage comes next is then decided on
         # every waiting step, not on the assumption that pages come in stage order.
         first = self.config.waiting_page or max(
-            run.cap, 32 if self._sharing else self._prefetch_page()
+            run.cap, 32 if self._sharing and self._serving_peers else self._prefetch_page()
         )
         await self._load_waiting(run, everything=opts.staged, page=first)
         limit = opts.failure_limit

@@ -887,7 +887,10 @@ class Conductor(
         log.info("strategy %s: abort requested; in-flight steps finish their current state", sid)
 
     def _page(self, run: StrategyRun) -> int:
-        if self._sharing:  # (claimed: what it can start soon, no more)
+        if self._sharing and self._serving_peers:
+            # (claimed: what it can start soon, no more, so that the others find some;
+            # alone, it claims as many as it would load: a claim is a write transaction,
+            # and when others join it hands back what is past this page)
             return self.config.waiting_page or max(2 * run.cap, 32)
         return self.config.waiting_page or max(2 * run.cap, 512)
 
@@ -904,7 +907,8 @@ class Conductor(
             short = self._page(run) - run.pending_count()
             if run.more_waiting and run.stopping is None and short > 0:
                 # (sharing: what it claims, others cannot start; no more than its page)
-                page = min(short, self._prefetch_page()) if self._sharing else None
+                shared = self._sharing and self._serving_peers
+                page = min(short, self._prefetch_page()) if shared else None
                 await self._load_waiting(run, everything=False, page=page or self._prefetch_page())
                 return True
         return False
