@@ -153,8 +153,8 @@ MUTATIONS = [
     Mutation(
         "strategy fence not checked by a commit",
         STORE + "writer.py",
-        "            if owner == self.cid and fence == fences[sid]:",
-        "            if True:",
+        "            if (owner == self.cid and fence == fences[sid]) or (",
+        "            if True or (",
         tests=(
             "tests/test_fencing_layers.py::test_the_strategy_fence_refuses_a_conductor_claimed_over",
         ),
@@ -199,10 +199,12 @@ MUTATIONS = [
     Mutation(
         "a callback waits for the dispatcher (a call, not a cast)",
         ENGINE + "conductor.py",
-        "    def _sink(self, step_id: int, state: str, kind: str, details: str) -> None:\n"
-        "        self.receive_callback(step_id, state, kind, details)",
-        "    def _sink(self, step_id: int, state: str, kind: str, details: str) -> Any:\n"
-        "        self.receive_callback(step_id, state, kind, details)\n"
+        "    def _sink(self, step_id: int, state: str, kind: str, details: str, visit: int) "
+        "-> None:\n"
+        "        self.receive_callback(step_id, state, kind, details, visit)",
+        "    def _sink(self, step_id: int, state: str, kind: str, details: str, visit: int) "
+        "-> Any:\n"
+        "        self.receive_callback(step_id, state, kind, details, visit)\n"
         "        return asyncio.sleep(self.config.tick_s)  # until the next pass handles it",
         sims=(("clean", 60),),
     ),
