@@ -249,3 +249,24 @@ def _drop_everything(store: Store) -> None:
     with store.engine.begin() as conn:
         for table in reversed(metadata.sorted_tables):
             conn.execute(table.delete())
+
+
+def test_a_helper_writes_its_steps_only_while_the_strategy_is_driven(store: Store) -> None:
+    """A conductor that helps drive a strategy another leads commits with the SHARED
+    fence: its own steps' owner and fence decide while the strategy is applying; once the
+    strategy has ended (or is deleted), nothing of it is written."""
+    sid = _strategy(store, 3, max_parallel=3)
+    helper = rt.TransitionWriter(store, "H")
+    s1, s2 = rt.claim_waiting_steps(store, sid, "H", 2)
+    res = helper.commit([_enter(s1)], [], 1.0, fences={sid: rt.SHARED})
+    assert res.rejected == [] and res.lost == set()
+    with store.write() as conn:
+        conn.exec_driver_sql(
+            f"UPDATE strategies SET state = 'failed' WHERE id = {store.hooks.placeholder}",
+            (sid,),
+        )
+    res = helper.commit([_end(s1), _enter(s2)], [], 2.0, fences={sid: rt.SHARED})
+    assert res.lost == {sid}
+    assert {t.step_id for t in res.rejected} == {s1.step_id, s2.step_id}
+    assert _whole(store, sid).in_flight == 1  # (nothing of the refused commit counted)
+    helper.close()
