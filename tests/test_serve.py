@@ -37,7 +37,11 @@ def test_serve_drives_apply_and_a_second_process_only_watches(tmp_path: Path) ->
     assert _cli(db, "init").returncode == 0
     csv = tmp_path / "fleet.csv"
     csv.write_text(
-        "name,latency_ms\n" + "".join(f"s{i:03d},100\n" for i in range(60)), encoding="utf-8"
+        # (300 ms a state: about 9 s of work, so that on a loaded machine the rollout is
+        # still going when the second process asks; with 100 ms it had sometimes ended,
+        # and that process never registered)
+        "name,latency_ms\n" + "".join(f"s{i:03d},300\n" for i in range(60)),
+        encoding="utf-8",
     )
     assert _cli(db, "target", "import", str(csv)).returncode == 0
     created = _cli(
