@@ -248,16 +248,7 @@ class ClaimsMixin(StoreCalls):
             run.stopping = "abort"
             run.stop_details = "aborted by operator"
             events.append(rt.Event("abort-seen", "operator abort requested (on takeover)", rec.id))
-        afresh = self._afresh(run, lost, now)
-        taken = await self._io(
-            rt.take_over_steps,
-            self.store,
-            lost,
-            self.id,
-            self._NOW,
-            held=(rec.id, rec.fence),
-            afresh=afresh,
-        )
+        taken = await self._take_over(run, lost, (rec.id, rec.fence), now)
         if taken is None:
             # Another conductor claimed it after this one did (this process stalled
             # between its claim and here for longer than the lease): its steps are that
@@ -272,6 +263,25 @@ class ClaimsMixin(StoreCalls):
         if run.stopping is None and rec.state == StrategyState.APPLYING and not lost:
             log.info("strategy %s: driving its waiting steps", rec.id)
         return out
+
+    async def _take_over(
+        self,
+        run: StrategyRun,
+        lost: list[rt.StepRecord],
+        held: tuple[int, int],
+        now: float,
+    ) -> list[rt.StepRecord] | None:
+        """Fence ``lost`` off to this conductor while it holds ``held`` (strategy, fence):
+        those never started start afresh (:meth:`_afresh`). None: not held any more."""
+        return await self._io(
+            rt.take_over_steps,
+            self.store,
+            lost,
+            self.id,
+            self._NOW,
+            held=held,
+            afresh=self._afresh(run, lost, now),
+        )
 
     def _afresh(self, run: StrategyRun, lost: list[rt.StepRecord], now: float) -> set[int]:
         """Of steps to take over, those entered and never started, which start afresh

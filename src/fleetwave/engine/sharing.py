@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fleetwave.catalog import resolve_workflow
@@ -65,7 +65,10 @@ class SharingMixin(StoreCalls):
     post: Callable[[Message], None]
     _wake_soon: Callable[[], None]
     _page: Callable[[StrategyRun], int]
-    _afresh: Callable[[StrategyRun, list[rt.StepRecord], float], set[int]]
+    _take_over: Callable[
+        [StrategyRun, list[rt.StepRecord], tuple[int, int], float],
+        Coroutine[Any, Any, list[rt.StepRecord] | None],
+    ]
     _hold_taken: Callable[
         [
             StrategyRun,
@@ -202,16 +205,7 @@ class SharingMixin(StoreCalls):
         if run is None or run.shared:
             return []
         lost = [s for s in msg.steps if s.step_id not in run.inflight]
-        afresh = self._afresh(run, lost, now)
-        taken = await self._io(
-            rt.take_over_steps,
-            self.store,
-            lost,
-            self.id,
-            self._NOW,
-            held=(run.id, run.record.fence),
-            afresh=afresh,
-        )
+        taken = await self._take_over(run, lost, (run.id, run.record.fence), now)
         if taken is None or run.id not in self.runs:
             return []  # (lost meanwhile: the periodic pass says so)
         owners = sorted({s.owner or "?" for s in lost})
@@ -241,16 +235,7 @@ class SharingMixin(StoreCalls):
         lost, failed = await self._io(rt.load_started_steps, self.store, rec.id, self._PEERS)
         run.failed = max(run.failed, failed)
         lost = [s for s in lost if s.step_id not in run.inflight and s.owner != self.id]
-        afresh = self._afresh(run, lost, now)
-        taken = await self._io(
-            rt.take_over_steps,
-            self.store,
-            lost,
-            self.id,
-            self._NOW,
-            held=(rec.id, rec.fence),
-            afresh=afresh,
-        )
+        taken = await self._take_over(run, lost, (rec.id, rec.fence), now)
         log.warning(
             "strategy %s: leading it now (its leader's lease ran out); taking over %d of its steps",
             rec.id,
