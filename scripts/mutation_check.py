@@ -58,8 +58,8 @@ MUTATIONS = [
     Mutation(
         "d1: adopt takes steps over without checking it still holds the strategy",
         ENGINE + "claims.py",
-        "            held=(rec.id, rec.fence),\n            afresh=afresh,",
-        "            afresh=afresh,",
+        "        taken = await self._take_over(run, lost, (rec.id, rec.fence), now)",
+        "        taken = await self._take_over(run, lost, None, now)",
         tests=(
             "tests/test_adoption.py::test_a_conductor_fenced_off_before_adopting_takes_no_step_over",
         ),
@@ -85,8 +85,8 @@ MUTATIONS = [
         also=(
             (
                 ENGINE + "claims.py",
-                "            held=(rec.id, rec.fence),\n            afresh=afresh,",
-                "            afresh=afresh,",
+                "        taken = await self._take_over(run, lost, (rec.id, rec.fence), now)",
+                "        taken = await self._take_over(run, lost, None, now)",
             ),
         ),
         sims=(("patch", 60),),

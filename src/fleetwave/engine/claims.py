@@ -268,7 +268,7 @@ class ClaimsMixin(StoreCalls):
         self,
         run: StrategyRun,
         lost: list[rt.StepRecord],
-        held: tuple[int, int],
+        held: tuple[int, int] | None,
         now: float,
     ) -> list[rt.StepRecord] | None:
         """Fence ``lost`` off to this conductor while it holds ``held`` (strategy, fence):

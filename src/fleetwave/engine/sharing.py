@@ -66,7 +66,7 @@ class SharingMixin(StoreCalls):
     _wake_soon: Callable[[], None]
     _page: Callable[[StrategyRun], int]
     _take_over: Callable[
-        [StrategyRun, list[rt.StepRecord], tuple[int, int], float],
+        [StrategyRun, list[rt.StepRecord], tuple[int, int] | None, float],
         Coroutine[Any, Any, list[rt.StepRecord] | None],
     ]
     _hold_taken: Callable[
