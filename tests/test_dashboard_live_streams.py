@@ -1,7 +1,7 @@
 """The dashboard's server side on a real ``fleetwave serve --listen``: its files served
 from the package (naming no other host), its live streams behind the same tokens as
 the API, and their fan-out bounded: five pages on one strategy are one producer reading
-the store once a second, not five."""
+the store twice a second, not five."""
 
 from __future__ import annotations
 
@@ -135,8 +135,8 @@ def test_five_pages_on_one_strategy_share_one_producer(tmp_path: Path) -> None:
             reads_before = _metric(server, token, "fleetwave_live_reads_total")
             time.sleep(4)
             reads = _metric(server, token, "fleetwave_live_reads_total") - reads_before
-            # once a second for the five pages (a pass late on a loaded machine: fewer)
-            assert 1 <= reads <= 6, reads
+            # twice a second for the five pages (a pass late on a loaded machine: fewer)
+            assert 2 <= reads <= 10, reads
             stop.set()
             for t in threads:
                 t.join(timeout=10)

@@ -2,13 +2,14 @@
 bounded fan-out.
 
 One **producer** per subject (the overview of every strategy and conductor, or one
-strategy) reads the store about once a second (every :data:`POLL_S`), on the API's
-threads, and keeps the latest snapshot, numbered, with its JSON already made. Every
-page watching that subject reads the same snapshot: a hundred open pages cost one set
-of queries a second, not a hundred (the producer starts with the first page and stops
-with the last). Each stream waits
-for the next snapshot; one that fell behind (a slow client) is sent the whole snapshot
-(``full``) instead of the changes it missed (``tick``), so no queue grows per client.
+strategy) reads the store at a fixed rate (a strategy every :data:`POLL_S`, the
+overview every :data:`OVERVIEW_POLL_S`), on the API's threads, and keeps the latest
+snapshot, numbered, with its changes already made into JSON. Every page watching that
+subject reads the same snapshot: a hundred open pages cost one set of queries a pass,
+not a hundred (the producer starts with the first page and stops with the last). Each
+stream waits for the next snapshot; one that fell behind (a slow client) is sent the
+whole snapshot (``full``, made into JSON once, when the first page needs it) instead
+of the changes it missed (``tick``), so no queue grows per client.
 
 Limits: at most :data:`STREAMS_MAX` streams and :data:`PRODUCERS_MAX` producers at
 once (one more is refused with 503 ``too_many_streams``); a stream whose token is
@@ -18,6 +19,7 @@ revoked or expires is ended within :data:`TOKEN_RECHECK_S`.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import json
 import logging
@@ -29,7 +31,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fleetwave.api.errors import ApiError
-from fleetwave.api.pages import Grid, Transition, read_grid, read_journal_after, read_step_states
+from fleetwave.api.pages import (
+    Grid,
+    JournalRow,
+    Marks,
+    Transition,
+    read_grid_marked,
+    read_journal,
+    read_pass,
+    read_transitions,
+)
 from fleetwave.domain.models import STEP_FAILED, STEP_TERMINAL
 from fleetwave.engine.loop import wait_set
 from fleetwave.store import queries
@@ -40,9 +51,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fleetwave.api.live")
 
-#: how often a producer reads the store (seconds): at a fixed rate, a little under a
-#: second, so that a page is updated at least once a second despite the jitter
-POLL_S = 0.9
+#: how often a strategy's producer reads the store (seconds), at a fixed rate: twice a
+#: second, so that its page is updated at least once a second with room for the jitter
+#: of a loaded machine (a pass late, a page's drawing late)
+POLL_S = 0.5
+#: how often the overview's producer reads the store (every strategy under way is read
+#: as ``strategy show`` reads it: a pass costs more, and its pages draw tables)
+OVERVIEW_POLL_S = 0.7
 #: streams open at once (all pages), and subjects watched at once
 STREAMS_MAX = 200
 PRODUCERS_MAX = 32
@@ -50,8 +65,9 @@ PRODUCERS_MAX = 32
 KEEPALIVE_S = 15.0
 #: how often a stream checks that its token is still valid
 TOKEN_RECHECK_S = 30.0
-#: journal rows read per query while a producer catches up
-JOURNAL_BATCH = 20_000
+#: how often a strategy's producer reads every step's state, not only those its
+#: journal and attempts name (seconds)
+WHOLE_GRID_S = 10.0
 #: the latest failures a strategy's snapshot lists
 FAILURES_SHOWN = 20
 #: upper edges (seconds) of the step-duration histograms' buckets (the last is open)
@@ -70,18 +86,32 @@ def _json(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), default=str).encode()
 
 
-@dataclass
+def _already(made: bytes) -> Callable[[], bytes]:
+    return lambda: made
+
+
 class Snapshot:
     """What a producer read at one pass: ``full`` for a page that starts (or fell
-    behind), ``tick`` for one that saw the snapshot before."""
+    behind), made when the first such page asks for it; ``tick`` for one that saw the
+    snapshot before."""
 
-    seq: int
-    full: bytes
-    tick: bytes
+    def __init__(self, seq: int, full: Callable[[], bytes], tick: bytes) -> None:
+        self.seq = seq
+        self.tick = tick
+        self._make_full: Callable[[], bytes] | None = full
+        self._full = b""
+
+    @property
+    def full(self) -> bytes:
+        if self._make_full is not None:
+            self._full, self._make_full = self._make_full(), None
+        return self._full
 
 
 class Producer:
-    """Reads one subject once a second while somebody watches it."""
+    """Reads one subject every :attr:`period_s` while somebody watches it."""
+
+    period_s = OVERVIEW_POLL_S
 
     def __init__(self, svc: Service, key: str, hub: LiveHub) -> None:
         self.svc = svc
@@ -108,7 +138,7 @@ class Producer:
                 return None
         return self.latest
 
-    def _publish(self, full: bytes, tick: bytes) -> None:
+    def _publish(self, full: Callable[[], bytes], tick: bytes) -> None:
         seq = self.latest.seq + 1 if self.latest is not None else 1
         self.latest = Snapshot(seq, full, tick)
         self._changed.set()
@@ -127,9 +157,10 @@ class Producer:
             except Exception as exc:  # the store did not answer: said on the page
                 log.warning("live %s: the store did not answer: %s", self.key, redact(str(exc)))
                 problem = _json({"problem": f"the database did not answer: {redact(str(exc))}"})
-                self._publish(sse("problem", problem), sse("problem", problem))
+                said = sse("problem", problem)
+                self._publish(_already(said), said)
             # (a fixed rate; after a pass that overran, the next starts at once: no burst)
-            due = max(due + POLL_S, time.monotonic())
+            due = max(due + self.period_s, time.monotonic())
             await asyncio.sleep(max(0.0, due - time.monotonic()))
 
     async def read(self, first: bool) -> None:
@@ -142,8 +173,8 @@ class OverviewProducer(Producer):
 
     async def read(self, first: bool) -> None:
         data = await self.svc.call(overview, self.svc.store)
-        body = _json(data)
-        self._publish(sse("full", body), sse("full", body))
+        said = sse("full", _json(data))
+        self._publish(_already(said), said)
 
 
 #: strategy states in which its steps still move (its summary is read again each pass)
@@ -170,7 +201,6 @@ def overview(store: Any) -> dict[str, Any]:
 class _Charts:
     """A strategy's journal, folded as it is read: throughput and time per state."""
 
-    last_id: int = 0
     #: per second (its ``at``, whole): transitions written, and steps ended
     transitions: dict[int, int] = field(default_factory=dict)
     ended: dict[int, int] = field(default_factory=dict)
@@ -180,38 +210,49 @@ class _Charts:
     durations: dict[str, list[int]] = field(default_factory=dict)
     duration_sum_s: dict[str, float] = field(default_factory=dict)
     failures: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=FAILURES_SHOWN))
+    #: the earliest ``at`` folded: when the strategy's first transition was
+    first_at: float | None = None
 
-    def fold(self, rows: list[Transition], names: dict[int, str]) -> None:
-        for t in rows:
-            self.last_id = t.id
-            second = int(t.at)
-            self.transitions[second] = self.transitions.get(second, 0) + 1
-            if t.to in STEP_TERMINAL:
-                self.ended[second] = self.ended.get(second, 0) + 1
-            before = self.entered.pop(t.step, None)
+    def fold(self, rows: list[JournalRow]) -> list[int]:
+        """Fold journal rows (id, step, at, to), oldest first; the ids of the
+        latest of them that entered ``failed`` (their details are read apart)."""
+        transitions, ended, entered = self.transitions, self.ended, self.entered
+        failed: deque[int] = deque(maxlen=FAILURES_SHOWN)
+        for row_id, step, at, to in rows:
+            if self.first_at is None or at < self.first_at:
+                self.first_at = at
+            second = int(at)
+            transitions[second] = transitions.get(second, 0) + 1
+            before = entered.pop(step, None)
             if before is not None:
                 state, since = before
-                took = max(0.0, t.at - since)
-                bucket = next(
-                    (i for i, edge in enumerate(DURATION_EDGES_S) if took <= edge),
-                    len(DURATION_EDGES_S),
-                )
-                counts = self.durations.setdefault(state, [0] * (len(DURATION_EDGES_S) + 1))
-                counts[bucket] += 1
+                took = at - since if at > since else 0.0
+                counts = self.durations.get(state)
+                if counts is None:
+                    counts = self.durations[state] = [0] * (len(DURATION_EDGES_S) + 1)
+                counts[bisect.bisect_left(DURATION_EDGES_S, took)] += 1
                 self.duration_sum_s[state] = self.duration_sum_s.get(state, 0.0) + took
-            if t.to not in STEP_TERMINAL:
-                self.entered[t.step] = (t.to, t.at)
-            if t.to == STEP_FAILED:
-                self.failures.appendleft(
-                    {
-                        "step": t.step,
-                        "target": names.get(t.step, "?"),
-                        "at": t.at,
-                        "from": t.came_from,
-                        "details": t.details,
-                        "conductor": t.conductor,
-                    }
-                )
+            if to in STEP_TERMINAL:
+                ended[second] = ended.get(second, 0) + 1
+                if to == STEP_FAILED:
+                    failed.append(row_id)
+            else:
+                entered[step] = (to, at)
+        return list(failed)
+
+    def failed(self, rows: list[Transition], names: dict[int, str]) -> None:
+        """The failures' rows (oldest first), read by their ids."""
+        for t in rows:
+            self.failures.appendleft(
+                {
+                    "step": t.step,
+                    "target": names.get(t.step, "?"),
+                    "at": t.at,
+                    "from": t.came_from,
+                    "details": t.details,
+                    "conductor": t.conductor,
+                }
+            )
 
     def shown(self, now: float) -> dict[str, Any]:
         """The charts' data: throughput in buckets of ``bucket_s`` from ``t0`` (ended
@@ -252,7 +293,19 @@ class _Charts:
 
 class StrategyProducer(Producer):
     """One strategy: ``strategy show`` (its counts as the command has them), its grid
-    (every cell on ``full``, the cells that changed on ``tick``) and its charts."""
+    (every cell on ``full``, the cells that changed on ``tick``) and its charts.
+
+    A pass costs the server what moved since the last, not the strategy's size: the
+    journal's new rows (a few columns, through the driver) give the charts and the
+    cells' states (a state is entered at attempt 1; an end keeps the attempt), a new
+    attempt row (a retry) has its step read; every step is read again only every
+    :data:`WHOLE_GRID_S` and when the strategy's state changes (a change no journal
+    or attempt row names does not stay on the page for long). ``strategy show``'s
+    figures are read whole each pass. The whole pass runs on one of the API's
+    threads, not on the event loop the engine shares; the whole grid is made into
+    JSON only when a page needs it (it starts, or fell behind)."""
+
+    period_s = POLL_S
 
     def __init__(self, svc: Service, key: str, hub: LiveHub, sid: int) -> None:
         super().__init__(svc, key, hub)
@@ -261,36 +314,65 @@ class StrategyProducer(Producer):
         self.index: dict[int, int] = {}
         self.names: dict[int, str] = {}
         self.charts = _Charts()
+        #: the journal's and the attempts' last rows folded (read with the grid first)
+        self.marks = Marks(0, 0)
+        #: the strategy's state at the last pass, and when every step is read again
+        self.state_seen: str | None = None
+        self.whole_due = time.monotonic() + WHOLE_GRID_S
 
     async def read(self, first: bool) -> None:
+        full, tick = await self.svc.call(self.one_pass)
+        self._publish(full, tick)
+
+    def one_pass(self) -> tuple[Callable[[], bytes], bytes]:
+        """Read and fold what moved; the snapshot's ``full`` (made when first asked
+        for) and ``tick``. (On an API thread: one pass at a time, the producer's.)"""
         store, sid = self.svc.store, self.sid
         if self.grid is None:
-            self.grid = await self.svc.call(read_grid, store, sid)
-            self.index = {step: i for i, step in enumerate(self.grid.step)}
-            self.names = dict(zip(self.grid.step, self.grid.target, strict=True))
-        grid = self.grid
-        summary = await self.svc.call(queries.get_strategy, store, sid)
-        now_states = await self.svc.call(read_step_states, store, sid)
-        changes: list[list[Any]] = []
-        for step, (state, attempt) in now_states.items():
-            i = self.index.get(step)
-            if i is None:
-                continue
-            if grid.state[i] != state or grid.attempt[i] != attempt:
-                grid.state[i], grid.attempt[i] = state, attempt
-                changes.append([i, state, attempt])
-        while True:
-            rows = await self.svc.call(
-                read_journal_after, store, sid, self.charts.last_id, JOURNAL_BATCH
+            made, self.marks = read_grid_marked(store, sid)
+            self.grid = made
+            self.index = {step: i for i, step in enumerate(made.step)}
+            self.names = dict(zip(made.step, made.target, strict=True))
+            # (the journal so far, for the charts)
+            self.charts.failed(
+                read_transitions(store, self.charts.fold(read_journal(store, sid, self.marks))),
+                self.names,
             )
-            self.charts.fold(rows, self.names)
-            if len(rows) < JOURNAL_BATCH:
-                break
+        grid = self.grid
+        summary = queries.get_strategy(store, sid, first_at=self.charts.first_at)
+        whole = summary["state"] != self.state_seen or time.monotonic() >= self.whole_due
+        if whole:
+            self.whole_due = time.monotonic() + WHOLE_GRID_S
+            self.state_seen = summary["state"]
+        moved = read_pass(store, sid, self.marks, whole)
+        self.marks = moved.marks
+        states, attempts, index = grid.state, grid.attempt, self.index
+        changed: dict[int, None] = {}  # (cells in the order they changed, once each)
+        for _, step, _, to in moved.journal:
+            i = index.get(step)
+            if i is not None:
+                states[i] = to
+                if to not in STEP_TERMINAL:
+                    attempts[i] = 1
+                changed[i] = None
+        for step, state, attempt in moved.steps:
+            i = index.get(step)
+            if i is not None and (states[i] != state or attempts[i] != attempt):
+                states[i], attempts[i] = state, attempt
+                changed[i] = None
+        failed = self.charts.fold(moved.journal)
+        if failed:
+            self.charts.failed(read_transitions(store, failed), self.names)
         now = time.time()
-        common = {"at": now, "strategy": summary, **self.charts.shown(now)}
-        full = _json({**common, "grid": grid.columns()})
-        tick = _json({**common, "changes": changes})
-        self._publish(sse("full", full), sse("tick", tick))
+        common = _json({"at": now, "strategy": summary, **self.charts.shown(now)})
+        changes = [[i, states[i], attempts[i]] for i in changed]
+        tick = b'{"changes":' + _json(changes) + b"," + common[1:]
+        cells = {**grid.columns(), "state": states[:], "attempt": attempts[:]}
+
+        def full() -> bytes:
+            return sse("full", b'{"grid":' + _json(cells) + b"," + common[1:])
+
+        return full, sse("tick", tick)
 
 
 class LiveHub:

@@ -1,6 +1,7 @@
 """What the dashboard's pages read that no command prints: a strategy's fleet grid (one
-cell per step, by stage and group), its journal after a given row (for its live
-charts), and a target's time per state in each strategy it has been in.
+cell per step, by stage and group), what moved in it since a live pass's last (the
+steps, and its journal summed up for the charts), and a target's time per state in
+each strategy it has been in.
 
 Plain reads, each in one snapshot (``store.read()``); blocking, so the API runs them on
 its threads (:meth:`fleetwave.api.service.Service.call`).
@@ -13,13 +14,21 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from fleetwave.domain.errors import NotFound
 from fleetwave.domain.models import STEP_TERMINAL
 from fleetwave.store import queries
 from fleetwave.store.db import Store
-from fleetwave.store.schema import deleted_steps, groups, journal, steps, strategies, targets
+from fleetwave.store.schema import (
+    attempts,
+    deleted_steps,
+    groups,
+    journal,
+    steps,
+    strategies,
+    targets,
+)
 
 #: a step's group when it has none (shown as such on the grid)
 NO_GROUP = "(no group)"
@@ -58,20 +67,24 @@ def _step_table(conn: Any, sid: int) -> Any:
 def read_grid(store: Store, sid: int) -> Grid:
     """Every step of strategy ``sid`` (a deleted one's as they ended), in grid order."""
     with store.read() as conn:
-        table = _step_table(conn, sid)
-        name = targets.c.name if table is steps else table.c.target
-        q = select(
-            table.c.id,
-            name,
-            table.c.stage,
-            groups.c.name.label("group_name"),
-            table.c.state,
-            table.c.attempt,
-            table.c.ordinal,
-        ).outerjoin(groups, groups.c.id == table.c.group_id)
-        if table is steps:
-            q = q.join(targets, targets.c.id == steps.c.target_id)
-        rows = list(conn.execute(q.where(table.c.strategy_id == sid)))
+        return _grid(conn, sid)
+
+
+def _grid(conn: Any, sid: int) -> Grid:
+    table = _step_table(conn, sid)
+    name = targets.c.name if table is steps else table.c.target
+    q = select(
+        table.c.id,
+        name,
+        table.c.stage,
+        groups.c.name.label("group_name"),
+        table.c.state,
+        table.c.attempt,
+        table.c.ordinal,
+    ).outerjoin(groups, groups.c.id == table.c.group_id)
+    if table is steps:
+        q = q.join(targets, targets.c.id == steps.c.target_id)
+    rows = list(conn.execute(q.where(table.c.strategy_id == sid)))
     rows.sort(key=lambda r: (r.stage, r.group_name or NO_GROUP, r.ordinal))
     return Grid(
         step=[int(r.id) for r in rows],
@@ -83,16 +96,98 @@ def read_grid(store: Store, sid: int) -> Grid:
     )
 
 
-def read_step_states(store: Store, sid: int) -> dict[int, tuple[str, int]]:
-    """Each step's state and attempt now, by step id (one query: the grid's refresh)."""
+@dataclass(frozen=True)
+class Marks:
+    """The last journal row and attempt row of a strategy that a reader has seen."""
+
+    journal: int
+    attempts: int
+
+
+def _marks(conn: Any, sid: int) -> Marks:
+    last_j = conn.execute(
+        select(func.max(journal.c.id)).where(journal.c.strategy_id == sid)
+    ).scalar()
+    last_a = conn.execute(
+        select(func.max(attempts.c.id)).where(attempts.c.strategy_id == sid)
+    ).scalar()
+    return Marks(int(last_j or 0), int(last_a or 0))
+
+
+def read_grid_marked(store: Store, sid: int) -> tuple[Grid, Marks]:
+    """:func:`read_grid`, and the journal and attempt rows it has seen (one snapshot):
+    what :func:`read_pass` reads after."""
+    with store.read() as conn:
+        return _grid(conn, sid), _marks(conn, sid)
+
+
+#: a journal row as the live pages need it: (id, step id, at, to state)
+JournalRow = tuple[int, int, float, str]
+
+
+@dataclass(frozen=True)
+class Moved:
+    """What moved in a strategy after some marks, read in one snapshot by
+    :func:`read_pass`."""
+
+    marks: Marks
+    #: the new journal rows, oldest first
+    journal: list[JournalRow]
+    #: (step id, state, attempt) now of the steps a new attempt row names (a retry:
+    #: the journal says nothing of it), or of every step when asked
+    steps: list[tuple[int, str, int]]
+
+
+def _journal_rows(conn: Any, p: str, sid: int, after: int, upto: int) -> list[JournalRow]:
+    """(Through the driver's own cursor: SQLAlchemy's rows cost more than the read.)"""
+    if upto <= after:
+        return []
+    cur = conn.connection.driver_connection.cursor()
+    try:
+        cur.execute(
+            "SELECT id, step_id, at, to_state FROM journal "
+            f"WHERE strategy_id = {p} AND id > {p} AND id <= {p} ORDER BY id",
+            (sid, after, upto),
+        )
+        rows: list[JournalRow] = cur.fetchall()
+    finally:
+        cur.close()
+    return rows
+
+
+def read_journal(store: Store, sid: int, upto: Marks) -> list[JournalRow]:
+    """Strategy ``sid``'s journal rows up to ``upto`` (as :attr:`Moved.journal`)."""
+    with store.read() as conn:
+        return _journal_rows(conn, store.hooks.placeholder, sid, 0, upto.journal)
+
+
+def read_pass(store: Store, sid: int, after: Marks, every_step: bool = False) -> Moved:
+    """What moved in strategy ``sid`` after ``after``: its new journal rows (the few
+    columns the live charts and grid need, through the driver: a 10,000-target
+    rollout writes some 10,000 a second), and the steps its new attempt rows name
+    (``every_step``: all its steps) with their state and attempt now."""
+    p = store.hooks.placeholder
     with store.read() as conn:
         table = _step_table(conn, sid)
-        return {
-            int(i): (str(s), int(a))
-            for i, s, a in conn.execute(
-                select(table.c.id, table.c.state, table.c.attempt).where(table.c.strategy_id == sid)
+        now = _marks(conn, sid)
+        rows = _journal_rows(conn, p, sid, after.journal, now.journal)
+        step_q = select(table.c.id, table.c.state, table.c.attempt)
+        if every_step:
+            step_q = step_q.where(table.c.strategy_id == sid)
+        elif now.attempts > after.attempts:
+            step_q = step_q.where(
+                table.c.id.in_(
+                    select(attempts.c.step_id).where(
+                        attempts.c.strategy_id == sid,
+                        attempts.c.id > after.attempts,
+                        attempts.c.id <= now.attempts,
+                    )
+                )
             )
-        }
+        else:
+            return Moved(now, rows, [])
+        moved = [(int(i), str(st), int(a)) for i, st, a in conn.execute(step_q)]
+    return Moved(now, rows, moved)
 
 
 @dataclass(frozen=True)
@@ -122,17 +217,15 @@ def _transition(r: Any) -> Transition:
     return Transition(int(r.id), int(r.step_id), float(r.at), r.conductor, r[4], r[5], r.details)
 
 
-def read_journal_after(store: Store, sid: int, after: int, limit: int) -> list[Transition]:
-    """Up to ``limit`` of strategy ``sid``'s journal rows after row ``after``, oldest
-    first."""
+def read_transitions(store: Store, ids: list[int]) -> list[Transition]:
+    """Journal rows by id, oldest first."""
+    if not ids:
+        return []
     with store.read() as conn:
         return [
             _transition(r)
             for r in conn.execute(
-                select(*_TRANSITION_COLUMNS)
-                .where(journal.c.strategy_id == sid, journal.c.id > after)
-                .order_by(journal.c.id)
-                .limit(limit)
+                select(*_TRANSITION_COLUMNS).where(journal.c.id.in_(ids)).order_by(journal.c.id)
             )
         ]
 
