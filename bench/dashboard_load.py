@@ -10,7 +10,10 @@ Measured (goals from issue #31):
 - update interval: the gaps between the page's live updates while the rollout runs:
   at least one a second (95 % of the gaps; the median and the longest reported);
 - engine throughput with the page open, against without: transitions a second over
-  the journal's span (the journal's own times): at least 90 %.
+  the journal's span (the journal's own times): at least 90 %. Beside it, the server
+  process's CPU seconds from the apply until the bench saw the end (polled once a
+  second: an idle second or so included), a steadier sign of what the page costs
+  the server than the throughput on a shared machine.
 
 Usage: ``.venv/bin/python bench/dashboard_load.py [--targets N] [--parallel N]
 [--repeat N] [--results PATH]``; it prints the figures and replaces its section of
@@ -97,12 +100,14 @@ def run_without_page(targets: int, parallel: int, latency_ms: float) -> dict[str
         db, _ = make_world(Path(tmp), targets, parallel, latency_ms)
         server = start_server(db)
         try:
+            cpu_before = server.cpu_s()
             apply(db, 1)
             wait_ended(db)
+            cpu_s = server.cpu_s() - cpu_before
         finally:
             server.stop()
         state, n, span_s = rollout_figures(db, 1)
-    return {"state": state, "transitions": n, "span_s": span_s}
+    return {"state": state, "transitions": n, "span_s": span_s, "server_cpu_s": cpu_s}
 
 
 def run_with_page(targets: int, parallel: int, latency_ms: float) -> dict[str, Any]:
@@ -132,8 +137,10 @@ def run_with_page(targets: int, parallel: int, latency_ms: float) -> dict[str, A
             assert cells == targets, cells
             page.evaluate("window.fleetwaveTimes.updates = []")
             started = page.evaluate("performance.now()")
+            cpu_before = server.cpu_s()
             apply(db, 1)
             wait_ended(db)
+            cpu_s = server.cpu_s() - cpu_before
             updates = [t for t in page.evaluate("window.fleetwaveTimes.updates") if t >= started]
         finally:
             context.close()
@@ -146,6 +153,7 @@ def run_with_page(targets: int, parallel: int, latency_ms: float) -> dict[str, A
         "state": state,
         "transitions": n,
         "span_s": span_s,
+        "server_cpu_s": cpu_s,
         "first_render_ms": first_ms,
         "updates": len(updates),
         "gap_median_ms": statistics.median(gaps) if gaps else float("nan"),
@@ -215,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             (
                 f"without the page, run {i + 1}",
                 f"{r['transitions']:,} transitions in "
-                f"{r['span_s']:.1f} s: {rate(r):,.0f}/s ({r['state']})",
+                f"{r['span_s']:.1f} s: {rate(r):,.0f}/s ({r['state']}); server CPU "
+                f"{r['server_cpu_s']:.2f} s",
             )
             for i, r in enumerate(without)
         ),
@@ -223,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             (
                 f"with the page, run {i + 1}",
                 f"{r['transitions']:,} transitions in "
-                f"{r['span_s']:.1f} s: {rate(r):,.0f}/s ({r['state']}); first render "
+                f"{r['span_s']:.1f} s: {rate(r):,.0f}/s ({r['state']}); server CPU "
+                f"{r['server_cpu_s']:.2f} s; first render "
                 f"{r['first_render_ms']:,.0f} ms; {r['updates']} updates, gaps median "
                 f"{r['gap_median_ms']:,.0f} / p95 {r['gap_p95_ms']:,.0f} / max "
                 f"{r['gap_max_ms']:,.0f} ms",

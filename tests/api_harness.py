@@ -44,10 +44,13 @@ class Server:
 
 
 @contextmanager
-def serving(db: Path, *options: str, env: dict[str, str] | None = None) -> Iterator[Server]:
-    """``fleetwave serve --listen 127.0.0.1:0 OPTIONS --db DB`` until the block ends."""
+def serving(
+    db: Path, *options: str, env: dict[str, str] | None = None, listen: str = "127.0.0.1:0"
+) -> Iterator[Server]:
+    """``fleetwave serve --listen LISTEN OPTIONS --db DB`` until the block ends (a free
+    port unless ``listen`` names one)."""
     proc = subprocess.Popen(
-        [*FLEETWAVE, "serve", "--listen", "127.0.0.1:0", *options, "--db", str(db)],
+        [*FLEETWAVE, "serve", "--listen", listen, *options, "--db", str(db)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

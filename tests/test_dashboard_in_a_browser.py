@@ -17,6 +17,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -346,4 +347,128 @@ def test_a_stage_approved_with_the_button_by_keyboard_on_a_phone(
         assert ops.query_selector_all("#actions button:not([hidden])") == []
         assert ops.evaluate("document.documentElement.scrollWidth") <= phone["width"]
     assert posts == [server.base + "/v1/strategies/1/approve"]
+    assert errors == []
+
+
+def _small_fleet(tmp_path: Path, targets: int, parallel: int, latency_ms: int) -> tuple[Path, str]:
+    """Strategy 1 over ``targets`` sim targets, applied (``serve`` drives it), and an
+    operator's token."""
+    db = tmp_path / "fleet.db"
+    store = open_store(str(db))
+    try:
+        admin.add_targets(
+            store,
+            [Target(f"s-{i:03d}", settings={"latency_ms": latency_ms}) for i in range(targets)],
+        )
+        patch = get_workflow("patch")
+        assert patch is not None
+        opts = StrategyOptions(max_parallel=parallel)
+        assert admin.create_strategy(store, patch, opts, all_targets=True) == 1
+        admin.apply_strategy(store, 1)
+        operator = create_token(store, "night-shift", Role.OPERATOR, None)
+    finally:
+        store.dispose()
+    return db, operator
+
+
+def _origin(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def test_abort_asks_first_and_no_request_leaves_the_origin(tmp_path: Path, chromium: Any) -> None:
+    """Abort's confirmation said no to (Cancel, then Escape) sends nothing; said yes to,
+    it aborts, as ``strategy show`` agrees. Every request the pages make over the run
+    (sign-in, each page, the streams, the abort) goes to the server's own origin."""
+    db, operator_token = _small_fleet(tmp_path, targets=40, parallel=4, latency_ms=300)
+    errors: list[str] = []
+    requests: list[tuple[str, str]] = []
+    chromium.on("request", lambda r: requests.append((r.method, r.url)))
+    with serving(db) as server:
+        ops = chromium.new_page()
+        ops.on("pageerror", lambda e: errors.append(str(e)))
+        _sign_in(ops, server.base, operator_token)
+        for page in ("#/conductors", "#/target/s-000", "#/step/1", "#/strategy/1"):
+            ops.goto(server.base + "/" + page)
+            ops.wait_for_selector("#live:not(:empty)")
+        ops.wait_for_selector("#strategy-state .badge.s-applying", timeout=10_000)
+
+        ops.click("#act-abort")
+        ops.wait_for_selector("#confirm[open]")
+        assert "Abort strategy 1" in ops.inner_text("#confirm-text")
+        ops.click("#confirm-no")
+        ops.wait_for_selector("#confirm", state="hidden")
+        ops.click("#act-abort")
+        ops.wait_for_selector("#confirm[open]")
+        ops.keyboard.press("Escape")
+        ops.wait_for_selector("#confirm", state="hidden")
+        # (a pass of the live stream later: still applying, nothing was sent)
+        ops.wait_for_timeout(700)
+        assert [u for m, u in requests if m == "POST"] == []
+        with server.client(operator_token) as http:
+            assert http.get("/v1/strategies/1").json()["state"] == "applying"
+        assert ops.is_visible("#act-abort")
+
+        _act(ops, "abort")
+        ops.wait_for_selector(
+            "#strategy-state .badge.s-aborted, #strategy-state .badge.s-aborting, "
+            "#strategy-state .badge.s-abort-requested",
+            timeout=10_000,
+        )
+        ops.wait_for_selector("#strategy-state .badge.s-aborted", timeout=30_000)
+        shown = _shown(db)
+        assert shown["state"] == "aborted"
+        assert shown["step_states"].get("aborted", 0) > 0
+        ops.wait_for_function(
+            "([n]) => document.querySelector('#counts [data-state=aborted] .n')?.textContent"
+            " === String(n)",
+            arg=[shown["step_states"]["aborted"]],
+        )
+        assert _counts(ops) == shown["step_states"]
+        assert ops.query_selector_all("#actions button:not([hidden])") == []
+    assert [u for m, u in requests if m == "POST"] == [server.base + "/v1/strategies/1/abort"]
+    assert requests, "no request recorded"
+    elsewhere = {u for _, u in requests if not u.startswith("data:")} - {
+        u for _, u in requests if _origin(u) == server.base
+    }
+    assert elsewhere == set()
+    assert any(u.endswith("/v1/strategies/1/live") for _, u in requests)
+    assert any(u.endswith("/ui/app.js") for _, u in requests)
+    assert errors == []
+
+
+def test_the_page_says_it_lost_the_stream_and_follows_a_new_server(
+    tmp_path: Path, chromium: Any
+) -> None:
+    """The server stops: the page says the live stream is lost and keeps trying; a server
+    started again on the same port and database is found, and the page is live and
+    moving again (its engine drives the rollout on)."""
+    db, operator_token = _small_fleet(tmp_path, targets=60, parallel=6, latency_ms=300)
+    errors: list[str] = []
+    ops = chromium.new_page()
+    ops.on("pageerror", lambda e: errors.append(str(e)))
+    with serving(db) as server:
+        base = server.base
+        _sign_in(ops, base, operator_token)
+        ops.goto(base + "/#/strategy/1")
+        ops.wait_for_selector("#strategy-state .badge.s-applying", timeout=10_000)
+        ops.wait_for_selector("#live:not(.lost)")
+        assert server.stop() == 0
+        ops.wait_for_selector("#live.lost", timeout=10_000)
+        assert re.search(r"Live updates lost \(.+\): reconnecting", ops.inner_text("#live"))
+        done_before = _counts(ops).get("complete", 0)
+    with serving(db, listen=base.removeprefix("http://")) as again:
+        assert again.base == base
+        ops.wait_for_selector("#live:not(.lost)", timeout=20_000)
+        assert ops.inner_text("#live").startswith("Live")
+        ops.evaluate("window.fleetwaveTimes.updates = []")
+        # updating: live events arrive, and the rollout moves on the page
+        ops.wait_for_function("() => window.fleetwaveTimes.updates.length >= 2", timeout=5_000)
+        ops.wait_for_function(
+            "([n]) => +(document.querySelector('#counts [data-state=complete] .n')"
+            "?.textContent || 0) > n",
+            arg=[done_before],
+            timeout=15_000,
+        )
+        assert not ops.is_visible("#live.lost")
     assert errors == []

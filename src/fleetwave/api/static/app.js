@@ -214,9 +214,13 @@ function follow(path, onEvent) {
 // ---- the router ------------------------------------------------------------------------------
 
 let leave = null; // the current page's clean-up
+// pages shown so far: a page's late callback (an answer that came after the user moved
+// on) checks that its page is still the one shown before it acts
+let pagesShown = 0;
 
 function route() {
   if (!me) return;
+  pagesShown++;
   stopStream();
   if (leave) { leave(); leave = null; }
   hideTip();
@@ -698,8 +702,9 @@ function stepPage(page, id) {
     body.replaceChildren(...stepBody(step));
     return step;
   };
+  const mine = pagesShown;
   load().then((s) => {
-    if (!s) return;
+    if (!s || mine !== pagesShown) return; // (gone to another page meanwhile: its stream stays)
     // live: the strategy's stream; the step read again when it moves (at most every 2 s)
     follow(`/v1/strategies/${s.strategy}/live`, () => {
       if (step && !TERMINAL.has(step.state) && Date.now() - last > 2000) load();
