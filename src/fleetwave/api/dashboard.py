@@ -101,14 +101,14 @@ def _hub(svc: Service) -> LiveHub:
 
 @router.get("/live", include_in_schema=False)
 async def live_overview(svc: Svc, request: Request) -> StreamingResponse:
-    """Server-sent events: every strategy and conductor, once a second."""
+    """Server-sent events: every strategy and conductor, every 0.7 s."""
     events = _hub(svc).overview(_still_allowed(svc, request))
     return StreamingResponse(events, media_type="text/event-stream", headers=_STREAM_HEADERS)
 
 
 @router.get("/strategies/{strategy_id}/live", include_in_schema=False)
 async def live_strategy(svc: Svc, request: Request, strategy_id: StrategyId) -> StreamingResponse:
-    """Server-sent events: one strategy, its grid and charts, once a second."""
+    """Server-sent events: one strategy, its grid and charts, twice a second."""
     await svc.call(queries.strategy_exists, svc.store, strategy_id)
     events = _hub(svc).strategy(strategy_id, _still_allowed(svc, request))
     return StreamingResponse(events, media_type="text/event-stream", headers=_STREAM_HEADERS)

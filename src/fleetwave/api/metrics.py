@@ -128,7 +128,7 @@ class LiveCollector(Collector):
         )
         yield GaugeMetricFamily(
             "fleetwave_live_producers",
-            "Subjects read once a second for those pages (one per strategy watched)",
+            "Subjects read live for those pages (one per strategy watched, and the overview)",
             value=len(live.producers),
         )
         yield CounterMetricFamily(
