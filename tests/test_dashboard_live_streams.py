@@ -166,3 +166,42 @@ def new_operator(db: Path) -> str:
         return create_token(store, "ops", Role.OPERATOR, None)
     finally:
         store.dispose()
+
+
+def test_a_stream_followed_to_the_end_has_the_grid_and_charts_of_the_store(
+    tmp_path: Path,
+) -> None:
+    """A page's grid (the first ``full``, then each ``tick``'s changes) ends equal to the
+    steps' states and attempts, and its charts count every transition and every state
+    left, as the journal has them."""
+    db, token = _fleet(tmp_path)
+    operator = new_operator(db)
+    with serving(db) as server, server.client(token) as http:
+        cells: dict[str, list[Any]] = {}
+        last: dict[str, Any] = {}
+        with (
+            http.stream("GET", "/v1/strategies/1/live") as response,
+            server.client(operator) as ops,
+        ):
+            applied = False
+            for name, data in _events(response):
+                if name == "full":
+                    cells = data["grid"]
+                for i, state, attempt in data.get("changes", []):
+                    cells["state"][i], cells["attempt"][i] = state, attempt
+                last = data
+                if not applied:
+                    assert ops.post("/v1/strategies/1/apply").status_code == 200
+                    applied = True
+                if data["strategy"]["state"] == "complete":
+                    break
+        assert cells == http.get("/v1/strategies/1/grid").json()
+        assert set(cells["state"]) == {"complete"}
+        journal = http.get("/v1/strategies/1/history", params={"limit": 1000}).json()["items"]
+        assert len(journal) == TARGETS * 6
+        made = last["throughput"]
+        assert round(sum(made["transitions_per_s"]) * made["bucket_s"]) == len(journal)
+        assert round(sum(made["ended_per_s"]) * made["bucket_s"]) == TARGETS
+        left = {state: sum(d["counts"]) for state, d in last["durations"]["states"].items()}
+        workflow_states = {t["to"] for t in journal} - {"complete"}
+        assert left == dict.fromkeys(workflow_states, TARGETS)
