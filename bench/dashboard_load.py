@@ -12,8 +12,9 @@ Measured (goals from issue #31):
 - engine throughput with the page open, against without: transitions a second over
   the journal's span (the journal's own times): at least 90 %. Beside it, the server
   process's CPU seconds from the apply until the bench saw the end (polled once a
-  second: an idle second or so included), a steadier sign of what the page costs
-  the server than the throughput on a shared machine.
+  second: an idle second or so included), and of it the live passes' own (their
+  threads' CPU, ``fleetwave_live_pass_cpu_seconds_total``): steadier signs of what
+  the page costs the server than the throughput on a shared machine.
 
 Usage: ``.venv/bin/python bench/dashboard_load.py [--targets N] [--parallel N]
 [--repeat N] [--results PATH]``; it prints the figures and replaces its section of
@@ -25,13 +26,17 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
+import re
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from api_load import Server, apply, rollout_figures, start_server
 from bench import (
@@ -83,6 +88,15 @@ def make_world(
     token = tokens.create_token(store, "bench", tokens.Role.READER, None)
     store.dispose()
     return db, token
+
+
+def live_pass_cpu_s(base: str, token: str) -> float:
+    """The server's ``fleetwave_live_pass_cpu_seconds_total``: its live passes' CPU."""
+    text = httpx.get(
+        base + "/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=30
+    ).text
+    found = re.search(r"^fleetwave_live_pass_cpu_seconds_total (\S+)$", text, re.M)
+    return float(found.group(1)) if found else math.nan
 
 
 def wait_ended(db: str, timeout_s: float = 900) -> None:
@@ -138,9 +152,11 @@ def run_with_page(targets: int, parallel: int, latency_ms: float) -> dict[str, A
             page.evaluate("window.fleetwaveTimes.updates = []")
             started = page.evaluate("performance.now()")
             cpu_before = server.cpu_s()
+            passes_before = live_pass_cpu_s(base, token)
             apply(db, 1)
             wait_ended(db)
             cpu_s = server.cpu_s() - cpu_before
+            passes_cpu_s = live_pass_cpu_s(base, token) - passes_before
             updates = [t for t in page.evaluate("window.fleetwaveTimes.updates") if t >= started]
         finally:
             context.close()
@@ -154,6 +170,7 @@ def run_with_page(targets: int, parallel: int, latency_ms: float) -> dict[str, A
         "transitions": n,
         "span_s": span_s,
         "server_cpu_s": cpu_s,
+        "live_pass_cpu_s": passes_cpu_s,
         "first_render_ms": first_ms,
         "updates": len(updates),
         "gap_median_ms": statistics.median(gaps) if gaps else float("nan"),
@@ -233,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"with the page, run {i + 1}",
                 f"{r['transitions']:,} transitions in "
                 f"{r['span_s']:.1f} s: {rate(r):,.0f}/s ({r['state']}); server CPU "
-                f"{r['server_cpu_s']:.2f} s; first render "
+                f"{r['server_cpu_s']:.2f} s (the page's passes {r['live_pass_cpu_s']:.2f} s); "
+                "first render "
                 f"{r['first_render_ms']:,.0f} ms; {r['updates']} updates, gaps median "
                 f"{r['gap_median_ms']:,.0f} / p95 {r['gap_p95_ms']:,.0f} / max "
                 f"{r['gap_max_ms']:,.0f} ms",

@@ -321,8 +321,15 @@ class StrategyProducer(Producer):
         self.whole_due = time.monotonic() + WHOLE_GRID_S
 
     async def read(self, first: bool) -> None:
-        full, tick = await self.svc.call(self.one_pass)
+        full, tick, cpu_s = await self.svc.call(self.timed_pass)
+        self.hub.pass_cpu_s += cpu_s
         self._publish(full, tick)
+
+    def timed_pass(self) -> tuple[Callable[[], bytes], bytes, float]:
+        """:meth:`one_pass`, and the CPU seconds its thread spent on it."""
+        started = time.thread_time()
+        full, tick = self.one_pass()
+        return full, tick, time.thread_time() - started
 
     def one_pass(self) -> tuple[Callable[[], bytes], bytes]:
         """Read and fold what moved; the snapshot's ``full`` (made when first asked
@@ -384,6 +391,9 @@ class LiveHub:
         self.streams = 0
         #: passes the producers made (read by /metrics)
         self.reads = 0
+        #: CPU seconds the strategies' passes took in this process (their threads' own
+        #: time: a page's cost to the server, read by /metrics and the benchmark)
+        self.pass_cpu_s = 0.0
         #: producers whose last page went, being cancelled (awaited by :meth:`close`)
         self._stopping: set[asyncio.Task[None]] = set()
         #: set when the server stops: every stream ends (uvicorn waits for them)

@@ -136,6 +136,11 @@ class LiveCollector(Collector):
             "Passes the live producers made over the store (each a few queries)",
             value=live.reads,
         )
+        yield CounterMetricFamily(
+            "fleetwave_live_pass_cpu_seconds",
+            "CPU seconds the strategies' live passes took in this process (their threads)",
+            value=live.pass_cpu_s,
+        )
 
 
 def _histogram(name: str, doc: str, h: Histogram) -> HistogramMetricFamily:
