@@ -196,6 +196,14 @@ def test_a_stream_followed_to_the_end_has_the_grid_and_charts_of_the_store(
                 if data["strategy"]["state"] == "complete":
                     break
         assert cells == http.get("/v1/strategies/1/grid").json()
+        steps = http.get("/v1/strategies/1/steps", params={"limit": 1000}).json()["items"]
+        assert len(steps) == TARGETS
+        assert {s["step"]: (s["target"], s["state"], s["attempt"]) for s in steps} == {
+            step: (target, state, attempt)
+            for step, target, state, attempt in zip(
+                cells["step"], cells["target"], cells["state"], cells["attempt"], strict=True
+            )
+        }
         assert set(cells["state"]) == {"complete"}
         journal = http.get("/v1/strategies/1/history", params={"limit": 1000}).json()["items"]
         assert len(journal) == TARGETS * 6
