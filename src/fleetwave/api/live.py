@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import math
+import operator
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -84,6 +85,10 @@ def sse(event: str, data: bytes, seq: int | None = None) -> bytes:
 
 def _json(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), default=str).encode()
+
+
+#: a journal row's ``at``
+_AT = operator.itemgetter(2)
 
 
 def _already(made: bytes) -> Callable[[], bytes]:
@@ -215,25 +220,39 @@ class _Charts:
 
     def fold(self, rows: list[JournalRow]) -> list[int]:
         """Fold journal rows (id, step, at, to), oldest first; the ids of the
-        latest of them that entered ``failed`` (their details are read apart)."""
+        latest of them that entered ``failed`` (their details are read apart). (Some
+        10,000 rows a second at full speed: what it uses in its loop is bound first.)"""
+        if not rows:
+            return []
+        low = min(map(_AT, rows))
+        if self.first_at is None or low < self.first_at:
+            self.first_at = low
         transitions, ended, entered = self.transitions, self.ended, self.entered
+        durations, sums = self.durations, self.duration_sum_s
+        t_get, e_get, left, d_get, s_get = (
+            transitions.get,
+            ended.get,
+            entered.pop,
+            durations.get,
+            sums.get,
+        )
+        edges, buckets, bucket_of = DURATION_EDGES_S, len(DURATION_EDGES_S) + 1, bisect.bisect_left
+        terminal = STEP_TERMINAL
         failed: deque[int] = deque(maxlen=FAILURES_SHOWN)
         for row_id, step, at, to in rows:
-            if self.first_at is None or at < self.first_at:
-                self.first_at = at
             second = int(at)
-            transitions[second] = transitions.get(second, 0) + 1
-            before = entered.pop(step, None)
+            transitions[second] = t_get(second, 0) + 1
+            before = left(step, None)
             if before is not None:
                 state, since = before
                 took = at - since if at > since else 0.0
-                counts = self.durations.get(state)
+                counts = d_get(state)
                 if counts is None:
-                    counts = self.durations[state] = [0] * (len(DURATION_EDGES_S) + 1)
-                counts[bisect.bisect_left(DURATION_EDGES_S, took)] += 1
-                self.duration_sum_s[state] = self.duration_sum_s.get(state, 0.0) + took
-            if to in STEP_TERMINAL:
-                ended[second] = ended.get(second, 0) + 1
+                    counts = durations[state] = [0] * buckets
+                counts[bucket_of(edges, took)] += 1
+                sums[state] = s_get(state, 0.0) + took
+            if to in terminal:
+                ended[second] = e_get(second, 0) + 1
                 if to == STEP_FAILED:
                     failed.append(row_id)
             else:
