@@ -27,12 +27,13 @@ from fleetwave.store.tokens import Role, create_token
 TARGETS = 40
 
 
-def _fleet(tmp_path: Path) -> tuple[Path, str]:
+def _fleet(tmp_path: Path, latency_ms: int = 300) -> tuple[Path, str]:
     db = tmp_path / "fleet.db"
     store = open_store(str(db))
     try:
         admin.add_targets(
-            store, [Target(f"t-{i:02d}", settings={"latency_ms": 300}) for i in range(TARGETS)]
+            store,
+            [Target(f"t-{i:02d}", settings={"latency_ms": latency_ms}) for i in range(TARGETS)],
         )
         patch = get_workflow("patch")
         assert patch is not None
@@ -174,7 +175,7 @@ def test_a_stream_followed_to_the_end_has_the_grid_and_charts_of_the_store(
     """A page's grid (the first ``full``, then each ``tick``'s changes) ends equal to the
     steps' states and attempts, and its charts count every transition and every state
     left, as the journal has them."""
-    db, token = _fleet(tmp_path)
+    db, token = _fleet(tmp_path, latency_ms=50)  # (a rollout of about a second)
     operator = new_operator(db)
     with serving(db) as server, server.client(token) as http:
         cells: dict[str, list[Any]] = {}
