@@ -3,12 +3,15 @@
 The writer's group commit writes each of its statements (a compare-and-set UPDATE of
 ``steps``, a journal INSERT, ...) for many rows. Sent a row at a time (``executemany``,
 which psycopg pipelines), each row is a statement the server parses, plans and runs,
-and the client binds apart, all while the commit holds the database's write lock. As
-arrays, a column each, the same rows are one statement: ``UPDATE ... FROM unnest(...)``
-or ``INSERT ... SELECT ... FROM unnest(...)``. What each row does is unchanged: every
-placeholder of the row's statement becomes the matching column of the unnested row, so
-the compare-and-set conditions are the same, checked row by row (see
-``docs/benchmarks.md`` for the measured cost of both).
+and the client binds apart, all while the commit holds the database's write lock. Sent
+as one JSON array of rows, the same rows are one statement: ``UPDATE ... FROM (SELECT
+... FROM json_array_elements(...))`` or ``INSERT ... SELECT ... FROM
+json_array_elements(...)``. (JSON, not a typed array a column: psycopg builds an array
+parameter element by element in Python, which cost more than the statements it saved;
+``json.dumps`` is one C call.) What each row does is unchanged: every placeholder of the
+row's statement becomes the matching column of the row, so the compare-and-set
+conditions are the same, checked row by row (see ``docs/benchmarks.md`` for the
+measured cost of both).
 
 One UPDATE statement changes a table row at most once, whichever of the unnested rows
 match it: rows of one commit that name the same table row (by :attr:`ArrayStatement.key`)
@@ -17,16 +20,12 @@ are sent one at a time instead, in order, as before.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import json
+from collections.abc import Sequence
 from typing import Any
 
-#: how a column's values are made uniform for their array (one element type each)
-_COERCE: dict[str, Callable[[Any], Any]] = {
-    "int4": int,
-    "float8": float,
-    "text": str,
-    "bool": bool,
-}
+#: the element types a column may have
+TYPES = frozenset({"int4", "float8", "text", "bool"})
 
 
 class ArrayStatement:
@@ -40,17 +39,12 @@ class ArrayStatement:
         if len(parts) - 1 != len(types):
             raise ValueError(f"{len(parts) - 1} placeholders, {len(types)} types: {sql}")
         for t in types:
-            if t not in _COERCE:
+            if t not in TYPES:
                 raise ValueError(f"unknown array type {t!r}")
         names = [f"u.c{i}" for i in range(len(types))]
         body = parts[0] + "".join(n + p for n, p in zip(names, parts[1:], strict=True))
-        source = (
-            "unnest("
-            + ", ".join(f"%s::{t}[]" for t in types)
-            + ") AS u("
-            + ", ".join(f"c{i}" for i in range(len(types)))
-            + ")"
-        )
+        columns = ", ".join(f"(r.v->>{i})::{t} AS c{i}" for i, t in enumerate(types))
+        source = f"(SELECT {columns} FROM json_array_elements(%s::json) AS r(v)) AS u"
         head = body.lstrip().upper()
         if head.startswith("UPDATE "):
             set_part, sep, where = body.partition(" WHERE ")
@@ -67,27 +61,27 @@ class ArrayStatement:
         self.row_sql = sql
         self.types = tuple(types)
         self.key = tuple(key)
-        self._coerce = [_COERCE[t] for t in types]
 
-    def arrays(self, rows: Sequence[Sequence[Any]]) -> list[list[Any]] | None:
-        """The rows' columns as the statement's arrays; None when two rows name the same
-        table row (they must then be sent one at a time, in order)."""
+    def arrays(self, rows: Sequence[Sequence[Any]]) -> str | None:
+        """The rows as the statement's one parameter (a JSON array of them); None when
+        two rows name the same table row (they must then be sent one at a time, in
+        order)."""
         if self.key:
             key = self.key
             seen = {tuple(row[i] for i in key) for row in rows}
             if len(seen) != len(rows):
                 return None
-        return [
-            [None if v is None else f(v) for v in column]
-            for f, column in zip(self._coerce, zip(*rows, strict=True), strict=True)
-        ]
+        try:
+            return json.dumps(rows, allow_nan=False)
+        except ValueError:  # (an infinite time: JSON has none; one at a time, then)
+            return None
 
     def execute(self, cur: Any, rows: Sequence[Sequence[Any]]) -> int:
         """Write ``rows`` on ``cur``: as arrays (one statement) when it can be, else one
         at a time; how many table rows were written (``rowcount``)."""
-        columns = self.arrays(rows) if len(rows) > 1 else None
-        if columns is None:
+        param = self.arrays(rows) if len(rows) > 1 else None
+        if param is None:
             cur.executemany(self.row_sql, rows)
         else:
-            cur.execute(self.sql, columns)
+            cur.execute(self.sql, (param,))
         return int(cur.rowcount)
