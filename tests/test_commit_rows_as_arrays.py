@@ -28,15 +28,19 @@ INSERT_SQL = "INSERT INTO log (id, state, at, n) VALUES (%s, %s, %s, 1)"
 
 
 def test_statements_are_rewritten_placeholder_for_column() -> None:
-    s = ArrayStatement(CAS_SQL, CAS_TYPES, (4,))
+    s = ArrayStatement(CAS_SQL, CAS_TYPES, (4,), by="id")
     assert s.sql.startswith("UPDATE cas SET state=u.c0, fence=u.c1, note=COALESCE(u.c2, note)")
     assert "FROM (SELECT (r.v->>0)::text AS c0, (r.v->>1)::int4 AS c1," in s.sql
-    assert s.sql.endswith("WHERE id=u.c4 AND state=u.c5 AND fence=u.c6 AND (owner=u.c7 OR u.c8)")
+    # (the rows looked up by their ids, an array: an index scan, not a hash of the table)
+    assert s.sql.endswith(
+        "WHERE id = ANY(%s::int4[]) AND id=u.c4 AND state=u.c5 AND fence=u.c6 AND "
+        "(owner=u.c7 OR u.c8)"
+    )
     i = ArrayStatement(INSERT_SQL, ("int4", "text", "float8"))
     assert i.sql == (
         "INSERT INTO log (id, state, at, n) SELECT u.c0, u.c1, u.c2, 1 FROM (SELECT "
         "(r.v->>0)::int4 AS c0, (r.v->>1)::text AS c1, (r.v->>2)::float8 AS c2 FROM "
-        "json_array_elements(%s::json) AS r(v)) AS u"
+        "jsonb_array_elements(%s::jsonb) AS r(v)) AS u"
     )
     # the rows as one JSON array; two rows of one key, or a time JSON cannot say: none
     row = ("a", 1, None, 2.5, 7, 'x"\\', 0, "c", True)
@@ -52,11 +56,12 @@ def test_statements_are_rewritten_placeholder_for_column() -> None:
         ("UPDATE t SET a=%s WHERE b=%s", ("int4",), "2 placeholders, 1 types"),
         ("DELETE FROM t WHERE a=%s", ("int4",), "neither an UPDATE nor an INSERT"),
         ("UPDATE t SET a=%s WHERE b=1", ("int2",), "unknown array type"),
+        ("UPDATE t SET a=%s WHERE b=%s", ("int4", "text"), "one int4 key parameter"),
     ],
 )
 def test_a_statement_it_cannot_rewrite_is_refused(sql: str, types: tuple[str], why: str) -> None:
     with pytest.raises(ValueError, match=why):
-        ArrayStatement(sql, types)
+        ArrayStatement(sql, types, (1,) if len(types) > 1 else (), by="b")
 
 
 @pytest.fixture
@@ -75,7 +80,7 @@ def pg(pg_url: str) -> Iterator[Any]:
 _row = st.tuples(
     st.sampled_from(["a", "b", "c"]),  # to state
     st.integers(0, 3),  # to fence
-    st.one_of(st.none(), st.text('xy"\\\'é\n{},', max_size=4)),  # note (NULL: kept)
+    st.one_of(st.none(), st.text("xy\"\\'é\n{},", max_size=4)),  # note (NULL: kept)
     st.one_of(st.integers(0, 5), st.floats(0, 5, allow_nan=False)),  # at
     st.integers(1, 6),  # id
     st.sampled_from(["a", "b"]),  # from state
@@ -90,7 +95,7 @@ _row = st.tuples(
 )
 @given(rows=st.lists(_row, min_size=1, max_size=12))
 def test_arrays_write_what_rows_one_at_a_time_write(pg: Any, rows: list[tuple[Any, ...]]) -> None:
-    statement = ArrayStatement(CAS_SQL, CAS_TYPES, (4,))
+    statement = ArrayStatement(CAS_SQL, CAS_TYPES, (4,), by="id")
     with pg.cursor() as cur:
         for table in ("cas", "cas_rows"):
             cur.execute(f"TRUNCATE {table}")
@@ -151,3 +156,33 @@ def test_a_commit_of_many_steps_is_a_few_statements(store: Store, dialect: str) 
     assert states[ids[5]] == "pre-check"
     assert sum(1 for v in states.values() if v == "updating-patches") == 59
     assert check(store, sid).ok
+
+
+@pytest.mark.parametrize("dialect", ["postgresql"])
+def test_a_commit_looks_its_steps_up_by_index(store: Store, dialect: str) -> None:
+    """Not by hashing every step of the table (PostgreSQL guesses a JSON array's rows
+    at 100, and a hash join over the whole table looked cheaper: each commit then
+    scanned every step)."""
+    add_sim_targets(store, 3000)
+    sid = applied(store, max_parallel=100)
+    ids = [s["step"] for s in queries.list_steps(store, sid)][:100]
+    writer = rt.TransitionWriter(store, "c1")
+    enter = writer._arrays[writer._enter_sql]
+    rows = [
+        ("pre-check", 1, "", 1, "c1", 1.0, False, None, 1, i, STEP_INITIAL, 0, 1, "c1", False, True)
+        for i in ids
+    ]
+    assert enter.arrays(rows) is not None
+    raw = store.engine.raw_connection()
+    try:
+        cur = raw.cursor()
+        cur.execute("ANALYZE steps")
+        cur.execute(
+            "EXPLAIN " + enter.sql,
+            (enter.arrays(rows), "{" + ",".join(map(str, ids)) + "}"),
+        )
+        plan = "\n".join(r[0] for r in cur.fetchall())
+    finally:
+        raw.close()
+    assert "Seq Scan on steps" not in plan, plan
+    assert "steps_pkey" in plan, plan

@@ -370,7 +370,7 @@ class TransitionWriter:
         }
         # (each keyed by the step's id: the compare-and-set's first parameter)
         out = {
-            sql: ArrayStatement(sql, types, (len(types) - len(cas),))
+            sql: ArrayStatement(sql, types, (len(types) - len(cas),), by="id")
             for sql, types in shapes.items()
         }
         out[self._journal_sql] = ArrayStatement(
@@ -380,9 +380,9 @@ class TransitionWriter:
             self._attempt_sql, (i4, i4, tx, i4, f8, tx, i4, tx, i4)
         )
         out[self._event_sql] = ArrayStatement(self._event_sql, (f8, tx, i4, i4, tx, tx))
-        out[self._mark_sql] = ArrayStatement(self._mark_sql, (tx, tx, f8, i4), (3,))
+        out[self._mark_sql] = ArrayStatement(self._mark_sql, (tx, tx, f8, i4), (3,), by="id")
         out[self._deadline_sql] = ArrayStatement(
-            self._deadline_sql, (f8, i4, tx, bo, i4, tx, i4, i4, tx), (4,)
+            self._deadline_sql, (f8, i4, tx, bo, i4, tx, i4, i4, tx), (4,), by="id"
         )
         out[self._slot_fit_sql] = ArrayStatement(self._slot_fit_sql, (i4,) * 6, (2, 3))
         return out
