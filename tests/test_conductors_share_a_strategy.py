@@ -136,7 +136,8 @@ def test_three_conductors_drive_one_strategy_together(store: Store, db_url: str)
 
 
 def test_in_flight_never_above_the_cap_across_conductors(store: Store, db_url: str) -> None:
-    add_sim_targets(store, 200, {"latency_ms": 15})
+    # (long enough for every conductor to join on a loaded host: about 3 s)
+    add_sim_targets(store, 200, {"latency_ms": 40})
     sid = applied(store, max_parallel=12)
     seen: list[int] = []
 

@@ -238,6 +238,7 @@ class Conductor(
         self._PEERS: Any = _Fresh(self._peer_view)
         #: conductors share strategies (see fleetwave.engine.sharing; set in run)
         self._sharing = False
+        self._reads_on_thread = False
         #: strategies others lead that this one does not help (phases, or not drivable)
         self._not_helping: set[int] = set()
         self._serving_peers = 0
@@ -355,6 +356,10 @@ class Conductor(
         # The hot path asks for the loop on every action: asyncio.get_running_loop()
         # makes a getpid() system call each time (fork safety), so it is kept here.
         self._loop = asyncio.get_running_loop()
+        # (a server's database; not on virtual time, where nothing may wait on a thread)
+        self._reads_on_thread = not self.store.hooks.embedded and not getattr(
+            self._loop, "virtual_time", False
+        )
         self._nudge = asyncio.Event()
         loop = self._loop
 

@@ -124,7 +124,7 @@ class PeriodicMixin(StoreCalls):
                 last_renew = self.renewed_at = self._attempt_at
                 for run in renewing:
                     run.lease_from = max(run.lease_from, last_renew)
-            states = await self._io(rt.strategy_states, self.store, list(self.runs))
+            states = await self._io_read(rt.strategy_states, self.store, list(self.runs))
             for sid, (state, owner) in states.items():
                 held = self.runs.get(sid)  # dropped while this read was retried: skip it
                 if held is None:

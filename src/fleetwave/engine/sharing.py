@@ -94,7 +94,7 @@ class SharingMixin(StoreCalls):
     async def _share_pass(self) -> None:
         """(The periodic pass, when sharing.) Failures counted by all; the steps of gone
         helpers taken over; strategies to help joined."""
-        peers = await self._io(rt.serving_peers, self.store, self._PEERS)
+        peers = await self._io_read(rt.serving_peers, self.store, self._PEERS)
         if peers != self._serving_peers:
             more = peers > self._serving_peers
             self._serving_peers = peers
@@ -105,7 +105,7 @@ class SharingMixin(StoreCalls):
             self._wake_soon()  # (a larger part may start more now)
         counted = [sid for sid, run in self.runs.items() if run.limits_failures]
         if counted:
-            failed = await self._io(rt.failed_counts, self.store, counted)
+            failed = await self._io_read(rt.failed_counts, self.store, counted)
             for sid, n in failed.items():
                 counting = self.runs.get(sid)
                 if counting is not None and n > counting.failed and counting.stopping is None:
@@ -113,15 +113,24 @@ class SharingMixin(StoreCalls):
         for sid, run in list(self.runs.items()):
             if run.shared:
                 continue
-            gone = await self._io(rt.take_from_gone_peers, self.store, sid, self._PEERS)
+            # (looked for first by a read: the takeover's write, rarely needed, is made on
+            # the loop, and checks again what it takes)
+            gone: list[rt.StepRecord] = []
+            if await self._io_read(rt.gone_holders, self.store, sid, self._PEERS) and (
+                sid in self.runs
+            ):
+                gone = await self._io(rt.take_from_gone_peers, self.store, sid, self._PEERS)
             if gone:
                 self.post(PeersGone(sid, gone))
             if run.peers_open:
                 self._wake_soon()  # (its end is looked at again)
         # Steps it holds of strategies it no longer drives (lost while it led one): let
         # go of, for their leader to take over (nobody else would: it is alive).
+        held = await self._io_read(rt.strategies_held, self.store, self.id)
         driving = set(self.runs) | self._claiming
-        let_go = await self._io(rt.let_go_of_undriven, self.store, self.id, driving)
+        let_go = 0
+        if held - driving:
+            let_go = await self._io(rt.let_go_of_undriven, self.store, self.id, driving)
         if let_go:
             log.warning(
                 "let go of %d steps of strategies this conductor no longer drives: their "
@@ -131,7 +140,7 @@ class SharingMixin(StoreCalls):
         if self._draining:
             return
         skip = set(self.runs) | self._claiming | self._not_here | self._not_helping
-        for rec in await self._io(rt.strategies_to_help, self.store, self._PEERS, skip):
+        for rec in await self._io_read(rt.strategies_to_help, self.store, self._PEERS, skip):
             self.post(StrategyJoined(rec))
 
     async def _give_back_claims(self, run: StrategyRun) -> None:

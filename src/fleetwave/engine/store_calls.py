@@ -64,6 +64,19 @@ class StoreCalls:
     _LEASE: Any
     _LEASE_NOW: Any
 
+    #: read-only store calls of the periodic pass run on a thread (a server's database,
+    #: on a real loop: see :meth:`_io_read`)
+    _reads_on_thread: bool
+
+    async def _io_read(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """A store call that only reads, as :meth:`_io`, but on a thread when the
+        database is a server's (PostgreSQL): the loop goes on starting actions while it
+        waits for the answer. The periodic pass's reads (the strategies' states, peers,
+        their failures, steps held by conductors gone) took tens of milliseconds each on a
+        loaded host, during which no action could start. What it read may be a moment
+        old when it is used, as any read the dispatcher acts on later."""
+        return await self._call(fn, args, kwargs, self._reads_on_thread)
+
     async def _io(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Run a store call (one transaction) on the loop.
 
@@ -81,6 +94,12 @@ class StoreCalls:
         a call that went through after an outage writes the time it went through, and
         a lease from then, not from before the outage.
         """
+        return await self._call(fn, args, kwargs, False)
+
+    async def _call(
+        self, fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any], thread: bool
+    ) -> R:
+        """:meth:`_io` (``thread``: the call itself on a thread, see :meth:`_io_read`)."""
         failures = 0
         name = ""  # said only once a call fails
         started = said = 0.0
@@ -98,7 +117,10 @@ class StoreCalls:
                 for i in fresh:
                     call_args[i] = call_args[i].value()
             try:
-                result = fn(*call_args, **kwargs)
+                if thread:
+                    result = await asyncio.to_thread(fn, *call_args, **kwargs)
+                else:
+                    result = fn(*call_args, **kwargs)
             except rt.ConductorUnknown:
                 raise StoreReplaced(
                     f"the database {self.store.url} no longer knows this conductor (its "

@@ -802,31 +802,49 @@ def strategies_to_help(store: Store, peers: PeerView, skip: set[int]) -> list[St
     return [_strategy_record(r) for r in rows if r.id not in skip]
 
 
+def _gone_holders(conn: Connection, store: Store, sid: int, peers: PeerView) -> list[str]:
+    """The conductors whose own lease ran out (or that stopped) holding steps of the
+    strategy not ended; ``[""]`` when none does, but a started step is held by nobody
+    (handed back by a conductor that stopped, or let go of by one that stopped driving
+    the strategy); else none."""
+    p = store.hooks.placeholder
+    live = live_peers(conn, peers.me, peers.lease_clock, peers.lease_now)
+    held = [
+        str(r[0])
+        for r in conn.exec_driver_sql(
+            "SELECT DISTINCT owner FROM steps WHERE strategy_id = "
+            f"{p} AND owner IS NOT NULL AND owner <> {p} AND state NOT IN ({_DONE})",
+            (sid, peers.me),
+        )
+    ]
+    gone = [c for c in held if c not in live]
+    if gone:
+        return gone
+    unheld = conn.exec_driver_sql(
+        f"SELECT 1 FROM steps WHERE strategy_id = {p} AND owner IS NULL "
+        f"AND state NOT IN ('{STEP_INITIAL}', {_DONE}) LIMIT 1",
+        (sid,),
+    ).first()
+    return [] if unheld is None else [""]
+
+
+def gone_holders(store: Store, sid: int, peers: PeerView) -> list[str]:
+    """Whether :func:`take_from_gone_peers` would find anything, read only (the
+    conductors gone that hold steps of the strategy, as there)."""
+    with store.read() as conn:
+        return _gone_holders(conn, store, sid, peers)
+
+
 def take_from_gone_peers(store: Store, sid: int, peers: PeerView) -> list[StepRecord]:
     """The strategy's steps held by conductors whose own lease ran out (or that stopped):
     those never started are handed back (nobody's: claimed again), the started ones
-    are returned, to be taken over (their recover hook looks first)."""
+    are returned, to be taken over (their recover hook looks first); with the started
+    steps nobody holds."""
     p = store.hooks.placeholder
     with store.write() as conn:
-        live = live_peers(conn, peers.me, peers.lease_clock, peers.lease_now)
-        held = [
-            str(r[0])
-            for r in conn.exec_driver_sql(
-                "SELECT DISTINCT owner FROM steps WHERE strategy_id = "
-                f"{p} AND owner IS NOT NULL AND owner <> {p} AND state NOT IN ({_DONE})",
-                (sid, peers.me),
-            )
-        ]
-        gone = [c for c in held if c not in live]
+        gone = _gone_holders(conn, store, sid, peers)
         if not gone:
-            unheld = conn.exec_driver_sql(
-                f"SELECT 1 FROM steps WHERE strategy_id = {p} AND owner IS NULL "
-                f"AND state NOT IN ('{STEP_INITIAL}', {_DONE}) LIMIT 1",
-                (sid,),
-            ).first()
-            if unheld is None:
-                return []
-            gone = [""]  # (no conductor's id: only the steps nobody holds)
+            return []
         marks = store.hooks.placeholders(len(gone))
         res = conn.exec_driver_sql(
             f"UPDATE steps SET owner = NULL WHERE strategy_id = {p} "
@@ -847,21 +865,27 @@ def take_from_gone_peers(store: Store, sid: int, peers: PeerView) -> list[StepRe
         )
 
 
-def let_go_of_undriven(store: Store, me: str, driving: set[int]) -> int:
-    """Steps this conductor holds of strategies it does not drive (any more: it lost the
-    strategy it led, or stopped helping one): nobody's again, so that the strategy's
-    leader claims the waiting ones again and takes the started ones over (their recover
-    hook looks first). How many."""
+def strategies_held(store: Store, me: str) -> set[int]:
+    """The strategies this conductor holds steps of that have not ended."""
     p = store.hooks.placeholder
     with store.read() as conn:
-        sids = {
+        return {
             int(r[0])
             for r in conn.exec_driver_sql(
                 f"SELECT DISTINCT strategy_id FROM steps WHERE owner = {p} "
                 f"AND state NOT IN ({_DONE})",
                 (me,),
             )
-        } - driving
+        }
+
+
+def let_go_of_undriven(store: Store, me: str, driving: set[int]) -> int:
+    """Steps this conductor holds of strategies it does not drive (any more: it lost the
+    strategy it led, or stopped helping one): nobody's again, so that the strategy's
+    leader claims the waiting ones again and takes the started ones over (their recover
+    hook looks first). How many."""
+    p = store.hooks.placeholder
+    sids = strategies_held(store, me) - driving
     if not sids:
         return 0
     with store.write() as conn:

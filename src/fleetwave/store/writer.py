@@ -28,6 +28,7 @@ from fleetwave.domain.models import (
     StrategyState,
     unmanaged_reason,
 )
+from fleetwave.store.arrays import ArrayStatement
 from fleetwave.store.db import Store
 from fleetwave.store.schema import (
     journal,
@@ -350,6 +351,49 @@ class TransitionWriter:
         self._slot_fit_sql = f"{self._slot_sql} AND ({p} <= 0 OR in_flight + {p} <= cap)"
         #: the slots of the strategies a commit starts steps of, by how many strategies
         self._slots_sql: dict[int, str] = {}
+        #: PostgreSQL: each hot-path statement's rows sent as arrays, by its row SQL
+        self._arrays: dict[str, ArrayStatement] = {}
+        if store.hooks.name == "postgresql":
+            self._arrays = self._array_statements()
+
+    def _array_statements(self) -> dict[str, ArrayStatement]:
+        """The hot path's statements (PostgreSQL) with each placeholder's type."""
+        i4, f8, tx, bo = "int4", "float8", "text", "bool"
+        # the compare-and-set: id, state, fence, visit, owner, any owner, initial
+        cas = (i4, tx, i4, i4, tx, bo, bo)
+        enter = (tx, i4, tx, i4, tx, f8, bo, f8, i4)
+        shapes = {
+            self._enter_sql: enter + cas,
+            self._enter_counted_sql: (*enter, tx, *cas),
+            self._finish_sql: (tx, i4, tx, i4, f8, f8, bo, *cas),
+            self._end_unstarted_sql: (tx, i4, tx, i4, f8, bo, *cas),
+        }
+        # (each keyed by the step's id: the compare-and-set's first parameter)
+        out = {
+            sql: ArrayStatement(sql, types, (len(types) - len(cas),), by="id")
+            for sql, types in shapes.items()
+        }
+        out[self._journal_sql] = ArrayStatement(
+            self._journal_sql, (i4, i4, f8, tx, tx, tx, i4, tx, i4)
+        )
+        out[self._attempt_sql] = ArrayStatement(
+            self._attempt_sql, (i4, i4, tx, i4, f8, tx, i4, tx, i4)
+        )
+        out[self._event_sql] = ArrayStatement(self._event_sql, (f8, tx, i4, i4, tx, tx))
+        out[self._mark_sql] = ArrayStatement(self._mark_sql, (tx, tx, f8, i4), (3,), by="id")
+        out[self._deadline_sql] = ArrayStatement(
+            self._deadline_sql, (f8, i4, tx, bo, i4, tx, i4, i4, tx), (4,), by="id"
+        )
+        out[self._slot_fit_sql] = ArrayStatement(self._slot_fit_sql, (i4,) * 6, (2, 3))
+        return out
+
+    def _many(self, cur: Any, sql: str, rows: list[tuple[Any, ...]]) -> int:
+        """Write ``rows`` of ``sql`` (as arrays on PostgreSQL); the rows written."""
+        shape = self._arrays.get(sql)
+        if shape is None:
+            cur.executemany(sql, rows)
+            return int(cur.rowcount)
+        return shape.execute(cur, rows)
 
     def _params(self, t: Transition) -> tuple[str, tuple[Any, ...], tuple[Any, ...]]:
         """The step's compare-and-set UPDATE (statement and parameters), its journal row.
@@ -725,31 +769,26 @@ class TransitionWriter:
             for sql, u in ups:
                 by_sql.setdefault(sql, []).append(u)
             for sql, rows in by_sql.items():
-                cur.executemany(sql, rows)
-                if cur.rowcount != len(rows):
+                if self._many(cur, sql, rows) != len(rows):
                     raw.rollback()
                     return False
             if jrs:
-                cur.executemany(self._journal_sql, jrs)
+                self._many(cur, self._journal_sql, jrs)
             if ats:
-                cur.executemany(self._attempt_sql, ats)
+                self._many(cur, self._attempt_sql, ats)
             if ev:
-                cur.executemany(self._event_sql, ev)
+                self._many(cur, self._event_sql, ev)
             if mk:
-                cur.executemany(self._mark_sql, mk)
-            if dl:
-                cur.executemany(self._deadline_sql, dl)
-                if cur.rowcount != len(dl):
-                    raw.rollback()  # a retry's row changed: the slower path says which
-                    return False
+                self._many(cur, self._mark_sql, mk)
+            if dl and self._many(cur, self._deadline_sql, dl) != len(dl):
+                raw.rollback()  # a retry's row changed: the slower path says which
+                return False
             rows_s = [(f, x, sid, gid, f, f) for f, x, sid, gid in _slot_rows(changes)]
-            if rows_s:
-                # Counted, each row only if it stays within its cap (G7): one that would
-                # not is not written, and the row-by-row path writes the entries that fit.
-                cur.executemany(self._slot_fit_sql, rows_s)
-                if cur.rowcount != len(rows_s):
-                    raw.rollback()
-                    return False
+            # Counted, each row only if it stays within its cap (G7): one that would not
+            # is not written, and the row-by-row path writes the entries that fit.
+            if rows_s and self._many(cur, self._slot_fit_sql, rows_s) != len(rows_s):
+                raw.rollback()
+                return False
             raw.commit()
             return True
         except dbapi.IntegrityError:

@@ -60,6 +60,10 @@ class _JumpingSelector(selectors.DefaultSelector):
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    #: what runs on it must not wait on a thread (the engine runs every store call
+    #: inline on such a loop)
+    virtual_time = True
+
     def __init__(self, start: float = 0.0) -> None:
         self._virtual_now = start
         super().__init__(selector=_JumpingSelector(self))
