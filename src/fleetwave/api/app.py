@@ -183,8 +183,12 @@ def make_app(service: Service) -> FastAPI:
         },
     )
     async def prometheus() -> PlainTextResponse:
-        # (on the loop: the engine's counts are read where they are kept)
-        return PlainTextResponse(metrics.text(), media_type=CONTENT_TYPE_LATEST)
+        # (on the loop: the engine's counts are read where they are kept; or asked of
+        # the engine's process, off the loop)
+        engine = b""
+        if service.engine_metrics is not None:
+            engine = await service.call(service.engine_metrics)
+        return PlainTextResponse(metrics.text() + engine, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz", tags=["health"], summary="The server answers")
     async def healthz() -> dict[str, Any]:

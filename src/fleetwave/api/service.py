@@ -51,6 +51,9 @@ class Service:
     #: the engine in this process (``fleetwave serve`` without ``--no-engine``): told of
     #: each callback stored, so that it applies it at once rather than at its next pass
     conductor: Conductor | None = None
+    #: the engine's metrics (Prometheus's text), asked of the engine's process when the
+    #: API is served from a process of its own (see fleetwave.api.apart)
+    engine_metrics: Callable[[], bytes] | None = None
     #: require a bearer token (False only for tests and ``--no-auth`` on loopback)
     auth: bool = True
     #: the app's metrics (set by make_app)

@@ -379,11 +379,20 @@ class Conductor(
             self._watch_leases()
             periodic = asyncio.create_task(self._periodic(), name="fleetwave-periodic")
             periodic.add_done_callback(self._periodic_ended)
+            background = [periodic]
+            watch_s = self.config.callback_watch_s
+            if watch_s is not None and not self._listening:
+                watching = asyncio.create_task(
+                    self._watch_callbacks(watch_s), name="fleetwave-callback-watch"
+                )
+                watching.add_done_callback(self._periodic_ended)
+                background.append(watching)
             try:
                 await self._dispatch_loop(stop)
             finally:
-                periodic.cancel()
-                await asyncio.gather(periodic, return_exceptions=True)
+                for task in background:
+                    task.cancel()
+                await asyncio.gather(*background, return_exceptions=True)
             clean = True
         finally:
             # first: what follows may raise (a stop during an outage), or be cancelled

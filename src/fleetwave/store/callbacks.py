@@ -343,6 +343,12 @@ def open_callbacks(
     return [CallbackRecord(*r) for r in rows]
 
 
+def last_callback_id(store: Store) -> int:
+    """The highest callback id stored (0: none): a new one means callbacks to look at."""
+    with store.read() as conn:
+        return int(conn.exec_driver_sql("SELECT max(id) FROM callbacks").scalar() or 0)
+
+
 def open_callback_of(
     store: Store, step_id: int, state: str, visit: int = 1
 ) -> CallbackRecord | None:

@@ -686,11 +686,30 @@ class TransitionWriter:
         replaced: list[Transition],
         deadlines: list[AttemptDeadline],
     ) -> bool:
-        """The hot path: one transaction on a dedicated DBAPI connection, four executemany.
+        """The hot path: one transaction on a dedicated DBAPI connection, four executemany,
+        in the writers' turn (as every write: see ``Store.writer_turn``).
 
         False (rolled back) when a strategy was lost, or a compare-and-set or a unique
         key refused a row: the caller then sorts the batch out row by row.
         """
+        with self.store.writer_turn():
+            return self._commit_fast_in_turn(
+                batch, ups, jrs, ev, mk, fences, dl, stops, replaced, deadlines
+            )
+
+    def _commit_fast_in_turn(
+        self,
+        batch: list[Transition],
+        ups: list[tuple[str, tuple[Any, ...]]],
+        jrs: list[tuple[Any, ...]],
+        ev: list[tuple[Any, ...]],
+        mk: list[tuple[Any, ...]],
+        fences: dict[int, int],
+        dl: list[tuple[Any, ...]],
+        stops: dict[int, StopRule],
+        replaced: list[Transition],
+        deadlines: list[AttemptDeadline],
+    ) -> bool:
         dbapi = self._dbapi
         raw_conn = self._raw
         if raw_conn is None:
