@@ -66,6 +66,8 @@ class ChildSettings:
     tls: Tls | None
     json_logs: bool
     log_level: str
+    #: Service.read_cache_s (``serve --read-cache-ms``)
+    read_cache_s: float
 
 
 class EngineMetricsClient:
@@ -216,7 +218,9 @@ def _serve(sock: socket.socket, settings: ChildSettings, conn: Connection) -> No
 
     load_plugins()  # (plug-in workflows: as the command's process has them)
     store = existing_store(settings.db)
-    service = Service(store, engine_metrics=EngineMetricsClient(conn).text)
+    service = Service(
+        store, engine_metrics=EngineMetricsClient(conn).text, read_cache_s=settings.read_cache_s
+    )
 
     async def run() -> None:
         stop = asyncio.Event()

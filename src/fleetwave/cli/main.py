@@ -265,6 +265,17 @@ def serve(
     tls_key: Annotated[
         str | None, typer.Option(metavar="FILE", help="... and the certificate's key (PEM)")
     ] = None,
+    read_cache_ms: Annotated[
+        int,
+        typer.Option(
+            metavar="MS",
+            min=0,
+            max=60_000,
+            help="with --listen: give the answer of a strategy's show, and of a page of "
+            "its steps, again for this long, unless changed through the API meanwhile "
+            "(0: never)",
+        ),
+    ] = 250,
     lease_ttl: LeaseTtlOpt = None,
     log_format: Annotated[
         output.LogFormat,
@@ -297,7 +308,7 @@ def serve(
     apart = listen is not None and not no_engine and not one_process
     api = None
     if listen is not None:
-        api = _Api.bind(listen, db, tls_cert, tls_key, apart, log_format)
+        api = _Api.bind(listen, db, tls_cert, tls_key, apart, log_format, read_cache_ms / 1000)
     if apart:
         # the engine finds the callbacks the API's process stores (SQLite: by a look
         # at the highest id; PostgreSQL's NOTIFY wakes it anyway)
@@ -406,6 +417,7 @@ class _Api:
         key: str | None,
         apart: bool = False,
         log_format: output.LogFormat = output.LogFormat.text,
+        read_cache_s: float = 0.25,  # (api.service.READ_CACHE_S_DEFAULT: not imported)
     ) -> _Api:
         """Bound now: a port in use is bad input before anything starts."""
         from fleetwave.api.apart import ApiProcess, ChildSettings
@@ -416,9 +428,11 @@ class _Api:
         sock, base = bind(listen, tls)
         if apart:
             level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
-            settings = ChildSettings(db, tls, log_format is output.LogFormat.json, level)
+            json_logs = log_format is output.LogFormat.json
+            settings = ChildSettings(db, tls, json_logs, level, read_cache_s)
             return cls(sock, base, None, tls, ApiProcess(sock, settings))
-        return cls(sock, base, Service(existing_store(db)), tls, None)
+        service = Service(existing_store(db), read_cache_s=read_cache_s)
+        return cls(sock, base, service, tls, None)
 
     async def start(self, stop: asyncio.Event, conductor: Conductor | None) -> asyncio.Task[None]:
         """Serve until :meth:`stop`; if the API fails, ``stop`` is set (all stops). The
