@@ -436,11 +436,13 @@ def test_writers_of_every_process_take_turns_on_the_file_beside_the_database(
     goes through once it is let go), rather than finding SQLite's lock free or busy."""
     db = tmp_path / "fleet.db"
     store = open_store(str(db))
+    store.turns_across_processes = True
     script = (
         "import sys, time\n"
         "from sqlalchemy import text\n"
         "from fleetwave.store.db import open_store\n"
         "store = open_store(sys.argv[1])\n"
+        "store.turns_across_processes = True\n"
         "print('ready', flush=True)\n"
         "sys.stdin.readline()\n"
         "t0 = time.monotonic()\n"

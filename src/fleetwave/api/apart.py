@@ -218,6 +218,7 @@ def _serve(sock: socket.socket, settings: ChildSettings, conn: Connection) -> No
 
     load_plugins()  # (plug-in workflows: as the command's process has them)
     store = existing_store(settings.db)
+    store.turns_across_processes = True  # (as the engine's process: see Store.writer_turn)
     service = Service(
         store, engine_metrics=EngineMetricsClient(conn).text, read_cache_s=settings.read_cache_s
     )

@@ -315,6 +315,7 @@ def serve(
         from fleetwave.api.apart import CALLBACK_WATCH_S
 
         config.callback_watch_s = CALLBACK_WATCH_S
+        store.turns_across_processes = True  # (the API's process writes as often)
     if no_engine:
         assert api is not None
         _serve_api_alone(api)

@@ -132,6 +132,10 @@ class Store:
         self._writers = threading.RLock()
         #: ... how deep the thread holding them is (the file lock: at the outermost)
         self._turn_depth = 0
+        #: ... and every process's, on the file beside the database: set where several
+        #: processes write at a high rate (``serve``: the engine's and the API's); a
+        #: process without it waits in SQLite's busy handler, as before
+        self.turns_across_processes = False
         #: ... the writers' lock file, opened when first needed (-1: it cannot be)
         self._turn_fd: int | None = None
         self._turn_closer: weakref.finalize[Any, Any] | None = None
@@ -161,12 +165,12 @@ class Store:
     def writer_turn(self) -> Iterator[None]:
         """SQLite: writers take turns on locks of fleetwave's own before SQLite's: this
         process's (the engine's commits on its loop, the API's on its writer thread),
-        then every process's (a file lock beside the database: the API served from a
-        process of its own, a command). SQLite's busy handler sleeps up to 100 ms
-        between tries, and a writer waiting there lost to back-to-back group commits
-        for a second at a time; these hand over at once. Waited for no longer than the
-        busy timeout (then SQLite's wait, and its error, as before); re-entrant, as
-        SQLite's wait was."""
+        then, with :attr:`turns_across_processes`, every such process's (a file lock
+        beside the database: ``serve``'s engine and its API's own process). SQLite's
+        busy handler sleeps up to 100 ms between tries, and a writer waiting there lost
+        to back-to-back group commits for a second at a time; these hand over at once.
+        Waited for no longer than the busy timeout (then SQLite's wait, and its error,
+        as before); re-entrant, as SQLite's wait was."""
         if not self.hooks.embedded:
             yield
             return
@@ -177,7 +181,7 @@ class Store:
         try:
             if took:
                 self._turn_depth += 1
-                if self._turn_depth == 1:
+                if self._turn_depth == 1 and self.turns_across_processes:
                     locked = self._lock_file(until)
             yield
         finally:
