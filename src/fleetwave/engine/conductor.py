@@ -820,6 +820,10 @@ class Conductor(
                 kept.append(cb)
         elif cb.state != fl.state:
             ignore(f"late or out of order: step has moved on to {fl.state}")
+        elif cb.kind == "heartbeat" and _answered(fl):
+            # Its state's report came first (its step moves on once its worker reads it):
+            # a heartbeat now says nothing more, and is not applied beside that report.
+            ignore(f"late: state {fl.state} already had its callback")
         elif cb.kind == "heartbeat":
             self._on_heartbeat(run, fl, cb, marks, deadlines, events)
         elif fl.waiter is None:
@@ -1452,6 +1456,12 @@ class Conductor(
                 outcomes.info("strategy %s: ended complete", run.id)
             else:
                 outcomes.warning("strategy %s: ended %s: %s", run.id, final.value, details)
+
+
+def _answered(fl: InFlight) -> bool:
+    """Whether the state ``fl`` is in was handed its report (done or failed), which its
+    worker has yet to read: the step is about to move on."""
+    return fl.waiter is not None and fl.waiter.done() and not fl.waiter.cancelled()
 
 
 def _visit_over(cb: cbs.CallbackRecord, fl: InFlight) -> str | None:
