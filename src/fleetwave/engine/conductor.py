@@ -681,7 +681,7 @@ class Conductor(
             ]
             if newly:
                 self._lapse(newly)
-            self._apply(batch, result.rejected, marks)
+            self._apply(batch, result.rejected, marks, result.answered)
             if self._failed_now:
                 self._log_failures()
             for sid in result.lost:
@@ -1331,9 +1331,11 @@ class Conductor(
         batch: list[rt.Transition],
         rejected: list[rt.Transition],
         marks: list[rt.CallbackMark] | None = None,
+        answered: set[int] | None = None,
     ) -> None:
         """After the commit: start the next actions; drop steps whose CAS was rejected
-        (``marks``: the batch's callback marks; a refused transition keeps its own)."""
+        (``marks``: the batch's callback marks; a refused transition keeps its own, but
+        for ``answered``: steps whose callback had been answered by another)."""
         bad = {id(t) for t in rejected}
         applied_by = (
             {m.step_id: m for m in marks or () if m.step_id is not None and m.outcome == "applied"}
@@ -1346,7 +1348,10 @@ class Conductor(
             if run is None:
                 continue
             fl = _free_slot(run, t.step_id) or self._freed.get(t.step_id)
-            self._read_back(run, t.step_id, fl, t, applied_by.get(t.step_id))
+            if answered and t.step_id in answered:
+                self._read_back(run, t.step_id, fl, t, answered=True)
+            else:
+                self._read_back(run, t.step_id, fl, t, applied_by.get(t.step_id))
             log.error(
                 "transition %s -> %s of step %s rejected: fenced off or already entered",
                 t.from_state,
