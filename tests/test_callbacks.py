@@ -25,7 +25,7 @@ from fleetwave.store import admin, queries
 from fleetwave.store import runtime as rt
 from fleetwave.store.callbacks import accept_callback, callback_outcomes
 from fleetwave.store.db import Store
-from fleetwave.store.schema import strategies
+from fleetwave.store.schema import callbacks, strategies
 from fleetwave.testing.invariants import check
 from test_nothing_starts_after_a_stop import RecordsStarts
 from test_pause_resume import _until
@@ -698,10 +698,10 @@ def test_a_callback_answered_by_another_moves_its_step_not_at_all(store: Store) 
     def answered_elsewhere() -> None:
         cb = c.receive_callback(step, "agent", "done", "first")
         with store.write() as conn:  # (before the dispatcher's turn hands it to the wait)
-            conn.exec_driver_sql(
-                "UPDATE callbacks SET outcome = 'ignored', reason = 'answered elsewhere' "
-                "WHERE id = ?",
-                (cb.id,),
+            conn.execute(
+                update(callbacks)
+                .where(callbacks.c.id == cb.id)
+                .values(outcome="ignored", reason="answered elsewhere")
             )
 
     async def go() -> dict[int, str]:
@@ -745,9 +745,10 @@ def test_the_writer_refuses_a_move_whose_callback_was_answered_already(store: St
     first = accept_callback(store, one, "agent", "done", "", 2.0)
     other = accept_callback(store, two, "agent", "done", "", 2.0)
     with store.write() as conn:
-        conn.exec_driver_sql(
-            "UPDATE callbacks SET outcome = 'applied', reason = 'by another' WHERE id = ?",
-            (first.id,),
+        conn.execute(
+            update(callbacks)
+            .where(callbacks.c.id == first.id)
+            .values(outcome="applied", reason="by another")
         )
     moves = [rt.Transition(s, sid, "agent", 1, "complete", 1, "done", 1) for s in (one, two)]
     marks = [
