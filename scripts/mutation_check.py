@@ -111,6 +111,17 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "a callback answered already still moves its step (applied twice)",
+        STORE + "writer.py",
+        'f"WHERE id={p} AND outcome IS NULL"',
+        'f"WHERE id={p}"',
+        tests=(
+            "tests/test_callbacks.py::"
+            "test_the_writer_refuses_a_move_whose_callback_was_answered_already",
+            "tests/test_callbacks.py::test_a_callback_answered_by_another_moves_its_step_not_at_all",
+        ),
+    ),
+    Mutation(
         "step owner not checked by its writes",
         STORE + "writer.py",
         'f" WHERE id={p} AND state={p} AND fence={p} AND visit={p} AND (owner={p} OR {p} "',

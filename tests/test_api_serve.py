@@ -150,3 +150,54 @@ def test_readyz_says_not_ready_for_a_schema_this_fleetwave_does_not_have(tmp_pat
         assert answer.json()["error"]["code"] == "not_ready"
         assert "schema revision 0009" in answer.json()["error"]["message"]
         assert http.get("/healthz").status_code == 200  # (alive all the same)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes ``pid`` started (still running)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_the_api_is_served_from_a_process_of_its_own_that_stops_with_serve(
+    tmp_path: Path,
+) -> None:
+    db = _init(tmp_path)
+    assert run_fleetwave(db, "target", "add", "a1").returncode == 0
+    token = new_token(db, "operator")
+    with serving(db) as server, server.client(token) as http:
+        api = [
+            c
+            for c in _children(server.proc.pid)
+            if b"multiprocessing.spawn" in Path(f"/proc/{c}/cmdline").read_bytes()
+        ]
+        assert len(api) == 1
+        sid = http.post("/v1/strategies", json={"workflow": "patch", "all": True}).json()["id"]
+        http.post(f"/v1/strategies/{sid}/apply")
+        deadline = time.monotonic() + 60
+        while http.get(f"/v1/strategies/{sid}").json()["state"] != "complete":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        # the engine's counts, asked of the engine's process
+        assert "fleetwave_transitions_total{" in http.get("/metrics").text
+    assert server.proc.returncode == 0
+    assert "API stopped" in "".join(server.lines)
+    assert not _alive(api[0])
+
+
+def test_one_process_serves_the_api_on_the_engines_loop(tmp_path: Path) -> None:
+    db = _init(tmp_path)
+    token = new_token(db, "reader")
+    with serving(db, "--one-process") as server, server.client(token) as http:
+        assert _children(server.proc.pid) == []
+        assert "fleetwave_steps_in_flight" in http.get("/metrics").text
+    assert server.proc.returncode == 0

@@ -25,7 +25,7 @@ from fleetwave.store import admin, queries
 from fleetwave.store import runtime as rt
 from fleetwave.store.callbacks import accept_callback, callback_outcomes
 from fleetwave.store.db import Store
-from fleetwave.store.schema import strategies
+from fleetwave.store.schema import callbacks, strategies
 from fleetwave.testing.invariants import check
 from test_nothing_starts_after_a_stop import RecordsStarts
 from test_pause_resume import _until
@@ -132,7 +132,7 @@ def test_duplicate_late_and_failed_callbacks(store: Store) -> None:
         "late: step already complete",
         "late: step already failed",
         "strategy ended first",
-    } | {r for r in reasons if r.startswith("late or out of order")}
+    } | {r for r in reasons if r.startswith(("late or out of order", "late: state "))}
     failed = [s for s in queries.list_steps(store, sid) if s["state"] == "failed"]
     assert failed and all("target reported failure" in s["details"] for s in failed)
     assert final == "failed"
@@ -626,6 +626,149 @@ def test_a_heartbeat_on_a_state_that_does_not_wait_is_only_noted(store: Store) -
     answers = [(o["outcome"], o["reason"]) for o in callback_outcomes(store, sid)]
     assert answers == [("applied", "heartbeat noted")]
     assert queries.strategy_events(store, sid, "deadline-extended") == []
+
+
+def test_a_heartbeat_that_comes_after_its_states_report_is_ignored_not_applied(
+    store: Store,
+) -> None:
+    """Found by the HTTP agents' test (a flaky 8 applied for 7 waits): a report and a
+    heartbeat of the same wait picked up together (one poll of callbacks stored by the
+    API's process) were both marked applied, the heartbeat as "heartbeat noted", since
+    the step was still in that state until its worker read the report. The state had
+    its callback: the heartbeat is ignored, saying so. One that comes first is still
+    applied (it moves the deadline)."""
+    add_sim_targets(store, 2)
+    wf = register_workflow(
+        WorkflowDef(
+            "agent-done-and-heartbeat",
+            (StateDef("agent", _Kicked(), mode="wait-for-callback", timeout_s=10),),
+        ),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    first, second = sorted(s["step"] for s in queries.list_steps(store, sid))
+    c = Conductor(store, clock=LoopClock())
+
+    def both(step: int, kinds: tuple[str, str]) -> None:
+        # (in one turn of the loop: the dispatcher takes both in one batch, in order)
+        for kind in kinds:
+            c.receive_callback(step, "agent", kind, kind)
+
+    async def go() -> dict[int, str]:
+        loop = asyncio.get_running_loop()
+        loop.call_at(2.0, both, first, ("done", "heartbeat"))
+        loop.call_at(2.0, both, second, ("heartbeat", "done"))
+        return await asyncio.wait_for(c.run(strategy_ids=[sid]), 120)
+
+    assert on_virtual_time(go())[sid] == "complete"
+    answers = {
+        (o["step"], o["kind"]): (o["outcome"], o["reason"]) for o in callback_outcomes(store, sid)
+    }
+    assert answers == {
+        (first, "done"): ("applied", "moved the step on from agent"),
+        (first, "heartbeat"): ("ignored", "late: state agent already had its callback"),
+        (second, "heartbeat"): (
+            "applied",
+            f"heartbeat: deadline moved to {_utc(EPOCH + 12)}",
+        ),
+        (second, "done"): ("applied", "moved the step on from agent"),
+    }, answers
+    assert check(store, sid).ok
+
+
+def test_a_callback_answered_by_another_moves_its_step_not_at_all(store: Store) -> None:
+    """Exactly once by design: a callback that moves its step is marked applied in the
+    transaction of that move, with a compare-and-set (still open), and the move is
+    written only if that mark is. One answered meanwhile by another (here by hand, as a
+    conductor sharing the strategy or an operator's command would) refuses the move:
+    the step is taken over where it is (its recover hook decides: here, to wait
+    again), and the next report moves it."""
+    add_sim_targets(store, 1)
+    wf = register_workflow(
+        WorkflowDef(
+            "agent-answered-elsewhere",
+            (StateDef("agent", _KickedAgain(), mode="wait-for-callback", timeout_s=10),),
+        ),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    (step,) = [s["step"] for s in queries.list_steps(store, sid)]
+    c = Conductor(store, clock=LoopClock())
+
+    def answered_elsewhere() -> None:
+        cb = c.receive_callback(step, "agent", "done", "first")
+        with store.write() as conn:  # (before the dispatcher's turn hands it to the wait)
+            conn.execute(
+                update(callbacks)
+                .where(callbacks.c.id == cb.id)
+                .values(outcome="ignored", reason="answered elsewhere")
+            )
+
+    async def go() -> dict[int, str]:
+        loop = asyncio.get_running_loop()
+        loop.call_at(2.0, answered_elsewhere)
+        loop.call_at(5.0, c.receive_callback, step, "agent", "done", "second")
+        return await asyncio.wait_for(c.run(strategy_ids=[sid]), 120)
+
+    assert on_virtual_time(go())[sid] == "complete"
+    answers = [(o["outcome"], o["reason"]) for o in callback_outcomes(store, sid)]
+    assert answers == [
+        ("ignored", "answered elsewhere"),
+        ("applied", "moved the step on from agent"),
+    ], answers
+    moves = [(h["from"], h["to"], h["details"]) for h in queries.history(store, sid)]
+    assert moves[-1] == ("agent", "complete", "second"), moves
+    assert [m for m in moves if m[0] == "agent"] == [moves[-1]]
+    refused = queries.strategy_events(store, sid, "transition-rejected")
+    assert [e["details"].split(": ")[-1] for e in refused] == [
+        "its callback was answered already"
+    ], refused
+    assert check(store, sid).ok
+
+
+def test_the_writer_refuses_a_move_whose_callback_was_answered_already(store: Store) -> None:
+    """The writer's part of the above, both paths: the batch's fast path falls back to
+    row by row, which refuses that move only (the other step's is written)."""
+    add_sim_targets(store, 2)
+    wf = register_workflow(
+        WorkflowDef(
+            "agent-two-moves",
+            (StateDef("agent", _Kicked(), mode="wait-for-callback", timeout_s=10),),
+        ),
+        replace=True,
+    )
+    sid = applied(store, wf.name)
+    one, two = sorted(s["step"] for s in queries.list_steps(store, sid))
+    writer = rt.TransitionWriter(store, "c1")
+    enter = [rt.Transition(s, sid, "initial", 0, "agent", 1, "", 0) for s in (one, two)]
+    assert writer.commit(enter, [], 1.0).rejected == []
+    first = accept_callback(store, one, "agent", "done", "", 2.0)
+    other = accept_callback(store, two, "agent", "done", "", 2.0)
+    with store.write() as conn:
+        conn.execute(
+            update(callbacks)
+            .where(callbacks.c.id == first.id)
+            .values(outcome="applied", reason="by another")
+        )
+    moves = [rt.Transition(s, sid, "agent", 1, "complete", 1, "done", 1) for s in (one, two)]
+    marks = [
+        rt.CallbackMark(cb.id, "applied", "moved the step on from agent", sid, cb.step_id)
+        for cb in (first, other)
+    ]
+    result = writer.commit(moves, [], 3.0, marks)
+    assert result.rejected == [moves[0]] and result.answered == {one}
+    states = {s["step"]: s["state"] for s in queries.list_steps(store, sid)}
+    assert states == {one: "agent", two: "complete"}
+    answers = {o["step"]: (o["outcome"], o["reason"]) for o in callback_outcomes(store, sid)}
+    assert answers == {
+        one: ("applied", "by another"),
+        two: ("applied", "moved the step on from agent"),
+    }
+
+
+class _KickedAgain(_Kicked):
+    async def recover(self, ctx: ActionContext) -> Outcome:
+        return Advance()  # (taken over: its target is asked again, and it waits again)
 
 
 class _Sleeps(StateAction):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -424,3 +427,43 @@ def test_an_abort_that_came_after_every_step_had_ended_is_on_the_record(
         else []
     )
     store.dispose()
+
+
+def test_writers_of_every_process_take_turns_on_the_file_beside_the_database(
+    tmp_path: Path,
+) -> None:
+    """A write in another process waits while this one holds the writers' turn (and
+    goes through once it is let go), rather than finding SQLite's lock free or busy."""
+    db = tmp_path / "fleet.db"
+    store = open_store(str(db))
+    store.turns_across_processes = True
+    script = (
+        "import sys, time\n"
+        "from sqlalchemy import text\n"
+        "from fleetwave.store.db import open_store\n"
+        "store = open_store(sys.argv[1])\n"
+        "store.turns_across_processes = True\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "t0 = time.monotonic()\n"
+        "with store.write() as conn:\n"
+        "    conn.execute(text('PRAGMA user_version'))\n"
+        "print(f'{time.monotonic() - t0:.3f}', flush=True)\n"
+    )
+    other = subprocess.Popen(
+        [sys.executable, "-c", script, str(db)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert other.stdin is not None and other.stdout is not None
+    assert other.stdout.readline().strip() == "ready"
+    with store.writer_turn():
+        other.stdin.write("go\n")
+        other.stdin.flush()
+        time.sleep(0.5)
+        assert other.poll() is None  # still waiting for its turn
+    waited = float(other.stdout.readline())
+    assert other.wait(timeout=30) == 0
+    assert waited >= 0.4
+    assert (tmp_path / "fleet.db-writers").exists()

@@ -60,6 +60,34 @@ def _no_nul(pairs: Iterable[tuple[str, Any]]) -> None:
             raise ApiError(422, "invalid", f"{key}: must not contain a NUL character", key)
 
 
+#: requests that change nothing: the answers of recent reads may be given again after them
+_READS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+class NoteChanges:
+    """Any request that may change something (not a read, not an agent's callback, which
+    changes nothing a read shows) makes :meth:`Service.recent` read again: as it
+    starts (a read beginning meanwhile may see the change) and once it has ended."""
+
+    def __init__(self, app: ASGIApp, service: Service) -> None:
+        self.app = app
+        self.service = service
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope.get("method") in _READS
+            or scope.get("path", "").endswith("/callbacks")
+        ):
+            await self.app(scope, receive, send)
+            return
+        self.service.changed()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.service.changed()
+
+
 class BodyLimit:
     """Refuse a request body larger than ``limit`` bytes (413), by its Content-Length
     or, sent in chunks, once that many have come: nothing of it is handled."""
@@ -165,6 +193,7 @@ def make_app(service: Service) -> FastAPI:
     # (the last added is the outermost: the fast path within the body limit and the
     # requests' count)
     (callback_route,) = callbacks.router.routes
+    app.add_middleware(NoteChanges, service=service)
     app.add_middleware(CallbackFastPath, service=service, route=callback_route)
     app.add_middleware(BodyLimit)
     app.add_middleware(CountRequests, metrics=metrics)
@@ -183,8 +212,12 @@ def make_app(service: Service) -> FastAPI:
         },
     )
     async def prometheus() -> PlainTextResponse:
-        # (on the loop: the engine's counts are read where they are kept)
-        return PlainTextResponse(metrics.text(), media_type=CONTENT_TYPE_LATEST)
+        # (on the loop: the engine's counts are read where they are kept; or asked of
+        # the engine's process, off the loop)
+        engine = b""
+        if service.engine_metrics is not None:
+            engine = await service.call(service.engine_metrics)
+        return PlainTextResponse(metrics.text() + engine, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz", tags=["health"], summary="The server answers")
     async def healthz() -> dict[str, Any]:

@@ -1,8 +1,12 @@
 """Agents' callbacks stored a batch at a time (group commit): one transaction, one
-fsync, for all the callbacks that came while the one before was being written. Each
-callback's agent token is checked in that same transaction (one query for the batch,
-not a read of its own per request): a refused one is recorded there, with the
-caller's address, and stores nothing.
+fsync, for all the callbacks that came while the one before was being written. The
+batch's agent tokens are checked in one query (not a read of its own per request),
+with the idempotency keys already stored, just before that transaction, outside the
+write lock that the engine's group commits wait for: a refused one is recorded in
+the transaction, with the caller's address, and stores nothing. (A token replaced or
+a key stored in between: the step's state is read again in the transaction, and a
+key stored meanwhile fails the insert on its unique key, which stores the batch one
+by one.)
 
 A request adds its callback and waits for it to be written; one of the waiting
 requests writes everything added so far, on the API's writer thread. The write goes
@@ -104,9 +108,17 @@ def store_arrivals(store: Store, arrivals: Sequence[Arrival]) -> list[Answer]:
     transaction: each one's answer, in order (its record, a Replay, a Refused, or
     the error that refused it: an unknown step). Another process storing the same
     idempotency key meanwhile makes this one store them one by one."""
+    given = [a.token for a in arrivals if a.token is not None]
+    now = max(a.report.now for a in arrivals)
+    # What needs no write lock is read first: the write lock is every writer's, the
+    # engine's group commits included, and it is held for as little as can be (one
+    # query for the steps, the insert, the commit).
+    with store.read() as conn:
+        grants = tokens.find_agent_tokens(conn, given, now)
+        stored = cbs.stored_with_keys(conn, [a.report for a in arrivals])
     try:
         with store.write() as conn:
-            return _store_on(conn, arrivals)
+            return _store_on(conn, arrivals, grants, stored)
     except IntegrityError:
         if len(arrivals) > 1:
             return [answer for one in arrivals for answer in store_arrivals(store, [one])]
@@ -120,10 +132,12 @@ def store_arrivals(store: Store, arrivals: Sequence[Arrival]) -> list[Answer]:
         return list(cbs.accept_callbacks(store, [_of_visit(arrival.report, grant)]))
 
 
-def _store_on(conn: Connection, arrivals: Sequence[Arrival]) -> list[Answer]:
-    given = [a.token for a in arrivals if a.token is not None]
-    now = max(a.report.now for a in arrivals)
-    grants = tokens.find_agent_tokens(conn, given, now)
+def _store_on(
+    conn: Connection,
+    arrivals: Sequence[Arrival],
+    grants: dict[str, tokens.AgentGrant],
+    stored: dict[tuple[int, str], cbs.CallbackRecord],
+) -> list[Answer]:
     answers: list[Answer | None] = []
     let_in: list[int] = []
     for a in arrivals:
@@ -137,11 +151,12 @@ def _store_on(conn: Connection, arrivals: Sequence[Arrival]) -> list[Answer]:
             conn, a.report.step_id, None if grant is None else grant.strategy_id, refused.said
         )
         answers.append(refused)
-    stored = cbs.insert_callbacks(
+    records = cbs.insert_callbacks(
         conn,
         [_of_visit(arrivals[i].report, grants.get(arrivals[i].token or "")) for i in let_in],
+        stored,
     )
-    for place, answer in zip(let_in, stored, strict=True):
+    for place, answer in zip(let_in, records, strict=True):
         answers[place] = answer
     return [a for a in answers if a is not None]
 

@@ -123,7 +123,7 @@ async def list_strategies(
 
 @router.get("/strategies/{strategy_id}", summary="Show a strategy with its step counts")
 async def show_strategy(svc: Svc, strategy_id: StrategyId) -> dict[str, Any]:
-    return await svc.call(queries.get_strategy, svc.store, strategy_id)
+    return await svc.recent(("strategy", strategy_id), queries.get_strategy, svc.store, strategy_id)
 
 
 @router.get("/strategies/{strategy_id}/steps", summary="List a strategy's steps (in its order)")
@@ -136,14 +136,16 @@ async def list_steps(
     cursor: Cursor = None,
 ) -> dict[str, Any]:
     after = decode_cursor(cursor, int, -1)
-    page = await svc.call(
+    states, targets = tuple(state or ()), tuple(target or ())
+    page = await svc.recent(
+        ("steps", strategy_id, limit, after, states, targets),
         queries.steps_page,
         svc.store,
         strategy_id,
         limit,
         after,
-        list(state or ()),
-        list(target or ()),
+        list(states),
+        list(targets),
     )
     return page_answer(page.rows, page.next_after)
 

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import socket
 import ssl
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import uvicorn
@@ -79,9 +79,14 @@ class _Server(uvicorn.Server):
 
 
 async def serve_api(
-    service: Service, sock: socket.socket, stop: asyncio.Event, tls: Tls | None = None
+    service: Service,
+    sock: socket.socket,
+    stop: asyncio.Event,
+    tls: Tls | None = None,
+    started: Callable[[], None] | None = None,
 ) -> None:
-    """Serve the API on ``sock`` until ``stop`` is set (requests under way finish)."""
+    """Serve the API on ``sock`` until ``stop`` is set (requests under way finish);
+    ``started`` is called once it answers requests."""
     server = _Server(
         uvicorn.Config(
             make_app(service),
@@ -96,6 +101,11 @@ async def serve_api(
     )
     serving = asyncio.create_task(server.serve(sockets=[sock]), name="fleetwave-api")
     stopped = asyncio.create_task(stop.wait())
+    if started is not None:
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.01)
+        if server.started:
+            started()
     try:
         await asyncio.wait({serving, stopped}, return_when=asyncio.FIRST_COMPLETED)
     finally:

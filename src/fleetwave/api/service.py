@@ -14,6 +14,7 @@ import binascii
 import contextvars
 import functools
 import json
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,6 +40,12 @@ STORE_THREADS = 8
 #: the most rows one page of a list holds (``limit``), and how many it holds by default
 PAGE_LIMIT_MAX = 1000
 PAGE_LIMIT_DEFAULT = 100
+#: how long an answer of a hot read (strategy show, a page of its steps) is given again
+#: to the same request (``serve --read-cache-ms``): a dashboard or a script polling a
+#: strategy of 10,000 steps costs one read of them per this long, not one per request
+READ_CACHE_S_DEFAULT = 0.25
+#: answers kept at most (the oldest go first)
+READ_CACHE_MAX = 256
 #: the largest request body read (bytes): a bigger one is refused (413) unread
 MAX_BODY_BYTES = 1_048_576
 
@@ -51,6 +58,9 @@ class Service:
     #: the engine in this process (``fleetwave serve`` without ``--no-engine``): told of
     #: each callback stored, so that it applies it at once rather than at its next pass
     conductor: Conductor | None = None
+    #: the engine's metrics (Prometheus's text), asked of the engine's process when the
+    #: API is served from a process of its own (see fleetwave.api.apart)
+    engine_metrics: Callable[[], bytes] | None = None
     #: require a bearer token (False only for tests and ``--no-auth`` on loopback)
     auth: bool = True
     #: the app's metrics (set by make_app)
@@ -63,6 +73,13 @@ class Service:
     #: (the app's shutdown; a test client may start the app again)
     _threads: ThreadPoolExecutor | None = field(default=None, repr=False)
 
+    #: how long an answer of :meth:`recent` is given again (0: never)
+    read_cache_s: float = READ_CACHE_S_DEFAULT
+    #: bumped by every request that may change something (not an agent's callback):
+    #: an answer read before is not given again after it
+    generation: int = field(default=0, repr=False)
+    _recent: dict[tuple[Any, ...], _Reused] = field(default_factory=dict, repr=False)
+
     #: the one thread the API's writes run on, in turn: SQLite has one writer, and
     #: several threads waiting for its lock poll for it (most of their time asleep)
     _writer: ThreadPoolExecutor | None = field(default=None, repr=False)
@@ -73,6 +90,37 @@ class Service:
         if self._threads is None:
             self._threads = ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="fw-api")
         return await self._run(self._threads, fn, *args, **kwargs)
+
+    async def recent(
+        self, key: tuple[Any, ...], fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs
+    ) -> R:
+        """:meth:`call`, or the answer of the same read (``key``) started less than
+        :attr:`read_cache_s` ago, and since the last change made through this API
+        (one under way is awaited). Changes made elsewhere (the engine, a command) show
+        by then."""
+        if self.read_cache_s <= 0:
+            return await self.call(fn, *args, **kwargs)
+        now = time.monotonic()
+        hit = self._recent.get(key)
+        if (
+            hit is not None
+            and now - hit.at < self.read_cache_s
+            and hit.generation == self.generation
+            and not (hit.answer.done() and hit.answer.exception() is not None)
+        ):
+            answer: R = await asyncio.shield(hit.answer)
+            return answer
+        reading = asyncio.ensure_future(self.call(fn, *args, **kwargs))
+        self._recent.pop(key, None)
+        self._recent[key] = _Reused(now, self.generation, reading)
+        while len(self._recent) > READ_CACHE_MAX:
+            del self._recent[next(iter(self._recent))]
+        return await asyncio.shield(reading)
+
+    def changed(self) -> None:
+        """Something may have changed (a request that is not a read): answers read
+        before are not given again."""
+        self.generation += 1
 
     async def write(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Run a blocking store call that writes, on the API's writer thread."""
@@ -110,6 +158,15 @@ class Service:
             if threads is not None:
                 threads.shutdown(wait=True)
         self._threads = self._writer = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Reused:
+    """An answer of :meth:`Service.recent`: when its read began, and on what."""
+
+    at: float
+    generation: int
+    answer: asyncio.Future[Any]
 
 
 def service_of(request: Request) -> Service:

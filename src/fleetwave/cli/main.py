@@ -70,6 +70,7 @@ from fleetwave.store.db import (
 from fleetwave.store.postgres import redact
 
 if TYPE_CHECKING:
+    from fleetwave.api.apart import ApiProcess
     from fleetwave.api.serve import Tls
     from fleetwave.api.service import Service
 
@@ -249,6 +250,14 @@ def serve(
         bool,
         typer.Option("--no-engine", help="serve only the API (a conductor runs elsewhere)"),
     ] = False,
+    one_process: Annotated[
+        bool,
+        typer.Option(
+            "--one-process",
+            help="serve the API on the engine's own event loop (by default it is served "
+            "from a process of its own beside the engine's; see docs/api.md)",
+        ),
+    ] = False,
     tls_cert: Annotated[
         str | None,
         typer.Option(metavar="FILE", help="serve the API over HTTPS: its certificate (PEM)"),
@@ -256,6 +265,17 @@ def serve(
     tls_key: Annotated[
         str | None, typer.Option(metavar="FILE", help="... and the certificate's key (PEM)")
     ] = None,
+    read_cache_ms: Annotated[
+        int,
+        typer.Option(
+            metavar="MS",
+            min=0,
+            max=60_000,
+            help="with --listen: give the answer of a strategy's show, and of a page of "
+            "its steps, again for this long, unless changed through the API meanwhile "
+            "(0: never)",
+        ),
+    ] = 250,
     lease_ttl: LeaseTtlOpt = None,
     log_format: Annotated[
         output.LogFormat,
@@ -277,13 +297,25 @@ def serve(
         raise InputError("--lease-ttl: not with --no-engine (no conductor runs here)")
     if listen is None and (tls_cert is not None or tls_key is not None):
         raise InputError("--tls-cert and --tls-key: only with --listen (they are the API's)")
+    if one_process and (listen is None or no_engine):
+        raise InputError("--one-process: only with --listen, and not with --no-engine")
     config = engine_config(lease_ttl)
     event_loop.loop_kind()  # refuse a bad FLEETWAVE_LOOP before announcing anything
     load_plugins()  # and a plug-in that cannot be imported, before taking anything on
     # Never a new database: a mistyped --db would be served, empty, for good (a service
     # manager restarting it), while the real fleet's strategies wait for nobody.
     store = existing_store(db)
-    api = _Api.bind(listen, db, tls_cert, tls_key) if listen is not None else None
+    apart = listen is not None and not no_engine and not one_process
+    api = None
+    if listen is not None:
+        api = _Api.bind(listen, db, tls_cert, tls_key, apart, log_format, read_cache_ms / 1000)
+    if apart:
+        # the engine finds the callbacks the API's process stores (SQLite: by a look
+        # at the highest id; PostgreSQL's NOTIFY wakes it anyway)
+        from fleetwave.api.apart import CALLBACK_WATCH_S
+
+        config.callback_watch_s = CALLBACK_WATCH_S
+        store.turns_across_processes = True  # (the API's process writes as often)
     if no_engine:
         assert api is not None
         _serve_api_alone(api)
@@ -320,7 +352,7 @@ def serve(
         stop_on_signals(stop, conductor.config.shutdown_grace_s, at_once=stopped_now)
         report = ServeReport(store, conductor)
         reporter: list[asyncio.Task[None]] = []
-        serving = api.start(stop, conductor) if api is not None else None
+        serving = await api.start(stop, conductor) if api is not None else None
 
         def ready() -> None:
             # Said once registered: a database locked at start is waited for (logged) first.
@@ -356,38 +388,72 @@ def serve(
 
 
 class _Api:
-    """``serve --listen``: the REST API served on the command's loop. It has its own
-    connections to the database (its requests never wait for the engine's), and runs
-    its store calls on its own threads (see fleetwave.api.service)."""
+    """``serve --listen``: the REST API, served from a process of its own beside the
+    engine's (see fleetwave.api.apart), or on the command's loop (``--one-process``,
+    ``--no-engine``). It has its own connections to the database (its requests never
+    wait for the engine's), and runs its store calls on its own threads (see
+    fleetwave.api.service)."""
 
-    def __init__(self, sock: socket.socket, base: str, service: Service, tls: Tls | None) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        base: str,
+        service: Service | None,
+        tls: Tls | None,
+        process: ApiProcess | None,
+    ) -> None:
         self.sock = sock
         self.service = service
         self.tls = tls
+        self.process = process
         self.said = f"API on {base}/v1 (OpenAPI: {base}/openapi.json; dashboard: {base}/)"
         self._stop = asyncio.Event()
 
     @classmethod
-    def bind(cls, listen: str, db: str | None, cert: str | None, key: str | None) -> _Api:
+    def bind(
+        cls,
+        listen: str,
+        db: str | None,
+        cert: str | None,
+        key: str | None,
+        apart: bool = False,
+        log_format: output.LogFormat = output.LogFormat.text,
+        read_cache_s: float = 0.25,  # (api.service.READ_CACHE_S_DEFAULT: not imported)
+    ) -> _Api:
         """Bound now: a port in use is bad input before anything starts."""
+        from fleetwave.api.apart import ApiProcess, ChildSettings
         from fleetwave.api.serve import Tls, bind
         from fleetwave.api.service import Service
 
         tls = Tls.given(cert, key)
         sock, base = bind(listen, tls)
-        return cls(sock, base, Service(existing_store(db)), tls)
+        if apart:
+            level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+            json_logs = log_format is output.LogFormat.json
+            settings = ChildSettings(db, tls, json_logs, level, read_cache_s)
+            return cls(sock, base, None, tls, ApiProcess(sock, settings))
+        service = Service(existing_store(db), read_cache_s=read_cache_s)
+        return cls(sock, base, service, tls, None)
 
-    def start(self, stop: asyncio.Event, conductor: Conductor | None) -> asyncio.Task[None]:
-        """Serve until :meth:`stop`; if the API fails, ``stop`` is set (all stops)."""
+    async def start(self, stop: asyncio.Event, conductor: Conductor | None) -> asyncio.Task[None]:
+        """Serve until :meth:`stop`; if the API fails, ``stop`` is set (all stops). The
+        API's own process answers requests once this returns."""
         from fleetwave.api.serve import serve_api
 
-        self.service.conductor = conductor
-        task = asyncio.create_task(serve_api(self.service, self.sock, self._stop, self.tls))
+        if self.process is not None:
+            await self.process.start(conductor)
+            task = asyncio.create_task(self.process.wait_ended())
+        else:
+            assert self.service is not None
+            self.service.conductor = conductor
+            task = asyncio.create_task(serve_api(self.service, self.sock, self._stop, self.tls))
         task.add_done_callback(lambda _: stop.set())
         return task
 
     async def stop(self, task: asyncio.Task[None]) -> None:
         self._stop.set()
+        if self.process is not None:
+            await self.process.stop()
         await task
         err_console.print("API stopped", highlight=False)
 
@@ -398,7 +464,7 @@ def _serve_api_alone(api: _Api) -> None:
     async def _alone() -> None:
         stop = asyncio.Event()
         stop_on_signals(stop, 0, said=lambda: "stopping: requests under way finish")
-        serving = api.start(stop, None)
+        serving = await api.start(stop, None)
         err_console.print(f"serving the {api.said}; Ctrl-C to stop", highlight=False)
         try:
             await stop.wait()
@@ -416,6 +482,16 @@ def _serve_api_alone(api: _Api) -> None:
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+def configure_logging(level: str) -> None:
+    """Log lines at ``level`` and above to stderr, as every command does."""
+    handler = output.ConsoleLogHandler()
+    handler.setFormatter(output.utc_log_formatter())
+    logging.basicConfig(level=level.upper(), handlers=[handler])
+    if level != "debug":
+        # its "Context impl SQLiteImpl" lines at every start said nothing of the rollout
+        logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
 #: the exit status when whoever read the output went away (``| head``): what a shell
 #: reports for a process that SIGPIPE ended (128 + 13)
 READER_GONE = 141
@@ -426,12 +502,7 @@ def main() -> None:
     level = os.environ.get("FLEETWAVE_LOG", "warning").strip().lower() or "warning"
     if level not in LOG_LEVELS:
         _fail(f"FLEETWAVE_LOG: unknown level '{level}' (choose one of {', '.join(LOG_LEVELS)})", 2)
-    handler = output.ConsoleLogHandler()
-    handler.setFormatter(output.utc_log_formatter())
-    logging.basicConfig(level=level.upper(), handlers=[handler])
-    if level != "debug":
-        # its "Context impl SQLiteImpl" lines at every start said nothing of the rollout
-        logging.getLogger("alembic").setLevel(logging.WARNING)
+    configure_logging(level)
     forget_created()
     remote.set_url(None)  # (the root command sets it, from --url or FLEETWAVE_URL)
     try:

@@ -384,11 +384,20 @@ class Conductor(
             self._watch_leases()
             periodic = asyncio.create_task(self._periodic(), name="fleetwave-periodic")
             periodic.add_done_callback(self._periodic_ended)
+            background = [periodic]
+            watch_s = self.config.callback_watch_s
+            if watch_s is not None and not self._listening:
+                watching = asyncio.create_task(
+                    self._watch_callbacks(watch_s), name="fleetwave-callback-watch"
+                )
+                watching.add_done_callback(self._periodic_ended)
+                background.append(watching)
             try:
                 await self._dispatch_loop(stop)
             finally:
-                periodic.cancel()
-                await asyncio.gather(periodic, return_exceptions=True)
+                for task in background:
+                    task.cancel()
+                await asyncio.gather(*background, return_exceptions=True)
             clean = True
         finally:
             # first: what follows may raise (a stop during an outage), or be cancelled
@@ -677,7 +686,7 @@ class Conductor(
             ]
             if newly:
                 self._lapse(newly)
-            self._apply(batch, result.rejected, marks)
+            self._apply(batch, result.rejected, marks, result.answered)
             if self._failed_now:
                 self._log_failures()
             for sid in result.lost:
@@ -816,6 +825,10 @@ class Conductor(
                 kept.append(cb)
         elif cb.state != fl.state:
             ignore(f"late or out of order: step has moved on to {fl.state}")
+        elif cb.kind == "heartbeat" and _answered(fl):
+            # Its state's report came first (its step moves on once its worker reads it):
+            # a heartbeat now says nothing more, and is not applied beside that report.
+            ignore(f"late: state {fl.state} already had its callback")
         elif cb.kind == "heartbeat":
             self._on_heartbeat(run, fl, cb, marks, deadlines, events)
         elif fl.waiter is None:
@@ -1323,9 +1336,11 @@ class Conductor(
         batch: list[rt.Transition],
         rejected: list[rt.Transition],
         marks: list[rt.CallbackMark] | None = None,
+        answered: set[int] | None = None,
     ) -> None:
         """After the commit: start the next actions; drop steps whose CAS was rejected
-        (``marks``: the batch's callback marks; a refused transition keeps its own)."""
+        (``marks``: the batch's callback marks; a refused transition keeps its own, but
+        for ``answered``: steps whose callback had been answered by another)."""
         bad = {id(t) for t in rejected}
         applied_by = (
             {m.step_id: m for m in marks or () if m.step_id is not None and m.outcome == "applied"}
@@ -1338,7 +1353,10 @@ class Conductor(
             if run is None:
                 continue
             fl = _free_slot(run, t.step_id) or self._freed.get(t.step_id)
-            self._read_back(run, t.step_id, fl, t, applied_by.get(t.step_id))
+            if answered and t.step_id in answered:
+                self._read_back(run, t.step_id, fl, t, answered=True)
+            else:
+                self._read_back(run, t.step_id, fl, t, applied_by.get(t.step_id))
             log.error(
                 "transition %s -> %s of step %s rejected: fenced off or already entered",
                 t.from_state,
@@ -1448,6 +1466,12 @@ class Conductor(
                 outcomes.info("strategy %s: ended complete", run.id)
             else:
                 outcomes.warning("strategy %s: ended %s: %s", run.id, final.value, details)
+
+
+def _answered(fl: InFlight) -> bool:
+    """Whether the state ``fl`` is in was handed its report (done or failed), which its
+    worker has yet to read: the step is about to move on."""
+    return fl.waiter is not None and fl.waiter.done() and not fl.waiter.cancelled()
 
 
 def _visit_over(cb: cbs.CallbackRecord, fl: InFlight) -> str | None:

@@ -23,6 +23,11 @@ class EngineConfig:
     #: that died on another host is taken over this long after its last renewal
     lease_ttl_s: float = 30.0
     tick_s: float = 1.0
+    #: SQLite: look this often for callbacks another process stored (the API served
+    #: from a process of its own: ``serve --listen``), with one cheap read of the
+    #: highest callback id; None: at each periodic pass only (PostgreSQL's NOTIFY
+    #: wakes the conductor at once)
+    callback_watch_s: float | None = None
     seed: int = 0
     #: record each dispatch latency (commit done -> action started), seconds
     measure_latency: bool = False

@@ -114,7 +114,8 @@ class DeadlinesMixin:
             or fl.timed_out == attempt
             or fl.aborted
         ):
-            # not waiting (a state that runs or polls, or whose callback came): noted
+            # not waiting (a state that runs or polls, or one timed out or aborted): noted
+            # (one whose report came is ignored before it gets here: see _on_callback)
             marks.append(rt.CallbackMark(cb.id, "applied", "heartbeat noted", sid))
             return
         now = self.clock.now()

@@ -87,6 +87,9 @@ class Unsettled:
     held: bool
     #: the callback that caused the refused transition, marked applied with it
     mark: CallbackMark | None = None
+    #: refused because that callback had been answered already (by another): the
+    #: transition is not applied again; the step is taken over (a wait waits again)
+    answered: bool = False
 
 
 @dataclass

@@ -72,6 +72,8 @@ class SettleMixin(StoreCalls):
         fl: InFlight | None,
         refused: rt.Transition | None,
         mark: rt.CallbackMark | None = None,
+        *,
+        answered: bool = False,
     ) -> None:
         """The step's row is not what this conductor believed: read it back (see
         :meth:`_settle`). ``fl``: its in-flight entry, just freed; the step keeps its slot,
@@ -84,6 +86,7 @@ class SettleMixin(StoreCalls):
             fl.rec.group_id if fl is not None else None,
             held=fl is not None,
             mark=mark,
+            answered=answered,
         )
         run.settle_due = True
         self._wake_soon()  # settle it without waiting for a message
@@ -190,6 +193,20 @@ class SettleMixin(StoreCalls):
                 settled(step_id, f"held by conductor {row.owner} now: left to it")
                 continue
             if (
+                u.answered
+                and refused is not None
+                and row.state == refused.from_state != STEP_INITIAL
+                and row.visit == refused.from_visit
+            ):
+                # Its callback was answered by another before this conductor's move was
+                # written: that callback moves nothing (once at most). The step is taken
+                # over where it is, its recover hook deciding (a wait waits again, offered
+                # the callbacks still open).
+                if counted:
+                    run.failed -= 1
+                to_take.append(row)
+                continue
+            if (
                 refused is not None
                 and row.state == refused.from_state != STEP_INITIAL
                 and row.visit == refused.from_visit
@@ -274,6 +291,10 @@ class SettleMixin(StoreCalls):
                 {run.id: run.record.fence},
             )
             refused_now = {id(t) for t in result.rejected}
+            for step_id in result.answered:
+                left = run.unsettled.get(step_id)
+                if left is not None:  # (read again next tick: then taken over, as above)
+                    left.answered, left.mark = True, None
             for t in batch:
                 if id(t) in refused_now or run.id in result.lost:
                     continue

@@ -137,30 +137,12 @@ def _insert(store: Store, reports: Sequence[Report]) -> list[CallbackRecord | In
         return insert_callbacks(conn, reports)
 
 
-def insert_callbacks(
+def stored_with_keys(
     conn: Connection, reports: Sequence[Report]
-) -> list[CallbackRecord | InputError]:
-    """:func:`accept_callbacks` within the caller's write transaction (an
-    IntegrityError is the caller's to handle: see there).
-
-    Each is stored with the visit of its state it reports on: the one its report names
-    (an agent token's visit), else the step's: the visit it is in when it is in that
-    state, else the next visit of it (1 for a state entered once at most). The owner
-    then applies it to that visit only: a late one of an earlier visit is ignored."""
-    out: list[CallbackRecord | InputError] = []
-    ids = sorted({r.step_id for r in reports})
-    found = {
-        int(row.id): row
-        for start in range(0, len(ids), 500)
-        for row in conn.execute(
-            select(
-                steps.c.id, steps.c.strategy_id, steps.c.state, steps.c.visit, steps.c.visits
-            ).where(steps.c.id.in_(ids[start : start + 500]))
-        )
-    }
+) -> dict[tuple[int, str], CallbackRecord]:
+    """The callbacks stored with these reports' idempotency keys, by (step, key)."""
     keyed = [(r.step_id, r.idempotency_key) for r in reports if r.idempotency_key]
     stored: dict[tuple[int, str], CallbackRecord] = {}
-    woken: set[int] = set()
     for start in range(0, len(keyed), 500):
         for row in conn.execute(
             select(callbacks).where(
@@ -181,6 +163,38 @@ def insert_callbacks(
                 row.received_at,
                 int(row.visit),
             )
+    return stored
+
+
+def insert_callbacks(
+    conn: Connection,
+    reports: Sequence[Report],
+    stored: dict[tuple[int, str], CallbackRecord] | None = None,
+) -> list[CallbackRecord | InputError]:
+    """:func:`accept_callbacks` within the caller's write transaction (an
+    IntegrityError is the caller's to handle: see there). ``stored``: the callbacks
+    already stored with the reports' idempotency keys (:func:`stored_with_keys`), if
+    the caller read them before its write transaction (one stored since makes the
+    insert fail on the unique key: an IntegrityError, as above).
+
+    Each is stored with the visit of its state it reports on: the one its report names
+    (an agent token's visit), else the step's: the visit it is in when it is in that
+    state, else the next visit of it (1 for a state entered once at most). The owner
+    then applies it to that visit only: a late one of an earlier visit is ignored."""
+    out: list[CallbackRecord | InputError] = []
+    ids = sorted({r.step_id for r in reports})
+    found = {
+        int(row.id): row
+        for start in range(0, len(ids), 500)
+        for row in conn.execute(
+            select(
+                steps.c.id, steps.c.strategy_id, steps.c.state, steps.c.visit, steps.c.visits
+            ).where(steps.c.id.in_(ids[start : start + 500]))
+        )
+    }
+    if stored is None:
+        stored = stored_with_keys(conn, reports)
+    woken: set[int] = set()
     # Decide each first, then insert them all in one statement (one INSERT a row,
     # each compiled and executed apart, was most of the intake's time on its thread).
     rows: list[dict[str, object]] = []
@@ -341,6 +355,12 @@ def open_callbacks(
     with store.read() as conn:
         rows = conn.exec_driver_sql(sql, params).all()
     return [CallbackRecord(*r) for r in rows]
+
+
+def last_callback_id(store: Store) -> int:
+    """The highest callback id stored (0: none): a new one means callbacks to look at."""
+    with store.read() as conn:
+        return int(conn.exec_driver_sql("SELECT max(id) FROM callbacks").scalar() or 0)
 
 
 def open_callback_of(

@@ -9,8 +9,11 @@ psycopg 3; see :mod:`fleetwave.store.postgres`). Dialect-specific SQL lives in
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,6 +29,12 @@ MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 #: conductor) before it fails, unless a conductor asks for less
 DEFAULT_BUSY_TIMEOUT_MS = 5000
 HEAD_REVISION = "0017"
+#: SQLite: beside the database file, the file whose lock writers of every fleetwave
+#: process take turns on (see :meth:`Store.writer_turn`)
+WRITERS_SUFFIX = "-writers"
+#: ... polled this often at first while another process holds it, then less often
+TURN_POLL_MIN_S = 0.0001
+TURN_POLL_MAX_S = 0.001
 
 
 class StoreError(Exception):
@@ -119,8 +128,17 @@ class Store:
         #: how long a write waits for another writer's lock before it fails; a
         #: conductor shortens it to a twentieth of its lease (its loop waits meanwhile)
         self.busy_timeout_ms = DEFAULT_BUSY_TIMEOUT_MS
-        #: SQLite: this process's writers' turns (see :meth:`_in_turn`)
+        #: SQLite: this process's writers' turns (see :meth:`writer_turn`)
         self._writers = threading.RLock()
+        #: ... how deep the thread holding them is (the file lock: at the outermost)
+        self._turn_depth = 0
+        #: ... and every process's, on the file beside the database: set where several
+        #: processes write at a high rate (``serve``: the engine's and the API's); a
+        #: process without it waits in SQLite's busy handler, as before
+        self.turns_across_processes = False
+        #: ... the writers' lock file, opened when first needed (-1: it cannot be)
+        self._turn_fd: int | None = None
+        self._turn_closer: weakref.finalize[Any, Any] | None = None
 
     def wait_for_locks(self, dbapi_conn: Any, info: dict[Any, Any]) -> None:
         """Give a connection this store's busy timeout, if it has another one."""
@@ -131,7 +149,7 @@ class Store:
     @contextmanager
     def write(self) -> Iterator[Connection]:
         """One write transaction (SQLite: BEGIN IMMEDIATE, so writers queue, never deadlock)."""
-        with self._in_turn(), self.engine.connect() as conn:
+        with self.writer_turn(), self.engine.connect() as conn:
             # (on the driver's connection: through SQLAlchemy it would begin a transaction)
             self.wait_for_locks(conn.connection.driver_connection, conn.connection.info)
             conn.info["immediate"] = True
@@ -144,22 +162,64 @@ class Store:
                 conn.info.pop("immediate", None)
 
     @contextmanager
-    def _in_turn(self) -> Iterator[None]:
-        """SQLite: this process's writers (the engine's commits on its loop, the API's
-        on its writer thread) take turns on a lock of their own before SQLite's. Its
+    def writer_turn(self) -> Iterator[None]:
+        """SQLite: writers take turns on locks of fleetwave's own before SQLite's: this
+        process's (the engine's commits on its loop, the API's on its writer thread),
+        then, with :attr:`turns_across_processes`, every such process's (a file lock
+        beside the database: ``serve``'s engine and its API's own process). SQLite's
         busy handler sleeps up to 100 ms between tries, and a writer waiting there lost
-        to the engine's back-to-back group commits for a second at a time; a lock
-        hands over at once. Waited for no longer than the busy timeout (then SQLite's
-        wait, and its error, as before); re-entrant, as SQLite's wait was."""
+        to back-to-back group commits for a second at a time; these hand over at once.
+        Waited for no longer than the busy timeout (then SQLite's wait, and its error,
+        as before); re-entrant, as SQLite's wait was."""
         if not self.hooks.embedded:
             yield
             return
-        took = self._writers.acquire(timeout=self.busy_timeout_ms / 1000)
+        timeout_s = self.busy_timeout_ms / 1000
+        until = time.monotonic() + timeout_s
+        took = self._writers.acquire(timeout=timeout_s)
+        locked = False
         try:
+            if took:
+                self._turn_depth += 1
+                if self._turn_depth == 1 and self.turns_across_processes:
+                    locked = self._lock_file(until)
             yield
         finally:
             if took:
+                self._turn_depth -= 1
+                if locked:
+                    self._unlock_file()
                 self._writers.release()
+
+    def _lock_file(self, until: float) -> bool:
+        """Take the writers' file lock (False: not by ``until``, or no such file here)."""
+        fd = self._turn_fd
+        if fd is None:
+            try:
+                fd = os.open(self.url + WRITERS_SUFFIX, os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError:
+                fd = -1  # (a read-only directory: SQLite's own wait, as before)
+            else:
+                self._turn_closer = weakref.finalize(self, os.close, fd)
+            self._turn_fd = fd
+        if fd < 0:
+            return False
+        pause = TURN_POLL_MIN_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= until:
+                    return False
+                time.sleep(pause)
+                pause = min(TURN_POLL_MAX_S, pause * 2)
+            except OSError:
+                return False
+
+    def _unlock_file(self) -> None:
+        assert self._turn_fd is not None
+        fcntl.flock(self._turn_fd, fcntl.LOCK_UN)
 
     def file_identity(self) -> tuple[int, int] | None:
         """The database file's (device, inode), to notice it removed or replaced while
@@ -181,6 +241,9 @@ class Store:
 
     def dispose(self) -> None:
         self.engine.dispose()
+        if self._turn_closer is not None and self._turn_depth == 0:
+            self._turn_closer()  # (opened again when next needed)
+            self._turn_closer = self._turn_fd = None
 
 
 def default_db_path() -> str:

@@ -110,6 +110,10 @@ class CommitResult:
     #: entries not written because a cap would have been exceeded (another conductor
     #: took the slots meanwhile), by strategy: how many (they are in :attr:`deferred`)
     no_slot: dict[int, int] = field(default_factory=dict)
+    #: steps whose transition was refused because the callback that caused it had been
+    #: answered already (another conductor, an operator, the strategy's end): a callback
+    #: moves its step once at most (they are in :attr:`rejected`)
+    answered: set[int] = field(default_factory=set)
     #: strategies whose entries were held back, and the state that held them: the
     #: operator's pause or abort reached the database before the dispatcher knew of it
     held_back: dict[int, str] = field(default_factory=dict)
@@ -178,11 +182,18 @@ class CallbackMark:
     outcome: str  # applied | ignored
     reason: str
     strategy_id: int = 0
-    #: for ``applied`` by a transition: its step (the mark is written only with it)
+    #: for ``applied`` by a transition: its step (the mark is written only with it, and
+    #: the transition only with the mark: a callback answered already moves nothing)
     step_id: int | None = None
 
 
 # -- the hot path -------------------------------------------------------------------
+
+
+def _moves(m: CallbackMark) -> bool:
+    """Whether ``m`` is the answer of the callback that moves its step (written with the
+    step's transition, and that transition with it: see :meth:`TransitionWriter.commit`)."""
+    return m.outcome == "applied" and m.step_id is not None
 
 
 def _is_entry(t: Transition) -> bool:
@@ -497,7 +508,10 @@ class TransitionWriter:
         self._at, self._lapsing = now, lapsing or _never
         self._lapsed_now = set()
         self._lapsing_now = {}
-        mk = [(m.outcome, m.reason, now, m.callback_id) for m in marks or ()]
+        # A callback that moves a step is marked with a compare-and-set (still open) that
+        # the step's transition depends on; the others' marks are written as they can be.
+        mk = [(m.outcome, m.reason, now, m.callback_id) for m in marks or () if not _moves(m)]
+        mk_cas = [(m.outcome, m.reason, now, m.callback_id) for m in marks or () if _moves(m)]
         flags = self._flags  # (its 0 or 1 as the boolean column is bound)
         dl = [
             (
@@ -531,6 +545,7 @@ class TransitionWriter:
             list(jrs),
             ev,
             mk,
+            mk_cas,
             fences,
             dl,
             stops,
@@ -724,17 +739,39 @@ class TransitionWriter:
         jrs: list[tuple[Any, ...]],
         ev: list[tuple[Any, ...]],
         mk: list[tuple[Any, ...]],
+        mk_cas: list[tuple[Any, ...]],
         fences: dict[int, int],
         dl: list[tuple[Any, ...]],
         stops: dict[int, StopRule],
         replaced: list[Transition],
         deadlines: list[AttemptDeadline],
     ) -> bool:
-        """The hot path: one transaction on a dedicated DBAPI connection, four executemany.
+        """The hot path: one transaction on a dedicated DBAPI connection, four executemany,
+        in the writers' turn (as every write: see ``Store.writer_turn``).
 
         False (rolled back) when a strategy was lost, or a compare-and-set or a unique
-        key refused a row: the caller then sorts the batch out row by row.
+        key refused a row (a callback that moves a step answered already, too): the
+        caller then sorts the batch out row by row.
         """
+        with self.store.writer_turn():
+            return self._commit_fast_in_turn(
+                batch, ups, jrs, ev, mk, mk_cas, fences, dl, stops, replaced, deadlines
+            )
+
+    def _commit_fast_in_turn(
+        self,
+        batch: list[Transition],
+        ups: list[tuple[str, tuple[Any, ...]]],
+        jrs: list[tuple[Any, ...]],
+        ev: list[tuple[Any, ...]],
+        mk: list[tuple[Any, ...]],
+        mk_cas: list[tuple[Any, ...]],
+        fences: dict[int, int],
+        dl: list[tuple[Any, ...]],
+        stops: dict[int, StopRule],
+        replaced: list[Transition],
+        deadlines: list[AttemptDeadline],
+    ) -> bool:
         dbapi = self._dbapi
         raw_conn = self._raw
         if raw_conn is None:
@@ -778,6 +815,9 @@ class TransitionWriter:
                 self._many(cur, self._attempt_sql, ats)
             if ev:
                 self._many(cur, self._event_sql, ev)
+            if mk_cas and self._many(cur, self._mark_sql, mk_cas) != len(mk_cas):
+                raw.rollback()  # answered already: the row-by-row path refuses its move
+                return False
             if mk:
                 self._many(cur, self._mark_sql, mk)
             if dl and self._many(cur, self._deadline_sql, dl) != len(dl):
@@ -870,6 +910,9 @@ class TransitionWriter:
         rejected: list[Transition] = []
         deferred: list[Transition] = []
         held_back: dict[int, str] = {}
+        # the callback that moves each step, marked with its transition or not at all
+        moving = {m.step_id: m for m in marks if _moves(m)}
+        answered: set[int] = set()
         with self.store.write() as conn:
             raw: Any = conn.connection.driver_connection
             lost, hold = self._held(raw.cursor(), fences)
@@ -933,6 +976,18 @@ class TransitionWriter:
                             rejected.append(t)
                             held[t.strategy_id] += t.to_state in STEP_TERMINAL
                         return
+                    m = moving.get(t.step_id)
+                    if m is not None:
+                        marked = conn.exec_driver_sql(
+                            self._mark_sql, (m.outcome, m.reason, now, m.callback_id)
+                        )
+                        if marked.rowcount != 1:
+                            # answered already (by another): it moves its step once at most
+                            sp.rollback()
+                            answered.add(t.step_id)
+                            rejected.append(t)
+                            held[t.strategy_id] += t.to_state in STEP_TERMINAL
+                            return
                     conn.exec_driver_sql(self._journal_sql, j)
                     sp.commit()
                     count(t)
@@ -971,6 +1026,8 @@ class TransitionWriter:
                 why = (
                     "strategy claimed by another conductor (fenced off)"
                     if t.strategy_id in lost
+                    else "its callback was answered already"
+                    if t.step_id in answered
                     else "step no longer at that state and fence, or state already entered"
                 )
                 ev.append(
@@ -991,7 +1048,9 @@ class TransitionWriter:
             mk = [
                 (m.outcome, m.reason, now, m.callback_id)
                 for m in marks
-                if m.strategy_id not in lost and m.step_id not in refused_steps
+                if m.strategy_id not in lost
+                and m.step_id not in refused_steps
+                and not _moves(m)  # (written with its transition above)
             ]
             if mk:
                 conn.exec_driver_sql(self._mark_sql, mk)
@@ -1037,6 +1096,7 @@ class TransitionWriter:
             [t for t in replaced if id(t) not in refused],
             deferred,
             no_slot=dict(no_slot),
+            answered=answered,
             held_back=held_back,
             not_started=self._lapsed_now,
             retries_refused=retries_refused,
