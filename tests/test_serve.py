@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import select
@@ -145,6 +146,18 @@ def _owner(db: str, sid: int) -> str | None:
     return json.loads(shown.stdout)["owner"]  # type: ignore[no-any-return]
 
 
+def _read(db: str, sql: str, *params: object) -> Any:
+    """One value read straight from the SQLite file: a poll that costs no process (a
+    ``strategy show`` per look took a second or more on a loaded machine, so a freeze
+    meant for mid-rollout came near its end)."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+    try:
+        row = conn.execute(sql, params).fetchone()
+        return None if row is None else row[0]
+    finally:
+        conn.close()
+
+
 def _registered(db: str, pid: int) -> bool:
     """Whether a conductor of process ``pid`` has registered in the database."""
     store = open_store(db)
@@ -224,11 +237,13 @@ def test_a_frozen_conductor_is_taken_over_and_fenced_off_when_it_wakes(
     second: subprocess.Popen[str] | None = None
     try:
         assert _cli(db, "strategy", "apply", str(sid)).returncode == 0
-        _wait_for("the first serve to claim it", lambda: _owner(db, sid) is not None)
+        owner_now = lambda: _read(db, "SELECT owner FROM strategies WHERE id = ?", sid)  # noqa: E731
+        _wait_for("the first serve to claim it", lambda: owner_now() is not None)
         a = _owner(db, sid)
-        steps_done = lambda: json.loads(  # noqa: E731
-            _cli(db, "strategy", "show", str(sid), "--format", "json").stdout
-        )["step_states"].get("complete", 0)
+        assert a == owner_now()
+        steps_done = lambda: _read(  # noqa: E731
+            db, "SELECT count(*) FROM steps WHERE strategy_id = ? AND state = 'complete'", sid
+        )
         _wait_for("a few steps to complete", lambda: steps_done() >= 5)
         _freeze_between_transactions(first, db)
         frozen_at = time.monotonic()
@@ -238,7 +253,7 @@ def test_a_frozen_conductor_is_taken_over_and_fenced_off_when_it_wakes(
         def taken_over() -> bool:
             # the owner as seen taking over: read again later it may be None already (the
             # strategy complete), when the freeze came late on a loaded machine
-            seen.append(_owner(db, sid))
+            seen.append(owner_now())
             return seen[-1] not in (None, a)
 
         _wait_for("the second serve to take it over", taken_over)
