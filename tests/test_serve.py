@@ -69,12 +69,15 @@ def test_serve_drives_apply_and_a_second_process_only_watches(tmp_path: Path) ->
         applied = _cli(db, "strategy", "apply", str(sid))
         assert applied.returncode == 0, applied.stderr
         assert "applying" in applied.stdout
-        owner = None
-        deadline = time.monotonic() + 20
-        while owner is None and time.monotonic() < deadline:
-            shown = _cli(db, "strategy", "show", str(sid), "--format", "json")
-            owner = json.loads(shown.stdout)["owner"]
-            time.sleep(0.1)
+        # (polled in the file, not with a process per look: on a loaded machine those
+        # took long enough for the rollout to end before the second process asked)
+        _wait_for(
+            "serve to claim the applied strategy",
+            lambda: _read(db, "SELECT owner FROM strategies WHERE id = ?", sid) is not None,
+            timeout_s=20,
+        )
+        shown = _cli(db, "strategy", "show", str(sid), "--format", "json")
+        owner = json.loads(shown.stdout)["owner"]
         assert owner is not None, "serve should claim the applied strategy"
         # named with where it runs: the serve's host and process
         host = shown_host(HOSTNAME)
