@@ -77,8 +77,12 @@ if [ ! -x /usr/bin/chromium ]; then
     echo "no /usr/bin/chromium, and cannot install it: the dashboard's browser test is skipped (and fails in CI)"
   fi
 fi
+# FLEETWAVE_TEST_WORKERS=4 runs them in 4 worker processes (pytest-xdist): each worker
+# has its own tmp dirs, PostgreSQL databases (named by pid) and loopback ports. Not yet
+# the default: at -n 4 five timing-sensitive tests still fail (they pass alone).
+WORKERS=${FLEETWAVE_TEST_WORKERS:-0}
 set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 -n "$WORKERS" --dist worksteal "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

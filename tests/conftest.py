@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from fleetwave.cli.common import TEST_LEASE_TTL_MIN_ENV
 from fleetwave.domain.models import StrategyOptions, Target
 from fleetwave.domain.registry import get_workflow
 from fleetwave.domain.workflow import ActionContext, Advance, Outcome, StateAction, WorkflowDef
@@ -59,6 +60,20 @@ def pg_server() -> str:
             pytest.fail(f"CI runs the PostgreSQL tests, but {why}")
         pytest.skip(why)
     return url
+
+
+#: the lease that takeover tests with real processes give ``serve`` and ``apply --wait``
+#: (operators get 15 s at least; the ``short_lease`` fixture lowers that for its test)
+SHORT_LEASE_S = 8.0
+
+
+@pytest.fixture
+def short_lease(monkeypatch: pytest.MonkeyPatch) -> float:
+    """Let ``--lease-ttl`` go down to :data:`SHORT_LEASE_S` in this test (and in the
+    processes it starts, through ``$FLEETWAVE_TEST_LEASE_TTL_MIN_S``): a takeover after
+    a freeze waits that long, not the 15 s an operator's lease lasts at least."""
+    monkeypatch.setenv(TEST_LEASE_TTL_MIN_ENV, f"{SHORT_LEASE_S:g}")
+    return SHORT_LEASE_S
 
 
 _databases = itertools.count()

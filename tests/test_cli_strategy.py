@@ -327,6 +327,9 @@ def _conductor_row(db: Path, cid: str, *, serves_all: bool, age_s: float = 0.0) 
         ({"serves_all": True, "age_s": 120.0}, True, "nobody: no conductor serves"),
         ({"serves_all": True}, False, f"nobody yet: conductor c-serve {ON} serves this database"),
     ],
+    # (not named by driven_by: it holds this process's pid, which differs between
+    # pytest-xdist's workers, and they must collect the same tests)
+    ids=["no-conductor", "apply-wait-only", "serve-stale", "serve-live"],
 )
 def test_apply_without_wait_says_when_no_conductor_will_drive_it(
     cli: Cli, db_path: Path, conductor: dict[str, Any] | None, warned: bool, driven_by: str

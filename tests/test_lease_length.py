@@ -10,6 +10,7 @@ import pytest
 
 from cli_harness import Cli, assert_rejected
 from conftest import add_sim_targets, on_virtual_time
+from fleetwave.cli.common import TEST_LEASE_TTL_MIN_ENV, engine_config, lease_ttl_min
 from fleetwave.domain import registry
 from fleetwave.domain.models import StrategyOptions
 from fleetwave.engine.clock import LoopClock
@@ -37,6 +38,26 @@ def test_a_lease_length_out_of_range_is_refused_before_anything_changes(
     assert_rejected(cli(*args), *words)
     shown = cli("strategy", "show", "1", "--format", "json").json()
     assert (shown["state"], shown["owner"]) == ("initial", None)
+
+
+@pytest.mark.parametrize(
+    ("lowered", "least"), [("8", 8.0), ("5", 5.0), ("4", 15.0), ("20", 15.0), ("x", 15.0)]
+)
+def test_the_test_suites_lower_lease_minimum_is_kept_within_5_to_15_s(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch, lowered: str, least: float
+) -> None:
+    """``$FLEETWAVE_TEST_LEASE_TTL_MIN_S`` (the ``short_lease`` fixture's) lowers the
+    minimum to no less than 5 s; anything else leaves the operators' 15 s."""
+    monkeypatch.setenv(TEST_LEASE_TTL_MIN_ENV, lowered)
+    assert lease_ttl_min() == least
+    assert cli("target", "add", "a").code == 0
+    assert cli("strategy", "create", "--workflow", "patch", "--all").code == 0
+    below = f"{least - 1:g}"
+    assert_rejected(
+        cli("strategy", "apply", "1", "--wait", "--lease-ttl", below),
+        f"--lease-ttl: must be {least:g} to 3600 seconds, got {below}",
+    )
+    assert engine_config(least).lease_ttl_s == least
 
 
 def test_a_conductors_leases_last_as_long_as_it_is_told(

@@ -9,8 +9,9 @@ powered on to boot from the network and reports through ``fleetwave step callbac
 or over HTTP to a real ``fleetwave serve --listen`` with the agent token the driver
 handed over (its handoff file, read as a node's boot configuration would carry it).
 
-The fake BMC applies a power action 1 to 11 s after it is asked (sushy-tools' own
-pacing), so a node's four states take up to about half a minute.
+The fake BMC applies a power action 1 to 3 s after it is asked (sushy-tools' own pacing,
+1 to 11 s, capped: the driver polls the same way whatever the delay), so a node's four
+states take up to about ten seconds.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def bmc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bmc]:
-    emu = Bmc.start(tmp_path_factory.mktemp("bmc"), nodes=7, password=PASSWORD)
+    emu = Bmc.start(tmp_path_factory.mktemp("bmc"), nodes=7, password=PASSWORD, max_delay_s=3)
     try:
         yield emu
     finally:

@@ -7,8 +7,9 @@ serving fake systems behind basic auth, for the redfish driver's tests and bench
     bmc.stop()
 
 Its fake systems apply a power action 1 to 11 s after it is asked (sushy-tools' own
-pacing: ``int(now) + randint(1, 11)``); :meth:`FakeBmc.pending_power` reads the
-emulator's state file for the moment each one lands.
+pacing: ``int(now) + randint(1, 11)``), or 1 to ``max_delay_s`` (``start``'s, for
+tests that need not wait on it); :meth:`FakeBmc.pending_power` reads the emulator's
+state file for the moment each one lands.
 """
 
 from __future__ import annotations
@@ -25,6 +26,29 @@ from typing import Any
 
 #: the system a node of index ``i`` (from 1) is
 SYSTEM_PREFIX = "/redfish/v1/Systems/"
+
+
+#: the longest a fake system takes to apply a power action (sushy-tools' pacing), seconds
+MAX_DELAY_S = 11
+
+#: ``sushy-emulator`` with its fake driver's delay drawn from 1 to ``most`` s, not 1 to 11
+_CAPPED_DELAY = """\
+import random
+import sys
+
+from sushy_tools.emulator.resources.systems import fakedriver
+
+
+class Capped(random.Random):
+    def randint(self, a, b):
+        return super().randint(a, min(b, {most}))
+
+
+fakedriver.random = Capped()
+from sushy_tools.emulator.main import main
+
+sys.exit(main())
+"""
 
 
 def node_uuid(index: int) -> str:
@@ -52,8 +76,13 @@ class FakeBmc:
         self.http = httpx.Client(base_url=self.url, auth=("admin", password), timeout=10)
 
     @classmethod
-    def start(cls, tmp: Path, *, nodes: int, password: str) -> FakeBmc:
-        """Start it with ``nodes`` fake systems (user ``admin``), and wait until it serves."""
+    def start(
+        cls, tmp: Path, *, nodes: int, password: str, max_delay_s: int = MAX_DELAY_S
+    ) -> FakeBmc:
+        """Start it with ``nodes`` fake systems (user ``admin``), and wait until it serves.
+        Its power actions land 1 to ``max_delay_s`` s after they are asked (sushy-tools'
+        own 11 s at most unless lower: the emulator then runs with its fake driver's
+        random delay capped)."""
         import bcrypt
         import httpx
 
@@ -75,10 +104,14 @@ class FakeBmc:
             f"SUSHY_EMULATOR_STATE_DIR = {str(tmp / 'state')!r}\n"
         )
         exe = Path(sys.executable).parent / "sushy-emulator"
+        if max_delay_s < MAX_DELAY_S:
+            command = [sys.executable, "-c", _CAPPED_DELAY.format(most=max(1, int(max_delay_s)))]
+        else:
+            command = [str(exe if exe.exists() else shutil.which("sushy-emulator"))]
         with (tmp / "emulator.log").open("w") as out:
             proc = subprocess.Popen(
                 [
-                    str(exe if exe.exists() else shutil.which("sushy-emulator")),
+                    *command,
                     *("--config", str(config), "-i", "127.0.0.1", "-p", str(port), "--fake"),
                 ],
                 stdout=out,
