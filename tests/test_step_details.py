@@ -347,7 +347,8 @@ def test_every_kind_of_event_written_can_be_asked_for() -> None:
         "before-commit",  # crash points of the tests
         "after-commit",
         "not-drivable-here",  # what run() says of a strategy
-        "fleetwave-periodic",  # a task's name
+        "fleetwave-periodic",  # tasks' names
+        "fleetwave-callback-watch",
     }
     # (and those the REST API writes: who made a change, a callback refused)
     api_kinds = {admin.CHANGE_BY, CALLBACK_REFUSED}
