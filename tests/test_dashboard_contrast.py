@@ -69,7 +69,9 @@ def test_text_colours_are_readable_on_the_page(text: str, background: str) -> No
     assert ratio >= AA, f"{text} on {background}: {ratio:.2f}:1"
 
 
-@pytest.mark.parametrize("selector", ["button", "button.primary", "button.danger", ".skip:focus"])
+@pytest.mark.parametrize(
+    "selector", ["button", "button.primary", "button.danger", ".skip:focus", ".tip"]
+)
 def test_buttons_text_is_readable_on_their_own_background(selector: str) -> None:
     rule = _rule(selector)
     text = rule.get("color", "var(--fg)")
