@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,24 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         "both_dialects"
     ):
         metafunc.parametrize("dialect", DIALECTS)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _hangup_as_from_a_terminal() -> Iterator[None]:
+    """The commands the tests start get SIGHUP as from a terminal (its default), even
+    when the test run itself was started with it ignored (``nohup``, a runner's
+    background job): a command keeps an ignored SIGHUP ignored, as it should, and the
+    tests that send one to a command would then see it do nothing. (A test of ``nohup``
+    sets it ignored for its own command.)"""
+    hup = getattr(signal, "SIGHUP", None)
+    if hup is None or signal.getsignal(hup) is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(hup, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(hup, signal.SIG_IGN)
 
 
 @pytest.fixture
