@@ -539,19 +539,21 @@ class TransitionWriter:
         # was, so the slower path, or a retried commit (a transient error), decides again.
         stops = stops or {}
         replaced: list[Transition] = []
-        if self._commit_fast(
-            list(batch),
-            list(ups),
-            list(jrs),
-            ev,
-            mk,
-            mk_cas,
-            fences,
-            dl,
-            stops,
-            replaced,
-            deadlines or [],
-        ):
+        with self.store.writer_turn():  # (as every write: see Store.writer_turn)
+            fast = self._commit_fast(
+                list(batch),
+                list(ups),
+                list(jrs),
+                ev,
+                mk,
+                mk_cas,
+                fences,
+                dl,
+                stops,
+                replaced,
+                deadlines or [],
+            )
+        if fast:
             return CommitResult([], set(), replaced, not_started=self._lapsed_now)
         return self._commit_one_by_one(
             list(batch),
@@ -746,32 +748,13 @@ class TransitionWriter:
         replaced: list[Transition],
         deadlines: list[AttemptDeadline],
     ) -> bool:
-        """The hot path: one transaction on a dedicated DBAPI connection, four executemany,
-        in the writers' turn (as every write: see ``Store.writer_turn``).
+        """The hot path: one transaction on a dedicated DBAPI connection, four executemany
+        (the caller holds the writers' turn: see ``Store.writer_turn``).
 
         False (rolled back) when a strategy was lost, or a compare-and-set or a unique
         key refused a row (a callback that moves a step answered already, too): the
         caller then sorts the batch out row by row.
         """
-        with self.store.writer_turn():
-            return self._commit_fast_in_turn(
-                batch, ups, jrs, ev, mk, mk_cas, fences, dl, stops, replaced, deadlines
-            )
-
-    def _commit_fast_in_turn(
-        self,
-        batch: list[Transition],
-        ups: list[tuple[str, tuple[Any, ...]]],
-        jrs: list[tuple[Any, ...]],
-        ev: list[tuple[Any, ...]],
-        mk: list[tuple[Any, ...]],
-        mk_cas: list[tuple[Any, ...]],
-        fences: dict[int, int],
-        dl: list[tuple[Any, ...]],
-        stops: dict[int, StopRule],
-        replaced: list[Transition],
-        deadlines: list[AttemptDeadline],
-    ) -> bool:
         dbapi = self._dbapi
         raw_conn = self._raw
         if raw_conn is None:
