@@ -13,12 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from sqlalchemy import Connection, insert, select, tuple_
+from sqlalchemy import Connection, insert, select
 from sqlalchemy.exc import IntegrityError
 
 from fleetwave.domain.errors import InputError, NotFound
 from fleetwave.domain.models import STEP_TERMINAL
 from fleetwave.domain.rules import details_text
+from fleetwave.store import keys
 from fleetwave.store.db import Store
 from fleetwave.store.notify import notify
 from fleetwave.store.schema import callbacks, steps
@@ -143,11 +144,14 @@ def stored_with_keys(
     """The callbacks stored with these reports' idempotency keys, by (step, key)."""
     keyed = [(r.step_id, r.idempotency_key) for r in reports if r.idempotency_key]
     stored: dict[tuple[int, str], CallbackRecord] = {}
-    for start in range(0, len(keyed), 500):
+    for start in range(0, len(keyed), keys.CHUNK):
         for row in conn.execute(
             select(callbacks).where(
-                tuple_(callbacks.c.step_id, callbacks.c.idempotency_key).in_(
-                    keyed[start : start + 500]
+                keys.any_of(
+                    conn,
+                    callbacks,
+                    (callbacks.c.step_id, callbacks.c.idempotency_key),
+                    keyed[start : start + keys.CHUNK],
                 )
             )
         ):

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import Connection, delete, insert, select, tuple_, update
+from sqlalchemy import Connection, delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from fleetwave.domain.errors import Conflict, InputError, NotFound
 from fleetwave.domain.models import name_problem, shown
-from fleetwave.store import admin
+from fleetwave.store import admin, keys
 from fleetwave.store.db import Store
 from fleetwave.store.schema import agent_tokens, api_tokens
 
@@ -161,15 +161,18 @@ def issue_agent_tokens(
     if not rows:
         return
     with store.write() as conn:
-        for start in range(0, len(rows), 500):
-            chunk = rows[start : start + 500]
+        for start in range(0, len(rows), keys.CHUNK):
+            chunk = rows[start : start + keys.CHUNK]
             conn.execute(
                 delete(agent_tokens).where(
-                    tuple_(agent_tokens.c.step_id, agent_tokens.c.state, agent_tokens.c.visit).in_(
+                    keys.any_of(
+                        conn,
+                        agent_tokens,
+                        (agent_tokens.c.step_id, agent_tokens.c.state, agent_tokens.c.visit),
                         [
                             (step, state, visit[0] if visit else 1)
                             for _, step, state, _, _, _, *visit in chunk
-                        ]
+                        ],
                     )
                 )
             )
