@@ -94,13 +94,13 @@ def in_process(db: Path, *, auth: bool = False) -> Iterator[httpx.Client]:
     many small cases; the real server is :func:`serving`."""
     from fastapi.testclient import TestClient
 
-    from fleetwave.api.app import make_app
+    from fleetwave.api.app import served_app
     from fleetwave.api.service import Service
     from fleetwave.store.db import open_store
 
     store = open_store(str(db))
     try:
-        with TestClient(make_app(Service(store, auth=auth)), raise_server_exceptions=False) as c:
+        with TestClient(served_app(Service(store, auth=auth)), raise_server_exceptions=False) as c:
             yield c
     finally:
         store.dispose()

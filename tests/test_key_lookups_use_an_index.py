@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import add_sim_targets, applied
 from sqlalchemy import event, insert
 
+from conftest import add_sim_targets, applied
 from fleetwave.store import callbacks as cbs
 from fleetwave.store import queries, tokens
 from fleetwave.store.db import Store
@@ -99,7 +99,7 @@ def _stored_rows(store: Store) -> tuple[int, list[int]]:
 
 
 def test_stored_idempotency_keys_are_found_through_their_index(store: Store) -> None:
-    sid, ids = _stored_rows(store)
+    _, ids = _stored_rows(store)
     reports = [
         cbs.report(ids[i % len(ids)], "cleaning", "heartbeat", "", 2.0, f"old-{i}")
         for i in range(0, 300, 3)

@@ -140,6 +140,12 @@ class _TooLarge(Exception):
     pass
 
 
+def served_app(service: Service) -> ASGIApp:
+    """What the server runs: the app of :func:`make_app` with the agents' callbacks
+    answered in front of it (:class:`~fleetwave.api.callbacks.CallbackFastPath`)."""
+    return CallbackFastPath(make_app(service), service)
+
+
 def make_app(service: Service) -> FastAPI:
     """The API over ``service`` (its store, and the engine beside it if any)."""
 
@@ -190,11 +196,8 @@ def make_app(service: Service) -> FastAPI:
     app.mount("/ui", dashboard.static_files(), name="ui")
     # (agents send their own token, for one step's state: not an API token)
     app.include_router(callbacks.router, prefix=v1, tags=["agents"])
-    # (the last added is the outermost: the fast path within the body limit and the
-    # requests' count)
-    (callback_route,) = callbacks.router.routes
+    # (the last added is the outermost)
     app.add_middleware(NoteChanges, service=service)
-    app.add_middleware(CallbackFastPath, service=service, route=callback_route)
     app.add_middleware(BodyLimit)
     app.add_middleware(CountRequests, metrics=metrics)
 

@@ -20,10 +20,11 @@ as every route does.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -36,7 +37,7 @@ from fleetwave.api.errors import ApiError, response_for
 from fleetwave.api.intake import CALLBACK_REFUSED, Arrival, Refused
 from fleetwave.api.metrics import API_PREFIX
 from fleetwave.api.reads import SQL_INT_MAX, StepId, Svc
-from fleetwave.api.service import Service
+from fleetwave.api.service import MAX_BODY_BYTES, Service
 from fleetwave.store import callbacks as cbs
 
 log = logging.getLogger("fleetwave.api")
@@ -67,10 +68,11 @@ def _count(svc: Service, answer: str) -> None:
         svc.metrics.callbacks.labels(answer).inc()
 
 
-async def take_callback(
+async def take_callback_answer(
     svc: Service, step_id: int, body: CallbackIn, token: str | None, who: str
-) -> JSONResponse:
-    """Store an agent's callback and answer it (an ApiError if its token is refused)."""
+) -> tuple[int, dict[str, object]]:
+    """Store an agent's callback: the answer's status and body (an ApiError if its
+    token is refused)."""
     report = cbs.report(
         step_id, body.state, body.kind, body.details, time.time(), body.idempotency_key
     )
@@ -90,7 +92,7 @@ async def take_callback(
     _count(svc, "replayed" if replay else "late" if record.outcome is not None else "accepted")
     if not replay and record.outcome is None and svc.conductor is not None:
         svc.conductor.callback_stored(record)
-    return JSONResponse(record.answer(), status_code=200 if replay else 202)
+    return (200 if replay else 202), record.answer()
 
 
 @router.post(
@@ -102,22 +104,39 @@ async def take_callback(
 )
 async def callback(svc: Svc, step_id: StepId, body: CallbackIn, request: Request) -> JSONResponse:
     who = request.client.host if request.client is not None else "unknown"
-    return await take_callback(svc, step_id, body, bearer(request), who)
+    status, answer = await take_callback_answer(svc, step_id, body, bearer(request), who)
+    return JSONResponse(answer, status_code=status)
 
 
 _PATH = re.compile(re.escape(API_PREFIX) + r"/steps/([0-9]{1,19})/callbacks")
 _JSON = re.compile(rb"application/(?:[\w.+-]*\+)?json(?:\s*;.*)?", re.I)
+#: the route's template, as the requests' count names it
+ROUTE = API_PREFIX + "/steps/{step_id}/callbacks"
+_ANSWER_HEADERS = [(b"content-type", b"application/json")]
 
 
 class CallbackFastPath:
-    """``POST /v1/steps/{step}/callbacks``, well formed, answered without FastAPI's
-    routing and dependencies; any other request goes on to ``app``."""
+    """``POST /v1/steps/{step}/callbacks``, well formed, answered in front of the whole
+    app: not through FastAPI's own layers (error and telemetry middleware, routing,
+    dependencies), nor the app's body limit and requests' count, which it does itself
+    (a body of a known length within the limit, counted as the route). Any other
+    request, and any callback it would not answer itself (no Content-Length, too
+    large, not JSON, a wrong field), goes on to ``app`` whole, which answers it as
+    every route does."""
 
-    def __init__(self, app: ASGIApp, service: Service, route: object) -> None:
+    def __init__(self, app: ASGIApp, service: Service) -> None:
         self.app = app
         self.service = service
-        #: the FastAPI route, for what counts requests by route
-        self.route = route
+        self._counts: dict[int, Any] = {}
+
+    def _counted(self, status: int) -> None:
+        metrics = self.service.metrics
+        if metrics is None:
+            return
+        child = self._counts.get(status)
+        if child is None:
+            child = self._counts[status] = metrics.requests.labels(ROUTE, "POST", str(status))
+        child.inc()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         m = None
@@ -127,7 +146,14 @@ class CallbackFastPath:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        content_type = headers.get(b"content-type", b"")
+        length = headers.get(b"content-length", b"")
+        if not (
+            length.isdigit()
+            and int(length) <= MAX_BODY_BYTES
+            and _JSON.fullmatch(headers.get(b"content-type", b""))
+        ):
+            await self.app(scope, receive, send)
+            return
         chunks: list[bytes] = []
         more = True
         while more:
@@ -137,27 +163,36 @@ class CallbackFastPath:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         raw = b"".join(chunks)
-        body = None
-        if _JSON.fullmatch(content_type):
-            try:
-                body = CallbackIn.model_validate_json(raw)
-            except ValidationError:
-                body = None
-        if body is None:
+        try:
+            body = CallbackIn.model_validate_json(raw)
+        except ValidationError:
             # the route answers what is wrong with it, as every route does
             await self.app(scope, _replay(raw), send)
             return
-        scope["route"] = self.route
         authorization = headers.get(b"authorization", b"").decode("latin-1")
         scheme, _, token = authorization.partition(" ")
         given = token.strip() if scheme.lower() == "bearer" and token.strip() else None
         client = scope.get("client")
         who = client[0] if client else "unknown"
         try:
-            response = await take_callback(self.service, int(m.group(1)), body, given, who)
+            status, answer = await take_callback_answer(
+                self.service, int(m.group(1)), body, given, who
+            )
         except Exception as exc:  # answered in the API's one shape, as its handlers do
             response = response_for(scope, exc)
-        await response(scope, receive, send)
+            self._counted(response.status_code)
+            await response(scope, receive, send)
+            return
+        self._counted(status)
+        content = json.dumps(answer, ensure_ascii=False, separators=(",", ":")).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [*_ANSWER_HEADERS, (b"content-length", str(len(content)).encode())],
+            }
+        )
+        await send({"type": "http.response.body", "body": content})
 
 
 def _replay(raw: bytes) -> Receive:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from fleetwave.api.app import make_app
+from fleetwave.api.app import served_app
 from fleetwave.api.service import Service
 from fleetwave.cli.site_emulator import listen_socket, url_host
 from fleetwave.domain.errors import InputError
@@ -89,7 +89,7 @@ async def serve_api(
     ``started`` is called once it answers requests."""
     server = _Server(
         uvicorn.Config(
-            make_app(service),
+            served_app(service),
             ssl_certfile=tls.cert if tls is not None else None,
             ssl_keyfile=tls.key if tls is not None else None,
             log_config=None,  # fleetwave's logging, as every command's
