@@ -409,6 +409,43 @@ def test_callbacks_stored_together_are_answered_each_as_alone(store: Store) -> N
     assert isinstance(later, Replay) and later.id == first.id
 
 
+def test_each_callback_of_a_batch_is_answered_with_its_own_row(store: Store) -> None:
+    """A batch's rows go in one statement that returns their ids in the database's own
+    order: each answer still names the row stored for it (keyed and keyless ones mixed,
+    several steps, the same key on two steps)."""
+    import random
+
+    from fleetwave.store.callbacks import accept_callbacks, report
+    from fleetwave.store.schema import callbacks
+
+    add_sim_targets(store, 6)
+    admin.create_strategy(store, WORKFLOW, StrategyOptions(), all_targets=True)
+    sent = [
+        report(1 + i % 6, "boot", "heartbeat", f"d{i}", 1.0, None if i % 4 == 0 else f"k{i % 9}")
+        for i in range(60)
+    ]
+    # (a key at most once a step in the batch: the same key again is a replay, above)
+    seen: set[tuple[int, str | None]] = set()
+    batch = []
+    for r in sent:
+        if r.idempotency_key is None or (r.step_id, r.idempotency_key) not in seen:
+            seen.add((r.step_id, r.idempotency_key))
+            batch.append(r)
+    random.Random(7).shuffle(batch)
+    answers = accept_callbacks(store, batch)
+    with store.read() as conn:
+        rows = {int(r.id): r for r in conn.execute(callbacks.select())}
+    assert len(rows) == len(batch)
+    for r, answer in zip(batch, answers, strict=True):
+        assert not isinstance(answer, Exception)
+        row = rows[answer.id]
+        assert (row.step_id, row.details, row.idempotency_key) == (
+            r.step_id,
+            r.details,
+            r.idempotency_key,
+        )
+
+
 def test_a_batch_checks_its_tokens_where_it_stores_refusing_some_and_storing_the_rest(
     store: Store,
 ) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from sqlalchemy import Connection, insert, select
 from sqlalchemy.exc import IntegrityError
@@ -165,7 +165,10 @@ def _of_visit(report: cbs.Report, grant: tokens.AgentGrant | None) -> cbs.Report
     """The report as on the visit its token was issued for: a late agent of an earlier
     visit of a state on a cycle reports on that visit, and is ignored as late, never
     applied to the visit the step is in now."""
-    return report if grant is None else replace(report, visit=grant.visit)
+    if grant is None:
+        return report
+    r = report
+    return cbs.Report(r.step_id, r.state, r.kind, r.details, r.now, r.idempotency_key, grant.visit)
 
 
 class CallbackIntake:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Connection, insert, select
@@ -202,7 +202,8 @@ def insert_callbacks(
     # Decide each first, then insert them all in one statement (one INSERT a row,
     # each compiled and executed apart, was most of the intake's time on its thread).
     rows: list[dict[str, object]] = []
-    made: list[tuple[int, CallbackRecord]] = []  # (its place in out, its record)
+    # (its place in out, its record's fields but the id)
+    made: list[tuple[int, tuple[int, int, str, str, str, str | None, str | None, float, int]]] = []
     again: list[tuple[int, int]] = []  # (its place in out, the one in made it repeats)
     pending: dict[tuple[int, str], int] = {}
     for r in reports:
@@ -245,8 +246,7 @@ def insert_callbacks(
         made.append(
             (
                 len(out),
-                CallbackRecord(
-                    0,
+                (
                     int(step.strategy_id),
                     r.step_id,
                     r.state,
@@ -259,15 +259,12 @@ def insert_callbacks(
                 ),
             )
         )
-        out.append(made[-1][1])
+        out.append(NotFound("(answered below)"))
         if outcome is None:
             woken.add(int(step.strategy_id))
     if rows:
-        result = conn.execute(
-            insert(callbacks).returning(callbacks.c.id, sort_by_parameter_order=True), rows
-        )
-        ids = [int(row[0]) for row in result]
-        final = [replace(record, id=cid) for (_, record), cid in zip(made, ids, strict=True)]
+        ids = _inserted_ids(conn, rows)
+        final = [CallbackRecord(cid, *fields) for (_, fields), cid in zip(made, ids, strict=True)]
         for (place, _), record in zip(made, final, strict=True):
             out[place] = record
         for place, index in again:
@@ -275,6 +272,32 @@ def insert_callbacks(
     for sid in sorted(woken):
         notify(conn, "callback", sid)  # (its conductor: at once, once this commits)
     return out
+
+
+def _inserted_ids(conn: Connection, rows: list[dict[str, object]]) -> list[int]:
+    """Insert ``rows`` (each with an idempotency key, or none, at most once a key per
+    step): their ids, in order. Rows with a key go in one statement of many rows; the
+    database returns their ids in an order of its own, so each is found by its step
+    and key. (Asked to return them in order, SQLAlchemy sent SQLite a row at a time.)
+    Rows without one go a row at a time."""
+    keyed = [r for r in rows if r["idempotency_key"] is not None]
+    by_key: dict[tuple[object, object], int] = {}
+    if keyed:
+        for row in conn.execute(
+            insert(callbacks).returning(
+                callbacks.c.id, callbacks.c.step_id, callbacks.c.idempotency_key
+            ),
+            keyed,
+        ):
+            by_key[(row[1], row[2])] = int(row[0])
+    ids: list[int] = []
+    for r in rows:
+        if r["idempotency_key"] is not None:
+            ids.append(by_key[(r["step_id"], r["idempotency_key"])])
+        else:
+            (cid,) = conn.execute(insert(callbacks).values(r).returning(callbacks.c.id)).one()
+            ids.append(int(cid))
+    return ids
 
 
 _FIELDS = (
