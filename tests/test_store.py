@@ -467,3 +467,45 @@ def test_writers_of_every_process_take_turns_on_the_file_beside_the_database(
     assert other.wait(timeout=30) == 0
     assert waited >= 0.4
     assert (tmp_path / "fleet.db-writers").exists()
+
+
+def test_a_writer_waiting_for_its_turn_gets_it_before_the_holder_takes_another(
+    tmp_path: Path,
+) -> None:
+    """The holder of the writers' turn, back for another at once (as the engine's group
+    commits are), waits behind a process already waiting: that one's write goes in
+    after the one under way, not after however many the holder takes meanwhile."""
+    db = tmp_path / "fleet.db"
+    order = tmp_path / "order"
+    store = open_store(str(db))
+    store.turns_across_processes = True
+    script = (
+        "import sys\n"
+        "from fleetwave.store.db import open_store\n"
+        "store = open_store(sys.argv[1])\n"
+        "store.turns_across_processes = True\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "with store.writer_turn():\n"
+        "    with open(sys.argv[2], 'a') as f:\n"
+        "        f.write('other\\n')\n"
+    )
+    other = subprocess.Popen(
+        [sys.executable, "-c", script, str(db), str(order)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert other.stdin is not None and other.stdout is not None
+    assert other.stdout.readline().strip() == "ready"
+    with store.writer_turn():
+        other.stdin.write("go\n")
+        other.stdin.flush()
+        time.sleep(1.0)  # (the other is waiting for the turn by now)
+        assert other.poll() is None
+    for _ in range(20):  # turns back to back: the other's comes after the first
+        with store.writer_turn(), open(order, "a") as f:
+            f.write("holder\n")
+    assert other.wait(timeout=30) == 0
+    assert order.read_text().splitlines()[0] == "other"
+    store.dispose()

@@ -32,6 +32,8 @@ HEAD_REVISION = "0017"
 #: SQLite: beside the database file, the file whose lock writers of every fleetwave
 #: process take turns on (see :meth:`Store.writer_turn`)
 WRITERS_SUFFIX = "-writers"
+#: ... and the file whose lock a writer holds while it waits for that one's
+GATE_SUFFIX = "-writers-gate"
 #: ... polled this often at first while another process holds it, then less often
 TURN_POLL_MIN_S = 0.0001
 TURN_POLL_MAX_S = 0.001
@@ -138,6 +140,7 @@ class Store:
         self.turns_across_processes = False
         #: ... the writers' lock file, opened when first needed (-1: it cannot be)
         self._turn_fd: int | None = None
+        self._gate_fd = -1
         self._turn_closer: weakref.finalize[Any, Any] | None = None
 
     def wait_for_locks(self, dbapi_conn: Any, info: dict[Any, Any]) -> None:
@@ -192,30 +195,42 @@ class Store:
                 self._writers.release()
 
     def _lock_file(self, until: float) -> bool:
-        """Take the writers' file lock (False: not by ``until``, or no such file here)."""
-        fd = self._turn_fd
-        if fd is None:
-            try:
-                fd = os.open(self.url + WRITERS_SUFFIX, os.O_RDWR | os.O_CREAT, 0o666)
-            except OSError:
-                fd = -1  # (a read-only directory: SQLite's own wait, as before)
-            else:
-                self._turn_closer = weakref.finalize(self, os.close, fd)
-            self._turn_fd = fd
-        if fd < 0:
+        """Take the writers' file lock (False: not by ``until``, or no such file here).
+
+        Through a gate: a second file lock, held only while waiting for the first. A
+        writer that waits holds the gate, so the holder of the turn, back for its next
+        one at once (the engine's group commits, back to back), waits at the gate
+        behind it: each waiting process gets the turn after the one under way, not
+        after however many the holder takes before a poll finds the lock free."""
+        fds = self._turn_fds()
+        if fds is None:
             return False
-        pause = TURN_POLL_MIN_S
-        while True:
+        gate, turn = fds
+        if not _flock_by(gate, until):
+            return False
+        try:
+            return _flock_by(turn, until)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+
+    def _turn_fds(self) -> tuple[int, int] | None:
+        """The gate's and the turn's lock files, opened once (None: they cannot be made
+        here, a read-only directory: SQLite's own wait, as before)."""
+        if self._turn_fd is None:
+            fds: list[int] = []
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return True
-            except BlockingIOError:
-                if time.monotonic() >= until:
-                    return False
-                time.sleep(pause)
-                pause = min(TURN_POLL_MAX_S, pause * 2)
+                for suffix in (GATE_SUFFIX, WRITERS_SUFFIX):
+                    fds.append(os.open(self.url + suffix, os.O_RDWR | os.O_CREAT, 0o666))
             except OSError:
-                return False
+                for fd in fds:
+                    os.close(fd)
+                self._turn_fd = -1
+            else:
+                self._gate_fd, self._turn_fd = fds
+                self._turn_closer = weakref.finalize(self, _close_all, fds)
+        if self._turn_fd < 0:
+            return None
+        return self._gate_fd, self._turn_fd
 
     def _unlock_file(self) -> None:
         assert self._turn_fd is not None
@@ -484,3 +499,24 @@ def migrate(store: Store, *, upgrade: bool = True, create: bool = True) -> str |
         finally:
             conn.info.pop("immediate", None)
     return rev
+
+
+def _flock_by(fd: int, until: float) -> bool:
+    """Take ``fd``'s exclusive file lock, polling (False: not by ``until``)."""
+    pause = TURN_POLL_MIN_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= until:
+                return False
+            time.sleep(pause)
+            pause = min(TURN_POLL_MAX_S, pause * 2)
+        except OSError:
+            return False
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
