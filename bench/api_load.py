@@ -206,9 +206,13 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+#: extra ``serve`` options (``--serve-args``)
+SERVE_ARGS: list[str] = []
+
+
 def start_server(db: str) -> Server:
     proc = subprocess.Popen(
-        [*_fleetwave(), "serve", "--listen", "127.0.0.1:0", "--db", db],
+        [*_fleetwave(), "serve", "--listen", "127.0.0.1:0", "--db", db, *SERVE_ARGS],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -577,7 +581,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connections", type=int, default=100, help="intake: connections")
     parser.add_argument("--seconds", type=float, default=None, help="intake: how long")
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="markdown to update")
+    parser.add_argument(
+        "--serve-args", default="", help="extra options for serve, e.g. '--one-process'"
+    )
     args = parser.parse_args(argv)
+    SERVE_ARGS[:] = args.serve_args.split()
     env = environment()
     reports = []
     if args.scenario in ("intake", "all"):
