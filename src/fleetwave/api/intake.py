@@ -1,12 +1,12 @@
 """Agents' callbacks stored a batch at a time (group commit): one transaction, one
 fsync, for all the callbacks that came while the one before was being written. The
 batch's agent tokens are checked in one query (not a read of its own per request),
-with the idempotency keys already stored, just before that transaction, outside the
-write lock that the engine's group commits wait for: a refused one is recorded in
-the transaction, with the caller's address, and stores nothing. (A token replaced or
-a key stored in between: the step's state is read again in the transaction, and a
-key stored meanwhile fails the insert on its unique key, which stores the batch one
-by one.)
+just before that transaction, outside the write lock that the engine's group commits
+wait for: a refused one is recorded in the transaction, with the caller's address, and
+stores nothing. An idempotency key stored before is not read first: the batch's insert
+skips its row (``ON CONFLICT DO NOTHING``) and the one stored is read then, the
+answer. (A token replaced in between: the step's state is read again in the
+transaction.)
 
 A request adds its callback and waits for it to be written; one of the waiting
 requests writes everything added so far, on the API's writer thread. The write goes
@@ -115,10 +115,9 @@ def store_arrivals(store: Store, arrivals: Sequence[Arrival]) -> list[Answer]:
     # query for the steps, the insert, the commit).
     with store.read() as conn:
         grants = tokens.find_agent_tokens(conn, given, now)
-        stored = cbs.stored_with_keys(conn, [a.report for a in arrivals])
     try:
         with store.write() as conn:
-            return _store_on(conn, arrivals, grants, stored)
+            return _store_on(conn, arrivals, grants)
     except IntegrityError:
         if len(arrivals) > 1:
             return [answer for one in arrivals for answer in store_arrivals(store, [one])]
@@ -136,7 +135,6 @@ def _store_on(
     conn: Connection,
     arrivals: Sequence[Arrival],
     grants: dict[str, tokens.AgentGrant],
-    stored: dict[tuple[int, str], cbs.CallbackRecord],
 ) -> list[Answer]:
     answers: list[Answer | None] = []
     let_in: list[int] = []
@@ -154,7 +152,6 @@ def _store_on(
     records = cbs.insert_callbacks(
         conn,
         [_of_visit(arrivals[i].report, grants.get(arrivals[i].token or "")) for i in let_in],
-        stored,
     )
     for place, answer in zip(let_in, records, strict=True):
         answers[place] = answer

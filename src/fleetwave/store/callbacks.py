@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Connection, insert, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 
-from fleetwave.domain.errors import InputError, NotFound
+from fleetwave.domain.errors import Conflict, InputError, NotFound
 from fleetwave.domain.models import STEP_TERMINAL
 from fleetwave.domain.rules import details_text
 from fleetwave.store import keys
@@ -173,13 +175,11 @@ def stored_with_keys(
 def insert_callbacks(
     conn: Connection,
     reports: Sequence[Report],
-    stored: dict[tuple[int, str], CallbackRecord] | None = None,
 ) -> list[CallbackRecord | InputError]:
-    """:func:`accept_callbacks` within the caller's write transaction (an
-    IntegrityError is the caller's to handle: see there). ``stored``: the callbacks
-    already stored with the reports' idempotency keys (:func:`stored_with_keys`), if
-    the caller read them before its write transaction (one stored since makes the
-    insert fail on the unique key: an IntegrityError, as above).
+    """:func:`accept_callbacks` within the caller's write transaction. A report whose
+    idempotency key is stored already inserts nothing (``ON CONFLICT DO NOTHING``):
+    its answer is a :class:`Replay` of the one stored, read then (not before: most
+    keys are new, and a read of them all was a fifth of the intake's store time).
 
     Each is stored with the visit of its state it reports on: the one its report names
     (an agent token's visit), else the step's: the visit it is in when it is in that
@@ -196,8 +196,6 @@ def insert_callbacks(
             ).where(steps.c.id.in_(ids[start : start + 500]))
         )
     }
-    if stored is None:
-        stored = stored_with_keys(conn, reports)
     woken: set[int] = set()
     # Decide each first, then insert them all in one statement (one INSERT a row,
     # each compiled and executed apart, was most of the intake's time on its thread).
@@ -206,11 +204,9 @@ def insert_callbacks(
     made: list[tuple[int, tuple[int, int, str, str, str, str | None, str | None, float, int]]] = []
     again: list[tuple[int, int]] = []  # (its place in out, the one in made it repeats)
     pending: dict[tuple[int, str], int] = {}
+    reports_by_place: dict[int, Report] = {}
     for r in reports:
         key = (r.step_id, r.idempotency_key) if r.idempotency_key else None
-        if key is not None and key in stored:
-            out.append(stored[key])
-            continue
         if key is not None and key in pending:
             # the same key again in this batch: the one stored now
             again.append((len(out), pending[key]))
@@ -259,41 +255,63 @@ def insert_callbacks(
                 ),
             )
         )
+        reports_by_place[len(out)] = r
         out.append(NotFound("(answered below)"))
         if outcome is None:
             woken.add(int(step.strategy_id))
     if rows:
-        ids = _inserted_ids(conn, rows)
-        final = [CallbackRecord(cid, *fields) for (_, fields), cid in zip(made, ids, strict=True)]
+        inserted = _inserted_ids(conn, rows)
+        # a key stored before (by another, or before this batch was read): its row
+        # was not inserted; the one stored is the answer
+        unstored = [
+            reports_by_place[place]
+            for (place, _), cid in zip(made, inserted, strict=True)
+            if cid is None
+        ]
+        before = stored_with_keys(conn, unstored) if unstored else {}
+        final: list[CallbackRecord | InputError] = []
+        for (place, fields), cid in zip(made, inserted, strict=True):
+            if cid is not None:
+                final.append(CallbackRecord(cid, *fields))
+                continue
+            key = (fields[1], str(reports_by_place[place].idempotency_key))
+            final.append(before.get(key) or Conflict(f"callback {key}: stored, then gone"))
         for (place, _), record in zip(made, final, strict=True):
             out[place] = record
         for place, index in again:
-            out[place] = Replay(*(getattr(final[index], f) for f in _FIELDS))
+            first = final[index]
+            out[place] = (
+                first
+                if isinstance(first, Exception | Replay)
+                else Replay(*(getattr(first, f) for f in _FIELDS))
+            )
     for sid in sorted(woken):
         notify(conn, "callback", sid)  # (its conductor: at once, once this commits)
     return out
 
 
-def _inserted_ids(conn: Connection, rows: list[dict[str, object]]) -> list[int]:
+def _inserted_ids(conn: Connection, rows: list[dict[str, object]]) -> list[int | None]:
     """Insert ``rows`` (each with an idempotency key, or none, at most once a key per
-    step): their ids, in order. Rows with a key go in one statement of many rows; the
-    database returns their ids in an order of its own, so each is found by its step
-    and key. (Asked to return them in order, SQLAlchemy sent SQLite a row at a time.)
-    Rows without one go a row at a time."""
+    step): their ids, in order; None for one whose key was stored before (nothing
+    inserted). Rows with a key go in one statement of many rows; the database returns
+    their ids in an order of its own, so each is found by its step and key. (Asked to
+    return them in order, SQLAlchemy sent SQLite a row at a time.) Rows without one go
+    a row at a time."""
     keyed = [r for r in rows if r["idempotency_key"] is not None]
     by_key: dict[tuple[object, object], int] = {}
     if keyed:
-        for row in conn.execute(
-            insert(callbacks).returning(
-                callbacks.c.id, callbacks.c.step_id, callbacks.c.idempotency_key
-            ),
-            keyed,
-        ):
+        dialect_insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+        statement = (
+            dialect_insert(callbacks)
+            .on_conflict_do_nothing(index_elements=["step_id", "idempotency_key"])
+            .returning(callbacks.c.id, callbacks.c.step_id, callbacks.c.idempotency_key)
+        )
+        for row in conn.execute(statement, keyed):
             by_key[(row[1], row[2])] = int(row[0])
-    ids: list[int] = []
+    ids: list[int | None] = []
     for r in rows:
         if r["idempotency_key"] is not None:
-            ids.append(by_key[(r["step_id"], r["idempotency_key"])])
+            ids.append(by_key.get((r["step_id"], r["idempotency_key"])))
         else:
             (cid,) = conn.execute(insert(callbacks).values(r).returning(callbacks.c.id)).one()
             ids.append(int(cid))
