@@ -77,10 +77,11 @@ if [ ! -x /usr/bin/chromium ]; then
     echo "no /usr/bin/chromium, and cannot install it: the dashboard's browser test is skipped (and fails in CI)"
   fi
 fi
-# FLEETWAVE_TEST_WORKERS=4 runs them in 4 worker processes (pytest-xdist): each worker
-# has its own tmp dirs, PostgreSQL databases (named by pid) and loopback ports. Not yet
-# the default: at -n 4 five timing-sensitive tests still fail (they pass alone).
-WORKERS=${FLEETWAVE_TEST_WORKERS:-0}
+# In 4 worker processes (pytest-xdist; FLEETWAVE_TEST_WORKERS=N changes the count, 0
+# runs them in this one): each worker has its own tmp dirs, PostgreSQL databases (named
+# by pid) and loopback ports. Most tests wait on processes, timers and sockets more than
+# they compute, so 4 go faster than the 2 cores alone would suggest.
+WORKERS=${FLEETWAVE_TEST_WORKERS:-4}
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 -n "$WORKERS" --dist worksteal "$@"
 rc=$?

@@ -26,6 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from cli_harness import Cli
@@ -86,6 +87,28 @@ def rollout(cli: Cli, workflow: str = "patch", *more: str) -> tuple[int, int]:
     return sid, apply_wait(cli, sid).code
 
 
+def _end_apply_once_polled(emulator: Emulator, site: str, attached: list[int]) -> None:
+    """Once the rollout has polled ``site``'s apply under way (3 requests: its pre-check,
+    the create refused with 409, a poll), let that apply end 1 s later (100 site
+    seconds); the count of requests seen then goes into ``attached``. After 120 s
+    without it, it ends the apply anyway (the rollout then ends, and the test fails)."""
+    deadline = time.monotonic() + 120
+    with httpx.Client(base_url=emulator.base, timeout=5.0) as http:
+        seen = 0
+        while time.monotonic() < deadline:
+            seen = int(http.get(f"/admin/sites/{site}/counters").json()["requests"])
+            if seen >= 3:
+                attached.append(seen)
+                break
+            time.sleep(0.01)
+        for change in (
+            {"settings": {"apply_s": 100}},
+            {"strategy": {"type": "sw-patch", "state": "applying", "release": RELEASE}},
+        ):
+            r = http.patch(f"/admin/sites/{site}", json=change)
+            assert r.status_code == 200, r.text
+
+
 def test_a_patch_rollout_attaches_to_strategies_the_sites_already_have(
     cli: Cli, emulator: Emulator, tmp_path: Path
 ) -> None:
@@ -93,7 +116,10 @@ def test_a_patch_rollout_attaches_to_strategies_the_sites_already_have(
     # (slowly); 0004: an old one that failed; 0005: another type's, still building
     for site in ("site-0002", "site-0003", "site-0004", "site-0005"):
         admin(emulator, site, {"releases": PATCH_RELEASE})
-    admin(emulator, "site-0003", {"settings": {"apply_s": 100}})
+    # 0003's apply lasts until the rollout has attached to it (see _end_apply_once_polled):
+    # with a fixed 1 s apply it had sometimes ended before a loaded machine's rollout got
+    # there, and its pre-check then skipped the site as done, leaving the strategy behind
+    admin(emulator, "site-0003", {"settings": {"apply_s": 86_400}})
     admin(emulator, "site-0005", {"settings": {"build_s": 86_400}})
     presets = {"site-0002": "ready-to-apply", "site-0003": "applying", "site-0004": "apply-failed"}
     for site, state in presets.items():
@@ -103,7 +129,15 @@ def test_a_patch_rollout_attaches_to_strategies_the_sites_already_have(
     admin(emulator, "site-0005", {"strategy": {"type": "fw-update", "state": "building"}})
     sites = [f"site-000{i}" for i in range(1, 6)]
     import_sites(cli, emulator, tmp_path, {s: {} for s in sites})
-    sid, code = rollout(cli)
+    attached: list[int] = []
+    ender = threading.Thread(target=_end_apply_once_polled, args=(emulator, "site-0003", attached))
+    ender.start()
+    try:
+        sid, code = rollout(cli)
+    finally:
+        ender.join()
+    # the rollout polled 0003's apply under way (pre-check, the create's 409, polls)
+    assert attached and attached[0] >= 3, attached
     assert code == 1  # site-0005 fails
     by_site = steps(cli, sid)
     assert {s: by_site[s]["state"] for s in sites} == {

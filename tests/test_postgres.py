@@ -172,14 +172,24 @@ def test_a_conductor_rides_out_a_database_that_goes_away(
     says in the log that it went through after so many tries (as after an SQLite
     outage), and the rollout completes with nothing entered twice (check)."""
     store = open_store(pg_url)
-    add_sim_targets(store, 30, {"latency_ms": 20})
+    # about 3.6 s of work (3 rounds of 6 states at 200 ms): the outage starts once the
+    # rollout is under way, long before its end. (At 20 ms a state, and the outage 0.3 s
+    # after the start, a loaded machine's rollout had sometimes ended before it.)
+    add_sim_targets(store, 30, {"latency_ms": 200})
     sid = applied(store, max_parallel=10)
     dbname = make_url(pg_url).database
     admin_url = _with(pg_url, database="postgres")
     dropped: list[int] = []
 
+    def under_way() -> bool:
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            row = conn.execute("SELECT count(*) FROM journal").fetchone()
+        return row is not None and row[0] > 0
+
     def go_away() -> None:
-        time.sleep(0.3)  # (under way by then)
+        deadline = time.monotonic() + 60
+        while not under_way() and time.monotonic() < deadline:
+            time.sleep(0.02)
         with psycopg.connect(admin_url, autocommit=True) as conn:
             conn.execute(f'ALTER DATABASE "{dbname}" ALLOW_CONNECTIONS false')
             rows = conn.execute(

@@ -36,12 +36,16 @@ def _cli(db: str, *args: str) -> subprocess.CompletedProcess[str]:
 def test_serve_drives_apply_and_a_second_process_only_watches(tmp_path: Path) -> None:
     db = str(tmp_path / "serve.db")
     assert _cli(db, "init").returncode == 0
+    # Two stages with an approval between them: the rollout cannot end before the second
+    # process has registered (the test approves stage b only then). With a rollout that
+    # merely took long enough, a loaded machine sometimes ended it before that process
+    # asked, and it never registered.
+    for group in ("a", "b"):
+        assert _cli(db, "group", "add", group).returncode == 0
     csv = tmp_path / "fleet.csv"
     csv.write_text(
-        # (300 ms a state: about 9 s of work, so that on a loaded machine the rollout is
-        # still going when the second process asks; with 100 ms it had sometimes ended,
-        # and that process never registered)
-        "name,latency_ms\n" + "".join(f"s{i:03d},300\n" for i in range(60)),
+        "name,group,latency_ms\n"
+        + "".join(f"s{i:03d},{'a' if i < 30 else 'b'},100\n" for i in range(60)),
         encoding="utf-8",
     )
     assert _cli(db, "target", "import", str(csv)).returncode == 0
@@ -54,6 +58,11 @@ def test_serve_drives_apply_and_a_second_process_only_watches(tmp_path: Path) ->
         "--all",
         "--max-parallel",
         "10",
+        "--stage",
+        "a",
+        "--stage",
+        "b",
+        "--stage-approval",
         "--format",
         "json",
     )
@@ -65,16 +74,16 @@ def test_serve_drives_apply_and_a_second_process_only_watches(tmp_path: Path) ->
         stderr=subprocess.PIPE,
         text=True,
     )
+    second: subprocess.Popen[str] | None = None
     try:
         applied = _cli(db, "strategy", "apply", str(sid))
         assert applied.returncode == 0, applied.stderr
         assert "applying" in applied.stdout
-        # (polled in the file, not with a process per look: on a loaded machine those
-        # took long enough for the rollout to end before the second process asked)
+        # (polled in the file, not with a process per look)
         _wait_for(
             "serve to claim the applied strategy",
             lambda: _read(db, "SELECT owner FROM strategies WHERE id = ?", sid) is not None,
-            timeout_s=20,
+            timeout_s=60,
         )
         shown = _cli(db, "strategy", "show", str(sid), "--format", "json")
         owner = json.loads(shown.stdout)["owner"]
@@ -86,10 +95,32 @@ def test_serve_drives_apply_and_a_second_process_only_watches(tmp_path: Path) ->
             == f"conductor {owner} (on {host} pid {serve.pid})"
         )
         # A second process asks to drive it too: it must only wait on the live owner.
-        waited = _cli(db, "strategy", "apply", str(sid), "--wait", "--format", "json")
-        assert waited.returncode == 0, waited.stderr
-        assert json.loads(waited.stdout)["state"] == "complete"
+        second = subprocess.Popen(
+            [*FLEETWAVE, "strategy", "apply", str(sid), "--wait", "--format", "json", "--db", db],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert second is not None
+        pid = second.pid
+        _wait_for("the second process to register", lambda: _registered(db, pid), 60)
+        _wait_for(
+            "stage a to end",
+            lambda: (
+                _read(db, "SELECT state FROM strategies WHERE id = ?", sid) == "waiting-approval"
+            ),
+            timeout_s=60,
+        )
+        assert second.poll() is None, "the second process ended before the rollout did"
+        approved = _cli(db, "strategy", "approve", str(sid))
+        assert approved.returncode == 0, approved.stderr
+        out, err2 = second.communicate(timeout=120)
+        assert second.returncode == 0, err2
+        assert json.loads(out)["state"] == "complete"
     finally:
+        if second is not None and second.poll() is None:
+            second.kill()
+            second.communicate()
         serve.send_signal(signal.SIGTERM)
         _out, err = serve.communicate(timeout=30)
     assert serve.returncode == 0, err

@@ -31,7 +31,11 @@ def test_the_clean_workflow_over_sim_targets_completes_with_agents_calling_back_
     reader = new_token(db, "reader")
     with serving(db) as server, server.client(reader) as http:
         rows = [f"n{i},20,{server.base},0" for i in range(6)]
-        rows.append(f"dup,20,{server.base},1")  # its agents report each state twice
+        # its agents report each state twice: its clean-steps report is "done", then a
+        # contradicting "failed" 1.8 times as late. At 20 ms a state that was 22 ms, and
+        # on a loaded machine the two requests sometimes arrived the other way round (the
+        # step failed); at 600 ms they are 0.66 s apart.
+        rows.append(f"dup,600,{server.base},1")
         fleet = tmp_path / "fleet.csv"
         fleet.write_text(
             "name,latency_ms,callback_url,callback_dup_rate\n" + "\n".join(rows) + "\n"

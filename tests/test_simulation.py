@@ -35,7 +35,15 @@ PINNED: list[tuple[int, str, int]] = [
     (104, "kube-upgrade", 30),
 ]
 
-CI_SEEDS = int(os.environ.get("FLEETWAVE_SIM_SEEDS", "200"))
+#: the sweeps' seed count in a test run (``FLEETWAVE_SIM_SEEDS`` changes it); the full
+#: count runs with the ``slow`` tests (``pytest -m slow``), as the nightly sweep does
+CI_SEEDS = int(os.environ.get("FLEETWAVE_SIM_SEEDS", "60"))
+FULL_SEEDS = 200
+#: each sweep's sizes: CI's, and the full one (slow)
+SWEEP_SEEDS = [
+    pytest.param(CI_SEEDS, id="ci"),
+    pytest.param(FULL_SEEDS, id="full", marks=pytest.mark.slow),
+]
 
 
 def _run(args: tuple[int, str, int, frozenset[str]]) -> SimResult:
@@ -116,10 +124,12 @@ def test_faults_are_really_injected() -> None:
     assert sum(r.skewed for r in results) > 0
 
 
-def test_ci_sweep_all_faults() -> None:
-    """CI_SEEDS seeds (200 by default), all faults, alternating workflows."""
+@pytest.mark.parametrize("seeds", SWEEP_SEEDS)
+def test_ci_sweep_all_faults(seeds: int) -> None:
+    """``seeds`` seeds (60 in CI, 200 in the full sweep), all faults, alternating
+    workflows."""
     workflows = ["patch", "clean", "sw-deploy", "firmware", "kube-upgrade"]
-    cases = [(s, workflows[s % len(workflows)], 30) for s in range(1, CI_SEEDS + 1)]
+    cases = [(s, workflows[s % len(workflows)], 30) for s in range(1, seeds + 1)]
     failed = [r for r in _sweep(cases) if not r.ok]
     for r in failed:
         print(r.line(), r.violations[:5])
@@ -136,11 +146,12 @@ def _run_planned(args: tuple[int, str, int]) -> SimResult:
 PLANNED_PINNED = [(83, "firmware", 40), (129, "kube-upgrade", 40), (195, "patch", 40)]
 
 
-def test_ci_sweep_with_rollout_plans() -> None:
+@pytest.mark.parametrize("seeds", SWEEP_SEEDS)
+def test_ci_sweep_with_rollout_plans(seeds: int) -> None:
     """All faults with a random rollout plan too (stages, batches, canaries, stage
     limits, a wait between stages): G1-G9 and the phases' order hold."""
     workflows = ["patch", "clean", "sw-deploy", "firmware", "kube-upgrade"]
-    cases = [(s, workflows[s % len(workflows)], 40) for s in range(1, CI_SEEDS // 2 + 1)]
+    cases = [(s, workflows[s % len(workflows)], 40) for s in range(1, seeds // 2 + 1)]
     with ProcessPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(_run_planned, [*PLANNED_PINNED, *cases], chunksize=4))
     failed = [r for r in results if not r.ok]
@@ -153,7 +164,8 @@ def test_ci_sweep_with_rollout_plans() -> None:
     assert any(r.options.get("batches") for r in planned)
 
 
-def test_ci_sweep_with_poll_states() -> None:
+@pytest.mark.parametrize("seeds", SWEEP_SEEDS)
+def test_ci_sweep_with_poll_states(seeds: int) -> None:
     """`patch` with every other state polling (no built-in workflow polls): the faults
     include stalled conductors that go on polling after they were fenced off, and
     takeovers mid-poll (a review's sweep found a fenced-off poller starting a finished
@@ -165,7 +177,7 @@ def test_ci_sweep_with_poll_states() -> None:
         for i, st in enumerate(patch.states)
     )
     register_workflow(WorkflowDef("patch-poll", states), replace=True)
-    cases = [(s, "patch-poll", 40) for s in range(30000, 30000 + CI_SEEDS // 4)]
+    cases = [(s, "patch-poll", 40) for s in range(30000, 30000 + seeds // 4)]
     failed = [r for r in _sweep(cases) if not r.ok]
     for r in failed:
         print(r.line(), r.violations[:5])
@@ -185,10 +197,12 @@ FAULT_SETS = [
 ]
 
 
-def test_ci_sweep_fault_by_fault() -> None:
-    """Each fault alone, and a few pairs: CI_SEEDS // 20 seeds each (10 by default)."""
+@pytest.mark.parametrize("seeds", SWEEP_SEEDS)
+def test_ci_sweep_fault_by_fault(seeds: int) -> None:
+    """Each fault alone, and a few pairs: ``seeds // 20`` seeds each (3 in CI, 10 in the
+    full sweep)."""
     workflows = ["patch", "clean", "firmware"]
-    per_set = max(1, CI_SEEDS // 20)
+    per_set = max(1, seeds // 20)
     failed = []
     for i, faults in enumerate(FAULT_SETS):
         first = 40000 + 100 * i
