@@ -545,3 +545,63 @@ def test_a_callback_answered_ahead_of_fastapi_is_counted_and_bad_ones_still_refu
         and s.labels["route"] == "/v1/steps/{step_id}/callbacks"
     }
     assert counted == {"202": 1, "200": 1, "400": 1, "422": 2, "401": 1}
+
+
+def test_callbacks_that_come_together_are_written_in_few_batches_and_a_request_gone_still_counts(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The intake writes what came while a batch was being written in the next batch
+    (one write at a time), answers each request with its own callback, and writes the
+    callback of a request that went away (its client hung up) all the same."""
+    from fleetwave.api import intake
+    from fleetwave.store import tokens
+    from fleetwave.store.callbacks import report
+
+    add_sim_targets(store, 30)
+    sid = admin.create_strategy(store, WORKFLOW, StrategyOptions(), all_targets=True)
+    agents = [tokens.new_secret(tokens.AGENT_PREFIX) for _ in range(30)]
+    tokens.issue_agent_tokens(
+        store,
+        [(sid, i + 1, "boot", tokens.token_hash(t), 0.0, None) for i, t in enumerate(agents)],
+    )
+    batches: list[int] = []
+    real = intake.store_arrivals
+
+    def counted(s: Store, arrivals: list[intake.Arrival]) -> list[intake.Answer]:
+        batches.append(len(arrivals))
+        return real(s, arrivals)
+
+    monkeypatch.setattr(intake, "store_arrivals", counted)
+
+    async def main() -> list[object]:
+        service = Service(store, auth=False)
+        service.intake = intake.CallbackIntake(service)
+        try:
+            sent = [
+                asyncio.create_task(
+                    service.intake.accept(
+                        intake.Arrival(
+                            report(i + 1, "boot", "heartbeat", f"n{i}", 1.0, f"k{i}"),
+                            agents[i],
+                            "127.0.0.1",
+                        )
+                    )
+                )
+                for i in range(30)
+            ]
+            await asyncio.sleep(0)  # (all have added theirs; the first batch is on its way)
+            sent[7].cancel()  # its client hung up
+            return await asyncio.gather(*sent, return_exceptions=True)
+        finally:
+            service.close()
+
+    answers = asyncio.run(main())
+    assert isinstance(answers[7], asyncio.CancelledError)
+    for i, answer in enumerate(answers):
+        if i != 7:
+            assert not isinstance(answer, BaseException | intake.Refused), answer
+            assert (answer.step_id, answer.details) == (i + 1, f"n{i}")
+    assert sum(batches) == 30 and len(batches) <= 2, batches
+    with store.read() as conn:
+        stored = {r.details for r in conn.execute(select(callbacks.c.details))}
+    assert stored == {f"n{i}" for i in range(30)}  # the one gone too

@@ -65,7 +65,7 @@ class CallbackIn(Body):
 
 def _count(svc: Service, answer: str) -> None:
     if svc.metrics is not None:
-        svc.metrics.callbacks.labels(answer).inc()
+        svc.metrics.callback_answered(answer)
 
 
 async def take_callback_answer(

@@ -17,6 +17,7 @@ answered. Nothing waits on the engine or on a step's lock (G6).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -172,25 +173,39 @@ class CallbackIntake:
     def __init__(self, service: Service) -> None:
         self.service = service
         self._waiting: list[Waiting] = []
-        self._turn = asyncio.Lock()
+        #: the task writing batches while there are callbacks waiting (None: none)
+        self._writing: asyncio.Task[None] | None = None
 
     async def accept(self, arrival: Arrival) -> cbs.CallbackRecord | Refused:
         """Check and store ``arrival`` (with the others waiting now): its record, a
         Replay, or why its token was refused."""
         answered: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._waiting.append((arrival, answered))
-        async with self._turn:
-            if not answered.done():
+        if self._writing is None:
+            self._writing = asyncio.create_task(self._write_all(), name="fleetwave-intake")
+        answer = await answered  # (a request that goes away: its callback is still written)
+        if isinstance(answer, InputError):
+            raise answer
+        return answer
+
+    async def _write_all(self) -> None:
+        """Write what is waiting, a batch at a time, until nothing is (one write at a
+        time: what comes meanwhile goes in the next)."""
+        try:
+            while self._waiting:
                 batch, self._waiting = self._waiting, []
                 writing = self.service.write_nowait(
                     store_arrivals, self.service.store, [a for a, _ in batch]
                 )
-                writing.add_done_callback(lambda done: _answer(batch, done))
-                await asyncio.shield(writing)  # (it goes on if this request goes away)
-        answer = await answered
-        if isinstance(answer, InputError):
-            raise answer
-        return answer
+                try:
+                    await asyncio.shield(writing)  # (it goes on if this task is cancelled)
+                finally:
+                    if writing.done():
+                        _answer(batch, writing)
+                    else:
+                        writing.add_done_callback(functools.partial(_answer, batch))
+        finally:
+            self._writing = None
 
 
 def _answer(batch: list[Waiting], done: asyncio.Future[list[Answer]]) -> None:
