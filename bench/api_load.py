@@ -332,12 +332,20 @@ async def flood(world: World, server: Server, connections: int, seconds: float) 
 
 
 async def steady_mix(
-    world: World, server: Server, stop: asyncio.Event, callbacks_per_s: int, reads_per_s: int
+    world: World,
+    server: Server,
+    stop: asyncio.Event,
+    callbacks_per_s: int,
+    reads_per_s: int,
+    counted_from: list[float],
 ) -> tuple[Tally, Tally]:
     """An open-loop mix until ``stop``: each request is due at its time and sent on the
     next free connection of its kind (``MIX_CONNECTIONS`` each, as agents and a
     dashboard behind a proxy would hold them); its latency counts from when it was
-    due, so time queued for a connection counts too."""
+    due, so time queued for a connection counts too. Only requests due from
+    ``counted_from[0]`` on (the apply: set by the caller) are counted: the ones before
+    get the connections open and the load steady (the first ones on new connections,
+    to a server that has answered nothing yet, took up to 250 ms)."""
     posts, gets = Tally(), Tally()
     run = secrets.token_hex(4)
     assert world.rollout_sid is not None
@@ -354,7 +362,8 @@ async def steady_mix(
             while (item := await queue.get()) is not None:
                 due, raw = item
                 status, _ = await conn.request(raw)
-                tally.add(status, time.perf_counter() - due)
+                if due >= counted_from[0]:
+                    tally.add(status, time.perf_counter() - due)
         finally:
             conn.close()
 
@@ -485,13 +494,22 @@ def run_rollout(targets: int, parallel: int, loaded: bool) -> RolloutRun:
 
             async def drive() -> tuple[Tally, Tally] | None:
                 stop = asyncio.Event()
+                counted_from = [math.inf]
                 waiting = asyncio.create_task(wait_rollout(db, sid, stop, 600))
                 mix = None
                 if loaded:
                     mix = asyncio.create_task(
-                        steady_mix(world, server, stop, MIX_CALLBACKS_PER_S, MIX_READS_PER_S)
+                        steady_mix(
+                            world,
+                            server,
+                            stop,
+                            MIX_CALLBACKS_PER_S,
+                            MIX_READS_PER_S,
+                            counted_from,
+                        )
                     )
                     await asyncio.sleep(0.5)  # the load steady before the rollout starts
+                counted_from[0] = time.perf_counter()
                 await asyncio.to_thread(apply, db, sid)
                 await waiting
                 return await mix if mix is not None else None
