@@ -24,7 +24,7 @@ import json
 import logging
 import re
 import time
-from typing import Any, Literal
+from typing import Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -127,16 +127,10 @@ class CallbackFastPath:
     def __init__(self, app: ASGIApp, service: Service) -> None:
         self.app = app
         self.service = service
-        self._counts: dict[int, Any] = {}
 
     def _counted(self, status: int) -> None:
-        metrics = self.service.metrics
-        if metrics is None:
-            return
-        child = self._counts.get(status)
-        if child is None:
-            child = self._counts[status] = metrics.requests.labels(ROUTE, "POST", str(status))
-        child.inc()
+        if self.service.metrics is not None:
+            self.service.metrics.request_answered(ROUTE, "POST", status)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         m = None

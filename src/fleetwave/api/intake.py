@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sqlalchemy import Connection, insert, select
-from sqlalchemy.exc import IntegrityError
 
 from fleetwave.api.service import Service
 from fleetwave.domain.errors import InputError
@@ -107,8 +106,7 @@ def _record_refusal(conn: Connection, step_id: int, strategy_id: int | None, sai
 def store_arrivals(store: Store, arrivals: Sequence[Arrival]) -> list[Answer]:
     """Check the tokens of ``arrivals`` and store those they let in, in one
     transaction: each one's answer, in order (its record, a Replay, a Refused, or
-    the error that refused it: an unknown step). Another process storing the same
-    idempotency key meanwhile makes this one store them one by one."""
+    the error that refused it: an unknown step)."""
     given = [a.token for a in arrivals if a.token is not None]
     now = max(a.report.now for a in arrivals)
     # What needs no write lock is read first: the write lock is every writer's, the
@@ -116,20 +114,8 @@ def store_arrivals(store: Store, arrivals: Sequence[Arrival]) -> list[Answer]:
     # query for the steps, the insert, the commit).
     with store.read() as conn:
         grants = tokens.find_agent_tokens(conn, given, now)
-    try:
-        with store.write() as conn:
-            return _store_on(conn, arrivals, grants)
-    except IntegrityError:
-        if len(arrivals) > 1:
-            return [answer for one in arrivals for answer in store_arrivals(store, [one])]
-        (arrival,) = arrivals
-        with store.read() as conn:
-            grants = tokens.find_agent_tokens(conn, [arrival.token or ""], arrival.report.now)
-        grant = grants.get(arrival.token or "")
-        refused = judge(arrival, grant)
-        if refused is not None:  # (not stored: it was let in a moment ago)
-            return [refused]
-        return list(cbs.accept_callbacks(store, [_of_visit(arrival.report, grant)]))
+    with store.write() as conn:
+        return _store_on(conn, arrivals, grants)
 
 
 def _store_on(

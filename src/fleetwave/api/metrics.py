@@ -167,16 +167,23 @@ class ApiMetrics:
             ["answer"],
             registry=self.registry,
         )
-        #: ... each answer's child, found once (a label lookup per callback was a
-        #: measurable part of the busiest route)
-        self._callback_children: dict[str, Any] = {}
+        #: each counter's child per labels, found once (a label lookup per callback was
+        #: a measurable part of the busiest route)
+        self._children: dict[tuple[Counter, tuple[str, ...]], Any] = {}
+
+    def _inc(self, counter: Counter, *labels: str) -> None:
+        child = self._children.get((counter, labels))
+        if child is None:
+            child = self._children[(counter, labels)] = counter.labels(*labels)
+        child.inc()
 
     def callback_answered(self, answer: str) -> None:
         """Count a callback's answer."""
-        child = self._callback_children.get(answer)
-        if child is None:
-            child = self._callback_children[answer] = self.callbacks.labels(answer)
-        child.inc()
+        self._inc(self.callbacks, answer)
+
+    def request_answered(self, route: str, method: str, status: int) -> None:
+        """Count a request by its route's template, method and status."""
+        self._inc(self.requests, route, method, str(status))
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
@@ -203,9 +210,7 @@ class CountRequests:
         try:
             await self.app(scope, receive, sent)
         finally:
-            self.metrics.requests.labels(
-                route_of(scope), scope.get("method", ""), str(status[0])
-            ).inc()
+            self.metrics.request_answered(route_of(scope), scope.get("method", ""), status[0])
 
 
 def route_of(scope: Scope) -> str:

@@ -14,13 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Connection, insert, select
-from sqlalchemy.exc import IntegrityError
 
 from fleetwave.domain.errors import Conflict, InputError, NotFound
 from fleetwave.domain.models import STEP_TERMINAL
 from fleetwave.domain.rules import details_text
 from fleetwave.store import keys
-from fleetwave.store.db import Store
+from fleetwave.store.db import Store, hooks_of
 from fleetwave.store.notify import notify
 from fleetwave.store.schema import callbacks
 
@@ -119,21 +118,9 @@ def accept_callback(
 def accept_callbacks(store: Store, reports: Sequence[Report]) -> list[CallbackRecord | InputError]:
     """Store callbacks in one transaction (the API's intake: one fsync for all those
     that came at once), each answered as :func:`accept_callback` answers one: its
-    record, a :class:`Replay` of the one stored with its key, or the error that
-    refused it (an unknown step). Another process storing the same key meanwhile
-    makes this one store them one by one."""
-    try:
-        return _insert(store, reports)
-    except IntegrityError:
-        if len(reports) == 1:
-            again = _keyed(store, reports[0].step_id, reports[0].idempotency_key)
-            if again is None:
-                raise
-            return [again]
-        return [answer for one in reports for answer in accept_callbacks(store, [one])]
-
-
-def _insert(store: Store, reports: Sequence[Report]) -> list[CallbackRecord | InputError]:
+    record, a :class:`Replay` of the one stored with its key (by whoever stored it,
+    meanwhile too: its insert does nothing), or the error that refused it (an unknown
+    step)."""
     with store.write() as conn:
         return insert_callbacks(conn, reports)
 
@@ -185,13 +172,13 @@ def insert_callbacks(
     then applies it to that visit only: a late one of an earlier visit is ignored."""
     out: list[CallbackRecord | InputError] = []
     ids = sorted({r.step_id for r in reports})
-    mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
+    hooks = hooks_of(conn)
     found = {
         int(row.id): row
         for start in range(0, len(ids), 500)
         for row in conn.exec_driver_sql(
             "SELECT id, strategy_id, state, visit, visits FROM steps WHERE id IN ("
-            + ", ".join([mark] * len(ids[start : start + 500]))
+            + hooks.placeholders(len(ids[start : start + 500]))
             + ")",
             tuple(ids[start : start + 500]),
         )
@@ -299,8 +286,7 @@ def _inserted_ids(conn: Connection, rows: list[dict[str, object]]) -> list[int |
     a row at a time."""
     keyed = [r for r in rows if r["idempotency_key"] is not None]
     by_key: dict[tuple[object, object], int] = {}
-    mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
-    one = "(" + ", ".join([mark] * len(_INSERTED)) + ")"
+    one = "(" + hooks_of(conn).placeholders(len(_INSERTED)) + ")"
     for start in range(0, len(keyed), _ROWS_A_STATEMENT):
         chunk = keyed[start : start + _ROWS_A_STATEMENT]
         # (on the driver, in one statement: SQLAlchemy's own many-rows insert bound
@@ -371,29 +357,6 @@ class Replay(CallbackRecord):
 
 def is_replay(record: CallbackRecord) -> bool:
     return isinstance(record, Replay)
-
-
-def _keyed(store: Store, step_id: int, key: str | None) -> CallbackRecord | None:
-    with store.read() as conn:
-        r = conn.execute(
-            select(callbacks).where(
-                callbacks.c.step_id == step_id, callbacks.c.idempotency_key == key
-            )
-        ).first()
-    if r is None:
-        return None
-    return Replay(
-        int(r.id),
-        int(r.strategy_id),
-        step_id,
-        r.state,
-        r.kind,
-        r.details,
-        r.outcome,
-        r.reason,
-        r.received_at,
-        int(r.visit),
-    )
 
 
 def open_callbacks(

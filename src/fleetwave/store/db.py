@@ -117,6 +117,16 @@ SQLITE = DialectHooks(
 )
 
 
+def hooks_of(conn: Connection) -> DialectHooks:
+    """The dialect hooks of the database ``conn`` is on (for code given a connection,
+    not its store)."""
+    if conn.dialect.name == "postgresql":
+        from fleetwave.store.postgres import POSTGRESQL
+
+        return POSTGRESQL
+    return SQLITE
+
+
 class Store:
     """An engine plus its dialect hooks. Query functions live in sibling modules."""
 
