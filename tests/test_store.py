@@ -429,6 +429,29 @@ def test_an_abort_that_came_after_every_step_had_ended_is_on_the_record(
     store.dispose()
 
 
+def _other_writer(db: Path, then: str, *args: str) -> subprocess.Popen[str]:
+    """Another process on ``db`` taking turns across processes, as ``serve``'s do: once
+    it has said it is ready, a line on its stdin makes it run ``then`` (Python, with
+    ``store`` and ``sys`` at hand; ``args`` from ``sys.argv[2]`` on)."""
+    script = (
+        "import sys\n"
+        "from fleetwave.store.db import open_store\n"
+        "store = open_store(sys.argv[1])\n"
+        "store.turns_across_processes = True\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.readline()\n" + then
+    )
+    other = subprocess.Popen(
+        [sys.executable, "-c", script, str(db), *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert other.stdout is not None
+    assert other.stdout.readline().strip() == "ready"
+    return other
+
+
 def test_writers_of_every_process_take_turns_on_the_file_beside_the_database(
     tmp_path: Path,
 ) -> None:
@@ -437,27 +460,16 @@ def test_writers_of_every_process_take_turns_on_the_file_beside_the_database(
     db = tmp_path / "fleet.db"
     store = open_store(str(db))
     store.turns_across_processes = True
-    script = (
-        "import sys, time\n"
+    other = _other_writer(
+        db,
+        "import time\n"
         "from sqlalchemy import text\n"
-        "from fleetwave.store.db import open_store\n"
-        "store = open_store(sys.argv[1])\n"
-        "store.turns_across_processes = True\n"
-        "print('ready', flush=True)\n"
-        "sys.stdin.readline()\n"
         "t0 = time.monotonic()\n"
         "with store.write() as conn:\n"
         "    conn.execute(text('PRAGMA user_version'))\n"
-        "print(f'{time.monotonic() - t0:.3f}', flush=True)\n"
-    )
-    other = subprocess.Popen(
-        [sys.executable, "-c", script, str(db)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+        "print(f'{time.monotonic() - t0:.3f}', flush=True)\n",
     )
     assert other.stdin is not None and other.stdout is not None
-    assert other.stdout.readline().strip() == "ready"
     with store.writer_turn():
         other.stdin.write("go\n")
         other.stdin.flush()
@@ -479,25 +491,14 @@ def test_a_writer_waiting_for_its_turn_gets_it_before_the_holder_takes_another(
     order = tmp_path / "order"
     store = open_store(str(db))
     store.turns_across_processes = True
-    script = (
-        "import sys\n"
-        "from fleetwave.store.db import open_store\n"
-        "store = open_store(sys.argv[1])\n"
-        "store.turns_across_processes = True\n"
-        "print('ready', flush=True)\n"
-        "sys.stdin.readline()\n"
+    other = _other_writer(
+        db,
         "with store.writer_turn():\n"
         "    with open(sys.argv[2], 'a') as f:\n"
-        "        f.write('other\\n')\n"
-    )
-    other = subprocess.Popen(
-        [sys.executable, "-c", script, str(db), str(order)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+        "        f.write('other\\n')\n",
+        str(order),
     )
     assert other.stdin is not None and other.stdout is not None
-    assert other.stdout.readline().strip() == "ready"
     with store.writer_turn():
         other.stdin.write("go\n")
         other.stdin.flush()
