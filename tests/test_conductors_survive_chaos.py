@@ -122,20 +122,25 @@ def _run_chaos(pg_url: str, plan: Chaos) -> None:
     finished = lambda: _scalar(store, state_sql, sid) != "applying"  # noqa: E731
     takeovers: list[tuple[str, float]] = []
     frozen: subprocess.Popen[str] | None = None
+    held_sql = f"SELECT count(*) FROM steps WHERE owner = {store.hooks.placeholder} AND {OPEN}"
+    driving: list[int] = []
+
+    def some_driving() -> bool:
+        driving[:] = [j for j in range(3) if _scalar(store, held_sql, cids[j])]
+        return bool(driving)
+
     try:
         cids = [fleet.conductor_of(store, proc) for proc in slots]
         for n in range(plan.kills + 1):
             time.sleep(rng.uniform(2.0, 6.0))
             if finished():
                 break
-            i = rng.randrange(3)
+            # The victim: one of those that drive steps at this moment, at random (one
+            # restarted late in the rollout may find every waiting step claimed by the
+            # others, and never drive any: killing it would take nothing over).
+            _wait("a conductor to drive steps", some_driving, 60)
+            i = rng.choice(driving)
             victim, cid = slots[i], cids[i]
-            held_sql = (
-                f"SELECT count(*) FROM steps WHERE owner = {store.hooks.placeholder} AND {OPEN}"
-            )
-            # (at a moment it drives steps: a conductor just started may not have any yet)
-            driving = lambda c=cid, q=held_sql: bool(_scalar(store, q, c))  # noqa: E731
-            _wait(f"{cid} to drive steps", driving, 60)
             held = _scalar(store, held_sql, cid)
             if n < plan.kills:
                 victim.send_signal(signal.SIGKILL)

@@ -257,7 +257,7 @@ def test_a_plain_run_whose_caller_is_lost_ends_no_sooner_than_its_latency(kind: 
     uvloop the loop's clock is floored to the millisecond: it ended up to a millisecond
     early)."""
 
-    async def one(i: int) -> float:
+    async def one(i: int) -> float | None:
         driver = SimDriver()
         target = Target(name=f"t{i}", settings={"latency_ms": 20})
         ctx = ActionContext(
@@ -275,7 +275,8 @@ def test_a_plain_run_whose_caller_is_lost_ends_no_sooner_than_its_latency(kind: 
         start = time.monotonic()
         task = asyncio.ensure_future(driver.perform(target, "apply", ctx))
         await asyncio.sleep(0.008)
-        task.cancel()
+        if not task.cancel():
+            return None  # (a loaded machine: it ended before its caller was lost)
         with pytest.raises(asyncio.CancelledError):
             await task
         while not ended:
@@ -283,7 +284,15 @@ def test_a_plain_run_whose_caller_is_lost_ends_no_sooner_than_its_latency(kind: 
         return ended[0] - start
 
     async def main() -> list[float]:
-        return [await one(i) for i in range(30)]
+        took: list[float] = []
+        for i in range(300):
+            one_took = await one(i)
+            if one_took is not None:
+                took.append(one_took)
+            if len(took) == 30:
+                break
+        return took
 
     took = _run(LOOPS[kind], main())
+    assert len(took) >= 10, f"only {len(took)} of 300 runs were cancelled mid-way"
     assert min(took) >= 0.020, sorted(took)[:3]
