@@ -28,6 +28,12 @@ MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 #: how long a write waits for another writer's lock (an operator's command, another
 #: conductor) before it fails, unless a conductor asks for less
 DEFAULT_BUSY_TIMEOUT_MS = 5000
+#: connections an engine keeps open once it has needed them, and how many more it may
+#: open at once (closed when handed back). The API's process calls the store from 8
+#: threads and its intake writer at once: with fewer kept, each request beyond them
+#: opened a connection (its pragmas, a cold page cache) and closed it again.
+POOL_SIZE = 10
+POOL_OVERFLOW = 10
 HEAD_REVISION = "0017"
 #: SQLite: beside the database file, the file whose lock writers of every fleetwave
 #: process take turns on (see :meth:`Store.writer_turn`)
@@ -298,8 +304,8 @@ def _sqlite_engine(path: str, synchronous: str) -> Engine:
     engine = create_engine(
         f"sqlite+pysqlite:///{path}",
         poolclass=QueuePool,
-        pool_size=2,
-        max_overflow=4,
+        pool_size=POOL_SIZE,
+        max_overflow=POOL_OVERFLOW,
         connect_args={"check_same_thread": False, "timeout": 5},
     )
 

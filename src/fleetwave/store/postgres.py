@@ -28,7 +28,13 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.pool import QueuePool
 
-from fleetwave.store.db import DEFAULT_BUSY_TIMEOUT_MS, DialectHooks, StoreError
+from fleetwave.store.db import (
+    DEFAULT_BUSY_TIMEOUT_MS,
+    POOL_OVERFLOW,
+    POOL_SIZE,
+    DialectHooks,
+    StoreError,
+)
 from fleetwave.store.leases import SERVER_NOW_SQL
 
 #: the URL schemes taken for PostgreSQL (SQLAlchemy's driver is psycopg 3 for each)
@@ -170,8 +176,8 @@ def postgres_engine(url: URL) -> Engine:
     engine = create_engine(
         url,
         poolclass=QueuePool,
-        pool_size=2,
-        max_overflow=4,
+        pool_size=POOL_SIZE,
+        max_overflow=POOL_OVERFLOW,
         connect_args={"connect_timeout": CONNECT_TIMEOUT_S, "application_name": "fleetwave"},
     )
 
