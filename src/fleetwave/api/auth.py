@@ -8,7 +8,6 @@ recorded with it.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 
 from fastapi import Depends, Request
@@ -16,7 +15,7 @@ from fastapi import Depends, Request
 from fleetwave.api.errors import ApiError
 from fleetwave.api.service import service_of
 from fleetwave.store import admin
-from fleetwave.store.tokens import Caller, Role, find_token
+from fleetwave.store.tokens import Caller, Role
 
 #: what a request without a valid token is told to send
 CHALLENGE = {"WWW-Authenticate": 'Bearer realm="fleetwave"'}
@@ -51,7 +50,7 @@ def need(role: Role) -> Callable[[Request], Awaitable[Caller]]:
                     "Authorization",
                     CHALLENGE,
                 )
-            found = await svc.call(find_token, svc.store, token, time.time())
+            found = await svc.caller_of(token)
             if found is None:
                 raise ApiError(
                     401,

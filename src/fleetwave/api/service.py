@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 from fastapi import Request
 
 from fleetwave.api.errors import ApiError
+from fleetwave.store import tokens
 from fleetwave.store.db import Store
+from fleetwave.store.tokens import Caller
 
 if TYPE_CHECKING:
     from fleetwave.api.intake import CallbackIntake
@@ -46,6 +48,17 @@ PAGE_LIMIT_DEFAULT = 100
 READ_CACHE_S_DEFAULT = 0.25
 #: answers kept at most (the oldest go first)
 READ_CACHE_MAX = 256
+#: an answer older than :attr:`Service.read_cache_s` is still given while a newer read
+#: of it is under way (one started by the first request to find it old), until it is
+#: this many times that old: a request never waits for a read another already made
+#: (under load a read of a large strategy takes tens of milliseconds)
+READ_CACHE_STALE = 4
+#: how long a bearer token found valid is taken as valid without reading it again
+#: (seconds; never past its expiry, nor after a change made through this API, a
+#: revocation included): a token revoked by a command is refused within this time
+TOKEN_CACHE_S = 1.0
+#: tokens kept at most (the oldest go first)
+TOKEN_CACHE_MAX = 1024
 #: the largest request body read (bytes): a bigger one is refused (413) unread
 MAX_BODY_BYTES = 1_048_576
 
@@ -79,6 +92,10 @@ class Service:
     #: an answer read before is not given again after it
     generation: int = field(default=0, repr=False)
     _recent: dict[tuple[Any, ...], _Reused] = field(default_factory=dict, repr=False)
+    #: the newer reads under way of answers given while old (:data:`READ_CACHE_STALE`)
+    _refreshing: dict[tuple[Any, ...], asyncio.Task[None]] = field(default_factory=dict, repr=False)
+    #: the callers of tokens found valid (:data:`TOKEN_CACHE_S`), by the token's hash
+    _callers: dict[str, _Known] = field(default_factory=dict, repr=False)
 
     #: the one thread the API's writes run on, in turn: SQLite has one writer, and
     #: several threads waiting for its lock poll for it (most of their time asleep)
@@ -104,18 +121,78 @@ class Service:
         hit = self._recent.get(key)
         if (
             hit is not None
-            and now - hit.at < self.read_cache_s
             and hit.generation == self.generation
             and not (hit.answer.done() and hit.answer.exception() is not None)
         ):
-            answer: R = await asyncio.shield(hit.answer)
-            return answer
+            age = now - hit.at
+            if age < self.read_cache_s:
+                answer: R = await asyncio.shield(hit.answer)
+                return answer
+            if hit.answer.done() and age < READ_CACHE_STALE * self.read_cache_s:
+                # Old, not too old: given now, and read again behind it (once).
+                if key not in self._refreshing:
+                    self._refreshing[key] = asyncio.create_task(
+                        self._read_again(key, fn, *args, **kwargs)
+                    )
+                stale: R = hit.answer.result()
+                return stale
+        return await asyncio.shield(self._read(now, key, fn, *args, **kwargs))
+
+    def _read(
+        self,
+        now: float,
+        key: tuple[Any, ...],
+        fn: Callable[P, R],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> asyncio.Future[R]:
+        """Start a read of :meth:`recent`'s, kept as its answer from ``now`` on."""
         reading = asyncio.ensure_future(self.call(fn, *args, **kwargs))
         self._recent.pop(key, None)
         self._recent[key] = _Reused(now, self.generation, reading)
         while len(self._recent) > READ_CACHE_MAX:
             del self._recent[next(iter(self._recent))]
-        return await asyncio.shield(reading)
+        return reading
+
+    async def _read_again(
+        self, key: tuple[Any, ...], fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs
+    ) -> None:
+        """A newer read of an answer given while old; the old one is given meanwhile."""
+        try:
+            began, generation = time.monotonic(), self.generation
+            reading = asyncio.ensure_future(self.call(fn, *args, **kwargs))
+            await asyncio.wait([reading])
+            if reading.exception() is None and generation == self.generation:
+                # (a change through this API meanwhile: the next request reads anew)
+                self._recent.pop(key, None)
+                self._recent[key] = _Reused(began, generation, reading)
+        finally:
+            self._refreshing.pop(key, None)
+
+    async def caller_of(self, token: str) -> Caller | None:
+        """Who ``token`` stands for, if it is valid (see :data:`TOKEN_CACHE_S`)."""
+        key = tokens.token_hash(token)
+        now, wall = time.monotonic(), time.time()
+        known = self._callers.get(key)
+        if (
+            known is not None
+            and known.generation == self.generation
+            and now - known.at < TOKEN_CACHE_S
+            and (known.expires_at is None or known.expires_at > wall)
+        ):
+            return known.caller
+        generation = self.generation
+        held = await self.call(tokens.token_holder, self.store, token, wall)
+        if held is None:
+            self._callers.pop(key, None)  # (not kept: a token made just now is valid at once)
+            return None
+        caller, expires_at = held
+        if generation == self.generation:
+            self._callers.pop(key, None)
+            self._callers[key] = _Known(now, generation, caller, expires_at)
+            while len(self._callers) > TOKEN_CACHE_MAX:
+                del self._callers[next(iter(self._callers))]
+        return caller
 
     def changed(self) -> None:
         """Something may have changed (a request that is not a read): answers read
@@ -154,6 +231,9 @@ class Service:
             await self.live.close()
 
     def close(self) -> None:
+        for task in list(self._refreshing.values()):
+            task.cancel()
+        self._refreshing.clear()
         for threads in (self._threads, self._writer):
             if threads is not None:
                 threads.shutdown(wait=True)
@@ -167,6 +247,16 @@ class _Reused:
     at: float
     generation: int
     answer: asyncio.Future[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _Known:
+    """A token found valid (:meth:`Service.caller_of`): when, on what, and its caller."""
+
+    at: float
+    generation: int
+    caller: Caller
+    expires_at: float | None
 
 
 def service_of(request: Request) -> Service:
