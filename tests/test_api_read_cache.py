@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from api_harness import run_fleetwave
 from fleetwave.api.app import make_app
-from fleetwave.api.service import Service
+from fleetwave.api.service import READ_CACHE_STALE, Service
 from fleetwave.domain.models import StrategyOptions, Target
 from fleetwave.domain.registry import get_workflow
 from fleetwave.store import admin
@@ -66,3 +67,27 @@ def test_an_unknown_strategy_is_not_kept(tmp_path: Path) -> None:
         made = admin.create_strategy(store, workflow, StrategyOptions(), target_names=["a2"])
         assert made == 2
         assert http.get("/v1/strategies/2").status_code == 200
+
+
+def test_an_old_answer_is_given_while_it_is_read_again_then_the_new_one(
+    tmp_path: Path,
+) -> None:
+    """Past its time, an answer is still given (no request waits for a read another
+    started) while a newer read runs; then the newer one is given. Never once it is
+    READ_CACHE_STALE times its time old."""
+    db, sid = _strategy(tmp_path)
+    ttl = 0.3
+    with _client(db, ttl) as http:
+        assert http.get(f"/v1/strategies/{sid}").json()["state"] == "initial"
+        admin.apply_strategy(open_store(str(db)), sid)  # (as a command would)
+        time.sleep(ttl * 1.2)
+        # old: given once more, and read again behind it
+        assert http.get(f"/v1/strategies/{sid}").json()["state"] == "initial"
+        deadline = time.monotonic() + 10
+        while http.get(f"/v1/strategies/{sid}").json()["state"] != "applying":
+            assert time.monotonic() < deadline, "the newer read was never given"
+            time.sleep(0.02)
+        admin.pause_strategy(open_store(str(db)), sid)
+        time.sleep(ttl * READ_CACHE_STALE * 1.1)
+        # too old to be given: read now
+        assert http.get(f"/v1/strategies/{sid}").json()["state"] == "paused"
