@@ -273,7 +273,7 @@ def serve(
             max=60_000,
             help="with --listen: give the answer of a strategy's show, and of a page of "
             "its steps, again for this long, unless changed through the API meanwhile "
-            "(0: never)",
+            "(0: never); up to 4 times as long while it is read again",
         ),
     ] = 250,
     lease_ttl: LeaseTtlOpt = None,
