@@ -282,6 +282,8 @@ class TransitionWriter:
         self._raw: PoolProxiedConnection | None = None
         #: the hot path's DBAPI connection and cursor (kept while ``_raw`` is), and module
         self._driver: Any = None
+        #: ... whose commits do not sync under the turn: :meth:`commit` syncs after it
+        self._relaxed = False
         self._cur: Any = None
         self._dbapi: Any = store.engine.dialect.dbapi
         #: the commit being written: its time, whether a strategy's lease is lapsing,
@@ -554,6 +556,8 @@ class TransitionWriter:
                 deadlines or [],
             )
         if fast:
+            if self._relaxed:
+                self._sync()
             return CommitResult([], set(), replaced, not_started=self._lapsed_now)
         return self._commit_one_by_one(
             list(batch),
@@ -760,6 +764,10 @@ class TransitionWriter:
         if raw_conn is None:
             raw_conn = self._raw = self._connect()
             self._driver = raw_conn.driver_connection
+            if self.store.syncs_outside_lock:
+                # its commits sync after the writers' turn (see Store.write_then_sync)
+                self.store.relax_sync(self._driver, raw_conn.info)
+                self._relaxed = True
         raw = self._driver
         cur = self._cur
         if cur is None:
@@ -869,6 +877,7 @@ class TransitionWriter:
 
     def _lose_connection(self) -> None:
         raw_conn, self._raw, self._driver = self._raw, None, None
+        self._relaxed = False
         if raw_conn is not None:
             raw_conn.invalidate()
 
@@ -1086,10 +1095,24 @@ class TransitionWriter:
             retries_held=retries_held,
         )
 
+    def _sync(self) -> None:
+        """The fast path's commit made durable, outside the writers' turn (a failure to
+        sync: as the database's own error, a store outage to retry)."""
+        try:
+            self.store.sync_wal()
+        except OSError as exc:
+            raise OperationalError("sync", None, exc) from exc
+
     def close(self) -> None:
         self._drop_cursor()
-        self._driver = None
+        driver, self._driver = self._driver, None
         if self._raw is not None:
+            if self._relaxed:
+                try:  # (back to the pool as every connection is: syncing its commits)
+                    self.store.restore_sync(driver, self._raw.info)
+                except self._dbapi.Error:
+                    self._raw.invalidate()
+            self._relaxed = False
             self._raw.close()
             self._raw = None
 
