@@ -17,9 +17,11 @@ server spends, on a machine of two cores):
   so that the API's load shows in its throughput). It is run twice in fresh
   databases: alone, then with this process sending a steady (open-loop) mix of
   ``MIX_CALLBACKS_PER_S`` callbacks and ``MIX_READS_PER_S`` reads a second (strategy
-  show, and pages of the step list) until the rollout completes. Targets: callback
-  POST p99 < 20 ms, GET p99 < 50 ms, the rollout's throughput (transitions over the
-  span of its journal) with the load >= 80 % of its throughput alone.
+  show, and pages of the step list) until the rollout completes; ``--repeat`` pairs
+  (3), whose medians are compared (this VM's speed drifts between minutes). Targets:
+  callback POST p99 < 20 ms (every loaded run's requests together), GET p99 < 50 ms,
+  the rollout's throughput (transitions over the span of its journal) with the load
+  >= 80 % of its throughput alone.
 
 Run it from the repository root (``--quick``: smaller and shorter)::
 
