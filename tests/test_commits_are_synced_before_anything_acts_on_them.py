@@ -7,6 +7,7 @@ back to the pool syncing its commits again."""
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -236,3 +237,25 @@ def test_callbacks_that_come_within_the_gap_after_a_batch_wait_and_go_in_one(
     assert batches[1][0] - batches[0][0] >= gap * 0.95
     assert all_in >= gap * 0.95
     assert len(answers) == 10
+
+
+def test_a_database_named_from_the_home_directory_has_its_wal_synced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``~/fleet.db`` (as FLEETWAVE_DB may say it, unexpanded): the WAL synced is the
+    one SQLite writes, beside the file in the home directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path.parent)  # (not where the database is)
+    store = open_store("~/home.db")
+    synced: list[str] = []
+
+    def datasync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+
+    monkeypatch.setattr(db, "_datasync", datasync)
+    try:
+        with store.write_then_sync() as conn:
+            conn.execute(text("INSERT INTO events (at, kind, details) VALUES (1, 'x', 'y')"))
+        assert synced == [str(tmp_path / "home.db-wal")]
+    finally:
+        store.dispose()

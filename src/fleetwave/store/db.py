@@ -143,6 +143,9 @@ class Store:
         self.engine = engine
         self.hooks = hooks
         self.url = url
+        #: SQLite: the database file's absolute path (``~`` expanded), where its WAL
+        #: and the writers' lock files are found; a server's database: its URL
+        self.path = os.path.abspath(os.path.expanduser(url)) if hooks.embedded else url
         #: fault injection seam: called inside every write transaction, may raise
         #: ``sqlalchemy.exc.OperationalError`` to simulate a transient database error
         self.write_fault: Callable[[], None] | None = None
@@ -244,7 +247,7 @@ class Store:
         makes one). No WAL file: its last checkpoint copied it into the database file
         and synced that; nothing is left to sync."""
         try:
-            fd = os.open(self.url + "-wal", os.O_RDONLY)
+            fd = os.open(self.path + "-wal", os.O_RDONLY)
         except FileNotFoundError:
             return
         try:
@@ -253,7 +256,7 @@ class Store:
         finally:
             os.close(fd)
         if self._wal_known != (st.st_dev, st.st_ino):
-            folder = os.open(os.path.dirname(os.path.abspath(self.url)), os.O_RDONLY)
+            folder = os.open(os.path.dirname(self.path), os.O_RDONLY)
             try:
                 os.fsync(folder)
             finally:
@@ -316,7 +319,7 @@ class Store:
             fds: list[int] = []
             try:
                 for suffix in (GATE_SUFFIX, WRITERS_SUFFIX):
-                    fds.append(os.open(self.url + suffix, os.O_RDWR | os.O_CREAT, 0o666))
+                    fds.append(os.open(self.path + suffix, os.O_RDWR | os.O_CREAT, 0o666))
             except OSError:
                 for fd in fds:
                     os.close(fd)
@@ -340,7 +343,7 @@ class Store:
         if not self.hooks.embedded:
             return None
         try:
-            st = os.stat(self.url)
+            st = os.stat(self.path)
         except FileNotFoundError:
             return None
         return (st.st_dev, st.st_ino)
