@@ -124,8 +124,7 @@ def store_arrivals(store: Store, arrivals: Sequence[Arrival]) -> list[Answer]:
     with store.read() as conn:
         grants = tokens.find_agent_tokens(conn, given, now)
     with store.write_then_sync() as conn:  # (its sync outside the write lock)
-        answers = _store_on(conn, arrivals, grants)
-    return answers
+        return _store_on(conn, arrivals, grants)
 
 
 def _store_on(

@@ -42,10 +42,10 @@ WRITERS_SUFFIX = "-writers"
 #: ... and the file whose lock a writer holds while it waits for that one's
 GATE_SUFFIX = "-writers-gate"
 #: ... polled this often at first while another process holds it, then less often
-#: a connection's record says so while its commits do not sync (Store.relax_sync)
-SYNC_RELAXED = "fleetwave_sync_relaxed"
 TURN_POLL_MIN_S = 0.0001
 TURN_POLL_MAX_S = 0.001
+#: a connection's record says so while its commits do not sync (Store.relax_sync)
+SYNC_RELAXED = "fleetwave_sync_relaxed"
 
 
 class StoreError(Exception):
@@ -178,9 +178,18 @@ class Store:
     @contextmanager
     def write(self) -> Iterator[Connection]:
         """One write transaction (SQLite: BEGIN IMMEDIATE, so writers queue, never deadlock)."""
+        with self._write(relaxed=False) as conn:
+            yield conn
+
+    @contextmanager
+    def _write(self, *, relaxed: bool) -> Iterator[Connection]:
+        """:meth:`write`; ``relaxed``: its commit does not sync (:meth:`relax_sync`)."""
         with self.writer_turn(), self.engine.connect() as conn:
             # (on the driver's connection: through SQLAlchemy it would begin a transaction)
-            self.wait_for_locks(conn.connection.driver_connection, conn.connection.info)
+            raw, info = conn.connection.driver_connection, conn.connection.info
+            self.wait_for_locks(raw, info)
+            if relaxed:
+                self.relax_sync(raw, info)
             conn.info["immediate"] = True
             try:
                 with conn.begin():
@@ -200,15 +209,10 @@ class Store:
     def relax_sync(self, dbapi_conn: Any, info: dict[Any, Any]) -> None:
         """Before write transactions whose commits :meth:`sync_wal` will make durable:
         the connection's commits do not sync (``synchronous=NORMAL``: SQLite's WAL
-        stays consistent, only not yet durable). Until :meth:`restore_sync`, or until
-        it is handed back to the pool, which restores it (``info``: its record's)."""
+        stays consistent, only not yet durable), until it is handed back to the pool,
+        which restores its level (``info``: its record's)."""
         dbapi_conn.execute("PRAGMA synchronous=NORMAL")
         info[SYNC_RELAXED] = True
-
-    def restore_sync(self, dbapi_conn: Any, info: dict[Any, Any]) -> None:
-        """After them: the connection syncs its commits again, as every other one."""
-        dbapi_conn.execute(f"PRAGMA synchronous={self.synchronous}")
-        info.pop(SYNC_RELAXED, None)
 
     @contextmanager
     def write_then_sync(self) -> Iterator[Connection]:
@@ -222,24 +226,11 @@ class Store:
         order). The caller acts on the commit (answers, starts actions) only once
         this returns. Elsewhere (a server's database, a store opened with less than
         ``FULL``): :meth:`write`."""
-        if not self.syncs_outside_lock:
-            with self.write() as conn:
-                yield conn
-            return
-        with self.writer_turn(), self.engine.connect() as conn:
-            raw = conn.connection.driver_connection
-            self.wait_for_locks(raw, conn.connection.info)
-            self.relax_sync(raw, conn.connection.info)
-            conn.info["immediate"] = True
-            try:
-                with conn.begin():
-                    if self.write_fault is not None:
-                        self.write_fault()
-                    yield conn
-            finally:
-                conn.info.pop("immediate", None)
-                self.restore_sync(raw, conn.connection.info)
-        self.sync_wal()
+        relaxed = self.syncs_outside_lock
+        with self._write(relaxed=relaxed) as conn:
+            yield conn
+        if relaxed:
+            self.sync_wal()
 
     def sync_wal(self) -> None:
         """Make every commit in this SQLite database's WAL durable: sync the WAL file

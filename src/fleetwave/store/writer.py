@@ -282,8 +282,6 @@ class TransitionWriter:
         self._raw: PoolProxiedConnection | None = None
         #: the hot path's DBAPI connection and cursor (kept while ``_raw`` is), and module
         self._driver: Any = None
-        #: ... whose commits do not sync under the turn: :meth:`commit` syncs after it
-        self._relaxed = False
         self._cur: Any = None
         self._dbapi: Any = store.engine.dialect.dbapi
         #: the commit being written: its time, whether a strategy's lease is lapsing,
@@ -556,7 +554,7 @@ class TransitionWriter:
                 deadlines or [],
             )
         if fast:
-            if self._relaxed:
+            if self.store.syncs_outside_lock:  # (its connection's commits do not sync)
                 self._sync()
             return CommitResult([], set(), replaced, not_started=self._lapsed_now)
         return self._commit_one_by_one(
@@ -767,7 +765,6 @@ class TransitionWriter:
             if self.store.syncs_outside_lock:
                 # its commits sync after the writers' turn (see Store.write_then_sync)
                 self.store.relax_sync(self._driver, raw_conn.info)
-                self._relaxed = True
         raw = self._driver
         cur = self._cur
         if cur is None:
@@ -877,7 +874,6 @@ class TransitionWriter:
 
     def _lose_connection(self) -> None:
         raw_conn, self._raw, self._driver = self._raw, None, None
-        self._relaxed = False
         if raw_conn is not None:
             raw_conn.invalidate()
 
@@ -1105,15 +1101,9 @@ class TransitionWriter:
 
     def close(self) -> None:
         self._drop_cursor()
-        driver, self._driver = self._driver, None
+        self._driver = None
         if self._raw is not None:
-            if self._relaxed:
-                try:  # (back to the pool as every connection is: syncing its commits)
-                    self.store.restore_sync(driver, self._raw.info)
-                except self._dbapi.Error:
-                    self._raw.invalidate()
-            self._relaxed = False
-            self._raw.close()
+            self._raw.close()  # (the pool restores its commits' sync: Store.relax_sync)
             self._raw = None
 
     def _connect(self) -> PoolProxiedConnection:
