@@ -55,6 +55,7 @@ from sqlalchemy.engine import make_url
 from fleetwave.domain.models import StrategyOptions, Target
 from fleetwave.domain.registry import get_workflow
 from fleetwave.engine.conductor import Conductor, EngineConfig
+from fleetwave.engine.config import BATCH_MAX_SERVER
 from fleetwave.store import admin
 from fleetwave.store import runtime as rt
 from fleetwave.store.db import open_store
@@ -340,7 +341,7 @@ def run(
     targets: int,
     max_parallel: int,
     conductors: int,
-    batch_max: int = 128,
+    batch_max: int = 0,
     steps_fillfactor: int | None = None,
 ) -> PgRun:
     wf = get_workflow("patch")
@@ -514,7 +515,7 @@ def _render(r: PgRun, command: str) -> str:
         f"the run {r.load_before:.2f}",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         f"- {r.conductors} conductor process{'es' if r.conductors != 1 else ''}, "
-        f"EngineConfig(share=True, batch_max={r.batch_max})"
+        f"EngineConfig(share=True, batch_max={r.batch_max or BATCH_MAX_SERVER})"
         + (
             f", steps table fillfactor {r.steps_fillfactor}"
             if r.steps_fillfactor is not None
@@ -611,7 +612,10 @@ def main() -> int:
     parser.add_argument("--max-parallel", type=int, default=1_000)
     parser.add_argument("--conductors", type=int, default=1, help="conductor processes")
     parser.add_argument(
-        "--batch-max", type=int, default=128, help="EngineConfig.batch_max (its default: 128)"
+        "--batch-max",
+        type=int,
+        default=0,
+        help="EngineConfig.batch_max (0, its default: 256 on PostgreSQL)",
     )
     parser.add_argument(
         "--steps-fillfactor",

@@ -700,6 +700,22 @@ def test_first_wave_starts_in_one_commit_up_to_twice_batch_max(store: Store) -> 
     assert check(store, sid).ok
 
 
+def test_group_commits_default_to_twice_the_rows_on_a_server_database(store: Store) -> None:
+    """A PostgreSQL commit's fixed part (round trips, the write lock, the fence read)
+    is dearer than SQLite's: by default its group commits take up to 256 transitions,
+    SQLite's 128. A strategy of 600 with nothing running commits its first wave of up
+    to twice that in one commit."""
+    add_sim_targets(store, 600, settings={"latency_ms": 50})
+    sid = applied(store, "patch", max_parallel=600)
+    conductor = Conductor(store)
+    expected = 128 if store.hooks.embedded else 256
+    assert conductor.batch_max == expected
+    assert asyncio.run(conductor.run(strategy_ids=[sid]))[sid] == "complete"
+    sizes = store_batch_sizes(store, sid)
+    assert sizes[0] == 2 * expected
+    assert check(store, sid).ok
+
+
 def store_batch_sizes(store: Store, sid: int) -> list[int]:
     """Journal rows per commit: rows of one group commit share their timestamp."""
     with store.read() as conn:

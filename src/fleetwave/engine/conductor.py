@@ -69,7 +69,12 @@ from fleetwave.drivers import close_drivers, make_drivers
 from fleetwave.engine.agent_tokens import AgentTokenIssuer
 from fleetwave.engine.claims import NOT_DRIVABLE_HERE, ClaimsMixin
 from fleetwave.engine.clock import Clock, ServerClock, WallClock
-from fleetwave.engine.config import EngineConfig, EngineStats
+from fleetwave.engine.config import (
+    BATCH_MAX_EMBEDDED,
+    BATCH_MAX_SERVER,
+    EngineConfig,
+    EngineStats,
+)
 from fleetwave.engine.deadlines import DeadlinesMixin
 from fleetwave.engine.errors import SimulatedCrash, StoreReplaced, StoreUnavailable
 from fleetwave.engine.gates import GatesMixin
@@ -178,6 +183,10 @@ class Conductor(
         self._listening = False
         self._workers: set[asyncio.Task[None]] = set()
         self._writer = rt.TransitionWriter(store, self.id)
+        #: most transitions per group commit (EngineConfig.batch_max, or the database's)
+        self.batch_max = self.config.batch_max or (
+            BATCH_MAX_EMBEDDED if store.hooks.embedded else BATCH_MAX_SERVER
+        )
         self._committed_at = 0.0
         self._wanted: set[int] | None = None
         self._patient = False
@@ -507,7 +516,7 @@ class Conductor(
                 if self._fatal is not None:
                     raise self._fatal
                 self._wake.clear()
-                cut = self.config.batch_max
+                cut = self.batch_max
                 msgs, self._inbox = self._inbox[:cut], self._inbox[cut:]
                 await self._handle(msgs)
                 await asyncio.sleep(0)  # the store runs inline: let the started actions run
@@ -604,7 +613,7 @@ class Conductor(
         self._stop_moves_before_the_stop(batch, now)
         # No action running (a strategy just claimed, or all ended): a bigger commit
         # delays no one's dispatch, and a whole first wave starts together.
-        limit = self.config.batch_max * (1 if self._workers else 2)
+        limit = self.batch_max * (1 if self._workers else 2)
         for run in list(self.runs.values()):
             if run.paused and run.stopping is None:
                 continue  # nothing starts: nothing to load or admit

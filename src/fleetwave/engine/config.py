@@ -17,6 +17,13 @@ LEASE_TTL_MIN_S = 15.0
 LEASE_TTL_MAX_S = 3600.0
 
 
+#: :attr:`EngineConfig.batch_max` on SQLite
+BATCH_MAX_EMBEDDED = 128
+#: :attr:`EngineConfig.batch_max` on PostgreSQL: a commit's round trips, its BEGIN with
+#: the write lock, fence read and COMMIT are shared by twice as many transitions
+BATCH_MAX_SERVER = 256
+
+
 @dataclass
 class EngineConfig:
     #: how long a strategy's lease (and its steps') lasts unless renewed: a conductor
@@ -32,8 +39,10 @@ class EngineConfig:
     #: record each dispatch latency (commit done -> action started), seconds
     measure_latency: bool = False
     #: most transitions per group commit: bounds how many actions one commit releases
-    #: at once, and so the dispatch latency of the last of them
-    batch_max: int = 128
+    #: at once, and so the dispatch latency of the last of them. 0: by the database,
+    #: :data:`BATCH_MAX_EMBEDDED` on SQLite, :data:`BATCH_MAX_SERVER` on PostgreSQL,
+    #: whose commits cost more round trips each (see docs/benchmarks.md)
+    batch_max: int = 0
     #: waiting steps loaded from the database at a time when free slots need them
     #: (0: twice max parallel, at least 512): the first actions start without loading
     #: the whole strategy first. The first load takes just enough to fill the window.
