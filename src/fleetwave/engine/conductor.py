@@ -370,10 +370,15 @@ class Conductor(
             self._loop, "virtual_time", False
         )
         self._nudge = asyncio.Event()
+        self._help_soon = asyncio.Event()
         loop = self._loop
 
-        def nudged(_what: str) -> None:  # (in the listener's thread)
+        def nudged(what: str) -> None:  # (in the listener's thread)
             with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
+                if what.startswith("led:"):
+                    # a strategy claimed by its leader: one to help, maybe (now, not at
+                    # the next share pass: the others would start a tick late)
+                    loop.call_soon_threadsafe(self._help_soon.set)
                 loop.call_soon_threadsafe(self._nudge.set)
 
         listener = Listener(self.store, nudged)

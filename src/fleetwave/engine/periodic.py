@@ -54,6 +54,8 @@ class PeriodicMixin(StoreCalls):
     _fatal: BaseException | None
     _wake: asyncio.Event | None
     _nudge: asyncio.Event
+    #: set when another conductor claimed a strategy (it may want help)
+    _help_soon: asyncio.Event
     _listening: bool
     _lease_watch: asyncio.TimerHandle | None
     _db_identity: tuple[int, int] | None
@@ -154,10 +156,14 @@ class PeriodicMixin(StoreCalls):
             waiting = [sid for sid, run in self.runs.items() if run.waits_for_callbacks]
             if waiting:
                 await self._poll_callbacks(waiting)
-            if self._sharing and now_loop - last_share >= SHARE_EVERY_S:
+            if self._sharing and (
+                now_loop - last_share >= SHARE_EVERY_S or self._help_soon.is_set()
+            ):
                 # (its reads and the takeover's write, at most this often: a pass runs
-                # on every wake-up, and conductors sharing a strategy wake each other)
+                # on every wake-up, and conductors sharing a strategy wake each other;
+                # but at once when a strategy was just claimed by its leader)
                 last_share = now_loop
+                self._help_soon.clear()
                 await self._share_pass()
             if self._draining:
                 continue  # stopping: take on nothing new

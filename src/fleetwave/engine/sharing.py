@@ -42,7 +42,7 @@ log = logging.getLogger("fleetwave.engine")
 
 #: a strategy led here whose own steps have all ended is looked at this often for steps
 #: still open elsewhere (seconds; the periodic pass wakes the dispatcher too)
-PEERS_LOOK_S = 0.25
+PEERS_LOOK_S = 0.1
 
 
 class SharingMixin(StoreCalls):
@@ -254,6 +254,18 @@ class SharingMixin(StoreCalls):
             return []
         return self._hold_taken(run, lost, taken, events, batch, now)
 
+    def _look_again(self, run: StrategyRun) -> None:
+        """While steps of a strategy led here are open elsewhere only: the dispatcher is
+        woken every :data:`PEERS_LOOK_S` to look again, so the strategy ends within that
+        of its last step, not at a periodic pass."""
+
+        def again() -> None:
+            if run.peers_open and self.runs.get(run.id) is run:
+                self._wake_soon()
+                self._loop.call_later(PEERS_LOOK_S, again)
+
+        self._loop.call_later(PEERS_LOOK_S, again)
+
     async def _open_elsewhere(self, run: StrategyRun) -> bool:
         """(A strategy led here, its own steps all ended.) Whether steps are still open
         elsewhere: held by helpers, or waiting unclaimed (handed back): then it does not
@@ -264,6 +276,10 @@ class SharingMixin(StoreCalls):
         run.peers_looked_at = now
         held, unclaimed = await self._io(rt.open_elsewhere, self.store, run.id, self.id)
         if held or unclaimed:
+            if not run.peers_open:
+                # Looked at again this often until they have ended (nothing else may
+                # wake this dispatcher: its own steps have all ended)
+                self._look_again(run)
             run.peers_open = True
             if unclaimed and not run.more_waiting:
                 run.more_waiting = True

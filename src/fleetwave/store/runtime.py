@@ -436,6 +436,8 @@ def claim_strategies(
                 rec.owner, rec.fence = cid, r.fence + 1
                 rec.taken_from = r.owner if r.owner not in (None, cid) else None
                 claimed.append(rec)
+                # (the others may help drive it: they look at once, not at their tick)
+                notify(conn, "led", r.id)
                 if slots.recount(conn, store.hooks, r.id):
                     # (derived counts: a hand edit of a step, or a bug, made them drift)
                     conn.exec_driver_sql(
