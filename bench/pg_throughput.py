@@ -39,6 +39,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -594,14 +595,17 @@ def _render(r: PgRun, command: str) -> str:
     return "\n".join(lines)
 
 
-def _write(section: str, title: str) -> None:
+def _write(section: str, conductors: int) -> None:
+    """Replace (or add) this conductor count's section of RESULTS.md, between the
+    markers the other benchmarks' sections have (``bench.write_results`` keeps it)."""
     text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    start = text.find(title + "\n")
-    if start >= 0:
-        end = text.find("\n## ", start + 1)
-        text = text[:start] + section + ("" if end < 0 else text[end + 1 :])
+    key = f"pg_throughput {conductors}"
+    block = f"<!-- section: {key} -->\n{section.rstrip()}\n\n<!-- /section -->\n"
+    found = re.search(rf"<!-- section: {re.escape(key)} -->\n.*?<!-- /section -->\n", text, re.S)
+    if found:
+        text = text[: found.start()] + block + text[found.end() :]
     else:
-        text = text.rstrip("\n") + "\n\n" + section
+        text = text.rstrip("\n") + "\n\n" + block
     RESULTS.write_text(text)
 
 
@@ -645,7 +649,7 @@ def main() -> int:
     section = _render(result, command.strip())
     print(section)
     if not args.no_results:
-        _write(section, _title(args.conductors))
+        _write(section, args.conductors)
     ok = (
         result.per_s >= MIN_TRANSITIONS_PER_S
         and result.p99_ms < MAX_P99_S * 1000
