@@ -724,8 +724,8 @@ def ended_badly_in(store: Store, sid: int) -> list[str]:
 
 def get_strategy(store: Store, sid: int, first_at: float | None = None) -> dict[str, Any]:
     """``strategy show``. ``first_at``: when the strategy's first transition was, if
-    the caller knows it (the dashboard's live producer folds the journal): its journal
-    is then not read for it (a scan of every row: tens of ms at 60,000)."""
+    the caller knows it (the dashboard's live producer folds the journal): else it is
+    its first journal entry's time."""
     now = time.time()
     with store.read() as conn:
         r = conn.execute(select(strategies).where(strategies.c.id == sid)).first()
@@ -802,9 +802,14 @@ def get_strategy(store: Store, sid: int, first_at: float | None = None) -> dict[
             )
         ).scalar()
         if first_at is None:
+            # the first entry written (by the index: its minimum ``at`` was a scan of
+            # every row, 9 ms at 60,000, on each ``strategy show``)
             first_at = conn.execute(
-                select(func.min(journal.c.at)).where(journal.c.strategy_id == sid)
-            ).scalar()
+                select(journal.c.at)
+                .where(journal.c.strategy_id == sid)
+                .order_by(journal.c.id)
+                .limit(1)
+            ).scalar_one_or_none()
     out["done"] = steps_ended(counts)  # as strategy list has it
     total = int(r.step_count)
     out["percent_done"] = round(100 * out["done"] / total, 1) if total else 100.0
