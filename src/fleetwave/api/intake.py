@@ -36,10 +36,10 @@ from fleetwave.store.schema import events, steps
 
 #: a batch begins to be written no sooner than this after the one before began: under
 #: a steady stream (hundreds of agents) each batch gathers what came meanwhile, so the
-#: API takes the database's write lock, and syncs, a few dozen times a second rather
+#: API takes the database's write lock, and syncs, at most 250 times a second rather
 #: than once or twice a callback, and the engine's group commits wait for it less
 #: (an isolated callback, none written within it, is written at once)
-BATCH_GAP_S = 0.008
+BATCH_GAP_S = 0.004
 #: the kind of event that records a callback refused for its token
 CALLBACK_REFUSED = "callback-refused"
 
