@@ -449,15 +449,22 @@ async def steady_mix(
 async def wait_rollout(db: str, sid: int, stop: asyncio.Event, timeout_s: float) -> None:
     """Until the strategy ends: looked at with the standard library's sqlite3 (opening
     the store each time held the client's loop long enough to send its load in
-    bursts)."""
+    bursts), on a thread (a read waiting on the database must not hold the load)."""
     deadline = time.monotonic() + timeout_s
-    with contextlib.closing(sqlite3.connect(db, timeout=30)) as conn:
+    conn = sqlite3.connect(db, timeout=30, check_same_thread=False)
+
+    def state_now() -> str:
+        (state,) = conn.execute("SELECT state FROM strategies WHERE id = ?", (sid,)).fetchone()
+        conn.commit()  # (a fresh snapshot next time)
+        return str(state)
+
+    try:
         while time.monotonic() < deadline:
-            (state,) = conn.execute("SELECT state FROM strategies WHERE id = ?", (sid,)).fetchone()
-            conn.commit()  # (a fresh snapshot next time)
-            if state in ("complete", "failed", "aborted"):
+            if await asyncio.to_thread(state_now) in ("complete", "failed", "aborted"):
                 break
             await asyncio.sleep(0.2)
+    finally:
+        conn.close()
     stop.set()
 
 
