@@ -57,6 +57,7 @@ class SharingMixin(StoreCalls):
     _claiming: set[int]
     _not_here: set[int]
     _not_helping: set[int]
+    _looking_again: set[int]
     #: other live conductors serving every strategy (as last counted)
     _serving_peers: int
     _loop: asyncio.AbstractEventLoop
@@ -259,10 +260,16 @@ class SharingMixin(StoreCalls):
         woken every :data:`PEERS_LOOK_S` to look again, so the strategy ends within that
         of its last step, not at a periodic pass."""
 
+        if run.id in self._looking_again:
+            return  # (one timer a strategy)
+        self._looking_again.add(run.id)
+
         def again() -> None:
             if run.peers_open and self.runs.get(run.id) is run:
                 self._wake_soon()
                 self._loop.call_later(PEERS_LOOK_S, again)
+            else:
+                self._looking_again.discard(run.id)
 
         self._loop.call_later(PEERS_LOOK_S, again)
 
@@ -276,11 +283,10 @@ class SharingMixin(StoreCalls):
         run.peers_looked_at = now
         held, unclaimed = await self._io(rt.open_elsewhere, self.store, run.id, self.id)
         if held or unclaimed:
-            if not run.peers_open:
-                # Looked at again this often until they have ended (nothing else may
-                # wake this dispatcher: its own steps have all ended)
-                self._look_again(run)
             run.peers_open = True
+            # Looked at again this often until they have ended (nothing else may wake
+            # this dispatcher: its own steps have all ended)
+            self._look_again(run)
             if unclaimed and not run.more_waiting:
                 run.more_waiting = True
                 self._wake_soon()
