@@ -901,7 +901,7 @@ def test_history_last_shows_the_latest_transitions_oldest_first(
     page boundaries and with --target; nothing is read before the start."""
     from fleetwave.store import queries
 
-    monkeypatch.setattr(queries, "PAGE_ROWS", 4)  # the last N span several pages
+    monkeypatch.setattr(queries.common, "PAGE_ROWS", 4)  # the last N span several pages
     add(cli, "s1", "s2", "s3")
     sid = create(cli, "--all", "--max-parallel", "1")
     assert apply_wait(cli, sid).code == 0

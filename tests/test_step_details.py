@@ -332,7 +332,7 @@ def test_every_kind_of_event_written_can_be_asked_for() -> None:
     engine write as an event's kind (the words below are not kinds)."""
     import re
 
-    src = Path(queries.__file__).parents[1]
+    src = Path(queries.__file__).parents[2]
     words: set[str] = set()
     for path in (
         src / "store/runtime.py",

@@ -223,7 +223,7 @@ def test_a_list_read_slowly_holds_no_read_transaction_between_pages(
     checkpoint can empty the WAL."""
     from fleetwave.store import queries
 
-    monkeypatch.setattr(queries, "PAGE_ROWS", 2)
+    monkeypatch.setattr(queries.common, "PAGE_ROWS", 2)
     store = open_store(str(tmp_path / "f.db"))
     admin.add_targets(store, [Target(name=f"t{i}") for i in range(3)])
     sid = _patch_strategy(store, "t0")
