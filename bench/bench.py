@@ -701,9 +701,14 @@ def _render_section(report: ScenarioReport, env: list[tuple[str, str]]) -> str:
 
 
 def write_results(path: Path, reports: list[ScenarioReport], env: list[tuple[str, str]]) -> None:
+    write_sections(path, {_section_key(r): _render_section(r, env) for r in reports})
+
+
+def write_sections(path: Path, new: dict[str, str]) -> None:
+    """Replace (or add) the sections ``new`` (key: body, ending in a newline) of the
+    results file; the others are kept as they are."""
     sections = {m["key"]: m["body"] for m in _SECTION_RE.finditer(_read(str(path)))}
-    for report in reports:
-        sections[_section_key(report)] = _render_section(report, env)
+    sections.update(new)
     order = [f"{s} {mode}" for mode in ("full", "quick") for s in SCENARIOS]
     keys = [k for k in order if k in sections] + [k for k in sections if k not in order]
     parts = [HEADER]

@@ -39,7 +39,6 @@ import asyncio
 import multiprocessing as mp
 import os
 import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -53,6 +52,7 @@ import psutil
 import psycopg
 from sqlalchemy.engine import make_url
 
+from bench import write_sections
 from fleetwave.domain.models import StrategyOptions, Target
 from fleetwave.domain.registry import get_workflow
 from fleetwave.engine.conductor import Conductor, EngineConfig
@@ -596,17 +596,9 @@ def _render(r: PgRun, command: str) -> str:
 
 
 def _write(section: str, conductors: int) -> None:
-    """Replace (or add) this conductor count's section of RESULTS.md, between the
-    markers the other benchmarks' sections have (``bench.write_results`` keeps it)."""
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    key = f"pg_throughput {conductors}"
-    block = f"<!-- section: {key} -->\n{section.rstrip()}\n\n<!-- /section -->\n"
-    found = re.search(rf"<!-- section: {re.escape(key)} -->\n.*?<!-- /section -->\n", text, re.S)
-    if found:
-        text = text[: found.start()] + block + text[found.end() :]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    RESULTS.write_text(text)
+    """Replace (or add) this conductor count's section of RESULTS.md (as the other
+    benchmarks write theirs)."""
+    write_sections(RESULTS, {f"pg_throughput {conductors}": section.rstrip() + "\n\n"})
 
 
 def main() -> int:
