@@ -250,8 +250,6 @@ class Conductor(
         self._reads_on_thread = False
         #: strategies others lead that this one does not help (phases, or not drivable)
         self._not_helping: set[int] = set()
-        #: strategies led here looked at again for steps open elsewhere (on a timer)
-        self._looking_again: set[int] = set()
         self._serving_peers = 0
         #: loop time its leases were last written (a claim or a renewal that went
         #: through): the simulator checks nobody takes them while they last

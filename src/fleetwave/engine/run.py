@@ -153,6 +153,9 @@ class StrategyRun:
     peers_open: bool = False
     #: loop time that was last looked at
     peers_looked_at: float = 0.0
+    #: a timer wakes the dispatcher to look again while they are open (see
+    #: ``SharingMixin._look_again``)
+    looking_again: bool = False
     #: (shared) the part of its max parallel this conductor takes: the cap over the
     #: conductors sharing it, so each gets a part of the free slots
     share_cap: int = 1 << 30

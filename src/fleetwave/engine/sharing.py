@@ -41,7 +41,7 @@ from fleetwave.store.admin import options_from_json
 log = logging.getLogger("fleetwave.engine")
 
 #: a strategy led here whose own steps have all ended is looked at this often for steps
-#: still open elsewhere (seconds; the periodic pass wakes the dispatcher too)
+#: still open elsewhere (seconds: a timer wakes the dispatcher, see _look_again)
 PEERS_LOOK_S = 0.1
 
 
@@ -57,7 +57,6 @@ class SharingMixin(StoreCalls):
     _claiming: set[int]
     _not_here: set[int]
     _not_helping: set[int]
-    _looking_again: set[int]
     #: other live conductors serving every strategy (as last counted)
     _serving_peers: int
     _loop: asyncio.AbstractEventLoop
@@ -123,8 +122,6 @@ class SharingMixin(StoreCalls):
                 gone = await self._io(rt.take_from_gone_peers, self.store, sid, self._PEERS)
             if gone:
                 self.post(PeersGone(sid, gone))
-            if run.peers_open:
-                self._wake_soon()  # (its end is looked at again)
         # Steps it holds of strategies it no longer drives (lost while it led one): let
         # go of, for their leader to take over (nobody else would: it is alive).
         held = await self._io_read(rt.strategies_held, self.store, self.id)
@@ -260,16 +257,16 @@ class SharingMixin(StoreCalls):
         woken every :data:`PEERS_LOOK_S` to look again, so the strategy ends within that
         of its last step, not at a periodic pass."""
 
-        if run.id in self._looking_again:
-            return  # (one timer a strategy)
-        self._looking_again.add(run.id)
+        if run.looking_again:
+            return  # (one timer a run)
+        run.looking_again = True
 
         def again() -> None:
             if run.peers_open and self.runs.get(run.id) is run:
                 self._wake_soon()
                 self._loop.call_later(PEERS_LOOK_S, again)
             else:
-                self._looking_again.discard(run.id)
+                run.looking_again = False
 
         self._loop.call_later(PEERS_LOOK_S, again)
 
