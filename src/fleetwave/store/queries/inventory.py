@@ -160,6 +160,18 @@ def targets_page(
     return _page(((t["name"], t) for t in found), limit)
 
 
+def _target_step(s: Any) -> dict[str, Any]:
+    """A target's step in a strategy (``target show``): the strategy's state and the
+    step's, named apart."""
+    return {
+        "strategy": s.strategy_id,
+        "strategy_state": s.strategy_state,
+        "step": s.id,
+        "step_state": s.state,
+        "details": s.details,
+    }
+
+
 def get_target(store: Store, name: str) -> dict[str, Any]:
     with store.read() as conn:
         r = conn.execute(_target_query().where(targets.c.name == name)).first()
@@ -169,13 +181,7 @@ def get_target(store: Store, name: str) -> dict[str, Any]:
         # its step in each strategy: the strategy's state and the step's, named apart
         # (one "state" column read as the strategy's)
         out["strategies"] = [
-            {
-                "strategy": s.strategy_id,
-                "strategy_state": s.strategy_state,
-                "step": s.id,
-                "step_state": s.state,
-                "details": s.details,
-            }
+            _target_step(s)
             for s in conn.execute(
                 select(
                     steps.c.strategy_id,
@@ -192,13 +198,7 @@ def get_target(store: Store, name: str) -> dict[str, Any]:
         ]
         # and its steps in deleted strategies, as they ended (their history is kept)
         kept = [
-            {
-                "strategy": s.strategy_id,
-                "strategy_state": s.strategy_state,
-                "step": s.id,
-                "step_state": s.state,
-                "details": s.details,
-            }
+            _target_step(s)
             for s in conn.execute(
                 select(
                     deleted_steps.c.strategy_id,
